@@ -1,0 +1,72 @@
+"""Presets: a model, a rollout and tool settings under one name."""
+from __future__ import annotations
+
+import msgspec
+
+from ._validate import check_instance, check_str
+from .bench import BenchSpec
+from .geometry import Geometry
+from .kv import KVSpec
+from .model import ModelSpec
+from .rollout import RolloutSpec
+from .warmup import WarmupPlan
+
+
+class WarmupOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Warm-up settings a preset carries besides the plan its rollout implies.
+
+    Attributes:
+        cache_dir: where capture artefacts may be kept, or None.
+    """
+
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache_dir is not None:
+            check_str("WarmupOptions", "cache_dir", self.cache_dir)
+
+
+class Preset(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A named bundle the tools run: ``framekv demo --preset tiny``.
+
+    Attributes:
+        name: the preset's name (a shipped preset's name is its file's stem).
+        model: the model shapes.
+        rollout: the rollout; its tokens_per_frame must equal the model's.
+        description: what the preset is for.
+        bench: benchmark settings.
+        warmup: warm-up settings.
+    """
+
+    name: str
+    model: ModelSpec
+    rollout: RolloutSpec
+    description: str = ""
+    bench: BenchSpec = msgspec.field(default_factory=BenchSpec)
+    warmup: WarmupOptions = msgspec.field(default_factory=WarmupOptions)
+
+    def __post_init__(self) -> None:
+        check_str("Preset", "name", self.name)
+        check_instance("Preset", "model", self.model, ModelSpec)
+        check_instance("Preset", "rollout", self.rollout, RolloutSpec)
+        check_str("Preset", "description", self.description, nonempty=False)
+        check_instance("Preset", "bench", self.bench, BenchSpec)
+        check_instance("Preset", "warmup", self.warmup, WarmupOptions)
+        ours, theirs = self.rollout.tokens_per_frame, self.model.tokens_per_frame
+        if ours != theirs:
+            raise ValueError(
+                f"Preset.rollout.tokens_per_frame must equal Preset.model.tokens_per_frame "
+                f"({theirs}), got {ours}")
+
+    def kv_spec(self) -> KVSpec:
+        """The K/V cache the model needs."""
+        return self.model.kv_spec()
+
+    def geometry(self) -> Geometry:
+        """The cache geometry of the rollout."""
+        return self.rollout.geometry()
+
+    def warmup_plan(self) -> WarmupPlan:
+        """Everything to capture before running this preset's rollout."""
+        return WarmupPlan.from_rollout(self.kv_spec(), self.rollout,
+                                       cache_dir=self.warmup.cache_dir)

@@ -1,0 +1,39 @@
+"""Test suite layout.
+
+- plain tests: CPU, run by CI (`pytest -m "not gpu"`).
+- ``gpu``: need a CUDA GPU; skipped where there is none.
+- ``sim``: run numba kernels under the CUDA simulator. numba reads
+  NUMBA_ENABLE_CUDASIM when it is first imported, so these run in their own
+  process with the variable set, and then only they run.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = None
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_sim = pytest.mark.skip(reason="simulator test: run with NUMBA_ENABLE_CUDASIM=1 in its own process")
+    skip_plain = pytest.mark.skip(reason="NUMBA_ENABLE_CUDASIM=1: only simulator tests run in this process")
+    for item in items:
+        is_sim = "sim" in item.keywords
+        if SIMULATOR != is_sim:
+            item.add_marker(skip_plain if SIMULATOR else skip_sim)
+        elif "gpu" in item.keywords:
+            if has_cuda is None:
+                has_cuda = _cuda_available()
+            if not has_cuda:
+                item.add_marker(skip_gpu)
