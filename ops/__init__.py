@@ -1,0 +1,20 @@
+"""framekv.ops: the numba-cuda kernels, one op per file, each with a thin validating
+wrapper, a bound launcher for the hot path and a torch reference implementation.
+
+CUDA tensors run the kernels on torch's current stream (graph-capturable: no host sync,
+no allocation); CPU tensors run the references, or the kernels under numba's CUDA
+simulator when ``NUMBA_ENABLE_CUDASIM=1``. Each op is also a torch custom op
+(``torch.ops.framekv.*``), so callers trace under torch.compile. Importing this package
+imports numba but does not initialise CUDA.
+"""
+from .copy_kv_slots import CopyKVSlots, bind_copy_kv_slots, copy_kv_slots_, copy_kv_slots_reference
+from .rotate_rows import RotateRows, bind_rotate_rows, rotate_rows_, rotate_rows_reference
+from .scatter_kv_slots import (ScatterKVSlots, bind_scatter_kv_slots, scatter_kv_slots_,
+                               scatter_kv_slots_reference)
+
+__all__ = [
+    "rotate_rows_", "rotate_rows_reference", "bind_rotate_rows", "RotateRows",
+    "scatter_kv_slots_", "scatter_kv_slots_reference", "bind_scatter_kv_slots",
+    "ScatterKVSlots",
+    "copy_kv_slots_", "copy_kv_slots_reference", "bind_copy_kv_slots", "CopyKVSlots",
+]
