@@ -154,7 +154,8 @@ def main() -> None:
     ceiling = matmul_ceiling(flush)
     work = {"framekv-denoise": flops([(T, keys)]), "sdpa-cudnn": flops([(T, keys)]),
             "sdpa-flash": flops([(T, keys)]),
-            "framekv-clean": flops([(FRAME, keys - T + (j + 1) * FRAME) for j in range(4)])}
+            # every one-frame block sees the pin, a full window and itself
+            "framekv-clean": flops([(FRAME, GEOM.pin_tokens + GEOM.window_tokens + FRAME)] * 4)}
     report(results, errors, work, ceiling, args.json)
 
 

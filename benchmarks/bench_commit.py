@@ -61,7 +61,7 @@ def profile_commit(cache, kv) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         cache.commit(N)
         torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    events = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
     kernels = [e for e in events if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
     h2d = [e for e in events if "htod" in e.name.lower().replace(" ", "")]
     span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) if kernels else 0

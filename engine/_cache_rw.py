@@ -75,12 +75,13 @@ class CacheWrites:
     def commit_device(self, n: int) -> None:
         """The device side of commit(n), safe to capture: no host-computed argument
         but the constant n, no upload, no synchronisation. On CPU it applies the
-        host mirror, so it must follow ``commit_mirror(n)``."""
+        host mirror (unless numba's simulator runs the kernels), so it must follow
+        ``commit_mirror(n)``."""
         state = self._require_open()
-        if self.device.type != "cuda":
-            self._upload_layout(state)
-        else:
+        if ops.use_kernel(self._pool):  # CUDA, or numba's simulator on CPU
             self._commit_kernels(state, n)
+        else:
+            self._upload_layout(state)
         ops.copy_kv_slots_(self.k_pool, self.v_pool, state.flat["committed_src"],
                            state.flat["committed_dst"])
 

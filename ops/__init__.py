@@ -7,12 +7,17 @@ simulator when ``NUMBA_ENABLE_CUDASIM=1``. Each op is also a torch custom op
 (``torch.ops.framekv.*``), so callers trace under torch.compile. Importing this package
 imports numba but does not initialise CUDA.
 """
+from ._launch import use_kernel
+from .advance_commit import advance_commit_, advance_commit_reference
+from .causal_layout import causal_layout_, causal_layout_reference
 from .copy_kv_slots import CopyKVSlots, bind_copy_kv_slots, copy_kv_slots_, copy_kv_slots_reference
 from .rotate_rows import RotateRows, bind_rotate_rows, rotate_rows_, rotate_rows_reference
 from .scatter_kv_slots import (ScatterKVSlots, bind_scatter_kv_slots, scatter_kv_slots_,
                                scatter_kv_slots_reference)
 
 __all__ = [
+    "use_kernel", "advance_commit_", "advance_commit_reference",
+    "causal_layout_", "causal_layout_reference",
     "rotate_rows_", "rotate_rows_reference", "bind_rotate_rows", "RotateRows",
     "scatter_kv_slots_", "scatter_kv_slots_reference", "bind_scatter_kv_slots",
     "ScatterKVSlots",
