@@ -131,7 +131,7 @@ def main() -> None:
         gqa = kk.shape[1] != H
 
         def run():
-            g = H // kk.shape[1]  # 1 for GQA-native runs, 4 when K/V were expanded
+            g = kk.shape[1] // HKV  # 1 for GQA-native runs, 4 when K/V were expanded
             kk[0, :, tail].copy_(k_new.repeat_interleave(g, 1).transpose(0, 1))
             vv[0, :, tail].copy_(v_new.repeat_interleave(g, 1).transpose(0, 1))
             with sdpa_kernel([backend]):

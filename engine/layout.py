@@ -254,7 +254,8 @@ class HostLayout:
         """Back to the state of a freshly opened geometry."""
         self._committed = 0
         self._ring_base = self.plan.fixed_pages
-        self._table = np.arange(self.plan.table_len, dtype=np.int64)  # [F + R]
+        self._table_np = np.arange(self.plan.table_len, dtype=np.int64)  # [F + R]
+        self._pending_roll = 0  # ring rotation not yet applied to _table_np (commit is O(1))
         self._staged = 0
         self._layouts: dict[int, BlockLayout] = {}
 
@@ -272,6 +273,19 @@ class HostLayout:
     def table(self) -> np.ndarray:
         """A copy of the page table, int64 [F + R]; the state cannot be edited through it."""
         return self._table.copy()
+
+    @property
+    def _table(self) -> np.ndarray:
+        """The page table with every commit's ring rotation applied.
+
+        Commits only add to a pending rotation, applied here on first use: a replayed
+        commit's host mirror then costs a few integer operations, not an array roll.
+        """
+        if self._pending_roll:
+            F = self.plan.fixed_pages
+            self._table_np[F:] = np.roll(self._table_np[F:], -self._pending_roll)
+            self._pending_roll = 0
+        return self._table_np
 
     @property
     def staged(self) -> int:
@@ -336,8 +350,8 @@ class HostLayout:
         new_base = ring_base_for(self.plan, self._committed)
         d = new_base - self._ring_base
         assert 0 <= d <= self.plan.ring_pages, (d, self._ring_base, new_base)
-        F = self.plan.fixed_pages
-        self._table[F:] = np.roll(self._table[F:], -d)  # dropped pages return at the end
+        # Dropped pages return at the ring's end; the roll itself waits for `_table`.
+        self._pending_roll = (self._pending_roll + d) % self.plan.ring_pages
         self._ring_base = new_base
         check_ring_capacity(self.plan, self._committed, new_base)
         self._layouts.clear()

@@ -80,19 +80,22 @@ def check_block(cache, geometry, layer: int, b: int, j: int, committed: int,
 
 
 def run_rollout(cache, geometry, *, commits: int, seed: int, check_every: int = 1,
-                steps_per_chunk: int = 2, layers=None, on_commit=None) -> int:
+                steps_per_chunk: int = 2, layers=None, on_commit=None,
+                history: dict[int, int] | None = None) -> int:
     """Drive a random rollout through the public API; check every block's row.
 
     Each chunk: ``steps_per_chunk`` forwards overwrite the same staged positions
     (the last one's values must be what commit keeps), random declared block size,
     random T; then commit a random n <= T. Returns the final committed count.
+    ``history`` (position -> step of its committed value) carries over between calls
+    on one rollout.
     """
     rng = np.random.default_rng(seed)
     H, D, dev, dt = cache.num_kv_heads, cache.head_dim, cache.device, cache.dtype
     layers = list(range(cache.num_layers)) if layers is None else layers
     M = geometry.max_staged_tokens
-    last_step: dict[int, int] = {}
-    step = 0
+    last_step: dict[int, int] = {} if history is None else history
+    step = max(last_step.values(), default=0)
     for c in range(commits):
         C = cache.committed_tokens
         b = int(rng.choice(geometry.causal_block_sizes))

@@ -43,9 +43,11 @@ def test_ten_thousand_commits_constant_memory():
     g, tpp = G(13, 37, 12, (3, 12)), 8
     cache = _cache(g, tpp)
     cache.open(g)
-    run_rollout(cache, g, commits=50, seed=5)  # kernels compiled, launchers bound
+    history: dict[int, int] = {}
+    run_rollout(cache, g, commits=50, seed=5, history=history)  # kernels compiled, bound
     free0, mapped0, torch0 = _free(), cache.pool_bytes, torch.cuda.memory_allocated()
-    final = run_rollout(cache, g, commits=10_000, seed=6, check_every=97, steps_per_chunk=1)
+    final = run_rollout(cache, g, commits=10_000, seed=6, check_every=97, steps_per_chunk=1,
+                        history=history)
     assert final > 10_000
     assert (_free(), cache.pool_bytes) == (free0, mapped0), "device memory grew"
     assert torch.cuda.memory_allocated() <= torch0 + (1 << 20)
@@ -67,8 +69,8 @@ def test_pool_bytes_for_equals_driver_allocation():
     assert _free() == free0, "shutdown must return every byte"
 
 
-def _chunk_writes(cache, g, step):
-    C, b = cache.committed_tokens, max(g.causal_block_sizes)
+def _chunk_writes(cache, g, step, b=None):
+    C, b = cache.committed_tokens, b or max(g.causal_block_sizes)
     pos = torch.arange(C, C + g.max_staged_tokens)
     for layer in range(cache.num_layers):
         cache.write_staged(layer, stamp(layer, 0, pos, step, cache.num_kv_heads, cache.head_dim,
@@ -108,7 +110,7 @@ def test_commit_captured_once_replays_for_200_chunks():
         assert eager.committed_tokens == graphed.committed_tokens
         assert int(graphed._open.counters[0]) == graphed.committed_tokens
     C = graphed.committed_tokens
-    _chunk_writes(graphed, g, 500)
+    _chunk_writes(graphed, g, 500, b=3)
     for j in range(g.max_staged_tokens // 3):
         check_block(graphed, g, 1, 3, j, C, 500)
 
