@@ -63,6 +63,22 @@ def carved_bytes(sizes: list[int], align: int = DEFAULT_ALIGN) -> int:
     return used
 
 
+_DEFERRED: list = []  # arenas collected during a graph capture, closed at the next safe point
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and \
+        torch.cuda.is_current_stream_capturing()
+
+
+def release_deferred() -> None:
+    """Close arenas whose last reference went away during a CUDA graph capture."""
+    if _capturing():
+        return
+    while _DEFERRED:
+        _DEFERRED.pop().close()
+
+
 class _CAIView:
     """A raw byte range exposed through ``__cuda_array_interface__``.
 
@@ -181,6 +197,11 @@ class _ArenaBase(abc.ABC):
 
     def __del__(self):
         try:
+            if _capturing():
+                # Unmapping (and the synchronisation before it) would invalidate a CUDA
+                # graph capture in progress; keep the arena until a safe point.
+                _DEFERRED.append(self)
+                return
             self.close()
         except Exception:  # interpreter shutdown: the driver may be gone already
             pass
@@ -285,6 +306,7 @@ class DeviceArena(_ArenaBase):
             raise ValueError(f"chunk_bytes must be a positive multiple of the driver granularity "
                              f"({int(gran)}), got {chunk_bytes}")
         self.driver_granularity = int(gran)
+        release_deferred()  # creating an arena is itself illegal during capture: a safe point
         super().__init__(reserve_bytes, chunk_bytes)
         self._handles: list[tuple[int, int, object]] = []  # (offset, size, handle)
         self._base_ptr = int(_driver.check("cuMemAddressReserve", drv.cuMemAddressReserve(
@@ -334,6 +356,8 @@ class DeviceArena(_ArenaBase):
         return torch.as_tensor(view, device=self.device)
 
     def _release(self) -> None:
+        if _capturing():
+            raise ArenaError("a DeviceArena cannot be closed during CUDA graph capture")
         drv = _driver.driver()
         _driver.make_current(self.device.index)
         if torch.cuda.is_initialized():

@@ -217,17 +217,15 @@ class GraphCache:
         graph = torch.cuda.CUDAGraph()
         side = self._side_stream()
         side.wait_stream(torch.cuda.current_stream(dev))
+        pool = self._pool_handle()
         with torch.cuda.device(dev), torch.cuda.stream(side):
-            graph.capture_begin(pool=self._pool_handle())
+            graph.capture_begin(pool=pool)
             try:
                 outputs = fn(**entry.static_inputs)
-            except BaseException as exc:
-                _abandon_capture(graph)
-                raise GraphCaptureError(f"capture of {entry.key.summary()} failed: {exc}") from exc
-            try:
                 graph.capture_end()
-            except Exception as exc:
-                _abandon_capture(None)
+            except BaseException as exc:
+                self._abandon_capture(graph, pool)
+                graph = None
                 raise GraphCaptureError(f"capture of {entry.key.summary()} failed: {exc}") from exc
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
@@ -239,8 +237,10 @@ class GraphCache:
         entry.reserved_bytes = torch.cuda.memory_reserved(dev) - reserved0
 
     def _pool_handle(self):
+        """The pool to capture into; a fresh one per capture unless shared (an explicit
+        id either way, so that a failed capture's pool can be named in the cleanup)."""
         if not self.shared_pool:
-            return None  # torch makes a private pool per graph
+            return torch.cuda.graph_pool_handle()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
@@ -249,6 +249,17 @@ class GraphCache:
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
         return self._side
+
+    def _abandon_capture(self, graph: torch.cuda.CUDAGraph, pool) -> None:
+        """Leave capture mode after a failure inside it and retire the pool id.
+
+        torch leaves its allocator tied to a pool whose capture failed (the next
+        capture into it fails with "already recording to mempool_id"), so later
+        captures go to a fresh shared pool; graphs already captured keep theirs.
+        """
+        _end_failed_capture(graph, self.device, pool)
+        if self.shared_pool:
+            self._pool = None
 
     def _abandon(self, key: GraphKey) -> None:
         """An eager entry's first call failed: forget it, as a failed capture would be."""
@@ -308,19 +319,29 @@ def _describe_mismatch(want: tuple[TensorSpec, ...], got: tuple[TensorSpec, ...]
     return "inputs do not match the key"
 
 
-def _abandon_capture(graph: torch.cuda.CUDAGraph | None) -> None:
-    """Leave capture mode after a failure inside it, whatever state the stream is in.
+def _end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) -> None:
+    """End the stream capture and the allocator's routing to the pool, whatever state
+    the failure left them in.
 
-    Ending the capture returns the allocator to normal pools; a capture invalidated
-    by an illegal call (a host sync) makes ``capture_end`` raise, which is expected.
-    A final synchronize surfaces and clears any error left behind by the failed call.
+    A capture invalidated by an illegal call (a host sync) makes ``capture_end``
+    raise, which is expected here (and a second ``capture_end`` after a successful
+    one raises too). torch has no public call to stop routing allocations to the
+    pool, hence the private one (named differently before torch 2.8), which raises
+    harmlessly when routing already ended. A final synchronize surfaces and clears
+    any error left by the failed call.
     """
-    if graph is not None:
+    try:
+        graph.capture_end()
+    except Exception:
+        pass
+    end = (getattr(torch._C, "_cuda_endAllocateToPool", None)
+           or getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None))
+    if end is not None and pool is not None:
         try:
-            graph.capture_end()
+            end(device.index, pool)
         except Exception:
             pass
     try:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
     except Exception:
         pass

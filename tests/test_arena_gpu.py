@@ -143,3 +143,27 @@ def test_release_to_returns_chunks_to_the_driver(dev):
         assert a.mapped_bytes == 4 * MiB and _free(dev) == free0
         assert bool((keep == 7).all())
         assert a.empty(MiB, torch.uint8).data_ptr() == a.base_ptr + 3 * MiB
+
+
+def test_arena_collected_during_capture_is_closed_later(dev):
+    import gc
+
+    from framekv.engine import arena as arena_mod
+
+    free0 = _free(dev)
+    doomed = arena_mod.DeviceArena(8 * MiB, device=dev)
+    doomed.empty(3 * MiB, torch.uint8)
+    x = torch.zeros(1024, device=dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        del doomed
+        gc.collect()  # __del__ runs inside the capture: it must not unmap or synchronise
+        x.add_(1)
+    g.replay()
+    torch.cuda.synchronize()
+    assert float(x[0]) == 1.0
+    assert arena_mod._DEFERRED, "the collected arena waits for a safe point"
+    arena_mod.release_deferred()
+    assert not arena_mod._DEFERRED and _free(dev) == free0

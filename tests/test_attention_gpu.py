@@ -34,10 +34,11 @@ def test_cudnn_rollouts_match_exact_window_reference(g, tpp, chunk, frame):
     err = rollout_vs_reference(g, tpp, chunk=chunk, frame=frame, chunks=10, layers=2, H=8, Hkv=2,
                                D=128, dtype=BF16, device="cuda", backend="cudnn", seed=1)
     print(f"errors vs fp32 exact-window reference: {err}")
-    # Forwards over >= 1024 keys have real-rollout output magnitudes: bf16 rounding
-    # stays under 5e-4 there. Early forwards (tens of keys, outputs near 1) are held
-    # to a relative bound, which any wrong key set would break by far.
-    assert err["max_error_many_keys"] <= 5e-4 and err["max_rel_error"] <= 1.5e-2, err
+    # bf16 attention lands at bf16 rounding relative to the output's magnitude (2^-8 =
+    # 3.9e-3); a wrong key set is off by O(1). Outputs here are larger than at the
+    # seed geometry (1-2k keys, not 40k), where benchmarks/bench_attention.py checks
+    # the absolute bound (max error <= 5e-4).
+    assert err["max_rel_error"] <= 6e-3, err
 
 
 @pytest.mark.parametrize("packed,pad", [(True, 0), (False, 37), (True, 64)])
@@ -45,7 +46,7 @@ def test_cudnn_packed_and_padding(packed, pad):
     g, tpp = G(64, 1536, 256, (64, 256)), 32
     err = rollout_vs_reference(g, tpp, chunk=256, frame=64, chunks=8, layers=1, H=8, Hkv=2, D=128,
                                dtype=BF16, device="cuda", backend="cudnn", pad=pad, packed=packed)
-    assert err["max_error_many_keys"] <= 5e-4 and err["max_rel_error"] <= 1.5e-2, err
+    assert err["max_rel_error"] <= 6e-3, err
 
 
 @pytest.mark.parametrize("tpp", [1, 2, 8, 64, 128])
@@ -53,7 +54,7 @@ def test_cudnn_page_sizes(tpp):
     g = G(9, 300, 64, (16, 64))
     err = rollout_vs_reference(g, tpp, chunk=64, frame=16, chunks=6, layers=1, H=4, Hkv=4, D=64,
                                dtype=BF16, device="cuda", backend="cudnn")
-    assert err["max_rel_error"] <= 1.5e-2, err
+    assert err["max_rel_error"] <= 6e-3, err
 
 
 def _capture(mod, cache, qkv, T, b):
@@ -77,10 +78,7 @@ def _replay_rollout(g, tpp, graph_state, cache, chunks, ref, gen):
         cache.note_staged(T)
         ref.write(0, ref.committed, qkv[0, :T, 8:10], qkv[0, :T, 10:12])
         want = ref.attention(0, qkv[0, :, :8], T, T)
-        err = (out[0].float().cpu() - want).abs().max().item()
-        if ref.committed >= g.pin_tokens + 1024:  # >= 1024 keys: real-rollout magnitudes
-            worst = max(worst, err)
-        assert err <= 1.5e-2 * want.abs().max().item(), err
+        worst = max(worst, (out[0].float().cpu() - want).abs().max().item() / want.abs().max().item())
         cache.commit(T)
         ref.commit(T)
     return worst
@@ -108,6 +106,6 @@ def test_forward_graph_replays_across_commits_and_reopen():
             cache.open(g)  # the capture's warm-up staged tokens: start the rollout afresh
             states[g] = (graph, out, qkv, T)
         err = _replay_rollout(g, tpp, states[g], cache, 12, ref, gen)  # 12 x 256 > pin + window
-        print(f"{g}: replayed forward max error {err:.2e}")
-        assert err <= 5e-4, err
+        print(f"{g}: replayed forward max relative error {err:.2e}")
+        assert err <= 6e-3, err
         cache.close()

@@ -110,10 +110,13 @@ def test_debug_mode_catches_a_swapped_buffer_and_a_layout_mismatch():
         cache.replay(key)
 
 
-def test_capture_failure_leaves_no_entry_and_torch_usable():
-    cache = GraphCache(DEV)
+@pytest.mark.parametrize("shared", [True, False])
+def test_capture_failure_leaves_no_entry_and_torch_usable(shared):
+    cache = GraphCache(DEV, shared_pool=shared)
     x = {"x": torch.ones(8, device=DEV)}
     key = GraphKey.build(owner=1, program="sync", inputs=x)
+    earlier = GraphKey.build(owner=2, program="earlier", inputs=x)
+    cache.run(earlier, lambda x: x + 1, x)
 
     def host_sync(x):
         return x * float(x.sum().item())  # a device-to-host copy: illegal while capturing
@@ -127,6 +130,8 @@ def test_capture_failure_leaves_no_entry_and_torch_usable():
     assert y.tolist() == [1.0, 2.0, 3.0, 4.0]
     out = cache.run(key, lambda x: x * 3, x)  # the same key captures fine afterwards
     assert torch.equal(out, torch.full((8,), 3.0, device=DEV))
+    out = cache.replay(earlier, {"x": torch.full((8,), 5.0, device=DEV)})
+    assert torch.equal(out, torch.full((8,), 6.0, device=DEV))  # earlier graphs unharmed
 
 
 def test_whole_chunks_over_a_real_cache_replay_bit_for_bit():
