@@ -150,6 +150,8 @@ def test_arena_collected_during_capture_is_closed_later(dev):
 
     from framekv.engine import arena as arena_mod
 
+    gc.collect()
+    arena_mod.release_deferred()  # earlier tests' garbage must not blur the count
     free0 = _free(dev)
     doomed = arena_mod.DeviceArena(8 * MiB, device=dev)
     doomed.empty(3 * MiB, torch.uint8)
