@@ -33,7 +33,8 @@ def test_info_text(capsys):
 
 
 def test_import_does_not_touch_cuda_or_cudnn():
-    code = ("import sys, framekv, framekv.specs, framekv.engine, framekv.tools.cli\n"
+    code = ("import sys, framekv, framekv.specs, framekv.ops, framekv.engine, framekv.graphs, "
+            "framekv.tools.cli\n"
             "import torch\n"
             "assert 'cudnn' not in sys.modules, 'cudnn imported'\n"
             "assert not torch.cuda.is_initialized(), 'CUDA initialised'\n"
