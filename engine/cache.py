@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from framekv import ops
 from framekv.specs import Geometry
 
 from ._cache_rw import CacheWrites

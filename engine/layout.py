@@ -35,7 +35,7 @@ and ``HostLayout.flat_layout()`` is the flat format the kernel writes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -77,32 +77,6 @@ def slot_at(plan: LayoutPlan, ring_base: int, table: np.ndarray, x: int) -> int:
 # --------------------------------------------------------------------------- drivers
 
 @dataclass
-class BlockLayout:
-    """Per-block tensors of one block size at one committed count.
-
-    Attributes:
-        block_size: b.
-        rows: int32 [nb, row_pages]; seq_len_kv, seq_len_q: int32 [nb].
-        staged_src, staged_dst, staged_dst2: int64 [M + nb * current_len]. Entry i < M
-            writes forward row i to its shared slot and to its block's private slot;
-            then block j's current_private entries at M + j * current_len. The scatter
-            skips src_row outside [0, T) and destinations < 0.
-        committed_src, committed_dst: int64 [nb * committed_len], pool-to-pool copies
-            applied to every layer after commit; -1 pairs are padding.
-    """
-
-    block_size: int
-    rows: np.ndarray
-    seq_len_kv: np.ndarray
-    seq_len_q: np.ndarray
-    staged_src: np.ndarray
-    staged_dst: np.ndarray
-    staged_dst2: np.ndarray
-    committed_src: np.ndarray
-    committed_dst: np.ndarray
-
-
-@dataclass
 class FlatLayout:
     """Per-block tensors of every block size, concatenated in ``plan.blocks`` order:
     the flat format ``causal_layout_`` writes (``LayoutPlan.descriptor()`` gives each
@@ -119,6 +93,24 @@ class FlatLayout:
     staged_dst2: np.ndarray
     committed_src: np.ndarray
     committed_dst: np.ndarray
+
+
+@dataclass
+class BlockLayout(FlatLayout):
+    """Per-block tensors of one block size at one committed count.
+
+    Attributes:
+        block_size: b.
+        rows: int32 [nb, row_pages]; seq_len_kv, seq_len_q: int32 [nb].
+        staged_src, staged_dst, staged_dst2: int64 [M + nb * current_len]. Entry i < M
+            writes forward row i to its shared slot and to its block's private slot;
+            then block j's current_private entries at M + j * current_len. The scatter
+            skips src_row outside [0, T) and destinations < 0.
+        committed_src, committed_dst: int64 [nb * committed_len], pool-to-pool copies
+            applied to every layer after commit; -1 pairs are padding.
+    """
+
+    block_size: int = field(kw_only=True)  # after the inherited fields, still required
 
 
 def _empty_layout(plan: LayoutPlan, bp: BlockPlan) -> BlockLayout:

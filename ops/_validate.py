@@ -77,3 +77,19 @@ def check_shift_tensor(name: str, value: torch.Tensor, ref_name: str, ref: torch
         raise ValueError(f"{name}: expected one element, got {value.numel()} "
                          f"(shape {tuple(value.shape)})")
     check_same_device(name, value, ref_name, ref)
+
+
+def check_pool_pair(k_pool, v_pool, *, ndims: int, layout: str) -> None:
+    """Raise unless k_pool / v_pool are matching writable K/V pools of ``layout``."""
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        check_tensor(name, pool, ndims=(ndims,), layout=layout)
+        check_kv_dtype(name, pool)
+        check_last_dim_contiguous(name, pool)
+        check_no_overlap(name, pool)
+    if v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"v_pool: expected dtype {k_pool.dtype} (the dtype of k_pool), "
+                         f"got {v_pool.dtype}")
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(f"v_pool: expected shape {tuple(k_pool.shape)} (the shape of "
+                         f"k_pool), got {tuple(v_pool.shape)}")
+    check_same_device("v_pool", v_pool, "k_pool", k_pool)

@@ -14,8 +14,7 @@ import torch
 from numba import cuda
 
 from ._launch import Kernel, array_arg, blocks_for, pick_word_size, threads_for, use_kernel
-from ._validate import (check_index_list, check_kv_dtype, check_last_dim_contiguous,
-                        check_no_overlap, check_same_device, check_tensor)
+from ._validate import check_index_list, check_pool_pair
 from ._words import load_word, store_word
 
 __all__ = ["copy_kv_slots_", "copy_kv_slots_reference", "bind_copy_kv_slots", "CopyKVSlots"]
@@ -56,18 +55,7 @@ def copy_kv_slots_reference(k_pool, v_pool, src, dst) -> None:
 
 
 def _check(k_pool, v_pool, src, dst) -> None:
-    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
-        check_tensor(name, pool, ndims=(4,), layout="[L, slots, H, D]")
-        check_kv_dtype(name, pool)
-        check_last_dim_contiguous(name, pool)
-        check_no_overlap(name, pool)
-    if v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"v_pool: expected dtype {k_pool.dtype} (the dtype of k_pool), "
-                         f"got {v_pool.dtype}")
-    if v_pool.shape != k_pool.shape:
-        raise ValueError(f"v_pool: expected shape {tuple(k_pool.shape)} (the shape of "
-                         f"k_pool), got {tuple(v_pool.shape)}")
-    check_same_device("v_pool", v_pool, "k_pool", k_pool)
+    check_pool_pair(k_pool, v_pool, ndims=4, layout="[L, slots, H, D]")
     check_index_list("src", src, "k_pool", k_pool)
     check_index_list("dst", dst, "k_pool", k_pool, src.shape[0], "the length of src")
 

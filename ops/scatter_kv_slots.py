@@ -21,8 +21,8 @@ from numba import cuda
 
 from ._launch import (Kernel, array_arg, blocks_for, int_arg, pick_word_size, threads_for,
                       use_kernel)
-from ._validate import (check_index_list, check_kv_dtype, check_last_dim_contiguous,
-                        check_no_overlap, check_same_device, check_tensor)
+from ._validate import (check_index_list, check_last_dim_contiguous, check_pool_pair,
+                        check_same_device, check_tensor)
 from ._words import load_word, store_word
 
 __all__ = ["scatter_kv_slots_", "scatter_kv_slots_reference", "bind_scatter_kv_slots",
@@ -75,18 +75,7 @@ def scatter_kv_slots_reference(k_pool, v_pool, k, v, dst, dst2=None, src_rows=No
 
 
 def _check_pools(k_pool, v_pool) -> None:
-    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
-        check_tensor(name, pool, ndims=(3,), layout="[slots, H, D]")
-        check_kv_dtype(name, pool)
-        check_last_dim_contiguous(name, pool)
-        check_no_overlap(name, pool)
-    if v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"v_pool: expected dtype {k_pool.dtype} (the dtype of k_pool), "
-                         f"got {v_pool.dtype}")
-    if v_pool.shape != k_pool.shape:
-        raise ValueError(f"v_pool: expected shape {tuple(k_pool.shape)} (the shape of "
-                         f"k_pool), got {tuple(v_pool.shape)}")
-    check_same_device("v_pool", v_pool, "k_pool", k_pool)
+    check_pool_pair(k_pool, v_pool, ndims=3, layout="[slots, H, D]")
 
 
 def _check_kv(k_pool, k, v) -> None:
