@@ -81,7 +81,7 @@ def _run(k_pool, v_pool, src, dst) -> None:
     _KERNEL.launch(grid, block, args, k_pool.device)
 
 
-@torch.library.custom_op("framekv::copy_kv_slots", mutates_args=("k_pool", "v_pool"))
+@torch.library.custom_op("framekv::copy_kv_slots_", mutates_args=("k_pool", "v_pool"))
 def _copy_kv_slots_op(k_pool: torch.Tensor, v_pool: torch.Tensor, src: torch.Tensor,
                       dst: torch.Tensor) -> None:
     _run(k_pool, v_pool, src, dst)

@@ -109,7 +109,7 @@ def _run(x: torch.Tensor, shift_tensor: Optional[torch.Tensor], k: int) -> None:
     _KERNEL.launch(grid, block, args, x.device)
 
 
-@torch.library.custom_op("framekv::rotate_rows", mutates_args=("x",))
+@torch.library.custom_op("framekv::rotate_rows_", mutates_args=("x",))
 def _rotate_rows_op(x: torch.Tensor, shift_tensor: Optional[torch.Tensor],
                     shift_int: int) -> None:
     _run(x, shift_tensor, shift_int)

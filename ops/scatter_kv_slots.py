@@ -139,7 +139,7 @@ def _run(k_pool, v_pool, k, v, dst, dst2, src_rows) -> None:
     _KERNEL.launch(grid, block, args, k_pool.device)
 
 
-@torch.library.custom_op("framekv::scatter_kv_slots", mutates_args=("k_pool", "v_pool"))
+@torch.library.custom_op("framekv::scatter_kv_slots_", mutates_args=("k_pool", "v_pool"))
 def _scatter_kv_slots_op(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, dst: torch.Tensor, dst2: Optional[torch.Tensor],
                          src_rows: Optional[torch.Tensor]) -> None:
