@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 
 import numba
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 from numba import cuda
 
 __all__ = ["SIMULATOR", "MAX_THREADS", "MAX_BLOCKS", "use_kernel", "pick_word_size",
-           "array_arg", "int_arg", "threads_for", "blocks_for", "Kernel"]
+           "array_arg", "int_arg", "threads_for", "blocks_for", "Kernel", "enable_disk_cache"]
 
 #: True when numba runs CUDA kernels in its simulator (decided when numba is imported).
 SIMULATOR: bool = bool(numba.config.ENABLE_CUDASIM)
@@ -189,6 +190,41 @@ def current_stream(device_index: int):
     return handles
 
 
+# --- on-disk kernel cache ---------------------------------------------------------
+
+_KERNELS: list = []  # every Kernel made, so that enable_disk_cache reaches them all
+_DISK_CACHE_DIR: str | None = None
+
+
+def enable_disk_cache(path) -> bool:
+    """Keep compiled kernels under ``path`` (numba's on-disk cache) from now on.
+
+    A later process that enables the same directory loads each kernel instead of
+    compiling it (numba keys entries by source file, signature and device). The
+    lean launcher compiles through ``dispatcher.compile``, which reads and writes
+    this cache, so turning it on is all it takes; kernels this process compiled
+    already are not written. Sets ``NUMBA_CACHE_DIR`` for child processes. Returns
+    False under the simulator, which has no cache.
+    """
+    global _DISK_CACHE_DIR
+    if SIMULATOR:
+        return False
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(path, exist_ok=True)
+    os.environ["NUMBA_CACHE_DIR"] = path
+    # numba-cuda reads its own config object (reloaded from the environment only when
+    # it compiles); the cache locator reads it when caching is enabled, so set it now.
+    try:
+        from numba.cuda.core import config as cuda_config
+    except ImportError:  # older numba-cuda reads numba's own config
+        cuda_config = numba.config
+    cuda_config.CACHE_DIR = numba.config.CACHE_DIR = path
+    _DISK_CACHE_DIR = path
+    for kernel in _KERNELS:
+        kernel._dispatcher.enable_caching()
+    return True
+
+
 class Kernel:
     """A numba kernel launched with pre-converted arguments.
 
@@ -200,6 +236,9 @@ class Kernel:
         self._dispatcher = dispatcher
         self._compiled: dict = {}
         self._configs: dict = {}
+        _KERNELS.append(self)
+        if _DISK_CACHE_DIR is not None:
+            dispatcher.enable_caching()
 
     def launch(self, grid: int, block: int, args, device: torch.device) -> None:
         """Launch on torch's current stream of ``device`` (kernel args from array_arg/int_arg)."""

@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from . import warmup
+
 
 def _cmd_info(args) -> int:
     from .info import collect, format_info
@@ -14,12 +16,52 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _fail(command: str, exc: Exception) -> int:
+    print(f"framekv {command}: error: {exc}", file=sys.stderr)
+    return 2
+
+
 def _cmd_demo(args) -> int:
-    # The rollout demo needs the reference model; until it exists the main job
-    # reports what this machine can run.
-    print("framekv demo: the reference-model rollout is not part of this release yet; "
-          "showing what this machine can run.\n")
-    return _cmd_info(args)
+    from .demo import run_demo
+
+    try:
+        report = run_demo(args.preset, chunks=args.chunks, device=args.device,
+                          backend=args.backend, check_chunks=args.check_chunks,
+                          progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as exc:
+        return _fail("demo", exc)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["ok"] else 1
+
+
+def _cmd_verify(args) -> int:
+    from .verify import run_verify
+
+    try:
+        report = run_verify(args.preset, chunks=args.chunks, device=args.device,
+                            backend=args.backend, tolerance=args.tolerance)
+    except (ValueError, FileNotFoundError) as exc:
+        return _fail("verify", exc)
+    return 0 if report.ok else 1
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _rollout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny",
+                   help="preset name (tiny, seed-bench, wan-1.3b) or a .toml/.json file (default tiny)")
+    p.add_argument("--chunks", type=_positive_int, default=None,
+                   help="chunks to generate (default: the preset's)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--backend", default=None,
+                   help="attention backend: cudnn or reference (default: cudnn on CUDA, reference on CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,9 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, the device, and which backends are usable")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(func=_cmd_info)
-    demo = sub.add_parser("demo", help="the main job (for now: what this machine can run)")
-    demo.add_argument("--json", action="store_true", help="print JSON instead of text")
+    demo = sub.add_parser("demo", help="the main job: a timed, checked rollout of the reference model")
+    _rollout_args(demo)
+    demo.add_argument("--json", metavar="FILE", default=None, help="also write the report as JSON to FILE")
+    demo.add_argument("--check-chunks", type=int, default=2,
+                      help="chunks re-run eagerly and with the reference backend (default 2)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     demo.set_defaults(func=_cmd_demo)
+    verify = sub.add_parser("verify", help="replay-correctness harness: eager vs graphs vs the fp32 reference")
+    _rollout_args(verify)
+    verify.add_argument("--tolerance", type=float, default=None,
+                        help="max abs error allowed (default: 1e-4 in fp32, 2e-2 in bf16)")
+    verify.set_defaults(func=_cmd_verify)
+    warmup.add_parser(sub)
     return p
 
 
