@@ -40,7 +40,7 @@ def resolve_device(device=None) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'") from exc
+        raise ValueError(f"unknown device {device!r}: use cpu or cuda[:N]") from exc
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -145,7 +145,7 @@ def test_failed_capture_names_the_plan_item(capsys, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 def test_cuda_without_a_gpu_says_so(capsys):
     assert cli(["tiny", "--device", "cuda", "--no-progress"]) == 2
-    assert "no CUDA device" in capsys.readouterr().err
+    assert "CUDA is not available" in capsys.readouterr().err
 
 
 def test_module_entry_point_and_light_import():

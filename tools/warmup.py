@@ -123,21 +123,12 @@ def _error(exc: Exception, status: int) -> int:
 def pick_device(name: str | None):
     """The torch device ``--device`` names (default cuda when visible, else cpu);
     ValueError for a name torch does not know or a CUDA device that is not there."""
-    import torch
+    from framekv.engine.rollout import resolve_device
 
-    from framekv.engine.warmup import default_device
-
-    if name is None:
-        return default_device()
     try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"--device must be cpu or cuda[:N], got {name!r}") from exc
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu or cuda[:N], got {name!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device is visible")
-    return device
+        return resolve_device(name)
+    except ValueError as exc:
+        raise ValueError(f"--device: {exc}") from exc
 
 
 def _header(name: str, plan, result, cache_dir) -> str:
