@@ -25,6 +25,7 @@ import json
 import statistics
 
 import torch
+from _timing import captured_graph
 
 from framekv.engine import CachedAttention, CausalKVCache
 from framekv.engine.attention_backends import attend_fp32
@@ -38,17 +39,7 @@ T = GEOM.max_staged_tokens
 
 def timed(fn, iters: int, flush: torch.Tensor) -> list[float]:
     """Per-iteration µs of a graph replay of ``fn``, L2 flushed before each."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
+    graph = captured_graph(fn)
     pairs = []
     for _ in range(iters):
         flush.zero_()

@@ -27,6 +27,7 @@ import statistics
 import time
 
 import torch
+from _timing import captured_graph
 
 from framekv.ops import (bind_copy_kv_slots, bind_rotate_rows, bind_scatter_kv_slots,
                          copy_kv_slots_, copy_kv_slots_reference, rotate_rows_,
@@ -39,18 +40,7 @@ ROW = 1300
 
 def graph_time_us(fn, launches: int, repeats: int) -> float:
     """Median kernel time of ``fn`` in µs, from replays of a graph of ``launches`` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    for _ in range(5):
-        graph.replay()
+    graph = captured_graph(fn, launches)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeats):

@@ -37,3 +37,18 @@ def pytest_collection_modifyitems(config, items):
                 has_cuda = _cuda_available()
             if not has_cuda:
                 item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=["lean", "small-grid", "dispatcher"])
+def launch_mode(request, monkeypatch):
+    """How GPU tests launch the numba kernels. lean: default launches. small-grid: 2
+    CTAs of 32 threads, so every stride loop turns. dispatcher: launches through
+    numba's dispatcher (the fallback path)."""
+    from framekv.ops import _launch
+
+    if request.param == "small-grid":
+        monkeypatch.setattr(_launch, "MAX_BLOCKS", 2)
+        monkeypatch.setattr(_launch, "MAX_THREADS", 32)
+    elif request.param == "dispatcher":
+        monkeypatch.setattr(_launch, "USE_DISPATCHER", True)
+    return request.param

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from framekv.engine.layout import HostLayout
-from framekv.ops import _launch
 from test_causal_layout import (GEOMETRIES, assert_matches_host, commit_ops, device_state,
                                 host_at, make_plan, random_plan, run_rollout)
 
@@ -28,18 +27,6 @@ GPU_GEOMETRIES = {
     "128-token-pages": GEOMETRIES["128-token-pages"],
     "M-not-multiple-of-b": GEOMETRIES["M-not-multiple-of-b"],
 }
-
-
-@pytest.fixture(params=["lean", "small-grid", "dispatcher"])
-def launch_mode(request, monkeypatch):
-    """lean: default launches. small-grid: 2 CTAs of 32 threads, so every stride loop
-    turns. dispatcher: launches through numba's dispatcher (the fallback path)."""
-    if request.param == "small-grid":
-        monkeypatch.setattr(_launch, "MAX_BLOCKS", 2)
-        monkeypatch.setattr(_launch, "MAX_THREADS", 32)
-    elif request.param == "dispatcher":
-        monkeypatch.setattr(_launch, "USE_DISPATCHER", True)
-    return request.param
 
 
 @pytest.mark.parametrize("name", sorted(GPU_GEOMETRIES))

@@ -18,18 +18,6 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 
 
-@pytest.fixture(params=["lean", "small-grid", "dispatcher"])
-def launch_mode(request, monkeypatch):
-    """lean: default launches. small-grid: 2 blocks of 32 threads, so every stride loop
-    turns. dispatcher: launches through numba's dispatcher (the fallback path)."""
-    if request.param == "small-grid":
-        monkeypatch.setattr(_launch, "MAX_BLOCKS", 2)
-        monkeypatch.setattr(_launch, "MAX_THREADS", 32)
-    elif request.param == "dispatcher":
-        monkeypatch.setattr(_launch, "USE_DISPATCHER", True)
-    return request.param
-
-
 def _check_pools(got, want):
     torch.cuda.synchronize()
     assert_bits_equal(got["k_pool"], want["k_pool"], "k_pool")
