@@ -18,6 +18,7 @@ from framekv.ops import rotate_rows_
 from framekv.ops.advance_commit import advance_commit_, advance_commit_reference
 from framekv.ops.causal_layout import DESC_COLUMNS, causal_layout_, causal_layout_reference
 from framekv.specs import Geometry
+from test_layout_host import random_geometry
 
 OUTPUTS = ("rows", "seq_len_kv", "staged_src", "staged_dst", "staged_dst2",
            "committed_src", "committed_dst")
@@ -45,15 +46,9 @@ def make_plan(P, W, M, sizes, tpp) -> LayoutPlan:
 
 def random_plan(rng) -> LayoutPlan:
     """Odd geometries: pin 0 / unaligned / aligned / past M, window 0 / under a page /
-    unaligned / past M, block sizes 1..M, tpp 1..128."""
-    tpp = int(2 ** rng.integers(0, 8))
-    M = int(rng.integers(1, 25))
-    P = int(rng.choice([0, rng.integers(1, 4 * tpp + 2), tpp * rng.integers(1, 4),
-                        rng.integers(M + 1, 3 * M + 2)]))
-    W = int(rng.choice([0, rng.integers(1, tpp + 1), rng.integers(1, 4 * tpp + 30),
-                        rng.integers(M + 1, 3 * M + 2)]))
-    sizes = {1, M} | {int(x) for x in rng.integers(1, M + 1, size=2)}
-    return make_plan(P, W, M, tuple(sorted(sizes)), tpp)
+    unaligned / past M, block sizes 1..M, tpp 1..128 (the host model suite's draw)."""
+    geometry, tpp = random_geometry(rng)
+    return LayoutPlan.for_geometry(geometry, tpp)
 
 
 def layout_kwargs(plan: LayoutPlan) -> dict:
