@@ -4,10 +4,11 @@ from .arena import (ArenaClosedError, ArenaError, ArenaExhaustedError, DeviceAre
 from .attention import CachedAttention
 from .attention_backends import AttentionBackend
 from .cache import CausalKVCache
+from .dense_rollout import DenseRollingKV, DenseRollout
 from .model import CausalVideoDiT
 from .rollout import Rollout
 from .verify import ReferenceRollout, VerifyReport, verify_rollout
 
 __all__ = ["AttentionBackend", "CachedAttention", "ArenaClosedError", "ArenaError", "ArenaExhaustedError", "CausalKVCache",
-           "CausalVideoDiT", "DeviceArena", "HostArena", "ReferenceRollout", "Rollout", "VerifyReport",
-           "make_arena", "verify_rollout"]
+           "CausalVideoDiT", "DenseRollingKV", "DenseRollout", "DeviceArena", "HostArena",
+           "ReferenceRollout", "Rollout", "VerifyReport", "make_arena", "verify_rollout"]

@@ -71,6 +71,7 @@ class CacheWrites:
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= state.host.staged:
             raise ValueError(f"n must be an integer in [0, staged={state.host.staged}], got {n!r}")
         state.host.commit(n)
+        self.layout_epoch += 1
 
     def commit_device(self, n: int) -> None:
         """The device side of commit(n), safe to capture: no host-computed argument
@@ -78,6 +79,7 @@ class CacheWrites:
         host mirror (unless numba's simulator runs the kernels), so it must follow
         ``commit_mirror(n)``."""
         state = self._require_open()
+        self.layout_epoch += 1
         if ops.use_kernel(self._pool):  # CUDA, or numba's simulator on CPU
             self._commit_kernels(state, n)
         else:

@@ -155,6 +155,9 @@ class CausalKVCache(CacheWrites):
         self.v_pool = self._pool[:, 1].view(num_layers, slots, num_kv_heads, head_dim)
         self._states: dict[Geometry, GeometryState] = {}
         self._open: GeometryState | None = None
+        #: Changes whenever the per-block tensors may change (open, each commit call):
+        #: whoever derives tensors from them rebuilds when it differs from last time.
+        self.layout_epoch = 0
 
     # ------------------------------------------------------------------ sizing
     @staticmethod
@@ -230,6 +233,7 @@ class CausalKVCache(CacheWrites):
         self._reset_state(state)
         self._states[geometry] = state
         self._open = state
+        self.layout_epoch += 1
 
     def close(self) -> None:
         """End the rollout; the geometry's device state stays for a later open."""

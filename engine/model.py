@@ -76,8 +76,13 @@ def reference_attend(reference, seq_len: int, block_size: int) -> AttendFn:
     return attend
 
 
-def _attend_for(kv_cache, reference, seq_len: int, b: int) -> AttendFn:
-    """The attention of one forward: the fp32 reference, the cache, or dense."""
+def _attend_for(kv_cache, reference, seq_len: int, b: int, attend: AttendFn | None = None
+                ) -> AttendFn:
+    """The attention of one forward: the caller's, the fp32 reference, the cache, or dense."""
+    if attend is not None:
+        if kv_cache is not None or reference is not None:
+            raise ValueError("attend replaces kv_cache and reference: pass only one of them")
+        return attend
     if reference is not None:
         return reference_attend(reference, seq_len, b)
     if kv_cache is not None:
@@ -148,7 +153,8 @@ class CausalVideoDiT(torch.nn.Module):
 
     def forward(self, latents: torch.Tensor, t: torch.Tensor, frame0: torch.Tensor, *,
                 kv_cache=None, seq_len: int | None = None,
-                causal_block_size: int | None = None, reference=None) -> torch.Tensor:
+                causal_block_size: int | None = None, reference=None,
+                attend: AttendFn | None = None) -> torch.Tensor:
         """The velocity of a chunk's latents.
 
         Args:
@@ -161,6 +167,10 @@ class CausalVideoDiT(torch.nn.Module):
                 one block).
             reference: an `ExactWindowReference` used instead of ``kv_cache`` (the
                 dense fp32 path tests compare against).
+            attend: an `AttendFn` used instead of ``kv_cache`` and ``reference``: it
+                stages and attends each layer's packed QKV itself (e.g. the dense
+                rolling-cache baseline); ``seq_len`` and ``causal_block_size`` then only
+                label the forward for the recorder.
         Returns:
             velocity [F, C, H, W] in the model dtype.
         """
@@ -171,29 +181,32 @@ class CausalVideoDiT(torch.nn.Module):
         b = seq_len if causal_block_size is None else causal_block_size
         e, mod = self.time_conditioning(t)
         rope = Rope3D.cos_sin(self.rope.angles(frame0 + 1, frames))        # video at frame f + 1
-        x = self._blocks(x, mod, rope, _attend_for(kv_cache, reference, seq_len, b), seq_len, b)
+        attend = _attend_for(kv_cache, reference, seq_len, b, attend)
+        x = self._blocks(x, mod, rope, attend, seq_len, b)
         shift, scale = (self.head_modulation + e).unbind(0)
         return unpatchify(self.head(modulate(x, shift, scale))[0], frames, self.spec)
 
-    def prefill(self, *, kv_cache=None, reference=None) -> None:
+    def prefill(self, *, kv_cache=None, reference=None, attend: AttendFn | None = None) -> None:
         """Run the prompt at t = 0 as one causal block and commit its K/V (P tokens).
 
         With ``kv_cache``: attention is dense over the prompt (the cache cannot run a
         block of P tokens unless P is a declared block size), then each layer's K/V is
         staged through `stage_prompt` and committed. With ``reference``: the fp32
-        reference path, committed there. A cache must be open at C = 0.
+        reference path, committed there. A cache must be open at C = 0. With
+        ``attend``: an `AttendFn` that keeps each layer's prompt K/V and attends the
+        prompt as one block of P tokens; nothing is committed here, the caller commits.
         """
         P = self.prompt_tokens
         if P == 0:
             return
-        if (kv_cache is None) == (reference is None):
-            raise ValueError("prefill needs exactly one of kv_cache and reference")
+        if sum(x is not None for x in (kv_cache, reference, attend)) != 1:
+            raise ValueError("prefill needs exactly one of kv_cache, reference and attend")
         if kv_cache is not None and kv_cache.committed_tokens:
             raise ValueError(f"prefill needs a freshly opened cache, C = {kv_cache.committed_tokens}")
         kvs: list[torch.Tensor] = []  # per layer [P, 2*H_kv, D]
         if reference is not None:
             attend = reference_attend(reference, P, P)
-        else:
+        elif kv_cache is not None:
             def attend(attn, qkv):
                 kvs.append(qkv[0, :, attn.num_heads:])
                 return attn(qkv)
@@ -202,7 +215,7 @@ class CausalVideoDiT(torch.nn.Module):
         self._blocks(x, mod, None, attend, P, P)
         if reference is not None:
             reference.commit(P)
-        else:
+        elif kv_cache is not None:
             stage_prompt(kv_cache, kvs, self.spec.num_kv_heads)
 
     def _blocks(self, x, mod, rope, attend: AttendFn, seq_len: int, b: int) -> torch.Tensor:

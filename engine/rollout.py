@@ -179,9 +179,19 @@ class Rollout:
         inputs = self.inputs(index, frame0=0)
         key = chunk_key(owner_token(self), geometry, tokens,
                         denoise_steps=self.spec.denoising_steps,
-                        clean_block=self.spec.tokens_per_frame, inputs=inputs)
+                        clean_block=self.spec.tokens_per_frame, inputs=inputs,
+                        splits=self._splits(tokens))
         return CaptureRequest(key, self.chunk_fn, inputs,
                               functools.partial(self._after_replay, tokens))
+
+    def _splits(self, tokens: int) -> tuple[int, ...]:
+        """Split-KV S of each forward of a chunk (empty for a backend that never splits)."""
+        split_for = getattr(self.model.blocks[0].attn.backend, "split_for", None)
+        if split_for is None:
+            return ()
+        blocks = [tokens] * self.spec.denoising_steps + [self.spec.tokens_per_frame]
+        return tuple(split_for(self.geometry, self.model_spec.tokens_per_page,
+                               self.model_spec.num_heads, tokens, b, self.device) for b in blocks)
 
     def chunk_key(self, tokens: int):
         """The `GraphKey` of chunks of ``tokens`` tokens."""

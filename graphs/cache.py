@@ -24,6 +24,7 @@ State effects, the contract callers must know:
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 import msgspec
@@ -79,10 +80,13 @@ class GraphCache:
             Shape and dtype of given inputs are checked always.
         warmup_iters: eager calls before each capture (default 2).
         shared_pool: capture every graph into one pool (True), or each into its own.
+        kernel_only: turn the memset nodes of each captured graph into kernel nodes
+            before it is instantiated (`framekv.graphs.rewrite`), so that a launch
+            costs the same few µs however many nodes the graph holds.
     """
 
     def __init__(self, device, *, debug: bool = False, warmup_iters: int = 2,
-                 shared_pool: bool = True):
+                 shared_pool: bool = True, kernel_only: bool = True):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -91,6 +95,7 @@ class GraphCache:
         if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
             raise ValueError(f"warmup_iters must be an integer >= 0, got {warmup_iters!r}")
         self.debug, self.warmup_iters, self.shared_pool = debug, warmup_iters, shared_pool
+        self.kernel_only = kernel_only
         self._entries: dict[GraphKey, CapturedGraph] = {}
         self._pool = None  # torch.cuda.graph_pool_handle(), made at the first capture
         self._side: torch.cuda.Stream | None = None
@@ -214,7 +219,7 @@ class GraphCache:
         dev = self.device
         torch.cuda.synchronize(dev)
         alloc0, reserved0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
-        graph = torch.cuda.CUDAGraph()
+        graph = _new_graph()
         side = self._side_stream()
         side.wait_stream(torch.cuda.current_stream(dev))
         pool = self._pool_handle()
@@ -229,6 +234,7 @@ class GraphCache:
                 raise GraphCaptureError(f"capture of {entry.key.summary()} failed: {exc}") from exc
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
+        entry.memsets_replaced = _instantiate(graph, self.kernel_only)
         try:
             entry.set_captured(graph, outputs)
         except ValueError as exc:
@@ -317,6 +323,34 @@ def _describe_mismatch(want: tuple[TensorSpec, ...], got: tuple[TensorSpec, ...]
             return (f"input {name!r} is {g[name].summary()} (strides {list(g[name].stride)}), the "
                     f"key says {w[name].summary()} (strides {list(w[name].stride)})")
     return "inputs do not match the key"
+
+
+def _new_graph() -> torch.cuda.CUDAGraph:
+    """A graph whose raw cudaGraph_t stays after capture (to rewrite and inspect)."""
+    try:
+        return torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:  # a torch without keep_graph: graphs are used as captured
+        return torch.cuda.CUDAGraph()
+
+
+def _instantiate(graph: torch.cuda.CUDAGraph, kernel_only: bool) -> int:
+    """Rewrite memset nodes (when asked and the graph was kept), then instantiate;
+    returns how many memset nodes became kernel nodes."""
+    try:
+        graph.raw_cuda_graph()
+    except (RuntimeError, AttributeError):  # instantiated at capture end already
+        return 0
+    replaced = 0
+    if kernel_only:
+        from .rewrite import replace_memsets
+
+        try:
+            replaced = replace_memsets(graph)
+        except Exception as exc:  # the graph is still whole: launch it as captured
+            warnings.warn(f"memset nodes not rewritten ({exc}); graph launches cost per node",
+                          stacklevel=3)
+    graph.instantiate()
+    return replaced
 
 
 def _end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) -> None:

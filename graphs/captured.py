@@ -81,6 +81,7 @@ class CapturedGraph:
         self.hits = 0
         self.capture_seconds = 0.0
         self.allocated_bytes = self.reserved_bytes = 0
+        self.memsets_replaced = 0  # memset nodes turned into kernel nodes at capture
         self._remember_addresses()
 
     @property

@@ -123,6 +123,9 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "chunk:4x1576+clean394+commit"; two callables with equal layouts but
             different work must not share a graph.
         inputs: layouts of the static input buffers, sorted by name.
+        splits: split-KV sub-rows S of each forward (``block_sizes`` order), or empty
+            when the attention does not split; a different S launches a different
+            cuDNN graph, a different grid and a merge.
 
     Never the commit count or staging offset: those change device contents, not the
     graph. Keys are hashable, compare by value and encode to JSON.
@@ -134,9 +137,16 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_sizes: tuple[int, ...]
     program: str
     inputs: tuple[TensorSpec, ...] = ()
+    splits: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("GraphKey.owner", self.owner, 0)
+        msgspec.structs.force_setattr(self, "splits", tuple(self.splits))
+        if self.splits and len(self.splits) != len(self.block_sizes):
+            raise ValueError(f"GraphKey.splits must give one S per block size "
+                             f"({len(self.block_sizes)}), got {self.splits}")
+        for i, sp in enumerate(self.splits):
+            _check_int(f"GraphKey.splits[{i}]", sp, 1)
         msgspec.structs.force_setattr(self, "block_sizes", tuple(self.block_sizes))
         msgspec.structs.force_setattr(self, "inputs", tuple(self.inputs))
         _check_int("GraphKey.tokens", self.tokens, 0)
@@ -175,10 +185,11 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @classmethod
     def build(cls, *, owner: int, program: str, inputs: Mapping[str, torch.Tensor] | None = None,
               geometry: Geometry | None = None, tokens: int = 0,
-              block_sizes: tuple[int, ...] = ()) -> "GraphKey":
+              block_sizes: tuple[int, ...] = (), splits: tuple[int, ...] = ()) -> "GraphKey":
         """A key from live input tensors (their layouts are taken, not their addresses)."""
         return cls(owner=owner, geometry=geometry, tokens=tokens,
-                   block_sizes=tuple(block_sizes), program=program, inputs=input_specs(inputs))
+                   block_sizes=tuple(block_sizes), program=program, inputs=input_specs(inputs),
+                   splits=tuple(splits))
 
     def summary(self) -> str:
         """One line for logs and reports."""
@@ -186,6 +197,8 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         geom = (f" P={g.pin_tokens} W={g.window_tokens} M={g.max_staged_tokens}"
                 if g is not None else "")
         blocks = "/".join(map(str, self.block_sizes)) or "-"
+        if self.splits:
+            blocks += " splits=" + "/".join(map(str, self.splits))
         ins = " ".join(s.summary() for s in self.inputs)
         return (f"{self.program} T={self.tokens} blocks={blocks}{geom} owner={self.owner}"
                 + (f" in: {ins}" if ins else ""))

@@ -102,10 +102,12 @@ class SequenceProgram:
 
 # ------------------------------------------------------------------ standard keys
 def forward_key(owner: int, geometry: Geometry | None, tokens: int, block_size: int,
-                inputs: Mapping[str, torch.Tensor] | None = None) -> GraphKey:
-    """Key of one forward of ``tokens`` real tokens cut into ``block_size`` blocks."""
+                inputs: Mapping[str, torch.Tensor] | None = None, split: int | None = None) -> GraphKey:
+    """Key of one forward of ``tokens`` real tokens cut into ``block_size`` blocks
+    (``split``: its split-KV S, None when the attention does not split)."""
     return GraphKey.build(owner=owner, geometry=geometry, tokens=tokens,
-                          block_sizes=(block_size,), program="forward", inputs=inputs)
+                          block_sizes=(block_size,), program="forward", inputs=inputs,
+                          splits=() if split is None else (split,))
 
 
 def commit_key(owner: int, geometry: Geometry | None, n: int,
@@ -132,7 +134,8 @@ def chunk_labels(tokens: int, *, denoise_steps: int, denoise_block: int | None =
 def chunk_key(owner: int, geometry: Geometry | None, tokens: int, *, denoise_steps: int,
               denoise_block: int | None = None, clean_block: int | None = None,
               commit: bool | int = True,
-              inputs: Mapping[str, torch.Tensor] | None = None) -> GraphKey:
+              inputs: Mapping[str, torch.Tensor] | None = None,
+              splits: tuple[int, ...] = ()) -> GraphKey:
     """Key of a whole chunk: ``denoise_steps`` forwards, a clean forward, a commit.
 
     Args:
@@ -140,6 +143,7 @@ def chunk_key(owner: int, geometry: Geometry | None, tokens: int, *, denoise_ste
         clean_block: block size of the clean forward, or None when there is none.
         commit: True commits the chunk's ``tokens``; an int commits that many; False
             or 0 commits nothing.
+        splits: split-KV S of each forward (``block_sizes`` order), or empty.
     Example: ``chunk_key(o, g, 1576, denoise_steps=4, clean_block=394)`` has program
     ``"chunk:4x1576+clean394+commit"`` and block sizes ``(1576,) * 4 + (394,)``.
     """
@@ -148,4 +152,4 @@ def chunk_key(owner: int, geometry: Geometry | None, tokens: int, *, denoise_ste
     blocks = (denoise_block or tokens,) * denoise_steps
     blocks += (clean_block,) if clean_block is not None else ()
     return GraphKey.build(owner=owner, geometry=geometry, tokens=tokens, block_sizes=blocks,
-                          program=program_string("chunk", labels), inputs=inputs)
+                          program=program_string("chunk", labels), inputs=inputs, splits=splits)

@@ -11,6 +11,8 @@ from ._launch import use_kernel
 from .advance_commit import advance_commit_, advance_commit_reference
 from .causal_layout import causal_layout_, causal_layout_reference
 from .copy_kv_slots import CopyKVSlots, bind_copy_kv_slots, copy_kv_slots_, copy_kv_slots_reference
+from .merge_split_kv import (MergeSplitKV, bind_merge_split_kv, merge_split_kv_,
+                             merge_split_kv_reference)
 from .rotate_rows import RotateRows, bind_rotate_rows, rotate_rows_, rotate_rows_reference
 from .scatter_kv_slots import (ScatterKVSlots, bind_scatter_kv_slots, scatter_kv_slots_,
                                scatter_kv_slots_reference)
@@ -22,4 +24,5 @@ __all__ = [
     "scatter_kv_slots_", "scatter_kv_slots_reference", "bind_scatter_kv_slots",
     "ScatterKVSlots",
     "copy_kv_slots_", "copy_kv_slots_reference", "bind_copy_kv_slots", "CopyKVSlots",
+    "merge_split_kv_", "merge_split_kv_reference", "bind_merge_split_kv", "MergeSplitKV",
 ]

@@ -68,6 +68,8 @@ CHANGES = {
     "input dtype": dict(inputs={"x": torch.zeros(8, 16, dtype=torch.float16)}),
     "input device": dict(inputs={"x": torch.zeros(8, 16, device="meta")}),
     "input name": dict(inputs={"y": torch.zeros(8, 16)}),
+    "splits": dict(splits=(2, 2, 1)),
+    "split of one forward": dict(splits=(1, 1, 2)),
 }
 
 
@@ -80,7 +82,7 @@ def test_every_baked_field_changes_the_key(change):
 
 def test_key_fields_are_exactly_what_a_graph_bakes():
     assert GraphKey.__struct_fields__ == ("owner", "geometry", "tokens", "block_sizes",
-                                          "program", "inputs")
+                                          "program", "inputs", "splits")
 
 
 def test_key_never_includes_the_commit_count():
@@ -119,6 +121,8 @@ def test_key_json_round_trip_and_summary():
     (dict(block_sizes=(2,)), "block_sizes[0] must be one of the geometry's causal_block_sizes"),
     (dict(tokens=16, block_sizes=(8,)), "tokens must be <= the geometry's max_staged_tokens (8)"),
     (dict(program=" "), "GraphKey.program must be a non-empty string"),
+    (dict(splits=(2,)), "GraphKey.splits must give one S per block size (3), got (2,)"),
+    (dict(splits=(2, 0, 1)), "GraphKey.splits[1] must be >= 1"),
 ])
 def test_key_validation(over, message):
     with raises(ValueError, message):

@@ -190,3 +190,70 @@ def test_replay_host_cost():
         print(f"  {name:40s} {us:7.2f} us")
     # The cache's bookkeeping must stay small next to the launch itself.
     assert costs["cache.replay(key)"] < costs["CUDAGraph.replay"] + 10
+
+
+# ---------------------------------------------------------------------------- memset rewrite
+def _memsets(buf: torch.Tensor) -> None:
+    """Three driver memsets on torch's stream: bytes, a pitched 2-D of uint16, uint32s."""
+    from cuda.bindings import driver as dr
+
+    stream = dr.CUstream(init_value=torch.cuda.current_stream().cuda_stream)
+    base = buf.data_ptr()
+    assert int(dr.cuMemsetD8Async(base, 0x5A, 1000, stream)[0]) == 0
+    # 7 rows of 24 uint16 (48 bytes), 64 bytes apart, from byte 1024
+    assert int(dr.cuMemsetD2D16Async(base + 1024, 64, 0xBEEF, 24, 7, stream)[0]) == 0
+    assert int(dr.cuMemsetD32Async(base + 2048, 0x01020304, 300, stream)[0]) == 0
+
+
+def test_memset_nodes_become_kernel_nodes_writing_the_same_bytes():
+    from framekv.graphs.inspect import graph_info
+
+    buf = torch.zeros(4096, dtype=torch.uint8, device=DEV)
+    want = buf.clone()
+    _memsets(want)  # eager
+    torch.cuda.synchronize()
+    for kernel_only in (True, False):
+        cache = GraphCache(DEV, kernel_only=kernel_only)
+        key = GraphKey.build(owner=1, program="memsets", inputs={})
+        entry = cache.capture(key, lambda: _memsets(buf), {})
+        buf.fill_(0x11)  # dirty every byte, the untouched ones included
+        expect = want.clone()
+        expect[want == 0] = 0x11
+        cache.replay(key)
+        torch.cuda.synchronize()
+        assert torch.equal(buf, expect), f"kernel_only={kernel_only}"
+        info = graph_info(entry.graph)
+        print(f"\nkernel_only={kernel_only}: {info}")
+        if kernel_only:
+            assert entry.memsets_replaced == 3 and info.types == {"kernel": 3}
+        else:
+            assert entry.memsets_replaced == 0 and info.types == {"memset": 3}
+        assert info.straight_line
+
+
+def test_cudnn_forward_graph_is_kernel_only_and_replays_like_eager():
+    from framekv.engine import CachedAttention, CausalKVCache
+    from framekv.graphs.inspect import graph_info
+
+    g = Geometry(64, 1536, 256, (64, 256))
+    cache = CausalKVCache(num_layers=1, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16,
+                          tokens_per_page=32, device=DEV,
+                          pool_tokens=CausalKVCache.pool_tokens_for(g, 32))
+    cache.open(g)
+    mod = CachedAttention(8, 2, 128, backend="cudnn", layer_idx=0)
+    qkv = {"qkv": torch.randn(1, 256, 12, 128, device=DEV, dtype=torch.bfloat16)}
+    graphs = GraphCache(DEV)
+    key = GraphKey.build(owner=1, geometry=g, tokens=256, block_sizes=(256,), program="fwd",
+                         inputs=qkv)
+    fwd = lambda qkv: mod(qkv, kv_cache=cache, seq_len=256, causal_block_size=256)  # noqa: E731
+    entry = graphs.capture(key, fwd, qkv, after_replay=lambda: cache.note_staged(256))
+    info = graph_info(entry.graph)
+    print(f"\ncuDNN forward graph: {info}, {entry.memsets_replaced} memsets replaced")
+    assert "memset" not in info.types and info.straight_line
+    for i in range(6):
+        x = {"qkv": torch.randn(1, 256, 12, 128, device=DEV, dtype=torch.bfloat16)}
+        got = graphs.replay(key, x).clone()
+        want = fwd(x["qkv"])
+        assert torch.equal(got, want), f"step {i}"
+        cache.commit(256)
+    cache.shutdown()

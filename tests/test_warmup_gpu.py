@@ -17,8 +17,9 @@ from framekv.graphs import decode_report
 pytestmark = pytest.mark.gpu
 
 
-def run_tool(cache_dir: Path, json_path: Path, preset: str = "tiny") -> tuple[float, float]:
-    """``framekv warmup`` in a new process: (warm-up seconds from the report, process wall)."""
+def run_tool(cache_dir: Path, json_path: Path, preset: str = "tiny") -> tuple[float, float, str]:
+    """``framekv warmup`` in a new process: (warm-up seconds from the report, process
+    wall, stdout)."""
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "framekv.tools.warmup", preset, "--device", "cuda",
                           "--cache-dir", str(cache_dir), "--json", str(json_path), "--no-progress"],
@@ -26,19 +27,21 @@ def run_tool(cache_dir: Path, json_path: Path, preset: str = "tiny") -> tuple[fl
     wall = time.perf_counter() - t0
     assert out.returncode == 0, out.stderr
     print(out.stdout)
-    return decode_report(json_path.read_bytes()).seconds, wall
+    return decode_report(json_path.read_bytes()).seconds, wall, out.stdout
 
 
 def test_second_process_warms_up_faster_from_the_cache_dir(tmp_path):
     cache_dir = tmp_path / "cache"
-    cold, cold_wall = run_tool(cache_dir, tmp_path / "cold.json")
-    warm, warm_wall = run_tool(cache_dir, tmp_path / "warm.json")
+    cold, cold_wall, cold_out = run_tool(cache_dir, tmp_path / "cold.json")
+    warm, warm_wall, warm_out = run_tool(cache_dir, tmp_path / "warm.json")
     numba_files = sorted(p.name for p in (cache_dir / "numba").rglob("*") if p.is_file())
     plan_files = sorted(p.name for p in (cache_dir / "cudnn").glob("*.plan"))
     print(f"cold warm-up {cold:.3f} s (process {cold_wall:.1f} s), second process "
           f"{warm:.3f} s (process {warm_wall:.1f} s); {len(numba_files)} numba cache files, "
           f"{len(plan_files)} cuDNN plan files")
     assert any(name.endswith(".nbi") for name in numba_files), numba_files
+    assert plan_files and "0 loaded from disk" in cold_out
+    assert f"0 built, {len(plan_files)} loaded from disk" in warm_out
     assert warm < cold
 
 

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from . import warmup
+from . import bench, warmup
 
 
 def _cmd_info(args) -> int:
@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="max abs error allowed (default: 1e-4 in fp32, 2e-2 in bf16)")
     verify.set_defaults(func=_cmd_verify)
     warmup.add_parser(sub)
+    bench.add_parser(sub)
     return p
 
 

@@ -6,7 +6,7 @@ preset file works too); anything else is a shipped preset's name, whose rollout
 implies the plan. Prints one row per graph (capture seconds, pool memory) and the
 totals; ``--json FILE`` writes the report (`framekv.graphs.decode_report` reads it).
 ``--cache-dir DIR`` (default: the plan's ``cache_dir``) keeps compiled numba kernels
-for the next process (cuDNN plans are rebuilt in each process).
+and built cuDNN plans for the next process.
 
 Run as ``framekv warmup ...`` or ``python -m framekv.tools.warmup ...``. Importing this
 module imports neither torch nor the engine: the command does, when it runs.
@@ -42,7 +42,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", metavar="FILE", default=None,
                    help="write the report as JSON to FILE")
     p.add_argument("--cache-dir", metavar="DIR", default=None,
-                   help="keep compiled numba kernels in DIR (default: the plan's cache_dir)")
+                   help="keep compiled numba kernels and cuDNN plans in DIR "
+                        "(default: the plan's cache_dir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
@@ -143,6 +144,9 @@ def _header(name: str, plan, result, cache_dir) -> str:
     if cache_dir:
         lines.append(f"cache dir: {cache_dir}" + (" (unused on cpu: nothing is compiled)"
                                                   if result.graphs.eager else ""))
+    built = getattr(stack.backend, "plans_built", None)
+    if built is not None:
+        lines.append(f"cuDNN plans: {built} built, {stack.backend.plans_loaded} loaded from disk")
     return "\n".join(lines)
 
 

@@ -1,0 +1,204 @@
+"""The chunk cycle over every layer of a preset's attention stack.
+
+One chunk of a rollout is ``denoising_steps`` forwards (the chunk one causal block),
+the clean pass (one-frame blocks) and the commit, through all layers. Measured here:
+
+- device time of each piece as its own graph (a denoising forward, the clean pass,
+  the commit) and of the whole chunk as one graph, and the chunk against the sum of
+  its pieces (what one graph costs beyond its kernels);
+- the chunk as per-forward graphs (one replay per forward and the commit);
+- host cost of one whole-chunk replay (the device idle before it: the launch cost),
+  and of the commit's host side alone;
+- the eager chunk for reference;
+- the warm-up of the preset's plan in a new process, cold and with the cache dir of
+  the cold run (numba kernels and cuDNN plans from disk).
+
+The window is filled first (commits only: timing does not depend on K/V values), so
+every forward attends the steady-state key count P + W + T.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgspec
+import torch
+
+from framekv import specs
+from framekv.engine.attention_stack import AttentionStack
+from framekv.graphs import GraphCache, decode_report
+from framekv.graphs.inspect import graph_info
+
+from .timing import device_times, host_times, interleaved_device_times, summary, wall_times
+
+
+def _capture_all(stack: AttentionStack, graphs: GraphCache, g, T: int, frame: int, steps: int):
+    keys = {}
+    for name, req in (("denoise", stack.forward_request(g, T, T)),
+                      ("clean", stack.forward_request(g, T, frame)),
+                      ("commit", stack.commit_request(g, T)),
+                      ("chunk", stack.chunk_request(g, T, denoise_steps=steps, clean_block=frame))):
+        graphs.capture(req.key, req.fn, req.inputs, after_replay=req.after_replay,
+                       warmup_fn=req.warmup_fn)
+        keys[name] = req.key
+    return keys
+
+
+def _fill_window(stack: AttentionStack, graphs: GraphCache, commit_key, g, T: int) -> None:
+    cache = stack.cache
+    while cache.committed_tokens < g.pin_tokens + g.window_tokens:
+        cache.note_staged(T)
+        graphs.replay(commit_key)
+    torch.cuda.synchronize()
+
+
+def measure_chunk(preset: specs.Preset, *, iters: int = 10, progress=print) -> dict:
+    """Device and host times of a preset's chunk cycle (see the module doc)."""
+    g, r = preset.rollout.geometry(), preset.rollout
+    T, frame, steps = g.max_staged_tokens, r.tokens_per_frame, r.denoising_steps
+    stack = AttentionStack(preset.warmup_plan().kv, [g], device="cuda",
+                           num_heads=preset.model.num_heads)
+    graphs = GraphCache("cuda")
+    progress(f"chunk: capturing {stack.kv.num_layers}-layer forwards, commit and whole chunk")
+    keys = _capture_all(stack, graphs, g, T, frame, steps)
+    stack.reset()
+    stack.cache.open(g)
+    _fill_window(stack, graphs, keys["commit"], g, T)
+    cache = stack.cache
+
+    def commit() -> None:
+        cache.note_staged(T)
+        graphs.replay(keys["commit"])
+
+    def per_forward() -> None:
+        for _ in range(steps):
+            graphs.replay(keys["denoise"])
+        graphs.replay(keys["clean"])
+        commit()
+
+    def chunk() -> None:
+        graphs.replay(keys["chunk"])
+
+    handle = graphs.get(keys["chunk"])
+    x = stack.qkv_input(T)["qkv"]
+    progress("chunk: timing pieces, per-forward graphs and the whole-chunk graph")
+    # Taken in turn, so that the GPU's clock drifting over minutes of full load shifts
+    # the pieces and the whole chunk alike.
+    dev = interleaved_device_times({
+        "denoise_forward": lambda: graphs.replay(keys["denoise"]),
+        "clean_pass": lambda: graphs.replay(keys["clean"]),
+        "commit": commit, "per_forward_graphs": per_forward, "whole_chunk_graph": chunk}, iters)
+    dev["commit"] += device_times(commit, 50)
+    host = {"whole_chunk_replay": host_times(chunk, max(iters, 20)),
+            "whole_chunk_cudagraph_launch": host_times(handle.graph.replay, max(iters, 20)),
+            "per_forward_replays": host_times(per_forward, max(iters, 20)),
+            "commit_replay": host_times(commit, 50),
+            "commit_eager": host_times(lambda: (cache.note_staged(T), cache.commit(T)), 50),
+            "chunk_eager_wall": wall_times(lambda: stack.chunk(
+                x, T, denoise_steps=steps, clean_block=frame), 3)}
+    out = _chunk_result(dev, host, stack, g, T, frame, steps)
+    out["chunk_graph"] = {**msgspec.structs.asdict(graph_info(handle.graph)),
+                          "memsets_replaced": handle.memsets_replaced}
+    graphs.clear()
+    cache.shutdown()
+    return out
+
+
+def _chunk_result(dev, host, stack, g, T, frame, steps) -> dict:
+    med = {k: statistics.median(v) for k, v in dev.items()}
+    parts = steps * med["denoise_forward"] + med["clean_pass"] + med["commit"]
+    return {
+        "layers": stack.kv.num_layers, "tokens": T, "clean_block": frame,
+        "denoising_steps": steps, "keys": g.pin_tokens + g.window_tokens + T,
+        "device_us": {k: summary(v) for k, v in dev.items()},
+        "host_us": {k: summary(v) for k, v in host.items()},
+        "sum_of_pieces_us": parts,
+        "whole_chunk_over_pieces": med["whole_chunk_graph"] / parts,
+        # Adjacent in time, so clock drift cancels: the cleaner comparison.
+        "whole_over_per_forward_paired": statistics.median(
+            w / p for w, p in zip(dev["whole_chunk_graph"], dev["per_forward_graphs"])),
+    }
+
+
+def measure_warmup(preset_name: str, progress=print) -> dict:
+    """``framekv warmup PRESET`` in two new processes sharing a fresh cache dir."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label in ("cold", "warm"):
+            progress(f"warm-up: {label} process")
+            path = os.path.join(tmp, f"{label}.json")
+            start = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "framekv.tools.warmup", preset_name,
+                                   "--device", "cuda", "--cache-dir", os.path.join(tmp, "cache"),
+                                   "--json", path, "--no-progress"], capture_output=True, text=True)
+            wall = time.perf_counter() - start
+            if proc.returncode:
+                raise RuntimeError(f"framekv warmup {preset_name} failed:\n{proc.stderr}")
+            report = decode_report(open(path, "rb").read())
+            plans = [ln for ln in proc.stdout.splitlines() if ln.startswith("cuDNN plans:")]
+            out[label] = {"warmup_seconds": report.seconds, "process_seconds": wall,
+                          "graphs": report.graphs, "reserved_bytes": report.reserved_bytes,
+                          "cudnn_plans": plans[0] if plans else ""}
+    return out
+
+
+def format_chunk(res: dict) -> str:
+    d, h = res["device_us"], res["host_us"]
+    lines = [f"chunk cycle: {res['layers']} layers, T={res['tokens']} over {res['keys']} keys, "
+             f"{res['denoising_steps']} denoising forwards + clean pass "
+             f"({res['clean_block']}-token blocks) + commit",
+             f"  {'device (median µs)':<30}{'median':>12}{'p10':>12}{'p90':>12}"]
+    for k, v in d.items():
+        lines.append(f"  {k:<30}{v['median']:>12.1f}{v['p10']:>12.1f}{v['p90']:>12.1f}")
+    lines.append(f"  whole chunk / sum of pieces = {res['whole_chunk_over_pieces']:.4f} "
+                 f"(pieces {res['sum_of_pieces_us']:.1f} µs); per iteration, whole chunk / "
+                 f"per-forward graphs = {res['whole_over_per_forward_paired']:.4f}")
+    if "chunk_graph" in res:
+        cg = res["chunk_graph"]
+        lines.append(f"  chunk graph: {cg['nodes']} nodes {cg['types']}, straight-line "
+                     f"{cg['straight_line']}, {cg['memsets_replaced']} memsets made kernels")
+    lines.append(f"  {'host (median µs)':<30}{'median':>12}{'p10':>12}{'p90':>12}")
+    for k, v in h.items():
+        lines.append(f"  {k:<30}{v['median']:>12.1f}{v['p10']:>12.1f}{v['p90']:>12.1f}")
+    return "\n".join(lines)
+
+
+def format_warmup(res: dict) -> str:
+    lines = ["warm-up of the plan in a new process (cold, then with the cold run's cache dir):"]
+    for label, r in res.items():
+        lines.append(f"  {label:<5} warm-up {r['warmup_seconds']:8.2f} s, process "
+                     f"{r['process_seconds']:6.1f} s, {r['graphs']} graphs, "
+                     f"{r['reserved_bytes'] / 2**20:.0f} MiB pool; {r['cudnn_plans']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="the chunk cycle and the warm-up of a preset")
+    ap.add_argument("--preset", default="seed-bench")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-warmup", action="store_true", help="skip the cold/warm warm-up runs")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    preset = specs.load_preset(args.preset)
+    res = {"chunk": measure_chunk(preset, iters=args.iters)}
+    print(format_chunk(res["chunk"]))
+    if not args.no_warmup:
+        res["warmup"] = measure_warmup(args.preset)
+        print(format_warmup(res["warmup"]))
+    if args.json:
+        from .timing import environment
+
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "environment": environment(), **res}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Timing primitives shared by the benchmark sections.
+
+Every device time is a CUDA-event interval around one replay of a captured CUDA graph
+(launch overhead is out of the number), taken after warm-up, with the L2 cache flushed
+before each interval where asked. Host times are `time.perf_counter` intervals.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+#: Bytes written to flush the L2 (H200: 60 MiB of L2; four times that evicts it all).
+FLUSH_BYTES = 256 << 20
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    """median, p10, p90, min and count of ``samples``."""
+    ts = sorted(samples)
+    n = len(ts)
+    return {"median": statistics.median(ts), "p10": ts[n // 10], "p90": ts[(9 * n) // 10],
+            "min": ts[0], "n": n}
+
+
+def captured_graph(fn: Callable[[], object], launches: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``launches`` calls of ``fn``, warmed up on a side stream first
+    (lazy initialisation, kernel loading and cuDNN plans stay out of the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    return graph
+
+
+class Flusher:
+    """Evicts the L2 by zeroing a buffer larger than it (one memset kernel)."""
+
+    def __init__(self, enabled: bool = True):
+        self.buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if enabled else None
+
+    def __call__(self) -> None:
+        if self.buf is not None:
+            self.buf.zero_()
+
+
+def device_times(replay: Callable[[], object], iters: int, flush: Flusher | None = None,
+                 warmup: int = 3) -> list[float]:
+    """µs of each of ``iters`` calls of ``replay`` between CUDA events (flushed before each)."""
+    for _ in range(warmup):
+        replay()
+    pairs = []
+    for _ in range(iters):
+        if flush is not None:
+            flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in pairs]
+
+
+def interleaved_device_times(calls: dict[str, Callable[[], object]], iters: int,
+                             flush: Flusher | None = None, warmup: int = 2) -> dict[str, list[float]]:
+    """`device_times` of several callables taken in turn (A B C A B C ...), so that slow
+    drifts of the clock (a GPU heating up over seconds of work) hit each alike."""
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    pairs = {name: [] for name in calls}
+    for _ in range(iters):
+        for name, call in calls.items():
+            if flush is not None:
+                flush()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            pairs[name].append((start, end))
+        torch.cuda.synchronize()
+    return {name: [s.elapsed_time(e) * 1e3 for s, e in ps] for name, ps in pairs.items()}
+
+
+def host_times(call: Callable[[], object], iters: int, *, drain: bool = True) -> list[float]:
+    """µs of host wall per call of ``call``; with ``drain`` the device is idle before each
+    call, so the number is the launch cost, not time spent waiting on a full queue."""
+    out = []
+    for _ in range(iters):
+        if drain:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        out.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return out
+
+
+def wall_times(call: Callable[[], object], iters: int) -> list[float]:
+    """µs of host wall per call including the device finishing it (synchronized)."""
+    out = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def matmul_ceiling(flush: Flusher | None = None) -> float:
+    """Measured bf16 TFLOP/s of an 8192³ matmul: the roofline the attention is put against."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    graph = captured_graph(lambda: torch.matmul(a, b, out=c))
+    us = statistics.median(device_times(graph.replay, 20, flush))
+    return 2 * n ** 3 / us / 1e6
+
+
+def environment() -> dict[str, str]:
+    """What the numbers were measured on."""
+    import importlib.metadata as md
+
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "cuda": str(torch.version.cuda), "cudnn_torch": str(torch.backends.cudnn.version())}
+    for dist in ("nvidia-cudnn-frontend", "numba-cuda"):
+        try:
+            env[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            env[dist] = "absent"
+    try:
+        import cudnn
+
+        env["cudnn_frontend_backend"] = str(cudnn.backend_version())
+    except ImportError:
+        pass
+    return env

@@ -1,0 +1,67 @@
+"""What a captured CUDA graph holds: node count, node types, shape of its dependencies.
+
+CUDA launches a graph in constant host time only when it is straight-line (every
+node one dependency and one dependent) and made of kernel nodes; memset/memcpy or
+event nodes, or fan-out, make the launch cost grow with the node count. This is the
+first thing to look at when a replay's host cost is high.
+
+    info = graph_info(captured.graph)     # a torch.cuda.CUDAGraph
+    info.nodes, info.types, info.straight_line
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import msgspec
+import torch
+
+
+class GraphInfo(msgspec.Struct, frozen=True):
+    """Nodes of one CUDA graph.
+
+    Attributes:
+        nodes: how many.
+        types: node type name ("kernel", "memset", "memcpy", ...) -> count.
+        max_dependencies, max_dependents: the widest join and fork.
+        straight_line: every node has at most one dependency and one dependent.
+    """
+
+    nodes: int
+    types: dict[str, int]
+    max_dependencies: int
+    max_dependents: int
+    straight_line: bool
+
+
+def graph_info(graph: torch.cuda.CUDAGraph) -> GraphInfo:
+    """Inspect ``graph`` (captured, not reset) through the CUDA runtime."""
+    from cuda.bindings import runtime as rt
+
+    raw = rt.cudaGraph_t(init_value=graph.raw_cuda_graph())
+    nodes = _call(rt.cudaGraphGetNodes, raw, _count(rt.cudaGraphGetNodes, raw))
+    types, deps, dependents = Counter(), 0, 0
+    for node in nodes:
+        kind = _call(rt.cudaGraphNodeGetType, node)
+        types[kind.name.removeprefix("cudaGraphNodeType").lower()] += 1
+        deps = max(deps, _count(rt.cudaGraphNodeGetDependencies, node))
+        dependents = max(dependents, _count(rt.cudaGraphNodeGetDependentNodes, node))
+    return GraphInfo(nodes=len(nodes), types=dict(types), max_dependencies=deps,
+                     max_dependents=dependents, straight_line=deps <= 1 and dependents <= 1)
+
+
+def _count(fn, handle) -> int:
+    """The count a CUDA list query reports when asked for 0 entries."""
+    out = fn(handle, 0)
+    _check(out[0])
+    return int(out[-1])
+
+
+def _call(fn, *args):
+    out = fn(*args)
+    _check(out[0])
+    return out[1] if len(out) > 1 else None
+
+
+def _check(err) -> None:
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA runtime call failed: {err}")

@@ -1,0 +1,501 @@
+"""``merge_split_kv_``: merge the partial outputs of split-KV attention in one pass.
+
+Split-KV attention cuts each causal block's keys into S sub-rows that run as extra
+batch entries of one paged SDPA call (cuDNN batch index n = s * nb + i for split s of
+block i). Sub-row n yields a partial output O_n, normalised within the sub-row, and
+its softmax statistic lse_n (natural-log logsumexp of its scaled scores, fp32). The
+exact output of block i is
+
+    sum_s w_s O_(s*nb+i),   w_s = exp(lse_s - m) / sum_r exp(lse_r - m),  m = max_s lse_s
+
+over the sub-rows that have keys; a sub-row with no keys is skipped (its O and lse are
+never used, so garbage, NaN or -inf there cannot leak), and a block none of whose
+sub-rows has keys gets zero rows. Rows at or past ``seq_len`` (padding) are written as
+zeros.
+
+Kernel: a group of threads per (token, head) row, one 16-byte word (8 values) per
+thread at D = 128 (16 threads per row); a CTA holds several groups and grid-strides
+over rows. Each thread reads the row's S statistics (twice: max, then weights), loads
+its word of every non-empty split (up to four loads in flight before any is used),
+accumulates in fp32 and stores one rounded 16-byte word. Every input byte is read once
+and every output byte written once, so the cost is the bytes moved.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from numba import cuda
+from numba import float32 as _f32
+
+from . import _launch
+from ._launch import Kernel, array_arg, blocks_for, int_arg, use_kernel
+from ._validate import check_last_dim_contiguous, check_no_overlap, check_same_device, check_tensor
+from ._words import load_word, store_word
+from .advance_commit import check_int
+
+__all__ = ["merge_split_kv_", "merge_split_kv_reference", "bind_merge_split_kv",
+           "MergeSplitKV"]
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_WORD = 16            # bytes per load/store
+_LANES = 8            # 2-byte values per word
+_NEG_INF = np.float32(-np.inf)
+# Threads per CTA at most: the kernel needs ~90 registers, and small CTAs fill an SM's
+# register file more evenly than large ones (more warps resident, more loads in flight).
+_THREADS = 128
+
+# --------------------------------------------------------------------------- conversions
+# A 16-byte word is a complex128 (two float64 holding the raw bits); lane k is the k-th
+# 2-byte value in memory order (little-endian: the low half of the real part first).
+
+if _launch.SIMULATOR:
+
+    def _device(fn):
+        return cuda.jit(device=True)(fn)
+
+    def _as_f32(bits):
+        """Reinterpret int32 bits as float32."""
+        return np.int32(bits).view(np.float32)
+
+    def _lanes(word):
+        return np.array([word], dtype=np.complex128).view(np.uint16)  # [8]
+
+    def _unpack_bf16(word):
+        """The 8 bf16 values of a word, as float32."""
+        return tuple((_lanes(word).astype(np.uint32) << 16).view(np.float32))
+
+    def _unpack_fp16(word):
+        """The 8 fp16 values of a word, as float32."""
+        return tuple(_lanes(word).view(np.float16).astype(np.float32))
+
+    def _pack_bf16(vals):
+        """8 float32 rounded to bf16 (nearest even, NaN -> 0x7FC0), as one word."""
+        f = np.array(vals, dtype=np.float32)  # [8]
+        b = f.view(np.uint32).astype(np.uint64)
+        h = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+        h[np.isnan(f)] = 0x7FC0
+        return h.view(np.complex128)[0]
+
+    def _pack_fp16(vals):
+        """8 float32 rounded to fp16 (nearest even), as one word."""
+        return np.array(vals, dtype=np.float32).astype(np.float16).view(np.complex128)[0]
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils, libdevice
+    from numba.cuda.extending import intrinsic
+
+    def _device(fn):
+        return cuda.jit(device=True, forceinline=True)(fn)
+
+    _as_f32 = libdevice.int_as_float
+
+    _I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+    _F32X8 = types.UniTuple(types.float32, _LANES)
+
+    def _word_lanes(builder, word):
+        """The 8 lanes of a complex128 word as i16, in memory order."""
+        lanes = []
+        for part in range(2):
+            bits = builder.bitcast(builder.extract_value(word, part), _I64)
+            for k in range(4):
+                lanes.append(builder.trunc(builder.lshr(bits, ir.Constant(_I64, 16 * k)), _I16))
+        return lanes
+
+    def _lanes_word(context, builder, lanes):
+        """A complex128 word from 8 i16 lanes in memory order."""
+        word = cgutils.get_null_value(context.get_value_type(types.complex128))
+        for part in range(2):
+            bits = ir.Constant(_I64, 0)
+            for k in range(4):
+                lane = builder.zext(lanes[4 * part + k], _I64)
+                bits = builder.or_(bits, builder.shl(lane, ir.Constant(_I64, 16 * k)))
+            word = builder.insert_value(word, builder.bitcast(bits, ir.DoubleType()), part)
+        return word
+
+    def _bf16_to_f32(builder, lane):
+        wide = builder.shl(builder.zext(lane, _I32), ir.Constant(_I32, 16))
+        return builder.bitcast(wide, _F32)
+
+    def _fp16_to_f32(builder, lane):
+        cvt = ir.InlineAsm(ir.FunctionType(_F32, [_I16]), "cvt.f32.f16 $0, $1;", "=f,h")
+        return builder.call(cvt, [lane])
+
+    def _f32_to_bf16(builder, value):
+        # Round to nearest even on the bits (as torch does); NaN becomes 0x7FC0.
+        bits = builder.bitcast(value, _I32)
+        odd = builder.and_(builder.lshr(bits, ir.Constant(_I32, 16)), ir.Constant(_I32, 1))
+        bias = builder.add(ir.Constant(_I32, 0x7FFF), odd)
+        rounded = builder.trunc(builder.lshr(builder.add(bits, bias), ir.Constant(_I32, 16)), _I16)
+        nan = builder.fcmp_unordered("uno", value, value)
+        return builder.select(nan, ir.Constant(_I16, 0x7FC0), rounded)
+
+    def _f32_to_fp16(builder, value):
+        cvt = ir.InlineAsm(ir.FunctionType(_I16, [_F32]), "cvt.rn.f16.f32 $0, $1;", "=h,f")
+        return builder.call(cvt, [value])
+
+    def _unpacker(convert):
+        def typer(typingctx, word):
+            if word != types.complex128:
+                raise TypeError(f"unpacking needs a complex128 word, got {word}")
+
+            def codegen(context, builder, sig, args):
+                values = [convert(builder, lane) for lane in _word_lanes(builder, args[0])]
+                return context.make_tuple(builder, _F32X8, values)
+
+            return _F32X8(word), codegen
+        return intrinsic(typer)
+
+    def _packer(convert):
+        def typer(typingctx, vals):
+            if vals != _F32X8:
+                raise TypeError(f"packing needs {_F32X8}, got {vals}")
+
+            def codegen(context, builder, sig, args):
+                values = cgutils.unpack_tuple(builder, args[0], _LANES)
+                return _lanes_word(context, builder, [convert(builder, v) for v in values])
+
+            return types.complex128(vals), codegen
+        return intrinsic(typer)
+
+    _unpack_bf16 = _unpacker(_bf16_to_f32)
+    _unpack_fp16 = _unpacker(_fp16_to_f32)
+    _pack_bf16 = _packer(_f32_to_bf16)
+    _pack_fp16 = _packer(_f32_to_fp16)
+
+# --------------------------------------------------------------------------- kernel
+
+
+@_device
+def _row_max(lse, kv_lens, S, nb, blk, h, tt):
+    """Largest statistic of the row's non-empty sub-rows (-inf when none has keys)."""
+    m = _NEG_INF
+    for s in range(S):
+        n = s * nb + blk
+        if kv_lens[n] > 0:
+            v = _as_f32(lse[n, h, tt])
+            if v > m:
+                m = v
+    return m
+
+
+@_device
+def _weight(lse, kv_lens, s, S, nb, blk, h, tt, m):
+    """exp(lse - m) of split s; 0 for s >= S or an empty sub-row."""
+    if s >= S:
+        return _f32(0)
+    n = s * nb + blk
+    if kv_lens[n] <= 0:
+        return _f32(0)
+    return _f32(math.exp(_as_f32(lse[n, h, tt]) - m))
+
+
+@_device
+def _load(partial, s, t, h, w, e):
+    """Word w of split s, or a zero word when it has no weight (never read then)."""
+    if e > 0:
+        return load_word(partial, (s, t, h, w))
+    return 0j
+
+
+@_device
+def _add(acc, word, e, fp16):
+    """acc + e * values(word), skipped when e is 0 (the word may hold NaN garbage)."""
+    if not e > 0:
+        return acc
+    x = _unpack_fp16(word) if fp16 else _unpack_bf16(word)
+    return (acc[0] + e * x[0], acc[1] + e * x[1], acc[2] + e * x[2], acc[3] + e * x[3],
+            acc[4] + e * x[4], acc[5] + e * x[5], acc[6] + e * x[6], acc[7] + e * x[7])
+
+
+@_device
+def _store(out, t, h, w, acc, scale, fp16):
+    vals = (acc[0] * scale, acc[1] * scale, acc[2] * scale, acc[3] * scale,
+            acc[4] * scale, acc[5] * scale, acc[6] * scale, acc[7] * scale)
+    store_word(out, (t, h, w), _pack_fp16(vals) if fp16 else _pack_bf16(vals))
+
+
+@_device
+def _merge_word(out, partial, lse, kv_lens, nb, t, h, w, blk, tt, m, fp16):
+    """Merge word w of row (t, h) over every split and store it."""
+    z = _f32(0)
+    acc = (z, z, z, z, z, z, z, z)
+    den = z
+    if m > _NEG_INF:
+        S = partial.shape[0]
+        for s in range(0, S, 4):
+            # Four weights, then four loads issued before any value is used.
+            e0 = _weight(lse, kv_lens, s, S, nb, blk, h, tt, m)
+            e1 = _weight(lse, kv_lens, s + 1, S, nb, blk, h, tt, m)
+            e2 = _weight(lse, kv_lens, s + 2, S, nb, blk, h, tt, m)
+            e3 = _weight(lse, kv_lens, s + 3, S, nb, blk, h, tt, m)
+            x0 = _load(partial, s, t, h, w, e0)
+            x1 = _load(partial, s + 1, t, h, w, e1)
+            x2 = _load(partial, s + 2, t, h, w, e2)
+            x3 = _load(partial, s + 3, t, h, w, e3)
+            acc = _add(_add(_add(_add(acc, x0, e0, fp16), x1, e1, fp16), x2, e2, fp16),
+                       x3, e3, fp16)
+            den += e0 + e1 + e2 + e3
+    scale = _f32(1) / den if den > 0 else z
+    _store(out, t, h, w, acc, scale, fp16)
+
+
+@cuda.jit
+def _merge_split_kv_kernel(out, partial, lse, kv_lens, block_size, seq_len, group, fp16):
+    # out: [T, H, W] words; partial: [S, T, H, W] words; lse: [S * nb, H, b] float32 bits
+    # (int32); kv_lens: [S * nb] int32; group: threads per row; fp16: values are fp16.
+    T = partial.shape[1]
+    H = partial.shape[2]
+    W = partial.shape[3]
+    nb = T // block_size
+    rows_per_cta = cuda.blockDim.x // group
+    r = cuda.threadIdx.x // group
+    lane = cuda.threadIdx.x - r * group
+    if r >= rows_per_cta:
+        return
+    for row in range(cuda.blockIdx.x * rows_per_cta + r, T * H, cuda.gridDim.x * rows_per_cta):
+        t = row // H
+        h = row - t * H
+        blk = t // block_size
+        tt = t - blk * block_size
+        m = _NEG_INF
+        if t < seq_len:
+            m = _row_max(lse, kv_lens, partial.shape[0], nb, blk, h, tt)
+        for w in range(lane, W, group):
+            _merge_word(out, partial, lse, kv_lens, nb, t, h, w, blk, tt, m, fp16)
+
+
+_KERNEL = Kernel(_merge_split_kv_kernel)
+
+# --------------------------------------------------------------------------- reference
+
+
+def _flat_stats(lse, kv_lens, S, nb, b):
+    """lse [S*nb, H, b(, 1)] -> [S, T, H]; kv_lens -> keep mask [S, T, H]."""
+    H = lse.shape[1]
+    stats = lse.reshape(S, nb, H, b).permute(0, 1, 3, 2).reshape(S, nb * b, H)  # [S, T, H]
+    keep = (kv_lens.reshape(S, nb, 1, 1) > 0).expand(S, nb, b, H).reshape(S, nb * b, H)
+    return stats.float(), keep
+
+
+def merge_split_kv_reference(out, partial, lse, kv_lens, *, block_size: int,
+                             seq_len: int) -> None:
+    """Torch reference of :func:`merge_split_kv_` (same arguments, in place), fp32 math.
+
+    Used on CPU and by tests. Masks instead of indexing: no host synchronisation and
+    no host-to-device copy, so it can also be captured in a CUDA graph (benchmarks do).
+    Accepts any floating ``partial``/``out`` dtype, so tests can merge fp32 partials.
+    """
+    S, T, H, _ = partial.shape
+    nb = T // block_size
+    stats, keep = _flat_stats(lse, kv_lens, S, nb, block_size)         # [S, T, H]
+    stats = stats.masked_fill(~keep, -math.inf)    # empty sub-rows weigh exp(-inf) = 0
+    m = stats.amax(0)                                                   # [T, H]
+    m = m.masked_fill(~torch.isfinite(m), 0)       # a block with no keys at all
+    e = torch.exp(stats - m)                                            # [S, T, H]
+    o = partial.float().masked_fill(~keep[..., None], 0)                # [S, T, H, D]
+    acc = (e[..., None] * o).sum(0)                                     # [T, H, D]
+    res = acc / e.sum(0).clamp_min(1)[..., None]   # the sum is >= 1, or 0 with acc = 0
+    res[seq_len:] = 0
+    out.copy_(res)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_strides(name: str, t: torch.Tensor) -> None:
+    """Raise unless t's rows are 16 bytes apart in multiples (token and head strides)."""
+    per_word = _WORD // t.element_size()
+    if any(size > 1 and st % per_word for size, st in zip(t.shape[:-1], t.stride()[:-1])):
+        raise ValueError(f"{name}: expected strides that are multiples of {per_word} "
+                         f"elements (16-byte rows) except on the last dimension, "
+                         f"got {tuple(t.stride())}")
+
+
+def _check_address(name: str, t: torch.Tensor) -> None:
+    """Raise unless t starts on a 16-byte boundary (needs real data: checked at run)."""
+    if t.data_ptr() % _WORD:
+        raise ValueError(f"{name}: expected a 16-byte aligned start address, got "
+                         f"{t.data_ptr():#x} (storage offset {t.storage_offset()})")
+
+
+def _check_out(out) -> None:
+    check_tensor("out", out, ndims=(3,), layout="[T, H, D]")
+    if out.dtype not in _DTYPES:
+        raise ValueError(f"out: expected dtype torch.bfloat16 or torch.float16, got {out.dtype}")
+    if out.shape[2] % _LANES:
+        raise ValueError(f"out: expected a head dimension D that is a multiple of {_LANES} "
+                         f"(16-byte accesses), got D = {out.shape[2]}")
+    check_last_dim_contiguous("out", out)
+    check_no_overlap("out", out)
+    _check_strides("out", out)
+
+
+def _check_partial(partial, out) -> None:
+    check_tensor("partial", partial, ndims=(4,), layout="[S, T, H, D]")
+    if partial.dtype != out.dtype:
+        raise ValueError(f"partial: expected dtype {out.dtype} (the dtype of out), "
+                         f"got {partial.dtype}")
+    T, H, D = out.shape
+    if partial.shape[0] < 1 or tuple(partial.shape[1:]) != (T, H, D):
+        raise ValueError(f"partial: expected shape [S >= 1, {T}, {H}, {D}] (T, H, D of out), "
+                         f"got {tuple(partial.shape)}")
+    check_same_device("partial", partial, "out", out)
+    check_last_dim_contiguous("partial", partial)
+    _check_strides("partial", partial)
+
+
+def _check_sizes(out, block_size, seq_len) -> None:
+    T = out.shape[0]
+    b = check_int("block_size", block_size, 1)
+    if T % b:
+        raise ValueError(f"block_size: expected a divisor of T = {T} (tokens of out), got {b}")
+    if check_int("seq_len", seq_len) > T:
+        raise ValueError(f"seq_len: expected an integer in [0, {T}] (T, tokens of out), "
+                         f"got {seq_len}")
+
+
+def _check_lse(lse, out, S, nb, b) -> None:
+    check_tensor("lse", lse, ndims=(3, 4), layout="[S * nb, H, b] or [S * nb, H, b, 1]")
+    if lse.dtype != torch.float32:
+        raise ValueError(f"lse: expected dtype torch.float32, got {lse.dtype}")
+    want = (S * nb, out.shape[1], b)
+    if tuple(lse.shape[:3]) != want or lse.shape[3:] not in ((), (1,)):
+        raise ValueError(f"lse: expected shape {list(want)} or {list(want) + [1]} "
+                         f"(S * nb, H, block_size), got {tuple(lse.shape)}")
+    check_same_device("lse", lse, "out", out)
+
+
+def _check_kv_lens(kv_lens, out, S, nb) -> None:
+    check_tensor("kv_lens", kv_lens, ndims=(1, 4), layout="[S * nb] or [S * nb, 1, 1, 1]")
+    if kv_lens.dtype != torch.int32:
+        raise ValueError(f"kv_lens: expected dtype torch.int32, got {kv_lens.dtype}")
+    want = (S * nb,) if kv_lens.dim() == 1 else (S * nb, 1, 1, 1)
+    if tuple(kv_lens.shape) != want:
+        raise ValueError(f"kv_lens: expected shape {list(want)} (S * nb sub-rows), "
+                         f"got {tuple(kv_lens.shape)}")
+    check_same_device("kv_lens", kv_lens, "out", out)
+
+
+def _check(out, partial, lse, kv_lens, block_size, seq_len) -> None:
+    _check_out(out)
+    _check_partial(partial, out)
+    _check_sizes(out, block_size, seq_len)
+    S, nb = partial.shape[0], out.shape[0] // block_size
+    _check_lse(lse, out, S, nb, block_size)
+    _check_kv_lens(kv_lens, out, S, nb)
+
+
+# --------------------------------------------------------------------------- op
+
+
+def _is_noop(out) -> bool:
+    return out.numel() == 0
+
+
+def _kernel_args(out, partial, lse, kv_lens, block_size, seq_len):
+    T, H, D = out.shape
+    W = D // _LANES
+    threads = min(_THREADS, _launch.MAX_THREADS)
+    group = min(W, threads)
+    rows_per_cta = max(1, min(threads // group, T * H))
+    lse3 = lse if lse.dim() == 3 else lse[..., 0]  # [S * nb, H, b]
+    args = [array_arg(out, _WORD), array_arg(partial, _WORD), array_arg(lse3),
+            array_arg(kv_lens.reshape(-1)), int_arg(block_size), int_arg(seq_len),
+            int_arg(group), int_arg(out.dtype == torch.float16)]
+    grid = blocks_for(-(-T * H // rows_per_cta))
+    return args, grid, group * rows_per_cta
+
+
+def _run(out, partial, lse, kv_lens, block_size, seq_len) -> None:
+    if _is_noop(out):
+        return
+    _check_address("out", out)
+    _check_address("partial", partial)
+    if not use_kernel(out):
+        merge_split_kv_reference(out, partial, lse, kv_lens, block_size=block_size,
+                                 seq_len=seq_len)
+        return
+    args, grid, block = _kernel_args(out, partial, lse, kv_lens, block_size, seq_len)
+    _KERNEL.launch(grid, block, args, out.device)
+
+
+@torch.library.custom_op("framekv::merge_split_kv_", mutates_args=("out",))
+def _merge_split_kv_op(out: torch.Tensor, partial: torch.Tensor, lse: torch.Tensor,
+                       kv_lens: torch.Tensor, block_size: int, seq_len: int) -> None:
+    _run(out, partial, lse, kv_lens, block_size, seq_len)
+
+
+@_merge_split_kv_op.register_fake
+def _(out, partial, lse, kv_lens, block_size, seq_len) -> None:
+    return None
+
+
+def merge_split_kv_(out: torch.Tensor, partial: torch.Tensor, lse: torch.Tensor,
+                    kv_lens: torch.Tensor, *, block_size: int, seq_len: int) -> None:
+    """Merge split-KV partial attention outputs into ``out``, in place.
+
+    Row (t, h) of causal block i = t // block_size becomes
+    ``sum_s w_s * partial[s, t, h]`` with ``w_s = exp(l_s - m) / sum_r exp(l_r - m)``,
+    ``l_s = lse[s * nb + i, h, t % block_size]`` and ``m = max_s l_s``, over the splits
+    whose sub-row has keys (``kv_lens[s * nb + i] > 0``); fp32 accumulation, one
+    rounding. Rows of a block with no keys in any sub-row, and rows t >= seq_len, are
+    zeros.
+
+    Args:
+        out: [T, H, D] bf16 or fp16, written; any token and head strides (e.g. a view
+            of a packed output), D contiguous and a multiple of 8, rows 16-byte aligned.
+        partial: [S, T, H, D] the dtype of out, S >= 1 (split s of block i at tokens
+            i*b .. i*b+b-1); contiguous from cuDNN, any 16-byte aligned strides work.
+        lse: float32 [S * nb, H, b] or [S * nb, H, b, 1] (cuDNN's stats layout),
+            natural-log logsumexp of each sub-row's scaled scores; any strides.
+        kv_lens: int32 [S * nb] or [S * nb, 1, 1, 1], the key count of each sub-row.
+        block_size: b, the causal block size; divides T (nb = T // b blocks).
+        seq_len: real tokens, 0 <= seq_len <= T; rows past it are padding.
+
+    Statistics of non-empty sub-rows are assumed finite (not checked on the device).
+    Reads only device memory at run time, so a captured CUDA graph merges whatever
+    the tensors hold at replay. Raises ValueError naming the bad argument. One kernel
+    on torch's current stream for CUDA tensors; the torch reference on CPU.
+    """
+    _check(out, partial, lse, kv_lens, block_size, seq_len)
+    if _is_noop(out):
+        return
+    _merge_split_kv_op(out, partial, lse, kv_lens, block_size, seq_len)
+
+
+class MergeSplitKV:
+    """:func:`merge_split_kv_` bound to its tensors: a call launches with the arguments
+    converted once. Keep the bound tensors alive and in place (their contents may
+    change freely)."""
+
+    def __init__(self, out, partial, lse, kv_lens, *, block_size: int, seq_len: int):
+        _check(out, partial, lse, kv_lens, block_size, seq_len)
+        _check_address("out", out)
+        _check_address("partial", partial)
+        self._tensors = (out, partial, lse, kv_lens)
+        self._sizes = {"block_size": block_size, "seq_len": seq_len}
+        self._noop = _is_noop(out)
+        self._kernel = use_kernel(out)
+        if self._kernel and not self._noop:
+            self._args, self._grid, self._block = _kernel_args(out, partial, lse, kv_lens,
+                                                               block_size, seq_len)
+
+    def __call__(self) -> None:
+        """Merge the bound tensors' current contents into the bound output."""
+        if self._noop:
+            return
+        if not self._kernel:
+            merge_split_kv_reference(*self._tensors, **self._sizes)
+            return
+        _KERNEL.launch(self._grid, self._block, self._args, self._tensors[0].device)
+
+
+def bind_merge_split_kv(out, partial, lse, kv_lens, *, block_size: int,
+                        seq_len: int) -> MergeSplitKV:
+    """Bind :func:`merge_split_kv_` to its tensors (validated here); returns a callable
+    taking no arguments for the hot path."""
+    return MergeSplitKV(out, partial, lse, kv_lens, block_size=block_size, seq_len=seq_len)

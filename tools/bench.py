@@ -1,0 +1,176 @@
+"""`framekv bench`: framekv against what users run instead, in one run, on one GPU.
+
+Sections (``--sections``, default all):
+
+    attention   one layer at the ``--preset`` geometry (default seed-bench): framekv's
+                paged cuDNN forward and clean pass, split-KV rows, torch SDPA cuDNN over
+                a contiguous buffer, concatenate-then-SDPA, torch SDPA flash
+    chunk       the ``--preset`` chunk cycle over all its layers: per-forward graphs, one
+                whole-chunk graph, the commit; the warm-up of its plan cold and warm
+    e2e         the ``--e2e-preset`` model (default wan-1.3b) end to end: framekv with
+                graphs and eager against a dense rolling cache with torch SDPA, at each
+                of ``--windows``
+
+Prints a table per section; ``--json FILE`` writes every number with the environment;
+``--png FILE`` draws a chart (needs matplotlib, the ``plot`` extra). ``--chart-from
+JSON --png FILE`` draws the chart of an earlier run without a GPU.
+
+Importing this module imports neither torch nor the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+SECTIONS = ("attention", "chunk", "e2e")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``bench`` subcommand (with ``func``)."""
+    p = subparsers.add_parser("bench", help="measure framekv against dense baselines",
+                              description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    configure(p)
+    return p
+
+
+def _sections(text: str) -> list[str]:
+    names = [s for s in text.split(",") if s]
+    bad = [s for s in names if s not in SECTIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"must be a comma-separated subset of {list(SECTIONS)}, "
+                                         f"got {text!r}")
+    return names
+
+
+def _windows(text: str) -> list[int]:
+    try:
+        values = [int(w) for w in text.split(",") if w]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated frame counts >= 1, got {text!r}")
+    return values
+
+
+def _iters(text: str) -> int:
+    value = int(text)
+    if value < 5:
+        raise argparse.ArgumentTypeError(f"must be >= 5, got {value}")
+    return value
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    """Add the command's arguments to ``p`` and set ``func``."""
+    p.add_argument("--sections", type=_sections, default=list(SECTIONS),
+                   help="comma-separated: attention,chunk,e2e (default all)")
+    p.add_argument("--preset", default="seed-bench",
+                   help="geometry of the attention and chunk sections (default seed-bench)")
+    p.add_argument("--e2e-preset", default="wan-1.3b", help="model of the e2e section")
+    p.add_argument("--windows", type=_windows, default=[21, 60],
+                   help="e2e window sizes in frames (default 21,60)")
+    p.add_argument("--chunks", type=_iters, default=8, help="e2e timed chunks per variant")
+    p.add_argument("--iters", type=_iters, default=50, help="attention iterations (default 50)")
+    p.add_argument("--chunk-iters", type=_iters, default=10, help="chunk-cycle iterations")
+    p.add_argument("--splits", default="2,3,4", help="split-KV sub-row counts to time")
+    p.add_argument("--no-warmup", action="store_true", help="skip the cold/warm warm-up runs")
+    p.add_argument("--json", dest="json_path", metavar="FILE", default=None)
+    p.add_argument("--png", metavar="FILE", default=None, help="write a chart (matplotlib)")
+    p.add_argument("--chart-from", metavar="JSON", default=None,
+                   help="only draw --png from an earlier --json; no GPU needed")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command; exit status 2 for bad arguments or no GPU."""
+    if args.chart_from:
+        if not args.png:
+            return _error("--chart-from needs --png FILE", 2)
+        with open(args.chart_from) as f:
+            results = json.load(f)
+        return _chart(results, args.png)
+    import torch
+
+    if not torch.cuda.is_available():
+        return _error("needs a CUDA GPU (the baselines are GPU kernels)", 2)
+    from framekv import specs
+
+    try:
+        preset = specs.load_preset(args.preset)
+        splits = [int(s) for s in args.splits.split(",") if s]
+    except ValueError as exc:
+        return _error(exc, 2)
+    from framekv.bench.timing import environment
+
+    results = {"command": "framekv bench " + " ".join(sys.argv[2:]),
+               "environment": environment(), "sections": {}}
+
+    def save() -> None:  # after every section: a long run cut short keeps what it measured
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump(results, f, indent=2)
+
+    _run_sections(args, preset, splits, results, save)
+    return _chart(results, args.png) if args.png else 0
+
+
+def _run_sections(args, preset, splits, results, save) -> None:
+    def progress(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    out = results["sections"]
+    if "attention" in args.sections:
+        from framekv.bench import attention, split
+
+        res = attention.measure_attention(preset, iters=args.iters, progress=progress,
+                                          extra=split.variants_for(splits))
+        out["attention"] = res
+        save()
+        print(attention.format_attention(res), flush=True)
+    if "chunk" in args.sections:
+        from framekv.bench import chunk
+
+        out["chunk"] = chunk.measure_chunk(preset, iters=args.chunk_iters, progress=progress)
+        save()
+        print(chunk.format_chunk(out["chunk"]), flush=True)
+        if not args.no_warmup:
+            out["warmup"] = chunk.measure_warmup(args.preset, progress=progress)
+            save()
+            print(chunk.format_warmup(out["warmup"]), flush=True)
+    if "e2e" in args.sections:
+        from framekv.bench import e2e
+
+        out["e2e"] = []
+        for w in args.windows:
+            out["e2e"].append(e2e.measure_e2e(args.e2e_preset, window_frames=w,
+                                              chunks=args.chunks, progress=progress))
+            save()
+            print(e2e.format_e2e(out["e2e"][-1]), flush=True)
+
+
+def _chart(results: dict, path: str) -> int:
+    try:
+        from framekv.bench.chart import draw
+    except ImportError as exc:
+        return _error(f"--png needs matplotlib (pip install 'framekv[plot]'): {exc}", 2)
+    draw(results, path)
+    print(f"chart written to {path}")
+    return 0
+
+
+def _error(msg, status: int) -> int:
+    print(f"framekv bench: error: {msg}", file=sys.stderr)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m framekv.tools.bench [...]``."""
+    p = argparse.ArgumentParser(prog="framekv bench", description=__doc__.split("\n\n")[0])
+    configure(p)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
