@@ -18,7 +18,6 @@ every forward attends the steady-state key count P + W + T.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -175,30 +174,3 @@ def format_warmup(res: dict) -> str:
                      f"{r['process_seconds']:6.1f} s, {r['graphs']} graphs, "
                      f"{r['reserved_bytes'] / 2**20:.0f} MiB pool; {r['cudnn_plans']}")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="the chunk cycle and the warm-up of a preset")
-    ap.add_argument("--preset", default="seed-bench")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--no-warmup", action="store_true", help="skip the cold/warm warm-up runs")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    preset = specs.load_preset(args.preset)
-    res = {"chunk": measure_chunk(preset, iters=args.iters)}
-    print(format_chunk(res["chunk"]))
-    if not args.no_warmup:
-        res["warmup"] = measure_warmup(args.preset)
-        print(format_warmup(res["warmup"]))
-    if args.json:
-        from .timing import environment
-
-        with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "environment": environment(), **res}, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

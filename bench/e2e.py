@@ -116,32 +116,3 @@ def format_e2e(res: dict) -> str:
         lines.append(f"  framekv-graphs / dense-eager frames per second = "
                      f"{fk['frames_per_second'] / dn['frames_per_second']:.3f}")
     return "\n".join(lines)
-
-
-
-def main(argv=None) -> int:
-    import argparse
-    import json
-    import sys
-
-    from .timing import environment
-
-    ap = argparse.ArgumentParser(description="end to end rollout: framekv against a dense cache")
-    ap.add_argument("--preset", default="wan-1.3b")
-    ap.add_argument("--windows", default="", help="window frames, comma-separated "
-                    "(default: the preset's)")
-    ap.add_argument("--chunks", type=int, default=8)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    windows = [int(w) for w in args.windows.split(",") if w] or [None]
-    runs = []
-    for w in windows:
-        runs.append(measure_e2e(args.preset, window_frames=w, chunks=args.chunks,
-                                variants=args.variants.split(","),
-                                progress=lambda m: print(m, file=sys.stderr)))
-        print(format_e2e(runs[-1]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "runs": runs}, f, indent=2)
-    return 0

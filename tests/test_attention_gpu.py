@@ -36,7 +36,7 @@ def test_cudnn_rollouts_match_exact_window_reference(g, tpp, chunk, frame):
     print(f"errors vs fp32 exact-window reference: {err}")
     # bf16 attention lands at bf16 rounding relative to the output's magnitude (2^-8 =
     # 3.9e-3); a wrong key set is off by O(1). Outputs here are larger than at the
-    # seed geometry (1-2k keys, not 40k), where benchmarks/bench_attention.py checks
+    # seed geometry (1-2k keys, not 40k), where `framekv bench --sections attention` checks
     # the absolute bound (max error <= 5e-4).
     assert err["max_rel_error"] <= 6e-3, err
 
