@@ -154,7 +154,7 @@ class CausalVideoDiT(torch.nn.Module):
     def forward(self, latents: torch.Tensor, t: torch.Tensor, frame0: torch.Tensor, *,
                 kv_cache=None, seq_len: int | None = None,
                 causal_block_size: int | None = None, reference=None,
-                attend: AttendFn | None = None) -> torch.Tensor:
+                attend: AttendFn | None = None, sequence_parallel=None) -> torch.Tensor:
         """The velocity of a chunk's latents.
 
         Args:
@@ -171,6 +171,10 @@ class CausalVideoDiT(torch.nn.Module):
                 stages and attends each layer's packed QKV itself (e.g. the dense
                 rolling-cache baseline); ``seq_len`` and ``causal_block_size`` then only
                 label the forward for the recorder.
+            sequence_parallel: None, or an object with ``shard(x)`` (this rank's rows
+                of [1, S, ...], zero-padded) and ``gather(x, length)`` (all ranks' rows,
+                cut to ``length``), e.g. `UlyssesParallel`: the blocks then run on this
+                rank's share of the tokens and ``attend`` must exchange them.
         Returns:
             velocity [F, C, H, W] in the model dtype.
         """
@@ -182,11 +186,17 @@ class CausalVideoDiT(torch.nn.Module):
         e, mod = self.time_conditioning(t)
         rope = Rope3D.cos_sin(self.rope.angles(frame0 + 1, frames))        # video at frame f + 1
         attend = _attend_for(kv_cache, reference, seq_len, b, attend)
+        if sequence_parallel is not None:                                  # [1, S_l, ...]
+            x, rope = sequence_parallel.shard(x), tuple(sequence_parallel.shard(c) for c in rope)
         x = self._blocks(x, mod, rope, attend, seq_len, b)
         shift, scale = (self.head_modulation + e).unbind(0)
-        return unpatchify(self.head(modulate(x, shift, scale))[0], frames, self.spec)
+        y = self.head(modulate(x, shift, scale))                           # [1, S(_l), patch_dim]
+        if sequence_parallel is not None:
+            y = sequence_parallel.gather(y, S)
+        return unpatchify(y[0], frames, self.spec)
 
-    def prefill(self, *, kv_cache=None, reference=None, attend: AttendFn | None = None) -> None:
+    def prefill(self, *, kv_cache=None, reference=None, attend: AttendFn | None = None,
+                sequence_parallel=None) -> None:
         """Run the prompt at t = 0 as one causal block and commit its K/V (P tokens).
 
         With ``kv_cache``: attention is dense over the prompt (the cache cannot run a
@@ -195,6 +205,8 @@ class CausalVideoDiT(torch.nn.Module):
         reference path, committed there. A cache must be open at C = 0. With
         ``attend``: an `AttendFn` that keeps each layer's prompt K/V and attends the
         prompt as one block of P tokens; nothing is committed here, the caller commits.
+        ``sequence_parallel`` (with ``attend``) as for `forward`: the blocks run on this
+        rank's rows of the prompt.
         """
         P = self.prompt_tokens
         if P == 0:
@@ -211,6 +223,8 @@ class CausalVideoDiT(torch.nn.Module):
                 kvs.append(qkv[0, :, attn.num_heads:])
                 return attn(qkv)
         x = self.text_embed(self.prompt.to(self.dtype))[None]              # [1, P, hidden]
+        if sequence_parallel is not None:
+            x = sequence_parallel.shard(x)                                 # [1, P_l, hidden]
         _, mod = self.time_conditioning(torch.zeros(1, device=self.device))
         self._blocks(x, mod, None, attend, P, P)
         if reference is not None:

@@ -28,6 +28,7 @@ from framekv.specs import ModelSpec, Preset, RolloutSpec, load_preset
 
 from .cache import CausalKVCache
 from .model import CausalVideoDiT, default_backend, model_dtype
+from .ulysses import UlyssesParallel
 
 
 def resolve_device(device=None) -> torch.device:
@@ -82,6 +83,11 @@ class Rollout:
         model: an existing `CausalVideoDiT` of the same spec and prompt length to
             share (its weights are read, never changed; its attention backend is
             used, ``backend`` is ignored); default: a new one.
+        process_group: run under Ulysses sequence parallelism over this
+            torch.distributed group (every rank builds the same `Rollout`): the cache
+            holds this rank's H_kv / W K/V heads, each forward runs this rank's share
+            of the tokens and every layer's attention goes through `UlyssesAttention`;
+            every rank gets the whole chunk's latents. None: one process.
 
     Usage::
 
@@ -91,7 +97,8 @@ class Rollout:
     """
 
     def __init__(self, preset="tiny", device=None, *, backend=None, use_graphs: bool = True,
-                 debug: bool = False, model: CausalVideoDiT | None = None):
+                 debug: bool = False, model: CausalVideoDiT | None = None,
+                 process_group=None):
         self.name, self.model_spec, self.spec = resolve_specs(preset)
         self.device = resolve_device(device)
         self.dtype = model_dtype(self.model_spec, self.device)
@@ -103,10 +110,14 @@ class Rollout:
             raise ValueError("model was built for another spec or prompt length")
         #: name of the attention backend (a shared model brings its own)
         self.backend: str = self.model.blocks[0].attn.backend.name
+        #: Ulysses sequence parallelism over ``process_group``, or None (one process)
+        self.parallel = (None if process_group is None
+                         else UlyssesParallel(self.model, process_group))
+        kv_heads = self.parallel.num_kv_heads if self.parallel else self.model_spec.num_kv_heads
         self.geometry = self.spec.geometry()
         tpp = self.model_spec.tokens_per_page
         self.cache = CausalKVCache(
-            num_layers=self.model_spec.num_layers, num_kv_heads=self.model_spec.num_kv_heads,
+            num_layers=self.model_spec.num_layers, num_kv_heads=kv_heads,
             head_dim=self.model_spec.head_dim, dtype=self.dtype, tokens_per_page=tpp,
             device=self.device, pool_tokens=CausalKVCache.pool_tokens_for(self.geometry, tpp))
         self.cache.open(self.geometry)
@@ -144,6 +155,8 @@ class Rollout:
 
     def _attention(self, tokens: int, block_size: int) -> dict:
         """Where a forward's attention goes (`ReferenceRollout` sends it elsewhere)."""
+        if self.parallel is not None:
+            return self.parallel.forward_kwargs(self.cache, tokens, block_size)
         return {"kv_cache": self.cache, "seq_len": tokens, "causal_block_size": block_size}
 
     def _commit(self, tokens: int) -> None:
@@ -190,8 +203,9 @@ class Rollout:
         if split_for is None:
             return ()
         blocks = [tokens] * self.spec.denoising_steps + [self.spec.tokens_per_frame]
+        heads = self.parallel.num_heads if self.parallel else self.model_spec.num_heads
         return tuple(split_for(self.geometry, self.model_spec.tokens_per_page,
-                               self.model_spec.num_heads, tokens, b, self.device) for b in blocks)
+                               heads, tokens, b, self.device) for b in blocks)
 
     def chunk_key(self, tokens: int):
         """The `GraphKey` of chunks of ``tokens`` tokens."""
@@ -226,7 +240,10 @@ class Rollout:
             raise ValueError("the prompt is already prefilled; reset() first")
         if self.use_graphs and len(self._requests) < len(self.spec.chunk_token_counts()):
             self.capture()
-        self.model.prefill(kv_cache=self.cache)
+        if self.parallel is not None:
+            self.parallel.prefill(self.model, self.cache)
+        else:
+            self.model.prefill(kv_cache=self.cache)
         self.prefilled = True
 
     def step(self) -> torch.Tensor:

@@ -30,7 +30,7 @@ def _cmd_demo(args) -> int:
                           progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as exc:
         return _fail("demo", exc)
-    if args.json:
+    if args.json and report.get("rank", 0) == 0:  # under torchrun, rank 0 writes it
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0 if report["ok"] else 1

@@ -6,9 +6,16 @@ re-runs the first chunks eagerly (graphs vs no graphs) and with the reference
 attention backend, and compares the clean latents. On CPU the graph cache runs
 eagerly and the backend already is the reference; the demo says so and still runs
 both checks, so the code path is the one a GPU takes.
+
+Under torchrun (WORLD_SIZE > 1 in the environment) every rank runs the same demo with
+Ulysses sequence parallelism: torch.distributed is initialised (nccl on CUDA, each rank
+on cuda:LOCAL_RANK; gloo on CPU), each rank's cache holds its share of the K/V heads,
+and only rank 0 prints and writes the report.
 """
 from __future__ import annotations
 
+import io
+import os
 import statistics
 import sys
 import time
@@ -17,7 +24,7 @@ import msgspec
 import torch
 
 from framekv.engine.model import CausalVideoDiT
-from framekv.engine.rollout import Rollout, resolve_specs, with_chunks
+from framekv.engine.rollout import Rollout, resolve_device, resolve_specs, with_chunks
 
 #: A check passes when max|a - b| <= tolerance * max(1, max|b|): fp32 sides differ in
 #: summation order only; bf16/fp16 latents drift by rounding through the sampler.
@@ -79,18 +86,21 @@ def _compare(name: str, want: list, got: list, tol: float, note: str) -> dict:
     return {"check": name, "max_abs_error": err, "bound": tol * scale, "ok": ok, "note": note}
 
 
-def _checks(main: Rollout, spec, kept: list, backend_name: str) -> list[dict]:
+def _checks(main: Rollout, spec, kept: list, backend_name: str, group=None) -> list[dict]:
     """Re-run the first chunks eagerly and with the reference backend; compare."""
     n, tol = len(kept), CHECK_TOLERANCE[main.dtype]
     cpu = main.device.type != "cuda"
-    eager = Rollout(spec, main.device, backend=main.backend, use_graphs=False, model=main.model)
+    parallel = {} if group is None else {"process_group": group}
+    eager = Rollout(spec, main.device, backend=main.backend, use_graphs=False, model=main.model,
+                    **parallel)
     out = [_compare("graphs vs eager", kept, eager.run(n), tol,
                     "on cpu the graph cache runs eagerly: both sides are eager" if cpu
                     else "CUDA graph replays vs eager calls")]
     eager.close()
     model = CausalVideoDiT(spec[0], prompt_tokens=spec[1].prompt_tokens, device=main.device,
                            backend="reference")
-    ref = Rollout(spec, main.device, backend="reference", use_graphs=False, model=model)
+    ref = Rollout(spec, main.device, backend="reference", use_graphs=False, model=model,
+                  **parallel)
     note = ("on cpu the backend already is the reference: same computation" if
             backend_name == "reference" else f"{backend_name} vs the fp32-math reference backend")
     out.append(_compare(f"{backend_name} vs reference backend", kept, ref.run(n), tol, note))
@@ -98,16 +108,57 @@ def _checks(main: Rollout, spec, kept: list, backend_name: str) -> list[dict]:
     return out
 
 
+def distributed_from_env(device=None):
+    """torchrun's environment -> (process group or None, rank, device, initialised here).
+
+    WORLD_SIZE > 1 initialises torch.distributed from RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT (unless it already is): nccl on CUDA, with each rank on
+    cuda:LOCAL_RANK when no device index is given; gloo on CPU.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None, 0, device, False
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(dev)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank,
+                                world_size=world)
+    return dist.group.WORLD, dist.get_rank(), dev, created
+
+
 def run_demo(preset="tiny", *, chunks: int | None = None, device=None, backend=None,
              check_chunks: int = 2, stream=None, progress: bool = True) -> dict:
     """Run the demo; returns its report (what ``--json`` writes). Text goes to ``stream``
-    (default stdout), the progress bar to stderr."""
-    stream = stream or sys.stdout
+    (default stdout), the progress bar to stderr; under torchrun only rank 0 writes
+    either, and the report also holds ``world_size`` and ``rank``."""
     name, mspec, rspec = resolve_specs(preset)
     if chunks is not None:
         rspec = with_chunks(rspec, chunks)
+    group, rank, device, created = distributed_from_env(device)
+    try:
+        return _run(name, mspec, rspec, device, backend, check_chunks,
+                    (stream or sys.stdout) if rank == 0 else io.StringIO(),
+                    progress and rank == 0, group)
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _run(name, mspec, rspec, device, backend, check_chunks: int, stream, progress: bool,
+         group) -> dict:
+    """The demo on one rank (``group``: its process group, or None for one process)."""
     t0 = time.perf_counter()
-    r = Rollout((mspec, rspec), device, backend=backend)
+    parallel = {} if group is None else {"process_group": group}
+    r = Rollout((mspec, rspec), device, backend=backend, **parallel)
     bname = r.backend
     _print_header(stream, name, r, bname)
     r.capture()
@@ -118,8 +169,10 @@ def run_demo(preset="tiny", *, chunks: int | None = None, device=None, backend=N
     if bar:
         bar.finish()
     report = _report(name, r, bname, setup_s, prefill_s, lat)
+    if r.parallel is not None:
+        report["world_size"], report["rank"] = r.parallel.world_size, r.parallel.rank
     _print_run(stream, report, r)
-    report["checks"] = _checks(r, (mspec, rspec), kept, bname) if kept else []
+    report["checks"] = _checks(r, (mspec, rspec), kept, bname, group) if kept else []
     _print_checks(stream, report["checks"], len(kept))
     r.close()
     report["ok"] = all(c["ok"] for c in report["checks"])
@@ -138,6 +191,11 @@ def _print_header(stream, name: str, r: Rollout, bname: str) -> None:
           f"{s.denoising_steps} denoising steps", file=stream)
     print(f"cache: geometry P={g.pin_tokens} W={g.window_tokens} M={g.max_staged_tokens} "
           f"blocks {list(g.causal_block_sizes)}; pool {r.cache.pool_tokens} tokens", file=stream)
+    if r.parallel is not None:
+        p = r.parallel
+        print(f"parallel: Ulysses sequence parallelism over {p.world_size} ranks; each rank "
+              f"attends {p.num_heads}/{p.num_kv_heads} heads and caches its {p.num_kv_heads} "
+              f"K/V heads", file=stream)
 
 
 def _report(name: str, r: Rollout, bname: str, setup_s: float, prefill_s: float,
