@@ -167,8 +167,16 @@ def spawn(worker, cfg: dict, world: int = 2) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _finish() -> None:
+    """Leave together: a rank tearing gloo down while the other still talks to it
+    aborts the process."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _init(rank: int, world: int, init_file: str, cfg: dict) -> torch.device:
     device = torch.device(cfg["device"] if cfg["device"] == "cpu" else f"cuda:{rank}")
+    torch.set_num_threads(1)  # two ranks on a small CI machine: no thread oversubscription
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
@@ -237,7 +245,7 @@ def attention_rollout_worker(rank: int, world: int, init_file: str, cfg: dict) -
         assert_cache_holds_heads(local, full, _resident_positions(full, g), heads)
     assert local.committed_tokens > g.pin_tokens + g.window_tokens, "the window never slid"
     assert worst <= cfg["tol"], f"rank {rank}: max error {worst:.3g} > {cfg['tol']} (relative)"
-    dist.destroy_process_group()
+    _finish()
 
 
 def dense_worker(rank: int, world: int, init_file: str, cfg: dict) -> None:
@@ -256,7 +264,7 @@ def dense_worker(rank: int, world: int, init_file: str, cfg: dict) -> None:
             assert (got - want).abs().max().item() <= 1e-5, (H, Hkv, S)
         if S % world == 0:  # nothing padded: seq_len may be left out
             assert (u(shard) - want).abs().max().item() <= 1e-5
-    dist.destroy_process_group()
+    _finish()
 
 
 def model_rollout_worker(rank: int, world: int, init_file: str, cfg: dict) -> None:
@@ -284,7 +292,7 @@ def model_rollout_worker(rank: int, world: int, init_file: str, cfg: dict) -> No
     assert worst <= cfg["tol"], f"rank {rank}: latents differ by {worst:.3g} (relative)"
     single.close()
     par.close()
-    dist.destroy_process_group()
+    _finish()
 
 
 def test_two_rank_attention_rollout_equals_single_process():
