@@ -6,9 +6,10 @@ For graphs of the seed geometry's attention stack (one forward over L layers, sp
 on and off) and for chains of N trivial kernels: the node count and node types of
 the captured graph, and the host wall of a launch with the device idle before it
 (torch's replay, and the same graph instantiated again through the CUDA runtime and
-uploaded), as captured and with its memset nodes turned into kernel nodes
-(`framekv.graphs.rewrite`). Tells whether a launch costs per node, and which nodes
-make it so.
+uploaded, and instantiated for device launch), as captured and with its memset nodes
+turned into kernel nodes (`framekv.graphs.rewrite`); and chains of one node kind
+(numba kernels, cuDNN attention alone). Tells whether a launch costs per node, and
+which nodes make it so.
 """
 from __future__ import annotations
 
@@ -62,11 +63,19 @@ def runtime_launch(graph: torch.cuda.CUDAGraph, flags: int = 0):
 
 
 def row(label: str, graph: torch.cuda.CUDAGraph) -> dict:
+    from cuda.bindings import runtime as rt
+
     info = graph_info(graph)
     rt_launch = runtime_launch(graph)
     r = {"graph": label, **msgspec.structs.asdict(info),
          "torch_replay_host_us": statistics.median(host_times(graph.replay, 30)),
          "runtime_launch_host_us": statistics.median(host_times(rt_launch, 30))}
+    try:  # the same graph instantiated for device launch (launched from the host here)
+        flag = int(rt.cudaGraphInstantiateFlags.cudaGraphInstantiateFlagDeviceLaunch)
+        r["device_launch_flag_host_us"] = statistics.median(
+            host_times(runtime_launch(graph, flag), 30))
+    except (AssertionError, RuntimeError) as exc:
+        r["device_launch_flag_host_us"] = f"not instantiable: {exc}"
     print(f"{label:<34}{info.nodes:>7}{r['torch_replay_host_us']:>10.1f}"
           f"{r['runtime_launch_host_us']:>10.1f}  {'straight' if info.straight_line else 'branched'}"
           f" {info.types}", flush=True)
@@ -93,6 +102,29 @@ def stack_rows(rows: list) -> None:
             stack.cache.shutdown()
 
 
+def kind_rows(rows: list) -> None:
+    """Per-node cost by kind: 100 numba launches, and 36 cuDNN attention launches alone."""
+    from framekv.engine import CausalKVCache
+    from framekv.ops import rotate_rows_
+
+    x = torch.arange(1300, dtype=torch.int32, device="cuda").view(1, -1)
+    rows.append(row("chain of 100 numba kernels", capture(
+        lambda: [rotate_rows_(x, 1) for _ in range(100)], rewrite=True)))
+    preset = specs.load_preset("seed-bench")
+    g = preset.rollout.geometry()
+    cache = CausalKVCache(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                          tokens_per_page=32, device="cuda",
+                          pool_tokens=CausalKVCache.pool_tokens_for(g, 32))
+    cache.open(g)
+    backend = CudnnBackend(split=1)
+    q = torch.randn(1576, 32, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    rows.append(row("36 cuDNN attention launches", capture(
+        lambda: [backend.cached(q, cache, 0, 1576, 128 ** -0.5, out) for _ in range(36)],
+        rewrite=True)))
+    cache.shutdown()
+
+
 def chain_rows(rows: list) -> None:
     x = torch.randn(4096, device="cuda")
     for n in (10, 100, 1000):
@@ -111,6 +143,7 @@ def main() -> None:
     print(f"{'graph':<34}{'nodes':>7}{'torch µs':>10}{'rt µs':>10}  shape, node types")
     rows: list = []
     chain_rows(rows)
+    kind_rows(rows)
     stack_rows(rows)
     if args.json:
         with open(args.json, "w") as f:
