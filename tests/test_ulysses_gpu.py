@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from framekv import specs
+from test_rollout_gpu import WIDE as WIDE_ONE_GPU
 from test_ulysses import attention_rollout_worker, model_rollout_worker, spawn
 
 pytestmark = [pytest.mark.gpu,
@@ -25,14 +25,8 @@ ATTN_GPU = {"dist": "nccl", "device": "cuda", "backend": "cudnn", "dtype": "bflo
             "lengths": (293, 256, 257, 256, 256, 256, 256, 256), "H": 8, "Hkv": 2, "D": 128,
             "layers": 2, "tol": 1e-2}
 
-TINY = specs.load_preset("tiny")
 #: test_rollout_gpu's WIDE with a 41-token prompt (split with a padding row).
-WIDE = (msgspec.structs.replace(TINY.model, name="wide", num_layers=3, hidden_size=512,
-                                num_heads=4, num_kv_heads=2, head_dim=128, ffn_size=1024,
-                                latent_height=16, latent_width=16, tokens_per_page=32),
-        msgspec.structs.replace(TINY.rollout, tokens_per_frame=64, frames_per_chunk=2,
-                                window_frames=6, prompt_tokens=41, denoising_steps=3, chunks=10,
-                                last_chunk_frames=1))
+WIDE = (WIDE_ONE_GPU[0], msgspec.structs.replace(WIDE_ONE_GPU[1], prompt_tokens=41))
 
 
 def test_two_gpu_attention_rollout_equals_one_gpu():
