@@ -9,6 +9,7 @@ import torch
 from framekv.ops import (_launch, bind_merge_split_kv, merge_split_kv_,
                          merge_split_kv_reference)
 from test_merge_split_kv import assert_merged_close, merge_case, split_attention_case
+from test_ops_gpu import _side_stream_warmup
 
 pytestmark = pytest.mark.gpu
 
@@ -76,16 +77,6 @@ def test_misaligned_output_is_refused():
 
 
 # --- CUDA graphs ----------------------------------------------------------------------
-
-def _side_stream_warmup(*fns):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
 
 def _refill(args, g, trial):
     """New contents in place: partials, statistics, and a new pattern of empty sub-rows."""
