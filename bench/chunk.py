@@ -7,8 +7,10 @@ the clean pass (one-frame blocks) and the commit, through all layers. Measured h
   the commit) and of the whole chunk as one graph, and the chunk against the sum of
   its pieces (what one graph costs beyond its kernels);
 - the chunk as per-forward graphs (one replay per forward and the commit);
-- host cost of one whole-chunk replay (the device idle before it: the launch cost),
-  and of the commit's host side alone;
+- host cost of one whole-chunk replay through the graph cache (host mirror included)
+  and of the bare ``CUDAGraph.replay``, each with the device idle before it and
+  while the device is still busy (the launch queued behind a ~2 ms sleep kernel, as
+  in a pipelined rollout); and of the commit's host side alone;
 - the eager chunk for reference;
 - the warm-up of the preset's plan in a new process, cold and with the cache dir of
   the cold run (numba kernels and cuDNN plans from disk).
@@ -33,7 +35,8 @@ from framekv.engine.attention_stack import AttentionStack
 from framekv.graphs import GraphCache, decode_report
 from framekv.graphs.inspect import graph_info
 
-from .timing import device_times, host_times, interleaved_device_times, summary, wall_times
+from .timing import (device_times, host_times, interleaved_device_times, interleaved_host_times,
+                     summary, wall_times)
 
 
 def _capture_all(stack: AttentionStack, graphs: GraphCache, g, T: int, frame: int, steps: int):
@@ -93,13 +96,17 @@ def measure_chunk(preset: specs.Preset, *, iters: int = 10, progress=print) -> d
         "clean_pass": lambda: graphs.replay(keys["clean"]),
         "commit": commit, "per_forward_graphs": per_forward, "whole_chunk_graph": chunk}, iters)
     dev["commit"] += device_times(commit, 50)
-    host = {"whole_chunk_replay": host_times(chunk, max(iters, 20)),
-            "whole_chunk_cudagraph_launch": host_times(handle.graph.replay, max(iters, 20)),
-            "per_forward_replays": host_times(per_forward, max(iters, 20)),
-            "commit_replay": host_times(commit, 50),
-            "commit_eager": host_times(lambda: (cache.note_staged(T), cache.commit(T)), 50),
-            "chunk_eager_wall": wall_times(lambda: stack.chunk(
-                x, T, denoise_steps=steps, clean_block=frame), 3)}
+    host = interleaved_host_times({
+        "whole_chunk_replay": chunk, "whole_chunk_replay_busy": chunk,
+        "whole_chunk_cudagraph_launch": handle.graph.replay,
+        "whole_chunk_cudagraph_launch_busy": handle.graph.replay}, max(iters, 30),
+        busy=("whole_chunk_replay_busy", "whole_chunk_cudagraph_launch_busy"))
+    host.update({
+        "per_forward_replays": host_times(per_forward, max(iters, 20)),
+        "commit_replay": host_times(commit, 50),
+        "commit_eager": host_times(lambda: (cache.note_staged(T), cache.commit(T)), 50),
+        "chunk_eager_wall": wall_times(lambda: stack.chunk(
+            x, T, denoise_steps=steps, clean_block=frame), 3)})
     out = _chunk_result(dev, host, stack, g, T, frame, steps)
     out["chunk_graph"] = {**msgspec.structs.asdict(graph_info(handle.graph)),
                           "memsets_replaced": handle.memsets_replaced}

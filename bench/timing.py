@@ -92,16 +92,40 @@ def interleaved_device_times(calls: dict[str, Callable[[], object]], iters: int,
     return {name: [s.elapsed_time(e) * 1e3 for s, e in ps] for name, ps in pairs.items()}
 
 
-def host_times(call: Callable[[], object], iters: int, *, drain: bool = True) -> list[float]:
+#: Cycles of the sleep kernel a ``busy`` host time queues behind (~2 ms on an H200).
+BUSY_CYCLES = 4_000_000
+
+
+def _host_time(call: Callable[[], object], drain: bool, busy: bool) -> float:
+    if drain or busy:
+        torch.cuda.synchronize()
+    if busy:
+        torch.cuda._sleep(BUSY_CYCLES)
+    t0 = time.perf_counter()
+    call()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def host_times(call: Callable[[], object], iters: int, *, drain: bool = True,
+               busy: bool = False) -> list[float]:
     """µs of host wall per call of ``call``; with ``drain`` the device is idle before each
-    call, so the number is the launch cost, not time spent waiting on a full queue."""
-    out = []
+    call, so the number is the launch cost, not time spent waiting on a full queue.
+    With ``busy`` the device is drained, then given a ~2 ms sleep kernel, and the call
+    queues behind it: the launch cost of a pipelined caller whose device still works."""
+    out = [_host_time(call, drain, busy) for _ in range(iters)]
+    torch.cuda.synchronize()
+    return out
+
+
+def interleaved_host_times(calls: dict[str, Callable[[], object]], iters: int, *,
+                           busy: tuple[str, ...] = ()) -> dict[str, list[float]]:
+    """`host_times` (drained) of several callables taken in turn, so that the host's
+    own drifts (frequency, other load) hit each alike; names in ``busy`` are timed
+    queued behind a sleep kernel instead."""
+    out: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(iters):
-        if drain:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        out.append((time.perf_counter() - t0) * 1e6)
+        for name, call in calls.items():
+            out[name].append(_host_time(call, True, name in busy))
     torch.cuda.synchronize()
     return out
 

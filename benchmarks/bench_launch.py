@@ -2,14 +2,20 @@
 
     python benchmarks/bench_launch.py [--json out.json]
 
-For graphs of the seed geometry's attention stack (one forward over L layers, split-KV
-on and off) and for chains of N trivial kernels: the node count and node types of
-the captured graph, and the host wall of a launch with the device idle before it
-(torch's replay, and the same graph instantiated again through the CUDA runtime and
-uploaded, and instantiated for device launch), as captured and with its memset nodes
-turned into kernel nodes (`framekv.graphs.rewrite`); and chains of one node kind
-(numba kernels, cuDNN attention alone). Tells whether a launch costs per node, and
-which nodes make it so.
+For graphs of the seed geometry's attention stack (one forward over 36 layers, both
+block sizes, as captured and with cuDNN's memset nodes turned into kernel nodes by
+`framekv.graphs.rewrite`), for chains of N small kernels and for chains of one node
+kind (numba kernels, cuDNN attention alone): the node count and node types, and the
+host wall of one launch with the device idle before it, launched
+
+- by torch's ``CUDAGraph.replay``, also while the device is still busy (the launch
+  queued behind a ~2 ms sleep kernel, as a pipelined caller's would be),
+- instantiated again and uploaded through the CUDA runtime (no flags), and
+  instantiated for device launch (both launched from the host),
+- as the body of a one-node conditional IF parent (the device walks the body),
+
+the methods taken in turn over 60 rounds; and the device time per launch, plain and
+through the conditional parent.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import msgspec
 import torch
 
 from framekv import specs
-from framekv.bench.timing import environment, host_times
+from framekv.bench.timing import environment, interleaved_host_times, summary
 from framekv.engine.attention_cudnn import CudnnBackend
 from framekv.engine.attention_stack import AttentionStack
 from framekv.graphs.inspect import graph_info
@@ -62,23 +68,71 @@ def runtime_launch(graph: torch.cuda.CUDAGraph, flags: int = 0):
     return lambda: rt.cudaGraphLaunch(exe, stream)
 
 
-def row(label: str, graph: torch.cuda.CUDAGraph) -> dict:
+def device_us(launch, n: int = 20) -> float:
+    """GPU µs per launch, n back-to-back launches between two events (median of 5)."""
+    out = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(n):
+            launch()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e) * 1e3 / n)
+    return statistics.median(out)
+
+
+def conditional_launch(graph: torch.cuda.CUDAGraph):
+    """The graph cloned into the body of an IF node whose condition defaults to 1, in
+    a one-node parent graph, instantiated and uploaded: a launch callable."""
+    from cuda.bindings import driver as dr
+
+    ctx = dr.cuCtxGetCurrent()[1]
+    parent = dr.cuGraphCreate(0)[1]
+    handle = dr.cuGraphConditionalHandleCreate(parent, ctx, 1, dr.CU_GRAPH_COND_ASSIGN_DEFAULT)[1]
+    params = dr.CUgraphNodeParams()
+    params.type = dr.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+    params.conditional.handle, params.conditional.size = handle, 1
+    params.conditional.type = dr.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF
+    params.conditional.ctx = ctx
+    assert int(dr.cuGraphAddNode(parent, None, None, 0, params)[0]) == 0
+    body = params.conditional.phGraph_out[0]
+    raw = dr.CUgraph(init_value=graph.raw_cuda_graph())
+    assert int(dr.cuGraphAddChildGraphNode(body, None, 0, raw)[0]) == 0
+    err, exe = dr.cuGraphInstantiate(parent, 0)
+    assert int(err) == 0, err
+    stream = dr.CUstream(init_value=torch.cuda.current_stream().cuda_stream)
+    assert int(dr.cuGraphUpload(exe, stream)[0]) == 0
+    return lambda: dr.cuGraphLaunch(exe, stream)
+
+
+def row(label: str, graph: torch.cuda.CUDAGraph, launches: int = 20) -> dict:
     from cuda.bindings import runtime as rt
 
     info = graph_info(graph)
-    rt_launch = runtime_launch(graph)
-    r = {"graph": label, **msgspec.structs.asdict(info),
-         "torch_replay_host_us": statistics.median(host_times(graph.replay, 30)),
-         "runtime_launch_host_us": statistics.median(host_times(rt_launch, 30))}
+    calls = {"torch_replay": graph.replay, "torch_replay_busy": graph.replay,
+             "runtime_launch": runtime_launch(graph), "conditional_launch":
+             conditional_launch(graph)}
     try:  # the same graph instantiated for device launch (launched from the host here)
         flag = int(rt.cudaGraphInstantiateFlags.cudaGraphInstantiateFlagDeviceLaunch)
-        r["device_launch_flag_host_us"] = statistics.median(
-            host_times(runtime_launch(graph, flag), 30))
-    except (AssertionError, RuntimeError) as exc:
-        r["device_launch_flag_host_us"] = f"not instantiable: {exc}"
-    print(f"{label:<34}{info.nodes:>7}{r['torch_replay_host_us']:>10.1f}"
-          f"{r['runtime_launch_host_us']:>10.1f}  {'straight' if info.straight_line else 'branched'}"
-          f" {info.types}", flush=True)
+        calls["device_launch_flag"] = runtime_launch(graph, flag)
+    except (AssertionError, RuntimeError):
+        pass
+    # In turn, many rounds: the host's speed drifts, and one method timed after another
+    # would each catch a different part of that drift.
+    host = interleaved_host_times(calls, 60, busy=("torch_replay_busy",))
+    r = {"graph": label, **msgspec.structs.asdict(info),
+         **{f"{k}_host_us": summary(v) for k, v in host.items()},
+         "plain_device_us": device_us(graph.replay, launches),
+         "conditional_device_us": device_us(calls["conditional_launch"], launches)}
+    med = {k: statistics.median(v) for k, v in host.items()}
+    print(f"{label:<40}{info.nodes:>6}" + "".join(
+        f"{med.get(k, float('nan')):>8.1f}" for k in (
+            "torch_replay", "torch_replay_busy", "runtime_launch", "device_launch_flag",
+            "conditional_launch"))
+        + f"{r['plain_device_us']:>11.1f}{r['conditional_device_us']:>11.1f}"
+        f"  {'straight' if info.straight_line else 'branched'} {info.types}", flush=True)
     return r
 
 
@@ -95,7 +149,7 @@ def stack_rows(rows: list) -> None:
                 for rewrite in (False, True):
                     graph = capture(lambda: stack.forward(x, 1576, b), rewrite=rewrite)
                     label = f"forward L={layers} b={b} split={split}" + (" kernels" if rewrite else "")
-                    rows.append(row(label, graph))
+                    rows.append(row(label, graph, launches=1))
                     del graph
             graph = capture(lambda: stack.cache.commit_device(1576))
             rows.append(row(f"commit L={layers}", graph))
@@ -121,7 +175,7 @@ def kind_rows(rows: list) -> None:
     out = torch.empty_like(q)
     rows.append(row("36 cuDNN attention launches", capture(
         lambda: [backend.cached(q, cache, 0, 1576, 128 ** -0.5, out) for _ in range(36)],
-        rewrite=True)))
+        rewrite=True), launches=2))
     cache.shutdown()
 
 
@@ -140,7 +194,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    print(f"{'graph':<34}{'nodes':>7}{'torch µs':>10}{'rt µs':>10}  shape, node types")
+    print("host µs per launch (medians of 60 rounds, methods in turn): torch replay, the same "
+          "while the device is busy, runtime launch, device-launch instantiation, conditional "
+          "parent; then device µs per launch: plain, conditional parent")
+    print(f"{'graph':<40}{'nodes':>6}{'torch':>8}{'busy':>8}{'rt':>8}{'devfl':>8}{'cond':>8}"
+          f"{'dev plain':>11}{'dev cond':>11}  shape, node types")
     rows: list = []
     chain_rows(rows)
     kind_rows(rows)

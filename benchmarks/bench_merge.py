@@ -31,7 +31,7 @@ from _timing import captured_graph
 from framekv.ops import bind_merge_split_kv, merge_split_kv_reference
 
 T, H, D = 1576, 32, 128
-SHAPES = [(S, nb) for nb in (1, 4) for S in (2, 3, 4)]  # (splits, causal blocks)
+SHAPES = [(S, nb) for nb in (1, 4) for S in (2, 3, 4, 6, 8)]  # (splits, causal blocks)
 
 
 def timed(fn, iters: int, flush: torch.Tensor) -> list[float]:

@@ -13,12 +13,11 @@ never used, so garbage, NaN or -inf there cannot leak), and a block none of whos
 sub-rows has keys gets zero rows. Rows at or past ``seq_len`` (padding) are written as
 zeros.
 
-Kernel: a group of threads per (token, head) row, one 16-byte word (8 values) per
-thread at D = 128 (16 threads per row); a CTA holds several groups and grid-strides
-over rows. Each thread reads the row's S statistics (twice: max, then weights), loads
-its word of every non-empty split (up to four loads in flight before any is used),
-accumulates in fp32 and stores one rounded 16-byte word. Every input byte is read once
-and every output byte written once, so the cost is the bytes moved.
+Kernel: one thread per 16-byte output word (8 values), grid-striding over the
+T x H x D/8 words. A thread issues all its loads at once (the S statistics, key
+counts and partial words), then weighs, accumulates in fp32 and stores one rounded
+word. Every input byte is read once and every output byte written once, so the cost
+is the bytes moved.
 """
 from __future__ import annotations
 
@@ -42,9 +41,6 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _WORD = 16            # bytes per load/store
 _LANES = 8            # 2-byte values per word
 _NEG_INF = np.float32(-np.inf)
-# Threads per CTA at most: the kernel needs ~90 registers, and small CTAs fill an SM's
-# register file more evenly than large ones (more warps resident, more loads in flight).
-_THREADS = 128
 
 # --------------------------------------------------------------------------- conversions
 # A 16-byte word is a complex128 (two float64 holding the raw bits); lane k is the k-th
@@ -167,105 +163,105 @@ else:
     _pack_fp16 = _packer(_f32_to_fp16)
 
 # --------------------------------------------------------------------------- kernel
+# One thread per 16-byte output word. Every load a word needs (S statistics, S key
+# counts, S partial words) is independent of the others and issued up front; which
+# splits count is decided only after they arrive, with selects, so a thread waits for
+# memory once instead of once for the statistics and again for the data. Splits are
+# taken four at a time with an online maximum (the running sums rescaled when a later
+# round raises it), so any S works with the registers of four.
 
 
 @_device
-def _row_max(lse, kv_lens, S, nb, blk, h, tt):
-    """Largest statistic of the row's non-empty sub-rows (-inf when none has keys)."""
-    m = _NEG_INF
-    for s in range(S):
-        n = s * nb + blk
-        if kv_lens[n] > 0:
-            v = _as_f32(lse[n, h, tt])
-            if v > m:
-                m = v
-    return m
-
-
-@_device
-def _weight(lse, kv_lens, s, S, nb, blk, h, tt, m):
-    """exp(lse - m) of split s; 0 for s >= S or an empty sub-row."""
+def _stat(lse, kv_lens, s, S, nb, blk, h, tt):
+    """Statistic of split s, or -inf past S or for a sub-row without keys."""
     if s >= S:
-        return _f32(0)
+        return _NEG_INF
     n = s * nb + blk
-    if kv_lens[n] <= 0:
-        return _f32(0)
-    return _f32(math.exp(_as_f32(lse[n, h, tt]) - m))
+    v = _as_f32(lse[n, h, tt])
+    return v if kv_lens[n] > 0 else _NEG_INF
 
 
 @_device
-def _load(partial, s, t, h, w, e):
-    """Word w of split s, or a zero word when it has no weight (never read then)."""
-    if e > 0:
+def _word_at(partial, s, S, t, h, w):
+    """Word w of split s (read whether or not it counts: its weight decides), or 0."""
+    if s < S:
         return load_word(partial, (s, t, h, w))
     return 0j
 
 
 @_device
-def _add(acc, word, e, fp16):
-    """acc + e * values(word), skipped when e is 0 (the word may hold NaN garbage)."""
-    if not e > 0:
-        return acc
+def _fold(acc, word, lse_s, m, fp16):
+    """(acc + e * values(word), e) with e = exp(lse_s - m); the word is not touched for
+    a split that does not count (it may hold NaN garbage)."""
+    if not lse_s > _NEG_INF:
+        return acc, _f32(0)
+    e = _f32(math.exp(lse_s - m))
     x = _unpack_fp16(word) if fp16 else _unpack_bf16(word)
     return (acc[0] + e * x[0], acc[1] + e * x[1], acc[2] + e * x[2], acc[3] + e * x[3],
-            acc[4] + e * x[4], acc[5] + e * x[5], acc[6] + e * x[6], acc[7] + e * x[7])
+            acc[4] + e * x[4], acc[5] + e * x[5], acc[6] + e * x[6], acc[7] + e * x[7]), e
 
 
 @_device
-def _store(out, t, h, w, acc, scale, fp16):
-    vals = (acc[0] * scale, acc[1] * scale, acc[2] * scale, acc[3] * scale,
-            acc[4] * scale, acc[5] * scale, acc[6] * scale, acc[7] * scale)
+def _scaled(acc, r):
+    return (acc[0] * r, acc[1] * r, acc[2] * r, acc[3] * r,
+            acc[4] * r, acc[5] * r, acc[6] * r, acc[7] * r)
+
+
+@_device
+def _merge_word(partial, lse, kv_lens, nb, t, h, w, blk, tt, fp16):
+    """Merged, normalised fp32 values of word w of row (t, h)."""
+    z = _f32(0)
+    acc = (z, z, z, z, z, z, z, z)
+    den, m = z, _NEG_INF
+    S = partial.shape[0]
+    for s in range(0, S, 4):
+        l0 = _stat(lse, kv_lens, s, S, nb, blk, h, tt)
+        l1 = _stat(lse, kv_lens, s + 1, S, nb, blk, h, tt)
+        l2 = _stat(lse, kv_lens, s + 2, S, nb, blk, h, tt)
+        l3 = _stat(lse, kv_lens, s + 3, S, nb, blk, h, tt)
+        x0 = _word_at(partial, s, S, t, h, w)
+        x1 = _word_at(partial, s + 1, S, t, h, w)
+        x2 = _word_at(partial, s + 2, S, t, h, w)
+        x3 = _word_at(partial, s + 3, S, t, h, w)
+        top = max(max(m, l0), max(max(l1, l2), l3))
+        if top > _NEG_INF:
+            if m > _NEG_INF and top > m:  # an earlier round's sums, onto the new maximum
+                r = _f32(math.exp(m - top))
+                acc, den = _scaled(acc, r), den * r
+            m = top
+            acc, e0 = _fold(acc, x0, l0, m, fp16)
+            acc, e1 = _fold(acc, x1, l1, m, fp16)
+            acc, e2 = _fold(acc, x2, l2, m, fp16)
+            acc, e3 = _fold(acc, x3, l3, m, fp16)
+            den += e0 + e1 + e2 + e3
+    return _scaled(acc, _f32(1) / den if den > 0 else z)
+
+
+@_device
+def _store(out, t, h, w, vals, fp16):
     store_word(out, (t, h, w), _pack_fp16(vals) if fp16 else _pack_bf16(vals))
 
 
-@_device
-def _merge_word(out, partial, lse, kv_lens, nb, t, h, w, blk, tt, m, fp16):
-    """Merge word w of row (t, h) over every split and store it."""
-    z = _f32(0)
-    acc = (z, z, z, z, z, z, z, z)
-    den = z
-    if m > _NEG_INF:
-        S = partial.shape[0]
-        for s in range(0, S, 4):
-            # Four weights, then four loads issued before any value is used.
-            e0 = _weight(lse, kv_lens, s, S, nb, blk, h, tt, m)
-            e1 = _weight(lse, kv_lens, s + 1, S, nb, blk, h, tt, m)
-            e2 = _weight(lse, kv_lens, s + 2, S, nb, blk, h, tt, m)
-            e3 = _weight(lse, kv_lens, s + 3, S, nb, blk, h, tt, m)
-            x0 = _load(partial, s, t, h, w, e0)
-            x1 = _load(partial, s + 1, t, h, w, e1)
-            x2 = _load(partial, s + 2, t, h, w, e2)
-            x3 = _load(partial, s + 3, t, h, w, e3)
-            acc = _add(_add(_add(_add(acc, x0, e0, fp16), x1, e1, fp16), x2, e2, fp16),
-                       x3, e3, fp16)
-            den += e0 + e1 + e2 + e3
-    scale = _f32(1) / den if den > 0 else z
-    _store(out, t, h, w, acc, scale, fp16)
-
-
 @cuda.jit
-def _merge_split_kv_kernel(out, partial, lse, kv_lens, block_size, seq_len, group, fp16):
+def _merge_split_kv_kernel(out, partial, lse, kv_lens, block_size, seq_len, fp16):
     # out: [T, H, W] words; partial: [S, T, H, W] words; lse: [S * nb, H, b] float32 bits
-    # (int32); kv_lens: [S * nb] int32; group: threads per row; fp16: values are fp16.
+    # (int32); kv_lens: [S * nb] int32; fp16: values are fp16 (else bf16).
     T = partial.shape[1]
     H = partial.shape[2]
     W = partial.shape[3]
     nb = T // block_size
-    rows_per_cta = cuda.blockDim.x // group
-    r = cuda.threadIdx.x // group
-    lane = cuda.threadIdx.x - r * group
-    if r >= rows_per_cta:
-        return
-    for row in range(cuda.blockIdx.x * rows_per_cta + r, T * H, cuda.gridDim.x * rows_per_cta):
+    z = _f32(0)
+    for i in range(cuda.grid(1), T * H * W, cuda.gridsize(1)):
+        row = i // W
+        w = i - row * W
         t = row // H
         h = row - t * H
         blk = t // block_size
-        tt = t - blk * block_size
-        m = _NEG_INF
+        vals = (z, z, z, z, z, z, z, z)
         if t < seq_len:
-            m = _row_max(lse, kv_lens, partial.shape[0], nb, blk, h, tt)
-        for w in range(lane, W, group):
-            _merge_word(out, partial, lse, kv_lens, nb, t, h, w, blk, tt, m, fp16)
+            vals = _merge_word(partial, lse, kv_lens, nb, t, h, w, blk,
+                               t - blk * block_size, fp16)
+        _store(out, t, h, w, vals, fp16)
 
 
 _KERNEL = Kernel(_merge_split_kv_kernel)
@@ -398,16 +394,13 @@ def _is_noop(out) -> bool:
 
 def _kernel_args(out, partial, lse, kv_lens, block_size, seq_len):
     T, H, D = out.shape
-    W = D // _LANES
-    threads = min(_THREADS, _launch.MAX_THREADS)
-    group = min(W, threads)
-    rows_per_cta = max(1, min(threads // group, T * H))
+    words = T * H * (D // _LANES)
+    threads = _launch.threads_for(words)
     lse3 = lse if lse.dim() == 3 else lse[..., 0]  # [S * nb, H, b]
     args = [array_arg(out, _WORD), array_arg(partial, _WORD), array_arg(lse3),
             array_arg(kv_lens.reshape(-1)), int_arg(block_size), int_arg(seq_len),
-            int_arg(group), int_arg(out.dtype == torch.float16)]
-    grid = blocks_for(-(-T * H // rows_per_cta))
-    return args, grid, group * rows_per_cta
+            int_arg(out.dtype == torch.float16)]
+    return args, blocks_for(-(-words // threads)), threads
 
 
 def _run(out, partial, lse, kv_lens, block_size, seq_len) -> None:

@@ -113,3 +113,23 @@ def test_large_statistics_do_not_overflow():
     w1 = 1 / (1 + math.exp(-10.0))
     want = ((1 - w1) * args["partial"][0].float() + w1 * args["partial"][1].float())
     torch.testing.assert_close(args["out"].float(), want, rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("order", ["rising", "falling"])
+def test_later_rounds_rescale_earlier_sums(order):
+    # S = 9 is three rounds of four; with rising statistics every round raises the
+    # running maximum (earlier sums rescaled), with falling ones no round does, and in
+    # block 0 the first round's sub-rows are all empty (nothing to rescale yet).
+    args, _ = merge_case(CPU, torch.float16, S=9, nb=2, b=2, H=2, D=64, empty_every=0,
+                         garbage=False, seed=21)
+    steps = torch.arange(9, dtype=torch.float32) * 3
+    stats = steps if order == "rising" else steps.flip(0)
+    args["lse"].copy_(stats.repeat_interleave(2)[:, None, None].expand(18, 2, 2))
+    lens = args["kv_lens"].view(9, 2)  # [S, nb]
+    lens[:, 1] = 500
+    lens[:4, 0] = 0  # block 0: the first round empty, its words NaN
+    args["partial"][:4, :2] = float("nan")
+    want = dict(args, out=args["out"].clone())
+    merge_split_kv_reference(**want)
+    merge_split_kv_(**args)
+    assert_merged_close(args["out"], want["out"])
