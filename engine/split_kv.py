@@ -32,9 +32,13 @@ import torch
 #: Queries per CTA tile of cuDNN's Hopper SDPA forward.
 QUERY_TILE = 128
 #: Largest S considered by the wave model.
-MAX_SPLIT = 4
-#: A split must raise the wave fill by this fraction over the best smaller S.
-MIN_GAIN = 0.02
+MAX_SPLIT = 6
+#: A split must raise the wave fill by this fraction over the best smaller S: each
+#: sub-row costs a CTA prologue and a partial output more. On the H200 at the seed
+#: geometry (variants timed in turn, two runs) S = 5 (fill 0.985) beat S = 4 (0.969)
+#: by 1.2-1.4%, and S = 6 (0.995) lost 0.6-1.2% to S = 5: a 1.6% fill gain paid, a
+#: 1.1% one did not.
+MIN_GAIN = 0.015
 #: Fewest keys a sub-row should hold; below, a CTA's fixed cost dominates.
 MIN_KEYS_PER_SPLIT = 2048
 

@@ -56,7 +56,7 @@ def test_kernel_is_exact_split_attention():
     torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
-SEED = [(S, nb) for nb in (1, 4) for S in (2, 3, 4)]
+SEED = [(S, nb) for nb in (1, 4) for S in (2, 3, 4, 5, 6)]
 
 
 @pytest.mark.parametrize("S,nb", SEED)

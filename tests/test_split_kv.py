@@ -24,11 +24,12 @@ def test_wave_fill():
 
 
 @pytest.mark.parametrize("nb,b,H,keys,want", [
-    (1, 1576, 32, 1247 * 32, 4),   # seed denoising forward: 416 CTAs, 3.15 waves
+    (1, 1576, 32, 1247 * 32, 5),   # seed denoising forward: 416 CTAs, 3.15 waves
     (4, 394, 32, 1233 * 32, 1),    # seed clean pass: 512 CTAs already fill 3.9 waves
-    (1, 4680, 12, 1041 * 32, 2),   # wan-1.3b denoising forward: 444 CTAs
+    (1, 4680, 12, 1041 * 32, 5),   # wan-1.3b denoising forward: 444 CTAs
     (1, 1576, 32, 3000, 1),        # too few keys for a second sub-row
-    (1, 128, 1, 1 << 20, 4),       # one CTA: every split fills more
+    (1, 128, 1, 1 << 20, 6),       # one CTA: every split fills more
+    (1, 1576, 32, 12 * 2048, 5),   # S = 6 would leave sub-rows under 2048 keys
 ])
 def test_choose_split(nb, b, H, keys, want):
     assert choose_split(num_blocks=nb, block_size=b, num_heads=H, row_keys=keys, sms=132) == want
