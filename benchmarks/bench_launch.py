@@ -1,12 +1,15 @@
 """Host cost of launching big captured graphs, and what it depends on.
 
-    python benchmarks/bench_launch.py [--json out.json]
+    python benchmarks/bench_launch.py [--json out.json] [--rows chains,kinds,stack,params]
+
+(``--rows`` picks groups of rows; the default is chains,kinds,stack.)
 
 For graphs of the seed geometry's attention stack (one forward over 36 layers, both
 block sizes, as captured and with cuDNN's memset nodes turned into kernel nodes by
-`framekv.graphs.rewrite`), for chains of N small kernels and for chains of one node
-kind (numba kernels, cuDNN attention alone): the node count and node types, and the
-host wall of one launch with the device idle before it, launched
+`framekv.graphs.rewrite`), for chains of N small kernels, for chains of one node kind
+(numba kernels, cuDNN attention alone) and for numba kernels that differ only in their
+parameter bytes or in how many functions they cycle through: the node count and node
+types, and the host wall of one launch with the device idle before it, launched
 
 - by torch's ``CUDAGraph.replay``, also while the device is still busy (the launch
   queued behind a ~2 ms sleep kernel, as a pipelined caller's would be),
@@ -25,6 +28,7 @@ import statistics
 
 import msgspec
 import torch
+from numba import cuda
 
 from framekv import specs
 from framekv.bench.timing import environment, interleaved_host_times, summary
@@ -179,6 +183,67 @@ def kind_rows(rows: list) -> None:
     cache.shutdown()
 
 
+@cuda.jit
+def _touch1(a):
+    if cuda.grid(1) == 0:
+        a[0, 0, 0] += 1
+
+
+@cuda.jit
+def _touch1b(a):
+    if cuda.grid(1) == 0:
+        a[0, 0, 1] += 1
+
+
+@cuda.jit
+def _touch1c(a):
+    if cuda.grid(1) == 0:
+        a[0, 1, 0] += 1
+
+
+@cuda.jit
+def _touch1d(a):
+    if cuda.grid(1) == 0:
+        a[1, 0, 0] += 1
+
+
+@cuda.jit
+def _touch4(a, b, c, d):
+    if cuda.grid(1) == 0:
+        a[0, 0, 0] += b[0, 0, 0] + c[0, 0, 0] + d[0, 0, 0]
+
+
+@cuda.jit
+def _touch8(a, b, c, d, e, f, g, h):
+    if cuda.grid(1) == 0:
+        a[0, 0, 0] += (b[0, 0, 0] + c[0, 0, 0] + d[0, 0, 0] + e[0, 0, 0] + f[0, 0, 0]
+                       + g[0, 0, 0] + h[0, 0, 0])
+
+
+def param_rows(rows: list) -> None:
+    """Does a node's host cost follow its parameter bytes, or the switching between
+    kernels? Chains of 100 one-thread-block numba kernels with 1, 4 or 8 3-D array
+    arguments (88, 352, 704 bytes of parameters), and with 1 argument cycling through
+    four different kernels."""
+    # numba arrays made before capture: converting a tensor may synchronize its stream
+    bufs = [cuda.as_cuda_array(torch.zeros(2, 2, 2, dtype=torch.int32, device="cuda"))
+            for _ in range(8)]
+
+    def chain(kernels, nargs):
+        def run():
+            stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+            for i in range(100):
+                kernels[i % len(kernels)][1, 32, stream](*bufs[:nargs])
+        return run
+
+    for label, kernels, nargs in (("1 array arg (88 B)", [_touch1], 1),
+                                  ("4 array args (352 B)", [_touch4], 4),
+                                  ("8 array args (704 B)", [_touch8], 8),
+                                  ("1 arg, 4 kernels in turn", [_touch1, _touch1b, _touch1c,
+                                                                 _touch1d], 1)):
+        rows.append(row(f"100 numba kernels, {label}", capture(chain(kernels, nargs))))
+
+
 def chain_rows(rows: list) -> None:
     x = torch.randn(4096, device="cuda")
     for n in (10, 100, 1000):
@@ -193,16 +258,23 @@ def chain_rows(rows: list) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rows", default="chains,kinds,stack",
+                    help="comma-separated groups of rows to run (chains, kinds, params, stack)")
     args = ap.parse_args()
     print("host µs per launch (medians of 60 rounds, methods in turn): torch replay, the same "
           "while the device is busy, runtime launch, device-launch instantiation, conditional "
           "parent; then device µs per launch: plain, conditional parent")
     print(f"{'graph':<40}{'nodes':>6}{'torch':>8}{'busy':>8}{'rt':>8}{'devfl':>8}{'cond':>8}"
           f"{'dev plain':>11}{'dev cond':>11}  shape, node types")
+    groups = {"chains": chain_rows, "kinds": kind_rows, "params": param_rows,
+              "stack": stack_rows}
+    wanted = [g for g in args.rows.split(",") if g]
+    bad = sorted(set(wanted) - groups.keys())
+    if bad:
+        ap.error(f"--rows: unknown groups {bad}; choose from {sorted(groups)}")
     rows: list = []
-    chain_rows(rows)
-    kind_rows(rows)
-    stack_rows(rows)
+    for name in wanted:
+        groups[name](rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": environment(), "rows": rows}, f, indent=2)

@@ -73,7 +73,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=_iters, default=8, help="e2e timed chunks per variant")
     p.add_argument("--iters", type=_iters, default=50, help="attention iterations (default 50)")
     p.add_argument("--chunk-iters", type=_iters, default=10, help="chunk-cycle iterations")
-    p.add_argument("--splits", default="2,3,4", help="split-KV sub-row counts to time")
+    p.add_argument("--splits", default="2,3,4,5,6", help="split-KV sub-row counts to time")
     p.add_argument("--no-warmup", action="store_true", help="skip the cold/warm warm-up runs")
     p.add_argument("--json", dest="json_path", metavar="FILE", default=None)
     p.add_argument("--png", metavar="FILE", default=None, help="write a chart (matplotlib)")
