@@ -81,8 +81,8 @@ class GraphCache:
         warmup_iters: eager calls before each capture (default 2).
         shared_pool: capture every graph into one pool (True), or each into its own.
         kernel_only: turn the memset nodes of each captured graph into kernel nodes
-            before it is instantiated (`framekv.graphs.rewrite`), so that a launch
-            costs the same few µs however many nodes the graph holds.
+            before it is instantiated (`framekv.graphs.rewrite`): memset nodes make
+            a launch's host cost grow several times faster with the node count.
     """
 
     def __init__(self, device, *, debug: bool = False, warmup_iters: int = 2,
