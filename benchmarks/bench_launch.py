@@ -183,28 +183,17 @@ def kind_rows(rows: list) -> None:
     cache.shutdown()
 
 
-@cuda.jit
-def _touch1(a):
-    if cuda.grid(1) == 0:
-        a[0, 0, 0] += 1
+def _touch_kernel(i: int, j: int, k: int):
+    """A one-array numba kernel bumping element (i, j, k): each call a new function."""
+    @cuda.jit
+    def touch(a):
+        if cuda.grid(1) == 0:
+            a[i, j, k] += 1
+    return touch
 
 
-@cuda.jit
-def _touch1b(a):
-    if cuda.grid(1) == 0:
-        a[0, 0, 1] += 1
-
-
-@cuda.jit
-def _touch1c(a):
-    if cuda.grid(1) == 0:
-        a[0, 1, 0] += 1
-
-
-@cuda.jit
-def _touch1d(a):
-    if cuda.grid(1) == 0:
-        a[1, 0, 0] += 1
+_touch1, _touch1b, _touch1c, _touch1d = (_touch_kernel(*ijk) for ijk in
+                                         ((0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0)))
 
 
 @cuda.jit
