@@ -8,9 +8,13 @@ the clean pass (one-frame blocks) and the commit, through all layers. Measured h
   its pieces (what one graph costs beyond its kernels);
 - the chunk as per-forward graphs (one replay per forward and the commit);
 - host cost of one whole-chunk replay through the graph cache (host mirror included)
-  and of the bare ``CUDAGraph.replay``, each with the device idle before it and
-  while the device is still busy (the launch queued behind a ~2 ms sleep kernel, as
-  in a pipelined rollout); and of the commit's host side alone;
+  and of torch's bare ``CUDAGraph.replay``: issued back to back while the device still
+  runs earlier chunks (a serving loop that keeps the device fed: the launch cost
+  proper), right after the host waited for the device to drain, and after such a wait
+  behind a ~2 ms sleep kernel; and of the commit's host side alone;
+- the first CUDA call (a stream query) after the host waited for a chunk, and after
+  it waited as long for a sleep kernel: the cost a call pays after a long wait,
+  whatever the call, which the drained rows include;
 - the eager chunk for reference;
 - the warm-up of the preset's plan in a new process, cold and with the cache dir of
   the cold run (numba kernels and cuDNN plans from disk).
@@ -35,8 +39,11 @@ from framekv.engine.attention_stack import AttentionStack
 from framekv.graphs import GraphCache, decode_report
 from framekv.graphs.inspect import graph_info
 
-from .timing import (device_times, host_times, interleaved_device_times, interleaved_host_times,
-                     summary, wall_times)
+from .timing import (device_times, first_call_after, host_times, interleaved_device_times,
+                     interleaved_host_times, pipelined_host_times, summary, wall_times)
+
+#: Sleep-kernel cycles about as long as the seed chunk on an H200 (~390 ms at ~2 GHz).
+_CHUNK_SLEEP_CYCLES = 780_000_000
 
 
 def _capture_all(stack: AttentionStack, graphs: GraphCache, g, T: int, frame: int, steps: int):
@@ -101,7 +108,14 @@ def measure_chunk(preset: specs.Preset, *, iters: int = 10, progress=print) -> d
         "whole_chunk_cudagraph_launch": handle.graph.replay,
         "whole_chunk_cudagraph_launch_busy": handle.graph.replay}, max(iters, 30),
         busy=("whole_chunk_replay_busy", "whole_chunk_cudagraph_launch_busy"))
+    piped = pipelined_host_times({"whole_chunk_replay_pipelined": chunk,
+                                  "whole_chunk_cudagraph_launch_pipelined": handle.graph.replay},
+                                 max(iters // 2, 4))
+    host.update(piped)
     host.update({
+        "first_call_after_chunk": first_call_after(chunk, 10),
+        "first_call_after_sleep": first_call_after(
+            lambda: torch.cuda._sleep(_CHUNK_SLEEP_CYCLES), 10),
         "per_forward_replays": host_times(per_forward, max(iters, 20)),
         "commit_replay": host_times(commit, 50),
         "commit_eager": host_times(lambda: (cache.note_staged(T), cache.commit(T)), 50),
@@ -158,9 +172,9 @@ def format_chunk(res: dict) -> str:
     lines = [f"chunk cycle: {res['layers']} layers, T={res['tokens']} over {res['keys']} keys, "
              f"{res['denoising_steps']} denoising forwards + clean pass "
              f"({res['clean_block']}-token blocks) + commit",
-             f"  {'device (median µs)':<30}{'median':>12}{'p10':>12}{'p90':>12}"]
+             f"  {'device (median µs)':<40}{'median':>12}{'p10':>12}{'p90':>12}"]
     for k, v in d.items():
-        lines.append(f"  {k:<30}{v['median']:>12.1f}{v['p10']:>12.1f}{v['p90']:>12.1f}")
+        lines.append(f"  {k:<40}{v['median']:>12.1f}{v['p10']:>12.1f}{v['p90']:>12.1f}")
     lines.append(f"  whole chunk / sum of pieces = {res['whole_chunk_over_pieces']:.4f} "
                  f"(pieces {res['sum_of_pieces_us']:.1f} µs); per iteration, whole chunk / "
                  f"per-forward graphs = {res['whole_over_per_forward_paired']:.4f}")
@@ -168,9 +182,9 @@ def format_chunk(res: dict) -> str:
         cg = res["chunk_graph"]
         lines.append(f"  chunk graph: {cg['nodes']} nodes {cg['types']}, straight-line "
                      f"{cg['straight_line']}, {cg['memsets_replaced']} memsets made kernels")
-    lines.append(f"  {'host (median µs)':<30}{'median':>12}{'p10':>12}{'p90':>12}")
+    lines.append(f"  {'host (median µs)':<40}{'median':>12}{'p10':>12}{'p90':>12}")
     for k, v in h.items():
-        lines.append(f"  {k:<30}{v['median']:>12.1f}{v['p10']:>12.1f}{v['p90']:>12.1f}")
+        lines.append(f"  {k:<40}{v['median']:>12.1f}{v['p10']:>12.1f}{v['p90']:>12.1f}")
     return "\n".join(lines)
 
 

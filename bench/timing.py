@@ -130,6 +130,39 @@ def interleaved_host_times(calls: dict[str, Callable[[], object]], iters: int, *
     return out
 
 
+def pipelined_host_times(calls: dict[str, Callable[[], object]], rounds: int, depth: int = 6
+                         ) -> dict[str, list[float]]:
+    """µs of host wall per call issued back to back while the device still runs the
+    earlier ones (a serving loop that keeps the device fed): per round and callable,
+    the device is drained, then ``depth`` calls are timed one after another; the first
+    of each run (issued right after the wait) is dropped. Callables taken in turn."""
+    out: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            torch.cuda.synchronize()
+            for i in range(depth):
+                t0 = time.perf_counter()
+                call()
+                if i:
+                    out[name].append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return out
+
+
+def first_call_after(work: Callable[[], object], iters: int) -> list[float]:
+    """µs of host wall of the first CUDA call (a stream query) after the host waited
+    for ``work`` to finish: what any call pays right after a long wait."""
+    out = []
+    stream = torch.cuda.current_stream()
+    for _ in range(iters):
+        work()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stream.query()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
 def wall_times(call: Callable[[], object], iters: int) -> list[float]:
     """µs of host wall per call including the device finishing it (synchronized)."""
     out = []

@@ -8,6 +8,8 @@ supplies the callables, the owner tokens and the host-mirror hooks.
   `forward_key`, `commit_key`, `chunk_key` build the standard ones; `owner_token`
   names an owner for its lifetime.
 - `GraphCache`: warm-up, capture into one shared pool, replay, stats; eager on CPU.
+  Replays of graphs that draw no random numbers skip torch's replay prologue
+  (`framekv.graphs.launch`).
 - `SequenceProgram` / `Step`: a per-chunk program (forwards and a commit) as one
   callable whose key is derived from its steps.
 - `run_warmup` (``GraphCache.warmup``), `format_report`, `encode_report`: capture a

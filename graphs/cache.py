@@ -236,7 +236,7 @@ class GraphCache:
         torch.cuda.synchronize(dev)
         entry.memsets_replaced = _instantiate(graph, self.kernel_only)
         try:
-            entry.set_captured(graph, outputs)
+            entry.set_captured(graph, outputs, dev)
         except ValueError as exc:
             raise GraphCaptureError(f"capture of {entry.key.summary()}: {exc}") from exc
         entry.allocated_bytes = torch.cuda.memory_allocated(dev) - alloc0

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .keys import GraphKey, TensorSpec
+from .launch import DirectLaunch, default_generator_offset
 
 
 class GraphCaptureError(RuntimeError):
@@ -49,6 +50,7 @@ def static_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _UNSET = object()
+_RNG_PROBES = 3
 
 
 class CapturedGraph:
@@ -62,6 +64,9 @@ class CapturedGraph:
             call); rewritten by every replay.
         graph: the ``torch.cuda.CUDAGraph``, or None when running eagerly.
         hits: replays (eager calls on CPU).
+        direct_launch: whether replays now skip torch's replay prologue (see
+            `framekv.graphs.launch`): set after a replay showed the graph draws no
+            random numbers.
         capture_seconds, allocated_bytes, reserved_bytes: capture cost; the byte
             counts are the growth of torch's allocated / reserved memory during capture.
     """
@@ -82,6 +87,12 @@ class CapturedGraph:
         self.capture_seconds = 0.0
         self.allocated_bytes = self.reserved_bytes = 0
         self.memsets_replaced = 0  # memset nodes turned into kernel nodes at capture
+        self._direct: DirectLaunch | None = None
+        self._graph_device: torch.device | None = None
+        # Replays through torch that may still show no RNG use; a graph that moved the
+        # offset this many times draws numbers (another thread's draws are not that
+        # regular) and stays on torch's replay.
+        self._rng_probes = _RNG_PROBES
         self._remember_addresses()
 
     @property
@@ -89,10 +100,13 @@ class CapturedGraph:
         """The static outputs, or None before the first call of an eager entry."""
         return None if self._outputs is _UNSET else self._outputs
 
-    def set_captured(self, graph: torch.cuda.CUDAGraph | None, outputs: Any) -> None:
-        """Record the capture's graph and static outputs and remember every address."""
+    def set_captured(self, graph: torch.cuda.CUDAGraph | None, outputs: Any,
+                     device: torch.device | None = None) -> None:
+        """Record the capture's graph (captured on ``device``) and static outputs and
+        remember every address."""
         named_outputs(outputs)  # ValueError for anything but tensors
         self.graph, self._outputs = graph, outputs
+        self._graph_device = device
         self._remember_addresses()
 
     def _remember_addresses(self) -> None:
@@ -120,12 +134,36 @@ class CapturedGraph:
             self.check_addresses()
         if self.graph is None:
             return self._call_eagerly()
-        self.graph.replay()
+        if self._direct is not None:
+            self._direct()
+        else:
+            self._replay_through_torch()
         self.hits += 1
         hook = after_replay if after_replay is not None else self.after_replay
         if hook is not None:
             hook()
         return self._outputs
+
+    @property
+    def direct_launch(self) -> bool:
+        return self._direct is not None
+
+    def _replay_through_torch(self) -> None:
+        """torch's replay (generator prologue included); the first one whose replay
+        left the default generator's offset unmoved switches to `DirectLaunch`."""
+        if self._rng_probes <= 0:
+            self.graph.replay()
+            return
+        device = self._graph_device
+        before = default_generator_offset(device)
+        self.graph.replay()
+        if before is None:
+            self._rng_probes = 0
+        elif default_generator_offset(device) == before:
+            self._direct = DirectLaunch.of(self.graph, device)
+            self._rng_probes = 0
+        else:
+            self._rng_probes -= 1
 
     def load(self, inputs: Mapping[str, torch.Tensor]) -> None:
         """Copy tensors into the static input buffers of the same names."""

@@ -3,9 +3,9 @@
 A launch's host cost grows fastest with the node count when the graph is not
 straight-line (every node one dependency and one dependent) or holds memset/memcpy or
 event nodes; this is the first thing to look at when a replay's host cost is high.
-Straight-line kernel-only graphs can still cost per node (measured on an H200: chains
-of one repeated kernel launch in nearly constant time, the attention stack's graphs,
-cycling through four kernels per layer, ~0.2 µs per node; docs/benchmarks.md).
+Straight-line kernel-only graphs still cost per node when launched right after the
+host waited for the device (measured on an H200: a 691-node chunk ~10 µs when
+launched while earlier chunks are queued, 75-126 µs after a wait; docs/benchmarks.md).
 
     info = graph_info(captured.graph)     # a torch.cuda.CUDAGraph
     info.nodes, info.types, info.straight_line

@@ -389,6 +389,76 @@ def test_bad_constructor_arguments():
         GraphCache("meta")
 
 
+class FakeGraph:
+    """Stands in for a captured torch graph: counts replays through torch."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def _entry_over_fake_graph():
+    from framekv.graphs import CapturedGraph
+
+    k = key()
+    entry = CapturedGraph(k, lambda **kw: None, {"x": torch.zeros(8, 16), "t": torch.zeros(4)},
+                          after_replay=None, debug=False)
+    graph = FakeGraph()
+    entry.set_captured(graph, torch.zeros(2), torch.device("cuda", 0))
+    return entry, graph
+
+
+def test_replay_switches_to_a_direct_launch_once_a_replay_drew_no_random_numbers(monkeypatch):
+    import framekv.graphs.captured as captured
+
+    launches = []
+    monkeypatch.setattr(captured, "default_generator_offset", lambda device: 40)
+    monkeypatch.setattr(captured.DirectLaunch, "of",
+                        classmethod(lambda cls, graph, device: lambda: launches.append(device)))
+    entry, graph = _entry_over_fake_graph()
+    assert not entry.direct_launch
+    entry.replay()
+    assert graph.replays == 1 and entry.direct_launch
+    for _ in range(3):
+        entry.replay()
+    assert graph.replays == 1 and launches == [torch.device("cuda", 0)] * 3
+    assert entry.hits == 4
+
+
+def test_a_graph_that_moves_the_generator_stays_on_torch_replay(monkeypatch):
+    import framekv.graphs.captured as captured
+
+    offsets, probes = iter(range(0, 1000, 4)), []
+
+    def offset(device):
+        probes.append(device)
+        return next(offsets)  # every read later than the one before: numbers were drawn
+
+    monkeypatch.setattr(captured, "default_generator_offset", offset)
+    monkeypatch.setattr(captured.DirectLaunch, "of", classmethod(
+        lambda cls, graph, device: pytest.fail("a graph drawing numbers got a direct launch")))
+    entry, graph = _entry_over_fake_graph()
+    for _ in range(6):
+        entry.replay()
+    assert graph.replays == 6 and not entry.direct_launch
+    assert len(probes) == 2 * captured._RNG_PROBES  # probing stops after that many replays
+
+
+def test_direct_launch_needs_torchs_executable():
+    from framekv.graphs.launch import DirectLaunch, default_generator_offset
+
+    assert DirectLaunch.of(object(), torch.device("cuda", 0)) is None  # no raw executable
+
+    class NotInstantiated:
+        def raw_cuda_graph_exec(self):
+            raise RuntimeError("not instantiated")
+
+    assert DirectLaunch.of(NotInstantiated(), torch.device("cuda", 0)) is None
+    assert default_generator_offset(None) is None
+
+
 def test_clear_keeps_hit_totals():
     cache = GraphCache("cpu")
     for owner in (1, 2):

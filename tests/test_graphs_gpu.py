@@ -192,6 +192,43 @@ def test_replay_host_cost():
     assert costs["cache.replay(key)"] < costs["CUDAGraph.replay"] + 10
 
 
+# ---------------------------------------------------------------------------- direct launch
+def test_graph_without_rng_switches_to_direct_launch_and_follows_the_current_stream():
+    cache = GraphCache(DEV)
+    x = {"x": torch.randn(1 << 20, device=DEV)}
+    key = GraphKey.build(owner=1, program="affine", inputs=x)
+    entry = cache.capture(key, lambda x: x * 3 + 1, x)
+    assert not entry.direct_launch  # nothing known about its RNG use before a replay
+    offset = torch.cuda.default_generators[0].get_offset()
+    cache.replay(key)
+    cache.replay(key)
+    assert entry.direct_launch
+    assert torch.cuda.default_generators[0].get_offset() == offset
+    side = torch.cuda.Stream()
+    for i in range(5):
+        fresh = torch.randn(1 << 20, device=DEV)
+        with torch.cuda.stream(side):
+            side.wait_stream(torch.cuda.current_stream())
+            # A launch on any other stream would run before the copy behind the sleep.
+            torch.cuda._sleep(2_000_000)
+            entry.static_inputs["x"].copy_(fresh)
+            out = cache.replay(key).clone()
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(out, fresh * 3 + 1), f"replay {i}"
+
+
+def test_graph_drawing_random_numbers_keeps_torch_replay_and_fresh_numbers():
+    cache = GraphCache(DEV)
+    x = {"x": torch.zeros(4096, device=DEV)}
+    key = GraphKey.build(owner=1, program="noise", inputs=x)
+    entry = cache.capture(key, lambda x: x + torch.rand(4096, device=DEV), x)
+    outs = [cache.replay(key).clone() for _ in range(6)]
+    assert not entry.direct_launch
+    for a, b in zip(outs, outs[1:]):
+        assert not torch.equal(a, b)  # each replay draws new numbers
+    assert all(0 <= o.min() and o.max() < 1 for o in outs)
+
+
 # ---------------------------------------------------------------------------- memset rewrite
 def _memsets(buf: torch.Tensor) -> None:
     """Three driver memsets on torch's stream: bytes, a pitched 2-D of uint16, uint32s."""
