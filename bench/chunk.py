@@ -10,8 +10,10 @@ the clean pass (one-frame blocks) and the commit, through all layers. Measured h
 - host cost of one whole-chunk replay through the graph cache (host mirror included)
   and of torch's bare ``CUDAGraph.replay``: issued back to back while the device still
   runs earlier chunks (a serving loop that keeps the device fed: the launch cost
-  proper), right after the host waited for the device to drain, and after such a wait
-  behind a ~2 ms sleep kernel; and of the commit's host side alone;
+  proper), in a loop that waits for chunk k - 1 before launching chunk k + 1 (each
+  launch while its predecessor runs, the previous run of the same graph just
+  finished), right after the host waited for the device to drain, and after such a
+  wait behind a ~2 ms sleep kernel; and of the commit's host side alone;
 - the first CUDA call (a stream query) after the host waited for a chunk, and after
   it waited as long for a sleep kernel: the cost a call pays after a long wait,
   whatever the call, which the drained rows include;
@@ -39,8 +41,9 @@ from framekv.engine.attention_stack import AttentionStack
 from framekv.graphs import GraphCache, decode_report
 from framekv.graphs.inspect import graph_info
 
-from .timing import (device_times, first_call_after, host_times, interleaved_device_times,
-                     interleaved_host_times, pipelined_host_times, summary, wall_times)
+from .timing import (device_times, double_buffered_host_times, first_call_after, host_times,
+                     interleaved_device_times, interleaved_host_times, pipelined_host_times,
+                     summary, wall_times)
 
 #: Sleep-kernel cycles about as long as the seed chunk on an H200 (~390 ms at ~2 GHz).
 _CHUNK_SLEEP_CYCLES = 780_000_000
@@ -113,6 +116,7 @@ def measure_chunk(preset: specs.Preset, *, iters: int = 10, progress=print) -> d
                                  max(iters // 2, 4))
     host.update(piped)
     host.update({
+        "whole_chunk_replay_double_buffered": double_buffered_host_times(chunk, iters),
         "first_call_after_chunk": first_call_after(chunk, 10),
         "first_call_after_sleep": first_call_after(
             lambda: torch.cuda._sleep(_CHUNK_SLEEP_CYCLES), 10),

@@ -149,6 +149,29 @@ def pipelined_host_times(calls: dict[str, Callable[[], object]], rounds: int, de
     return out
 
 
+def double_buffered_host_times(call: Callable[[], object], iters: int) -> list[float]:
+    """µs of host wall per call in a loop that keeps one call queued ahead of the
+    device: call k + 1 is issued once call k - 1 has finished (the host waits on an
+    event recorded after it), so each call is launched while its predecessor runs, as
+    a serving loop overlapping the next chunk's launch with the current chunk."""
+    torch.cuda.synchronize()
+    done: list[torch.cuda.Event] = []
+    out = []
+    for k in range(iters + 2):
+        if len(done) == 2:
+            done.pop(0).synchronize()
+        t0 = time.perf_counter()
+        call()
+        elapsed = (time.perf_counter() - t0) * 1e6
+        event = torch.cuda.Event()
+        event.record()
+        done.append(event)
+        if k >= 2:  # the first two calls start from a drained device
+            out.append(elapsed)
+    torch.cuda.synchronize()
+    return out
+
+
 def first_call_after(work: Callable[[], object], iters: int) -> list[float]:
     """µs of host wall of the first CUDA call (a stream query) after the host waited
     for ``work`` to finish: what any call pays right after a long wait."""
