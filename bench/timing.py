@@ -58,17 +58,20 @@ def device_times(replay: Callable[[], object], iters: int, flush: Flusher | None
     """µs of each of ``iters`` calls of ``replay`` between CUDA events (flushed before each)."""
     for _ in range(warmup):
         replay()
-    pairs = []
-    for _ in range(iters):
-        if flush is not None:
-            flush()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        pairs.append((start, end))
+    pairs = [_between_events(replay, flush) for _ in range(iters)]
     torch.cuda.synchronize()
     return [s.elapsed_time(e) * 1e3 for s, e in pairs]
+
+
+def _between_events(call: Callable[[], object], flush: Flusher | None):
+    """(start, end) CUDA events recorded around one ``call``, the L2 flushed before."""
+    if flush is not None:
+        flush()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    return start, end
 
 
 def interleaved_device_times(calls: dict[str, Callable[[], object]], iters: int,
@@ -81,13 +84,7 @@ def interleaved_device_times(calls: dict[str, Callable[[], object]], iters: int,
     pairs = {name: [] for name in calls}
     for _ in range(iters):
         for name, call in calls.items():
-            if flush is not None:
-                flush()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            pairs[name].append((start, end))
+            pairs[name].append(_between_events(call, flush))
         torch.cuda.synchronize()
     return {name: [s.elapsed_time(e) * 1e3 for s, e in ps] for name, ps in pairs.items()}
 
