@@ -26,13 +26,16 @@ _MAX_STREAMS = 64
 class DirectLaunch:
     """``cuGraphLaunch`` of ``graph``'s executable on ``device``'s current stream.
 
-    `DirectLaunch.of` returns None where torch does not expose the executable.
+    `DirectLaunch.of` returns None where torch does not expose the executable. The
+    launcher holds ``owner`` (the torch graph) so that the executable it launches is not
+    destroyed under it.
     """
 
-    def __init__(self, exec_handle: int, device: torch.device):
+    def __init__(self, exec_handle: int, device: torch.device, owner: object = None):
         from cuda.bindings import driver as dr
 
         self._dr = dr
+        self._owner = owner
         self._exec = dr.CUgraphExec(init_value=exec_handle)
         self._device = device.index if device.index is not None else torch.cuda.current_device()
         self._streams: dict[int, object] = {}
@@ -47,7 +50,7 @@ class DirectLaunch:
             handle = graph.raw_cuda_graph_exec()
         except (AttributeError, RuntimeError):  # older torch, or not instantiated
             return None
-        return cls(int(handle), device) if handle else None
+        return cls(int(handle), device, owner=graph) if handle else None
 
     def __call__(self) -> None:
         ptr = self._current(self._device)

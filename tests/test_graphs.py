@@ -459,6 +459,28 @@ def test_direct_launch_needs_torchs_executable():
     assert default_generator_offset(None) is None
 
 
+def test_direct_launch_keeps_the_graph_that_owns_its_executable_alive():
+    import gc
+    import weakref
+
+    pytest.importorskip("cuda.bindings")
+    from framekv.graphs.launch import DirectLaunch
+
+    class Instantiated:
+        def raw_cuda_graph_exec(self):
+            return 0x1234
+
+    graph = Instantiated()
+    alive = weakref.ref(graph)
+    launcher = DirectLaunch.of(graph, torch.device("cuda", 0))
+    del graph
+    gc.collect()
+    assert launcher is not None and alive() is not None  # else its executable is destroyed
+    del launcher
+    gc.collect()
+    assert alive() is None
+
+
 def test_clear_keeps_hit_totals():
     cache = GraphCache("cpu")
     for owner in (1, 2):
