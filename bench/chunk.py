@@ -17,6 +17,9 @@ the clean pass (one-frame blocks) and the commit, through all layers. Measured h
 - the first CUDA call (a stream query) after the host waited for a chunk, and after
   it waited as long for a sleep kernel: the cost a call pays after a long wait,
   whatever the call, which the drained rows include;
+- a one-kernel graph launched first after such a wait (drained, and in the
+  double-buffered loop) with the whole chunk launched right behind it: what any first
+  launch after a wait pays, apart from what the chunk's replay adds;
 - the eager chunk for reference;
 - the warm-up of the preset's plan in a new process, cold and with the cache dir of
   the cold run (numba kernels and cuDNN plans from disk).
@@ -41,9 +44,12 @@ from framekv.engine.attention_stack import AttentionStack
 from framekv.graphs import GraphCache, decode_report
 from framekv.graphs.inspect import graph_info
 
-from .timing import (device_times, double_buffered_host_times, first_call_after, host_times,
-                     interleaved_device_times, interleaved_host_times, pipelined_host_times,
-                     summary, wall_times)
+from framekv.graphs.launch import DirectLaunch
+
+from .timing import (after_wait_sequence_times, captured_graph, device_times,
+                     double_buffered_host_times, double_buffered_sequence_times,
+                     first_call_after, host_times, interleaved_device_times,
+                     interleaved_host_times, pipelined_host_times, summary, wall_times)
 
 #: Sleep-kernel cycles about as long as the seed chunk on an H200 (~390 ms at ~2 GHz).
 _CHUNK_SLEEP_CYCLES = 780_000_000
@@ -115,6 +121,7 @@ def measure_chunk(preset: specs.Preset, *, iters: int = 10, progress=print) -> d
                                   "whole_chunk_cudagraph_launch_pipelined": handle.graph.replay},
                                  max(iters // 2, 4))
     host.update(piped)
+    host.update(_behind_one_kernel(chunk, max(iters, 30)))
     host.update({
         "whole_chunk_replay_double_buffered": double_buffered_host_times(chunk, iters),
         "first_call_after_chunk": first_call_after(chunk, 10),
@@ -131,6 +138,21 @@ def measure_chunk(preset: specs.Preset, *, iters: int = 10, progress=print) -> d
     graphs.clear()
     cache.shutdown()
     return out
+
+
+def _behind_one_kernel(chunk, iters: int) -> dict[str, list[float]]:
+    """The whole chunk issued right behind a one-kernel graph, after a wait (drained and
+    double-buffered): the one kernel's launch shows what any first launch after a wait
+    costs, and the chunk's launch behind it what the replay itself adds."""
+    one = torch.zeros(1, device="cuda")
+    graph = captured_graph(lambda: one.add_(1))
+    lead = DirectLaunch.of(graph, one.device) or graph.replay
+    drained = after_wait_sequence_times({"lead": lead, "chunk": chunk}, iters)
+    piped = double_buffered_sequence_times({"lead": lead, "chunk": chunk}, max(iters // 3, 8))
+    return {"one_kernel_graph_drained": drained["lead"],
+            "whole_chunk_replay_behind_it_drained": drained["chunk"],
+            "one_kernel_graph_double_buffered": piped["lead"],
+            "whole_chunk_replay_behind_it_double_buffered": piped["chunk"]}
 
 
 def _chunk_result(dev, host, stack, g, T, frame, steps) -> dict:

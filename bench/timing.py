@@ -151,20 +151,48 @@ def double_buffered_host_times(call: Callable[[], object], iters: int) -> list[f
     device: call k + 1 is issued once call k - 1 has finished (the host waits on an
     event recorded after it), so each call is launched while its predecessor runs, as
     a serving loop overlapping the next chunk's launch with the current chunk."""
+    return double_buffered_sequence_times({"call": call}, iters)["call"]
+
+
+def double_buffered_sequence_times(calls: dict[str, Callable[[], object]], iters: int
+                                   ) -> dict[str, list[float]]:
+    """`double_buffered_host_times` of a sequence: each step of the loop issues every
+    callable of ``calls`` in order, timed one by one, once the step before the previous
+    one has finished. The first callable pays whatever the host's wait left behind; the
+    ones after it are issued by a host that has just launched something."""
     torch.cuda.synchronize()
     done: list[torch.cuda.Event] = []
-    out = []
+    out: dict[str, list[float]] = {name: [] for name in calls}
     for k in range(iters + 2):
         if len(done) == 2:
             done.pop(0).synchronize()
-        t0 = time.perf_counter()
-        call()
-        elapsed = (time.perf_counter() - t0) * 1e6
+        step = {}
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            step[name] = (time.perf_counter() - t0) * 1e6
         event = torch.cuda.Event()
         event.record()
         done.append(event)
-        if k >= 2:  # the first two calls start from a drained device
-            out.append(elapsed)
+        if k >= 2:  # the first two steps start from a drained device
+            for name, elapsed in step.items():
+                out[name].append(elapsed)
+    torch.cuda.synchronize()
+    return out
+
+
+def after_wait_sequence_times(calls: dict[str, Callable[[], object]], iters: int
+                              ) -> dict[str, list[float]]:
+    """µs of host wall of each callable of ``calls``, issued in order right after the
+    host waited for the device to drain: splits what the first launch after a wait
+    pays from what the launches behind it pay."""
+    out: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            out[name].append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return out
 

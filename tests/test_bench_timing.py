@@ -52,3 +52,25 @@ def test_pipelined_loop_drains_once_per_run_and_drops_the_first_call(monkeypatch
         first_of_run = k % depth == 0
         # a run starts from a drained device; inside it every earlier call is still queued
         assert (set(range(k)) <= finished) if first_of_run else (k - 1 not in finished)
+
+
+def test_double_buffered_sequence_times_each_step_and_keeps_one_step_in_flight(monkeypatch):
+    dev = FakeDevice(monkeypatch)
+    out = timing.double_buffered_sequence_times({"lead": dev.call, "main": dev.call}, 4)
+    assert list(out) == ["lead", "main"] and [len(v) for v in out.values()] == [4, 4]
+    assert len(dev.launched) == 2 * 6
+    for k, finished in enumerate(dev.seen_at_launch):
+        step, first = divmod(k, 2)[0], k % 2 == 0
+        # a step starts once the step before the previous one finished, never later
+        if step >= 2 and first:
+            assert set(range(2 * step - 2)) <= finished and 2 * step - 1 not in finished
+        if not first:  # the second call is issued right behind the first: nothing waited
+            assert finished == dev.seen_at_launch[k - 1]
+
+
+def test_after_wait_sequence_times_drains_before_each_step_only(monkeypatch):
+    dev = FakeDevice(monkeypatch)
+    out = timing.after_wait_sequence_times({"lead": dev.call, "main": dev.call}, 3)
+    assert [len(v) for v in out.values()] == [3, 3]
+    for k, finished in enumerate(dev.seen_at_launch):
+        assert finished == set(range(k - k % 2)), (k, finished)
