@@ -3,9 +3,9 @@
 A launch's host cost grows fastest with the node count when the graph is not
 straight-line (every node one dependency and one dependent) or holds memset/memcpy or
 event nodes; this is the first thing to look at when a replay's host cost is high.
-Straight-line kernel-only graphs still cost per node when launched right after the
-host waited for the device (measured on an H200: a 691-node chunk ~10 µs when
-launched while earlier chunks are queued, 75-126 µs after a wait; docs/benchmarks.md).
+Straight-line kernel-only graphs launch in nearly constant time (H200: a 691-node
+chunk ~10 µs right after another launch); a launch after the host waited tens of ms
+costs ~100 µs whatever the graph, a 4-node one included (docs/benchmarks.md).
 
     info = graph_info(captured.graph)     # a torch.cuda.CUDAGraph
     info.nodes, info.types, info.straight_line
