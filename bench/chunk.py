@@ -44,12 +44,11 @@ from framekv.engine.attention_stack import AttentionStack
 from framekv.graphs import GraphCache, decode_report
 from framekv.graphs.inspect import graph_info
 
-from framekv.graphs.launch import DirectLaunch
-
-from .timing import (after_wait_sequence_times, captured_graph, device_times,
+from .timing import (after_wait_sequence_times, device_times,
                      double_buffered_host_times, double_buffered_sequence_times,
                      first_call_after, host_times, interleaved_device_times,
-                     interleaved_host_times, pipelined_host_times, summary, wall_times)
+                     interleaved_host_times, one_kernel_launcher, pipelined_host_times,
+                     summary, wall_times)
 
 #: Sleep-kernel cycles about as long as the seed chunk on an H200 (~390 ms at ~2 GHz).
 _CHUNK_SLEEP_CYCLES = 780_000_000
@@ -144,9 +143,7 @@ def _behind_one_kernel(chunk, iters: int) -> dict[str, list[float]]:
     """The whole chunk issued right behind a one-kernel graph, after a wait (drained and
     double-buffered): the one kernel's launch shows what any first launch after a wait
     costs, and the chunk's launch behind it what the replay itself adds."""
-    one = torch.zeros(1, device="cuda")
-    graph = captured_graph(lambda: one.add_(1))
-    lead = DirectLaunch.of(graph, one.device) or graph.replay
+    lead = one_kernel_launcher()
     drained = after_wait_sequence_times({"lead": lead, "chunk": chunk}, iters)
     piped = double_buffered_sequence_times({"lead": lead, "chunk": chunk}, max(iters // 3, 8))
     return {"one_kernel_graph_drained": drained["lead"],

@@ -42,6 +42,21 @@ def captured_graph(fn: Callable[[], object], launches: int = 1) -> torch.cuda.CU
     return graph
 
 
+def one_kernel_launcher() -> Callable[[], None]:
+    """A launcher of a captured one-kernel graph (one float incremented), launched as
+    `framekv.graphs` launches graphs: directly when torch exposes the executable. It
+    holds the buffer the graph writes, so the buffer lives as long as the launcher."""
+    from framekv.graphs.launch import DirectLaunch
+
+    one = torch.zeros(1, device="cuda")
+    graph = captured_graph(lambda: one.add_(1))
+    launch = DirectLaunch.of(graph, one.device) or graph.replay
+
+    def call(_written=one) -> None:
+        launch()
+    return call
+
+
 class Flusher:
     """Evicts the L2 by zeroing a buffer larger than it (one memset kernel)."""
 

@@ -36,10 +36,9 @@ import time
 import torch
 
 from framekv import specs
-from framekv.bench.timing import captured_graph, environment
+from framekv.bench.timing import environment, one_kernel_launcher
 from framekv.engine.attention_stack import AttentionStack
 from framekv.graphs import GraphCache
-from framekv.graphs.launch import DirectLaunch
 
 PAUSE_S = 0.05
 
@@ -76,9 +75,7 @@ class _Keeper:
 
 def _one_kernel_on(stream: torch.cuda.Stream | None):
     """A launcher of a one-kernel graph on ``stream`` (None: the current stream)."""
-    one = torch.zeros(1, device="cuda")
-    graph = captured_graph(lambda: one.add_(1))
-    launch = DirectLaunch.of(graph, one.device) or graph.replay
+    launch = one_kernel_launcher()
     if stream is None:
         return launch
 
