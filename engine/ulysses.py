@@ -33,6 +33,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+if dist.is_available():
+    # Imported now, before any process group exists, on purpose: this torch module binds
+    # ``group.WORLD`` into default arguments when it is first imported, and torch imports
+    # it lazily (custom ops' first call imports dynamo, which imports FSDP, which imports
+    # it). Imported after init_process_group, it pins the default group forever: a
+    # destroyed gloo group then keeps its worker threads until interpreter shutdown,
+    # where one releasing its last collective's tensors aborts the process.
+    import torch.distributed.nn.functional  # noqa: F401
+
 from .attention import CachedAttention
 from .model import stage_prompt
 

@@ -7,9 +7,12 @@ The multi-rank workers are module-level functions (spawned processes import them
 from __future__ import annotations
 
 import datetime
+import gc
+import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +31,7 @@ from framekv.engine.ulysses import (PendingAttention, UlyssesAttention, UlyssesP
                                     shard_sequence)
 from framekv.specs import Geometry as G
 from framekv.specs import load_preset
+from framekv.tools.demo import run_demo
 
 TINY = load_preset("tiny")
 #: The attention rollout of the multi-rank test: 9 real tokens per forward (one block of
@@ -295,12 +299,60 @@ def model_rollout_worker(rank: int, world: int, init_file: str, cfg: dict) -> No
     _finish()
 
 
+def teardown_worker(rank: int, world: int, init_file: str, cfg: dict) -> None:
+    """A rank's rollout, then the group destroyed: no gloo worker thread may outlive it
+    (one alive at interpreter shutdown aborts the process as it frees its tensors)."""
+    device = _init(rank, world, init_file, cfg)
+    r = Rollout(ODD_TINY, device, use_graphs=False, process_group=dist.group.WORLD)
+    r.prefill()
+    r.step()
+    r.close()
+    del r
+    _finish()
+    gc.collect()
+    left = _gloo_threads()
+    assert not left, f"rank {rank}: gloo threads alive after destroy_process_group: {left}"
+
+
+def demo_teardown_worker(rank: int, world: int, init_file: str, cfg: dict) -> None:
+    """``framekv demo`` as torchrun starts it: the demo initialises and destroys the
+    group itself, and must leave no gloo worker thread behind."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    report = run_demo("tiny", chunks=2, check_chunks=1, device="cpu", stream=io.StringIO(),
+                      progress=False)
+    assert report["ok"] and report["world_size"] == world and not dist.is_initialized()
+    left = _gloo_threads()
+    assert not left, f"rank {rank}: gloo threads alive after the demo: {left}"
+
+
+def _gloo_threads() -> list[str]:
+    """Names of this process's threads that gloo started."""
+    task = "/proc/self/task"
+    names = [open(os.path.join(task, t, "comm")).read().strip() for t in os.listdir(task)]
+    return [n for n in names if "gloo" in n]
+
+
 def test_two_rank_attention_rollout_equals_single_process():
     spawn(attention_rollout_worker, ATTN_CPU)
 
 
 def test_two_rank_dense_attention_equals_single_process():
     spawn(dense_worker, {"dist": "gloo", "device": "cpu"})
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc/self/task")
+def test_a_destroyed_group_leaves_no_gloo_threads():
+    spawn(teardown_worker, {"dist": "gloo", "device": "cpu"})
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc/self/task")
+def test_demo_leaves_no_gloo_threads():
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn(demo_teardown_worker, {"port": port})
 
 
 def test_two_rank_model_rollout_equals_single_process():

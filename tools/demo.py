@@ -147,10 +147,26 @@ def run_demo(preset="tiny", *, chunks: int | None = None, device=None, backend=N
                     (stream or sys.stdout) if rank == 0 else io.StringIO(),
                     progress and rank == 0, group)
     finally:
+        del group
         if created:
-            import torch.distributed as dist
+            release_process_group()
 
-            dist.destroy_process_group()
+
+def release_process_group() -> None:
+    """Destroy the default process group, with nothing of this run still holding it.
+
+    A gloo group's worker threads live until the last reference to the group goes; one
+    still alive at interpreter shutdown aborts the process when it releases its last
+    collective's tensors. Rollouts hold the group, and a reference cycle can keep one
+    alive past its run: collect first, then destroy. (`framekv.engine.ulysses` guards
+    against torch itself pinning the group.)
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _run(name, mspec, rspec, device, backend, check_chunks: int, stream, progress: bool,
