@@ -10,6 +10,8 @@ supplies the callables, the owner tokens and the host-mirror hooks.
 - `GraphCache`: warm-up, capture into one shared pool, replay, stats; eager on CPU.
   Replays of graphs that draw no random numbers skip torch's replay prologue
   (`framekv.graphs.launch`).
+- `ResidentGraph` (``GraphCache.resident``): a captured graph looped on the device,
+  each run submitted by one host store instead of a launch.
 - `SequenceProgram` / `Step`: a per-chunk program (forwards and a commit) as one
   callable whose key is derived from its steps.
 - `run_warmup` (``GraphCache.warmup``), `format_report`, `encode_report`: capture a
@@ -23,14 +25,15 @@ from .programs import (SequenceProgram, Step, chunk_key, chunk_labels, commit_ke
                        program_string)
 from .replay_check import (ReplayMismatch, assert_replay_matches, check_replay,
                            compare_outputs)
+from .resident import ResidentGraph
 from .warmup import (CaptureRequest, WarmupRecord, WarmupReport, decode_report, encode_report,
                      format_report, run_warmup)
 
 __all__ = [
     "CaptureRequest", "CapturedGraph", "GraphCache", "GraphCaptureError", "GraphKey",
-    "GraphStats", "KeyStats", "ReplayMismatch", "SequenceProgram", "Step", "TensorSpec",
-    "WarmupRecord", "WarmupReport", "assert_replay_matches", "check_replay", "chunk_key",
-    "chunk_labels", "commit_key", "compare_outputs", "decode_report", "dtype_name",
-    "encode_report", "format_report", "forward_key", "input_specs", "named_outputs",
-    "owner_token", "program_string", "run_warmup",
+    "GraphStats", "KeyStats", "ReplayMismatch", "ResidentGraph", "SequenceProgram", "Step",
+    "TensorSpec", "WarmupRecord", "WarmupReport", "assert_replay_matches", "check_replay",
+    "chunk_key", "chunk_labels", "commit_key", "compare_outputs", "decode_report",
+    "dtype_name", "encode_report", "format_report", "forward_key", "input_specs",
+    "named_outputs", "owner_token", "program_string", "run_warmup",
 ]

@@ -138,10 +138,15 @@ class GraphCache:
         return self._entry(key).static_outputs
 
     def drop(self, key: GraphKey) -> None:
-        """Forget a key's graph (its pool memory stays for later captures)."""
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._dropped_hits += entry.hits
+        """Forget a key's graph (its pool memory stays for later captures); a resident
+        runner of it is closed first (its submitted runs finish)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        if entry.resident is not None:
+            entry.resident.close()
+        del self._entries[key]
+        self._dropped_hits += entry.hits
 
     def clear(self) -> None:
         """Forget every graph."""
@@ -289,6 +294,25 @@ class GraphCache:
                                  warmup_fn=warmup_fn)
             return entry.replay()  # the static inputs already hold ``inputs``
         return entry.replay(inputs, after_replay=after_replay)
+
+    def resident(self, key: GraphKey, *, idle_timeout_s: float = 0.05):
+        """A `ResidentGraph` running ``key``'s graph: each run is submitted by one host
+        store to a loop kept on the device (`framekv.graphs.resident`); on CPU its
+        submits call the entry eagerly. One per key at a time; `drop` and `clear`
+        close it. While it is open the key's graph is not replayed, and no other graph
+        of this cache may run while its runs are in flight (they share the pool).
+
+        Raises:
+            KeyError: ``key`` was not captured.
+            ValueError: the key already has an open resident runner.
+        """
+        from .resident import ResidentGraph
+
+        entry = self._entry(key)
+        if entry.resident is not None and not entry.resident.closed:
+            raise ValueError(f"{key.summary()} already has an open ResidentGraph; close it first")
+        entry.resident = ResidentGraph(entry, idle_timeout_s=idle_timeout_s)
+        return entry.resident
 
     # ------------------------------------------------------------------ warm-up, stats
     def warmup(self, plan_items: Iterable, builder: Callable, *, progress: bool = True,

@@ -89,6 +89,8 @@ class CapturedGraph:
         self.memsets_replaced = 0  # memset nodes turned into kernel nodes at capture
         self._direct: DirectLaunch | None = None
         self._graph_device: torch.device | None = None
+        #: The open `ResidentGraph` running this graph, if any: replays would race it.
+        self.resident = None
         # Replays through torch that may still show no RNG use; a graph that moved the
         # offset this many times draws numbers (another thread's draws are not that
         # regular) and stays on torch's replay.
@@ -134,6 +136,9 @@ class CapturedGraph:
             self.check_addresses()
         if self.graph is None:
             return self._call_eagerly()
+        if self.resident is not None and not self.resident.closed:
+            raise RuntimeError(f"{self.key.summary()} runs resident: submit through its "
+                               "ResidentGraph, or close it before replaying")
         if self._direct is not None:
             self._direct()
         else:
@@ -143,6 +148,11 @@ class CapturedGraph:
         if hook is not None:
             hook()
         return self._outputs
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device the graph was captured on (None for an eager entry)."""
+        return self._graph_device
 
     @property
     def direct_launch(self) -> bool:

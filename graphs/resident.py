@@ -1,0 +1,224 @@
+"""A captured graph kept resident on the device: a run is one host store, no launch.
+
+After the host has waited (for a chunk, for a request), the next CUDA launch costs
+~70-120 µs on an H200 host whatever it launches (docs/benchmarks.md, "Launches after a
+wait"). A `ResidentGraph` takes the launch out of the loop. A small parent graph is
+launched once; it loops on the device, and each turn a one-thread gate kernel polls a
+doorbell in mapped pinned host memory and, when the host rang it, runs the captured
+graph as a child graph and counts it done::
+
+    parent graph (launched once, on its own non-blocking stream)
+    WHILE loop != 0:
+        gate            waits for RING > SERVED (run: SERVED += 1), STOP, or idle time
+        IF run != 0:
+            chunk       the captured graph, as a child graph node
+            done        DONE = SERVED
+
+    control block (mapped pinned host memory, one uint64 per word)
+    +------+------+--------+------+-------+
+    | RING | STOP | SERVED | DONE | STATE |      host writes RING and STOP;
+    +------+------+--------+------+-------+      the gate SERVED, DONE and STATE
+
+`ResidentGraph.submit` stores RING = n + 1 (and runs the host hook a replay would
+run): no driver call. After ``idle_timeout_s`` without a ring the gate leaves the loop
+and the parent graph ends, so that a device-wide synchronize does not hang forever and
+an idle server does not keep an SM polling; the next submit launches the parent again
+(one launch, paid only after an idle spell). The gate re-reads RING after announcing
+that it leaves (STATE = EXITING), and `wait` / `done` relaunch if the gate left with a
+ring unseen, so no submitted run is lost to that race.
+
+Contract: a run reads the captured graph's static inputs when the gate serves it, on
+a stream of its own. Whatever it reads must be on the device before `submit` (written
+by earlier runs, or by work the host has waited for); read its outputs after `wait`.
+Other graphs of the same memory pool must not run while runs are in flight.
+`framekv.graphs.resident_cuda` builds the device side; on CPU (an eager entry) a
+submit calls the entry eagerly.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+# Control-block words (uint64 each) and gate states; resident_cuda's kernels use the same.
+RING, STOP, SERVED, DONE, STATE = range(5)
+WORDS = 8  # one 64-byte line
+NOT_LAUNCHED, RUNNING, EXITING, EXITED = range(4)
+STATE_NAMES = ("not launched", "running", "exiting", "exited")
+
+#: Longest a submit waits for a leaving gate to decide (it decides within microseconds).
+_DECIDE_S = 1.0
+
+
+class ResidentLoop(Protocol):
+    """The device side of a `ResidentGraph` (`resident_cuda.DeviceLoop`, or a test's
+    thread playing the gate over the same control block)."""
+
+    control: np.ndarray  # [WORDS] uint64, the control block as the host sees it
+
+    def launch(self) -> None: ...              # start the parent loop (queued in order)
+
+    def synchronize(self) -> None: ...         # return once every launched loop ended
+
+    def release(self) -> None: ...             # free what launch() needs
+
+
+class ResidentGraph:
+    """Runs of a captured graph submitted by a host store to a loop kept on the device.
+
+    Args:
+        entry: the `CapturedGraph` to run (`GraphCache.resident` builds this).
+        idle_timeout_s: how long the gate polls without a ring before the loop ends
+            (the next submit then pays one launch).
+        loop: the device side; default: `resident_cuda.DeviceLoop` for a captured
+            graph, none (eager submits) for an eager entry.
+    Raises:
+        ValueError: a bad ``idle_timeout_s``, or a CUDA entry without its graph.
+    """
+
+    def __init__(self, entry, *, idle_timeout_s: float = 0.05, loop: ResidentLoop | None = None):
+        if isinstance(idle_timeout_s, bool) or not isinstance(idle_timeout_s, (int, float)) \
+                or not 0 < idle_timeout_s <= 60:
+            raise ValueError(f"idle_timeout_s must be a number in (0, 60] seconds, "
+                             f"got {idle_timeout_s!r}")
+        self.entry, self.idle_timeout_s = entry, float(idle_timeout_s)
+        if loop is None and entry.graph is not None:
+            from .resident_cuda import DeviceLoop
+
+            loop = DeviceLoop(entry, idle_timeout_s=self.idle_timeout_s)
+        self._loop = loop
+        self._cb = loop.control if loop is not None else np.zeros(WORDS, dtype=np.uint64)
+        self.submitted = 0
+        self.launches = 0  # parent launches: the first, and one after each idle exit
+        self.closed = False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def eager(self) -> bool:
+        """True where submits run the entry eagerly (no device loop)."""
+        return self._loop is None
+
+    @property
+    def completed(self) -> int:
+        """Runs finished so far (the device's DONE counter)."""
+        return int(self._cb[DONE])
+
+    @property
+    def state(self) -> str:
+        """The gate's state: not launched, running, exiting, exited."""
+        return STATE_NAMES[int(self._cb[STATE])]
+
+    def counters(self) -> str:
+        cb = self._cb
+        return (f"submitted {self.submitted}, served {int(cb[SERVED])}, done {int(cb[DONE])}, "
+                f"gate {self.state}")
+
+    # ------------------------------------------------------------------ runs
+    def submit(self) -> int:
+        """Ring for one more run; returns its sequence number (1, 2, ...).
+
+        One store to the control block, a launch only when the loop is not running,
+        then the entry's host hook (what a replay runs after its launch).
+        """
+        self._check_open()
+        seq = self.submitted + 1
+        if self._loop is None:
+            self.entry.replay()
+            self.submitted = self._cb[SERVED] = self._cb[DONE] = seq
+            return seq
+        self._cb[RING] = seq
+        self.submitted = seq
+        self._ensure_running()
+        self.entry.hits += 1
+        if self.entry.after_replay is not None:
+            self.entry.after_replay()
+        return seq
+
+    def done(self, seq: int | None = None) -> bool:
+        """Whether run ``seq`` (default: the last submitted) has finished; never blocks."""
+        seq = self._seq(seq)
+        if int(self._cb[DONE]) >= seq:
+            return True
+        self._recover()
+        return False
+
+    def wait(self, seq: int | None = None, timeout_s: float = 10.0) -> Any:
+        """Block until run ``seq`` (default: the last submitted) finished; returns the
+        entry's static outputs (rewritten by later runs).
+
+        Raises:
+            TimeoutError: not done after ``timeout_s``, naming the counters.
+        """
+        seq = self._seq(seq)
+        deadline = time.perf_counter() + timeout_s
+        spins = 0
+        while int(self._cb[DONE]) < seq:
+            self._recover()
+            spins += 1
+            if spins > 1000:  # past a few microseconds: give the CPU back
+                time.sleep(0)
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"run {seq} not done after {timeout_s} s: {self.counters()}")
+        return self.entry.static_outputs
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Let submitted runs finish, stop the loop, free the device side. Idempotent."""
+        if self.closed:
+            return
+        try:
+            if self.submitted and self._loop is not None:
+                self.wait(self.submitted, timeout_s)
+        finally:
+            self.closed = True
+            if self._loop is not None:
+                self._cb[STOP] = 1
+                if int(self._cb[STATE]) != NOT_LAUNCHED:
+                    self._loop.synchronize()
+                self._loop.release()
+
+    def __enter__(self) -> "ResidentGraph":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _ensure_running(self) -> None:
+        """Launch the loop if the gate is not there to see the ring just stored."""
+        cb = self._cb
+        if int(cb[STATE]) == EXITING:
+            # The gate re-reads RING before it leaves: wait for its decision.
+            deadline = time.perf_counter() + _DECIDE_S
+            while int(cb[STATE]) == EXITING:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"the resident gate did not finish leaving in "
+                                       f"{_DECIDE_S} s: {self.counters()}")
+        if int(cb[STATE]) in (NOT_LAUNCHED, EXITED) and int(cb[SERVED]) < self.submitted:
+            self._launch()
+
+    def _recover(self) -> None:
+        """Relaunch if the gate left with runs submitted and not served (a ring that
+        landed while it was leaving, unseen by its last look)."""
+        cb = self._cb
+        if int(cb[STATE]) == EXITED and int(cb[SERVED]) < self.submitted and not self.closed:
+            self._launch()
+
+    def _launch(self) -> None:
+        # Marked before the launch, so that no other submit launches a second loop; the
+        # gate keeps it (a stale EXITED is never left for this loop's submits to see).
+        self._cb[STATE] = RUNNING
+        self._loop.launch()
+        self.launches += 1
+
+    def _seq(self, seq: int | None) -> int:
+        if seq is None:
+            seq = self.submitted
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) \
+                or not 0 <= seq <= self.submitted:
+            raise ValueError(f"seq must be a submitted run in [0, {self.submitted}], got {seq!r}")
+        return int(seq)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"this ResidentGraph of {self.entry.key.summary()} is closed")

@@ -1,0 +1,252 @@
+"""The device side of `framekv.graphs.resident.ResidentGraph`.
+
+Built here, through cuda-python in torch's primary context:
+
+- the gate and done kernels, compiled once per process with NVRTC for the device's
+  architecture (one thread each; the gate sets the graph's conditional handles with
+  ``cudaGraphSetConditional``, which the driver links at module load, as it does for
+  torch's own conditional kernels);
+- the control block, 64 bytes of pinned host memory mapped into the device, read by
+  the host as a numpy array;
+- the parent graph, WHILE(loop){ gate -> IF(run){ child -> done } }, with the
+  captured graph cloned in as the child graph node; instantiated, uploaded, and
+  launched on a non-blocking stream of its own (a blocking one would make torch's
+  legacy-default-stream work wait for the loop to end).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from framekv.engine._driver import check, driver, make_current, primary_context
+
+from .resident import DONE, EXITED, EXITING, RING, RUNNING, SERVED, STATE, STOP, WORDS
+
+GATE_SOURCE = r"""
+typedef unsigned long long u64;
+typedef unsigned long long cudaGraphConditionalHandle;
+extern "C" __device__ __attribute__((cudart_builtin))
+void cudaGraphSetConditional(cudaGraphConditionalHandle handle, unsigned int value);
+
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ void serve(volatile u64* cb, u64 served, u64 run) {
+    cb[SERVED] = served + 1;
+    __threadfence_system();
+    cudaGraphSetConditional(run, 1);
+}
+
+// One thread. Waits until the host rang (RING > SERVED: serve one run), STOP, or
+// idle_ns passed; before leaving on idle it says so (STATE = EXITING) and looks at
+// RING once more, so that a ring stored meanwhile is served, not left behind.
+extern "C" __global__ void framekv_resident_gate(volatile u64* cb, u64 loop, u64 run,
+                                                 u64 idle_ns) {
+    const u64 served = cb[SERVED];
+    const u64 t0 = now_ns();
+    for (;;) {
+        if (cb[STOP]) break;
+        if (cb[RING] > served) { serve(cb, served, run); return; }
+        if (now_ns() - t0 > idle_ns) {
+            cb[STATE] = EXITING;
+            __threadfence_system();
+            if (cb[RING] > served && !cb[STOP]) {
+                cb[STATE] = RUNNING;
+                serve(cb, served, run);
+                return;
+            }
+            break;
+        }
+        __nanosleep(200);
+    }
+    cudaGraphSetConditional(run, 0);
+    cudaGraphSetConditional(loop, 0);
+    __threadfence();
+    cb[STATE] = EXITED;
+    __threadfence_system();
+}
+
+// After the child graph: its kernels have finished (graph order), count the run.
+extern "C" __global__ void framekv_resident_done(volatile u64* cb) {
+    __threadfence();
+    cb[DONE] = cb[SERVED];
+    __threadfence_system();
+}
+"""
+
+
+def gate_source() -> str:
+    """The kernels' source with the control-block word indices and states filled in."""
+    defs = "".join(f"#define {n} {v}ULL\n" for n, v in (
+        ("RING", RING), ("STOP", STOP), ("SERVED", SERVED), ("DONE", DONE), ("STATE", STATE),
+        ("RUNNING", RUNNING), ("EXITING", EXITING), ("EXITED", EXITED)))
+    return defs + GATE_SOURCE
+
+
+_FUNCTIONS: dict[int, tuple] = {}  # device index -> (module, gate, done)
+
+
+def _kernels(device_index: int) -> tuple:
+    """(gate, done) CUfunctions for the device, compiled and loaded on first use."""
+    got = _FUNCTIONS.get(device_index)
+    if got is None:
+        dr = driver()
+        make_current(device_index)
+        major, minor = torch.cuda.get_device_capability(device_index)
+        module = check("cuModuleLoadData", dr.cuModuleLoadData(_compile(f"sm_{major}{minor}")))
+        gate, done = (check("cuModuleGetFunction", dr.cuModuleGetFunction(module, name))
+                      for name in (b"framekv_resident_gate", b"framekv_resident_done"))
+        got = _FUNCTIONS[device_index] = (module, gate, done)
+    return got[1], got[2]
+
+
+def _compile(arch: str) -> bytes:
+    """NVRTC: the gate source -> CUBIN for ``arch``; RuntimeError with the log on failure."""
+    from cuda.bindings import nvrtc
+
+    def ok(call, out):
+        err, *rest = out if isinstance(out, tuple) else (out,)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"{call} failed: {err}")
+        return rest[0] if rest else None
+
+    prog = ok("nvrtcCreateProgram", nvrtc.nvrtcCreateProgram(
+        gate_source().encode(), b"framekv_resident.cu", 0, [], []))
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            size = ok("nvrtcGetProgramLogSize", nvrtc.nvrtcGetProgramLogSize(prog))
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile the resident gate for {arch}:\n"
+                               f"{log.decode(errors='replace')}")
+        size = ok("nvrtcGetCUBINSize", nvrtc.nvrtcGetCUBINSize(prog))
+        cubin = b" " * size
+        ok("nvrtcGetCUBIN", nvrtc.nvrtcGetCUBIN(prog, cubin))
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+class DeviceLoop:
+    """The parent graph of one `ResidentGraph` and what it needs (see the module doc).
+
+    Args:
+        entry: a captured `CapturedGraph` whose torch graph kept its cudaGraph_t
+            (``GraphCache`` captures with ``keep_graph=True``).
+        idle_timeout_s: the gate's idle limit.
+    Raises:
+        ValueError: the entry has no kept graph.
+        CudaDriverError: the driver refused a step (e.g. a node type a conditional
+            body cannot hold); whatever was built is freed.
+    """
+
+    def __init__(self, entry, *, idle_timeout_s: float):
+        try:
+            child = entry.graph.raw_cuda_graph()
+        except (AttributeError, RuntimeError) as exc:
+            raise ValueError(f"{entry.key.summary()}: a resident run needs the captured "
+                             f"cudaGraph_t (torch CUDAGraph(keep_graph=True)): {exc}") from exc
+        self._dr = dr = driver()
+        self.device_index = entry.device.index
+        self._entry = entry  # holds the torch graph whose topology the child node cloned
+        self._host = self._graph = self._exec = self._stream = None
+        try:
+            self._build(dr.CUgraph(init_value=int(child)), int(idle_timeout_s * 1e9))
+        except BaseException:
+            self.release()
+            raise
+
+    def _build(self, child, idle_ns: int) -> None:
+        dr = self._dr
+        make_current(self.device_index)
+        _, ctx = primary_context(self.device_index)
+        gate, done = _kernels(self.device_index)
+        self._host, self.control, cb_dev = _control_block()
+        self._graph = g = check("cuGraphCreate", dr.cuGraphCreate(0))
+        flags = dr.CU_GRAPH_COND_ASSIGN_DEFAULT  # every launch starts from the defaults
+        loop = check("cuGraphConditionalHandleCreate",
+                     dr.cuGraphConditionalHandleCreate(g, ctx, 1, flags))
+        run = check("cuGraphConditionalHandleCreate",
+                    dr.cuGraphConditionalHandleCreate(g, ctx, 0, flags))
+        body = _conditional(g, loop, ctx, dr.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE)
+        args = ((cb_dev, int(loop), int(run), idle_ns),
+                (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64))
+        gate_node = check("cuGraphAddKernelNode",
+                          dr.cuGraphAddKernelNode(body, None, 0, _one_thread(gate, args)))
+        then = _conditional(body, run, ctx, dr.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF,
+                            after=[gate_node])
+        chunk = check("cuGraphAddChildGraphNode", dr.cuGraphAddChildGraphNode(then, None, 0, child))
+        check("cuGraphAddKernelNode", dr.cuGraphAddKernelNode(
+            then, [chunk], 1, _one_thread(done, ((cb_dev,), (ctypes.c_void_p,)))))
+        self._exec = check("cuGraphInstantiate", dr.cuGraphInstantiate(g, 0))
+        self._stream = check("cuStreamCreate", dr.cuStreamCreate(
+            dr.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        check("cuGraphUpload", dr.cuGraphUpload(self._exec, self._stream))
+        check("cuStreamSynchronize", dr.cuStreamSynchronize(self._stream))
+
+    def launch(self) -> None:
+        """Queue one run of the parent loop on the loop's stream."""
+        check("cuGraphLaunch", self._dr.cuGraphLaunch(self._exec, self._stream))
+
+    def synchronize(self) -> None:
+        """Wait until every launched loop has ended."""
+        check("cuStreamSynchronize", self._dr.cuStreamSynchronize(self._stream))
+
+    def release(self) -> None:
+        """Free the executable, graph, stream and control block (idempotent). Call
+        only once no loop runs (`ResidentGraph.close` stops it first)."""
+        dr = self._dr
+        for attr, free in (("_exec", dr.cuGraphExecDestroy), ("_graph", dr.cuGraphDestroy),
+                           ("_stream", dr.cuStreamDestroy), ("_host", dr.cuMemFreeHost)):
+            handle = getattr(self, attr)
+            if handle is not None:
+                setattr(self, attr, None)
+                free(handle)
+        self.control = None
+
+
+def _control_block():
+    """(host pointer, uint64 numpy view, device pointer) of a zeroed mapped block."""
+    dr = driver()
+    nbytes = WORDS * 8
+    flags = dr.CU_MEMHOSTALLOC_DEVICEMAP | dr.CU_MEMHOSTALLOC_PORTABLE
+    host = check("cuMemHostAlloc", dr.cuMemHostAlloc(nbytes, flags))
+    view = np.ctypeslib.as_array((ctypes.c_uint64 * WORDS).from_address(int(host)))
+    view[:] = 0
+    dev = check("cuMemHostGetDevicePointer", dr.cuMemHostGetDevicePointer(host, 0))
+    return host, view, int(dev)
+
+
+def _one_thread(func, args):
+    dr = driver()
+    k = dr.CUDA_KERNEL_NODE_PARAMS()
+    k.func = func
+    k.gridDimX = k.gridDimY = k.gridDimZ = 1
+    k.blockDimX = k.blockDimY = k.blockDimZ = 1
+    k.sharedMemBytes = 0
+    k.kernelParams = args
+    return k
+
+
+def _conditional(graph, handle, ctx, kind, after=()):
+    """Add a conditional node of ``kind`` on ``handle``; returns its body graph."""
+    dr = driver()
+    p = dr.CUgraphNodeParams()
+    p.type = dr.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+    p.conditional.handle = handle
+    p.conditional.type = kind
+    p.conditional.size = 1
+    p.conditional.ctx = ctx
+    deps = list(after)
+    try:  # bindings with edge data (CUDA 12.3+ signature)
+        check("cuGraphAddNode", dr.cuGraphAddNode(graph, deps, None, len(deps), p))
+    except TypeError:
+        check("cuGraphAddNode", dr.cuGraphAddNode(graph, deps, len(deps), p))
+    return p.conditional.phGraph_out[0]
