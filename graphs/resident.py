@@ -37,6 +37,7 @@ submit calls the entry eagerly.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Protocol
 
 import numpy as np
@@ -62,6 +63,19 @@ class ResidentLoop(Protocol):
     def synchronize(self) -> None: ...         # return once every launched loop ended
 
     def release(self) -> None: ...             # free what launch() needs
+
+
+def _halt(cb: np.ndarray, loop: ResidentLoop) -> None:
+    """Stop the loop (the gate leaves at its next look) and wait until it has ended."""
+    cb[STOP] = 1
+    if int(cb[STATE]) != NOT_LAUNCHED:
+        loop.synchronize()
+
+
+def _stop(loop: ResidentLoop, cb: np.ndarray) -> None:
+    """`_halt`, then free the loop (a runner collected without `close`)."""
+    _halt(cb, loop)
+    loop.release()
 
 
 class ResidentGraph:
@@ -92,6 +106,10 @@ class ResidentGraph:
         self.submitted = 0
         self.launches = 0  # parent launches: the first, and one after each idle exit
         self.closed = False
+        # A runner dropped without close() still stops its loop before freeing the
+        # control block the loop reads (at collection, or at interpreter exit).
+        self._finalizer = (weakref.finalize(self, _stop, loop, self._cb)
+                           if loop is not None else None)
 
     # ------------------------------------------------------------------ state
     @property
@@ -171,10 +189,9 @@ class ResidentGraph:
                 self.wait(self.submitted, timeout_s)
         finally:
             self.closed = True
-            if self._loop is not None:
-                self._cb[STOP] = 1
-                if int(self._cb[STATE]) != NOT_LAUNCHED:
-                    self._loop.synchronize()
+            if self._finalizer is not None and self._finalizer.detach() is not None:
+                _halt(self._cb, self._loop)
+                self._cb = self._cb.copy()  # the last counters outlive the mapped block
                 self._loop.release()
 
     def __enter__(self) -> "ResidentGraph":

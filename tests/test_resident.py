@@ -7,6 +7,7 @@ memory. Hooks let a test act at the gate's decision points to replay the races.
 """
 from __future__ import annotations
 
+import gc
 import queue
 import re
 import threading
@@ -126,6 +127,7 @@ def test_runs_in_order_once_per_submit_with_one_launch():
     assert r.done(7) and r.done()
     r.close()
     assert gate.released and int(gate.control[STOP]) == 1 and r.state == "exited"
+    assert r._cb is not gate.control and r.completed == 20  # read from a copy once freed
 
 
 def test_submit_runs_the_host_hook_and_counts_a_hit():
@@ -320,3 +322,14 @@ def test_state_names_follow_the_control_block():
     r._cb[STATE] = EXITED
     assert r.state == "exited"
     r.close()
+
+
+def test_a_runner_dropped_without_close_stops_and_frees_its_loop():
+    gate = ThreadGate(0.5)
+    r = resident(gate)
+    r.submit()
+    r.wait()
+    cb = gate.control
+    del r
+    gc.collect()
+    assert gate.released and int(cb[STOP]) == 1 and gate.loops_ended == 1
