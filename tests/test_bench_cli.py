@@ -91,3 +91,20 @@ def test_chart_from_an_earlier_run(tmp_path):
     src.write_text(json.dumps(results))
     assert main(["bench", "--chart-from", str(src), "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chunk_result_pairs_resident_and_replayed_walls_round_by_round():
+    from types import SimpleNamespace
+
+    dev = {k: [10.0, 10.0] for k in ("denoise_forward", "clean_pass", "commit",
+                                     "whole_chunk_graph", "per_forward_graphs")}
+    host = {"whole_chunk_resident_wall_per_chunk": [101.0, 206.0, 300.0],
+            "whole_chunk_replayed_wall_per_chunk": [100.0, 200.0, 310.0]}
+    stack = SimpleNamespace(kv=SimpleNamespace(num_layers=36))
+    g = SimpleNamespace(pin_tokens=4, window_tokens=16)
+    res = chunk._chunk_result(dev, host, stack, g, 8, 4, 2)
+    # paired per round (1.01, 1.03, 0.968), not a ratio of medians (206 / 200)
+    assert res["resident_over_replayed_wall"] == pytest.approx(1.01)
+    assert "resident / replayed wall per chunk, back to back = 1.0100" in chunk.format_chunk(res)
+    del host["whole_chunk_resident_wall_per_chunk"], host["whole_chunk_replayed_wall_per_chunk"]
+    assert "resident_over_replayed_wall" not in chunk._chunk_result(dev, host, stack, g, 8, 4, 2)
