@@ -128,6 +128,7 @@ class ResidentGraph:
         return STATE_NAMES[int(self._cb[STATE])]
 
     def counters(self) -> str:
+        """The protocol's counters in words (for errors and logs)."""
         cb = self._cb
         return (f"submitted {self.submitted}, served {int(cb[SERVED])}, done {int(cb[DONE])}, "
                 f"gate {self.state}")
