@@ -24,68 +24,79 @@ from framekv.engine._driver import check, driver, make_current, primary_context
 
 from .resident import DONE, EXITED, EXITING, RING, RUNNING, SERVED, STATE, STOP, WORDS
 
-GATE_SOURCE = r"""
+#: What the kernels need from CUDA, as the FK_* primitives they are written against (a
+#: host build of the same kernels, in the tests, supplies host versions instead).
+DEVICE_PRELUDE = r"""
 typedef unsigned long long u64;
 typedef unsigned long long cudaGraphConditionalHandle;
 extern "C" __device__ __attribute__((cudart_builtin))
 void cudaGraphSetConditional(cudaGraphConditionalHandle handle, unsigned int value);
-
-__device__ __forceinline__ u64 now_ns() {
+#define FK_KERNEL extern "C" __global__
+#define FK_INLINE __device__ __forceinline__
+#define FK_FENCE() __threadfence()
+#define FK_FENCE_SYSTEM() __threadfence_system()
+#define FK_PAUSE() __nanosleep(200)
+#define FK_SET(handle, value) cudaGraphSetConditional(handle, value)
+#define FK_BEFORE_EXIT()  // where the host build's tests act, as a host store landing then
+FK_INLINE u64 fk_now_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+"""
 
-__device__ __forceinline__ void serve(volatile u64* cb, u64 served, u64 run) {
+KERNELS = r"""
+FK_INLINE void fk_serve(volatile u64* cb, u64 served, u64 run) {
     cb[SERVED] = served + 1;
-    __threadfence_system();
-    cudaGraphSetConditional(run, 1);
+    FK_FENCE_SYSTEM();
+    FK_SET(run, 1);
 }
 
 // One thread. Waits until the host rang (RING > SERVED: serve one run), STOP, or
 // idle_ns passed; before leaving on idle it says so (STATE = EXITING) and looks at
 // RING once more, so that a ring stored meanwhile is served, not left behind.
-extern "C" __global__ void framekv_resident_gate(volatile u64* cb, u64 loop, u64 run,
-                                                 u64 idle_ns) {
+FK_KERNEL void framekv_resident_gate(volatile u64* cb, u64 loop, u64 run, u64 idle_ns) {
     const u64 served = cb[SERVED];
-    const u64 t0 = now_ns();
+    const u64 t0 = fk_now_ns();
     for (;;) {
         if (cb[STOP]) break;
-        if (cb[RING] > served) { serve(cb, served, run); return; }
-        if (now_ns() - t0 > idle_ns) {
+        if (cb[RING] > served) { fk_serve(cb, served, run); return; }
+        if (fk_now_ns() - t0 > idle_ns) {
+            FK_BEFORE_EXIT();
             cb[STATE] = EXITING;
-            __threadfence_system();
+            FK_FENCE_SYSTEM();
             if (cb[RING] > served && !cb[STOP]) {
                 cb[STATE] = RUNNING;
-                serve(cb, served, run);
+                fk_serve(cb, served, run);
                 return;
             }
             break;
         }
-        __nanosleep(200);
+        FK_PAUSE();
     }
-    cudaGraphSetConditional(run, 0);
-    cudaGraphSetConditional(loop, 0);
-    __threadfence();
+    FK_SET(run, 0);
+    FK_SET(loop, 0);
+    FK_FENCE();
     cb[STATE] = EXITED;
-    __threadfence_system();
+    FK_FENCE_SYSTEM();
 }
 
 // After the child graph: its kernels have finished (graph order), count the run.
-extern "C" __global__ void framekv_resident_done(volatile u64* cb) {
-    __threadfence();
+FK_KERNEL void framekv_resident_done(volatile u64* cb) {
+    FK_FENCE();
     cb[DONE] = cb[SERVED];
-    __threadfence_system();
+    FK_FENCE_SYSTEM();
 }
 """
 
 
-def gate_source() -> str:
-    """The kernels' source with the control-block word indices and states filled in."""
+def kernel_source(prelude: str = DEVICE_PRELUDE) -> str:
+    """The gate and done kernels after ``prelude``, with the control-block word
+    indices and states filled in."""
     defs = "".join(f"#define {n} {v}ULL\n" for n, v in (
         ("RING", RING), ("STOP", STOP), ("SERVED", SERVED), ("DONE", DONE), ("STATE", STATE),
         ("RUNNING", RUNNING), ("EXITING", EXITING), ("EXITED", EXITED)))
-    return defs + GATE_SOURCE
+    return prelude + defs + KERNELS
 
 
 _FUNCTIONS: dict[int, tuple] = {}  # device index -> (module, gate, done)
@@ -116,7 +127,7 @@ def _compile(arch: str) -> bytes:
         return rest[0] if rest else None
 
     prog = ok("nvrtcCreateProgram", nvrtc.nvrtcCreateProgram(
-        gate_source().encode(), b"framekv_resident.cu", 0, [], []))
+        kernel_source().encode(), b"framekv_resident.cu", 0, [], []))
     try:
         opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
