@@ -29,17 +29,13 @@ def raises(exc, *fragments: str):
     return pytest.raises(exc, match=".*".join(re.escape(f) for f in fragments))
 
 
-class ThreadGate:
-    """The device loop on a thread: each launch() queues one parent-graph run.
+class QueuedLoop:
+    """A `ResidentLoop` whose launches queue parent-graph runs on a worker thread, in
+    order, as launches on one stream do; subclasses define the parent (`_parent`)."""
 
-    ``before_exit``: called when the gate is about to announce it leaves (the host may
-    ring there, as if its store landed just before). ``blind``: the gate's re-check
-    misses such a ring (a store still on its way), which the host must recover.
-    """
-
-    def __init__(self, idle_s: float, run=None, *, before_exit=None, blind: bool = False):
+    def __init__(self, run=None):
         self.control = np.zeros(WORDS, dtype=np.uint64)
-        self.idle_s, self.run, self.before_exit, self.blind = idle_s, run, before_exit, blind
+        self.run = run
         self.served: list[int] = []
         self.launched = self.loops_ended = 0
         self.released = False
@@ -60,22 +56,41 @@ class ThreadGate:
         self._thread.join(5)
 
     def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while self._queue.get() is not None:
             try:
                 self._parent()
+                self.loops_ended += 1
             finally:
                 self._queue.task_done()
         self._queue.task_done()
 
+    def _served(self, seq: int) -> None:
+        """The IF body's work: the run (``run(seq)``), recorded."""
+        if self.run is not None:
+            self.run(seq)
+        self.served.append(seq)
+
+    def _parent(self) -> None:
+        raise NotImplementedError
+
+
+class ThreadGate(QueuedLoop):
+    """The device loop on a thread: each launch() queues one parent-graph run.
+
+    ``before_exit``: called when the gate is about to announce it leaves (the host may
+    ring there, as if its store landed just before). ``blind``: the gate's re-check
+    misses such a ring (a store still on its way), which the host must recover.
+    """
+
+    def __init__(self, idle_s: float, run=None, *, before_exit=None, blind: bool = False):
+        super().__init__(run)
+        self.idle_s, self.before_exit, self.blind = idle_s, before_exit, blind
+
     def _parent(self) -> None:  # WHILE loop { gate; IF run { child; done } }
         cb = self.control
         while self._gate():
-            seq = int(cb[SERVED])
-            if self.run is not None:
-                self.run(seq)
-            self.served.append(seq)
+            self._served(int(cb[SERVED]))
             cb[DONE] = cb[SERVED]
-        self.loops_ended += 1
 
     def _gate(self) -> bool:
         cb = self.control

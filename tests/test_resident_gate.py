@@ -10,20 +10,17 @@ racing the gate's exit, against the real code rather than a re-implementation.
 from __future__ import annotations
 
 import ctypes
-import queue
 import random
 import shutil
 import subprocess
-import threading
 import time
 
-import numpy as np
 import pytest
 
 from framekv.graphs import ResidentGraph
-from framekv.graphs.resident import WORDS
+from framekv.graphs.resident import SERVED
 from framekv.graphs.resident_cuda import kernel_source
-from test_resident import entry
+from test_resident import QueuedLoop, entry
 
 HOST_PRELUDE = r"""
 #include <atomic>
@@ -64,37 +61,13 @@ def gate_lib(tmp_path_factory):
     return so
 
 
-class HostGateLoop:
+class HostGateLoop(QueuedLoop):
     """`ResidentLoop` whose parent graph runs on a worker thread around the built gate."""
 
     def __init__(self, so, idle_s: float, run=None):
-        self.so, self.idle_ns, self.run = so, int(idle_s * 1e9), run
-        self.control = np.zeros(WORDS, dtype=np.uint64)
+        super().__init__(run)
+        self.so, self.idle_ns = so, int(idle_s * 1e9)
         self.handles = (ctypes.c_uint64 * 2).in_dll(so, "fk_handles")
-        self.served: list[int] = []
-        self.launched = 0
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._work, daemon=True)
-        self._thread.start()
-
-    def launch(self) -> None:
-        self.launched += 1
-        self._queue.put(True)
-
-    def synchronize(self) -> None:
-        self._queue.join()
-
-    def release(self) -> None:
-        self._queue.put(None)
-        self._thread.join(5)
-
-    def _work(self) -> None:
-        while self._queue.get() is not None:
-            try:
-                self._parent()
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
 
     def _parent(self) -> None:
         cb = self.control.ctypes.data
@@ -102,10 +75,7 @@ class HostGateLoop:
         while self.handles[LOOP]:
             self.so.framekv_resident_gate(cb, LOOP, RUN, self.idle_ns)  # GIL released
             if self.handles[RUN]:
-                seq = int(self.control[2])
-                if self.run is not None:
-                    self.run(seq)
-                self.served.append(seq)
+                self._served(int(self.control[SERVED]))
                 self.so.framekv_resident_done(cb)
 
 
