@@ -202,18 +202,25 @@ class DeviceLoop:
         check("cuGraphUpload", dr.cuGraphUpload(self._exec, self._stream))
         check("cuStreamSynchronize", dr.cuStreamSynchronize(self._stream))
 
+    # The calling thread may never have touched CUDA (a server thread that only
+    # submits, or the collector): each call makes the context current first. Launches
+    # are rare (the first, and one after each idle exit), so this costs nothing.
     def launch(self) -> None:
         """Queue one run of the parent loop on the loop's stream."""
+        make_current(self.device_index)
         check("cuGraphLaunch", self._dr.cuGraphLaunch(self._exec, self._stream))
 
     def synchronize(self) -> None:
         """Wait until every launched loop has ended."""
+        make_current(self.device_index)
         check("cuStreamSynchronize", self._dr.cuStreamSynchronize(self._stream))
 
     def release(self) -> None:
         """Free the executable, graph, stream and control block (idempotent). Call
         only once no loop runs (`ResidentGraph.close` stops it first)."""
         dr = self._dr
+        if self._host is not None:
+            make_current(self.device_index)
         for attr, free in (("_exec", dr.cuGraphExecDestroy), ("_graph", dr.cuGraphDestroy),
                            ("_stream", dr.cuStreamDestroy), ("_host", dr.cuMemFreeHost)):
             handle = getattr(self, attr)

@@ -6,6 +6,7 @@ stack over 104 chunks, bit for bit.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -98,6 +99,35 @@ def test_the_loop_leaves_when_idle_and_the_next_submit_relaunches():
     for _ in range(2):
         want = step(eager, torch.full((64, 128), -0.5, device=DEV))
     assert torch.equal(got, want)
+    r.close()
+
+
+def test_a_thread_that_never_used_cuda_submits_and_relaunches():
+    state, eager = recurrent(), recurrent()
+    cache, key, r = captured(state, idle=0.01)
+    cache.get_static_inputs(key)["x"].fill_(0.125)
+    torch.cuda.synchronize()
+    errors = []
+
+    def serve() -> None:  # no torch CUDA call on this thread: the loop makes the context
+        try:
+            for _ in range(2):
+                r.submit()  # launches: the first, then after the idle exit
+                r.wait()
+                deadline = time.perf_counter() + 5
+                while r.state != "exited" and time.perf_counter() < deadline:
+                    time.sleep(0.002)
+        except Exception as exc:  # reported on the test's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    worker.join(30)
+    assert not errors, errors
+    assert (r.completed, r.launches) == (2, 2)
+    for _ in range(2):
+        want = step(eager, torch.full((64, 128), 0.125, device=DEV))
+    assert torch.equal(cache.get_static_outputs(key), want)
     r.close()
 
 
