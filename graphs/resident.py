@@ -84,6 +84,9 @@ def _stop(loop: ResidentLoop, cb: np.ndarray) -> None:
 class ResidentGraph:
     """Runs of a captured graph submitted by a host store to a loop kept on the device.
 
+    One thread at a time may submit, wait or close (the sequence numbers are the
+    host's own counter); any thread may, CUDA context or not.
+
     Args:
         entry: the `CapturedGraph` to run (`GraphCache.resident` builds this).
         idle_timeout_s: how long the gate polls without a ring before the loop ends
