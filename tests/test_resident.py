@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import queue
-import re
 import threading
 import time
 
@@ -21,12 +20,9 @@ from framekv.graphs import GraphCache, ResidentGraph, forward_key
 from framekv.graphs.resident import (DONE, EXITED, EXITING, RING, RUNNING, SERVED, STATE,
                                      STOP, WORDS)
 from framekv.specs import Geometry
+from test_graphs import raises
 
 G = Geometry(4, 16, 8, (4, 8))
-
-
-def raises(exc, *fragments: str):
-    return pytest.raises(exc, match=".*".join(re.escape(f) for f in fragments))
 
 
 class QueuedLoop:

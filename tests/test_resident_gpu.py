@@ -14,6 +14,7 @@ import torch
 
 from framekv.engine.attention_cudnn import CudnnBackend
 from framekv.graphs import GraphCache, GraphKey
+from test_graphs_gpu import recurrent_state, recurrent_step
 from test_stack_gpu import FRAME, GEOM, KV, T, capture_chunk, chunk_input, make_pair
 
 pytestmark = pytest.mark.gpu
@@ -21,52 +22,50 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-def recurrent(seed: int = 3):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    return {"h": torch.randn(64, 128, device=DEV, generator=gen),
-            "w": torch.randn(128, 128, device=DEV, generator=gen) / 12}
-
-
 def step(state, x):
-    h = torch.tanh(state["h"] @ state["w"] + x)
-    state["h"].copy_(h)  # in place: the graph holds this address
-    return h * 3
+    """`recurrent_step` at scale 1 (eager reference)."""
+    return recurrent_step(state, x, torch.ones(1, device=DEV))
+
+
+def same(got, want) -> bool:
+    return all(torch.equal(got[k], want[k]) for k in want)
 
 
 def captured(state, idle=0.05):
+    """The recurrent step captured (scale 1 over ``state``), and a resident runner."""
     cache = GraphCache(DEV)
-    x0 = torch.zeros(64, 128, device=DEV)
-    key = GraphKey.build(owner=1, program="recurrent", inputs={"x": x0})
-    snapshot = state["h"].clone()
-    cache.capture(key, lambda x: step(state, x), {"x": x0})
-    state["h"].copy_(snapshot)  # warm-up and capture moved h: start over
+    x0 = {"x": torch.zeros(64, 256, device=DEV), "scale": torch.zeros(1, device=DEV)}
+    key = GraphKey.build(owner=1, program="recurrent", inputs=x0)
+    cache.capture(key, lambda x, scale: recurrent_step(state, x, scale), x0)
+    # warm-up on zeros from h = 0 left h = 0; runs go at scale 1
+    cache.get_static_inputs(key)["scale"].fill_(1)
     torch.cuda.synchronize()
     return cache, key, cache.resident(key, idle_timeout_s=idle)
 
 
 def test_each_run_sees_the_inputs_written_before_its_submit():
-    state, eager = recurrent(), recurrent()
+    state, eager = recurrent_state(), recurrent_state()
     cache, key, r = captured(state)
     assert not r.eager
     x = cache.get_static_inputs(key)["x"]
     gen = torch.Generator(device=DEV).manual_seed(9)
     for i in range(20):
-        xi = torch.randn(64, 128, device=DEV, generator=gen)
+        xi = torch.randn(64, 256, device=DEV, generator=gen)
         x.copy_(xi)
         torch.cuda.current_stream().synchronize()  # the contract: inputs on the device
         r.submit()
         got = r.wait(timeout_s=10)
         want = step(eager, xi)
-        assert torch.equal(got, want), f"run {i + 1}: resident output differs from eager"
+        assert same(got, want), f"run {i + 1}: resident output differs from eager"
     assert (r.completed, r.launches) == (20, 1)
     with pytest.raises(RuntimeError, match="runs resident"):
         cache.replay(key)
     r.close()
-    assert torch.equal(cache.replay(key), step(eager, xi))  # replays again once closed
+    assert same(cache.replay(key), step(eager, xi))  # replays again once closed
 
 
 def test_submits_queue_without_waiting_and_close_lets_them_finish():
-    state, eager = recurrent(), recurrent()
+    state, eager = recurrent_state(), recurrent_state()
     cache, key, r = captured(state)
     x = cache.get_static_inputs(key)["x"]
     x.fill_(0.25)
@@ -76,12 +75,12 @@ def test_submits_queue_without_waiting_and_close_lets_them_finish():
     r.close()  # drains the 50 runs, then stops the loop
     assert r.completed == 50
     for _ in range(50):
-        want = step(eager, torch.full((64, 128), 0.25, device=DEV))
-    assert torch.equal(state["h"], eager["h"]) and torch.equal(cache.get_static_outputs(key), want)
+        want = step(eager, torch.full((64, 256), 0.25, device=DEV))
+    assert torch.equal(state["h"], eager["h"]) and same(cache.get_static_outputs(key), want)
 
 
 def test_the_loop_leaves_when_idle_and_the_next_submit_relaunches():
-    state, eager = recurrent(), recurrent()
+    state, eager = recurrent_state(), recurrent_state()
     cache, key, r = captured(state, idle=0.01)
     x = cache.get_static_inputs(key)["x"]
     x.fill_(-0.5)
@@ -97,13 +96,13 @@ def test_the_loop_leaves_when_idle_and_the_next_submit_relaunches():
     assert r.launches == 2
     got = r.wait()
     for _ in range(2):
-        want = step(eager, torch.full((64, 128), -0.5, device=DEV))
-    assert torch.equal(got, want)
+        want = step(eager, torch.full((64, 256), -0.5, device=DEV))
+    assert same(got, want)
     r.close()
 
 
 def test_a_thread_that_never_used_cuda_submits_and_relaunches():
-    state, eager = recurrent(), recurrent()
+    state, eager = recurrent_state(), recurrent_state()
     cache, key, r = captured(state, idle=0.01)
     cache.get_static_inputs(key)["x"].fill_(0.125)
     torch.cuda.synchronize()
@@ -126,8 +125,8 @@ def test_a_thread_that_never_used_cuda_submits_and_relaunches():
     assert not errors, errors
     assert (r.completed, r.launches) == (2, 2)
     for _ in range(2):
-        want = step(eager, torch.full((64, 128), 0.125, device=DEV))
-    assert torch.equal(cache.get_static_outputs(key), want)
+        want = step(eager, torch.full((64, 256), 0.125, device=DEV))
+    assert same(cache.get_static_outputs(key), want)
     r.close()
 
 
