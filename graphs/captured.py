@@ -95,6 +95,9 @@ class CapturedGraph:
         # offset this many times draws numbers (another thread's draws are not that
         # regular) and stays on torch's replay.
         self._rng_probes = _RNG_PROBES
+        #: Whether replays showed the graph draws random numbers (torch advances the
+        #: generator in a replay prologue): None until the probes decide.
+        self.draws_random: bool | None = None
         self._remember_addresses()
 
     @property
@@ -172,8 +175,11 @@ class CapturedGraph:
         elif default_generator_offset(device) == before:
             self._direct = DirectLaunch.of(self.graph, device)
             self._rng_probes = 0
+            self.draws_random = False
         else:
             self._rng_probes -= 1
+            if self._rng_probes == 0:
+                self.draws_random = True
 
     def load(self, inputs: Mapping[str, torch.Tensor]) -> None:
         """Copy tensors into the static input buffers of the same names."""

@@ -33,6 +33,13 @@ by earlier runs, or by work the host has waited for); read its outputs after `wa
 Other graphs of the same memory pool must not run while runs are in flight.
 `framekv.graphs.resident_cuda` builds the device side; on CPU (an eager entry) a
 submit calls the entry eagerly.
+
+While the loop polls, a CUDA call that waits for the whole device returns only once
+the gate has left on its idle limit: ``torch.cuda.synchronize()``, a cudaFree
+(``torch.cuda.empty_cache``) and, under CUDA's lazy module loading (torch's default),
+the first launch of a kernel not loaded yet (benchmarks/resident_waits.py: 1.08 s
+with a 1 s limit, on an H200). Wait on a stream, not the device, and run host-side
+work once before going resident so that its kernels are loaded.
 """
 from __future__ import annotations
 
@@ -94,7 +101,9 @@ class ResidentGraph:
         loop: the device side; default: `resident_cuda.DeviceLoop` for a captured
             graph, none (eager submits) for an eager entry.
     Raises:
-        ValueError: a bad ``idle_timeout_s``, or a CUDA entry without its graph.
+        ValueError: a bad ``idle_timeout_s``, a CUDA entry without its graph, or one
+            whose replays showed it draws random numbers (a resident run repeats them:
+            nothing advances the generator; a graph not yet replayed is not checked).
     """
 
     def __init__(self, entry, *, idle_timeout_s: float = 0.05, loop: ResidentLoop | None = None):
@@ -102,6 +111,10 @@ class ResidentGraph:
                 or not 0 < idle_timeout_s <= 60:
             raise ValueError(f"idle_timeout_s must be a number in (0, 60] seconds, "
                              f"got {idle_timeout_s!r}")
+        if entry.draws_random:
+            raise ValueError(f"{entry.key.summary()} draws random numbers: a resident run "
+                             "has no replay prologue to advance the generator, so every run "
+                             "would repeat the same numbers; replay it instead")
         self.entry, self.idle_timeout_s = entry, float(idle_timeout_s)
         if loop is None and entry.graph is not None:
             from .resident_cuda import DeviceLoop

@@ -14,6 +14,8 @@ status=0
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 "$PY" -m framekv.tools.cli bench --json "$OUT/bench.json" --png "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+"$PY" benchmarks/resident_waits.py 2>&1 | tee "$OUT/resident_waits.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 for bench in benchmarks/bench_*.py; do
   [ -f "$bench" ] || continue
   name=$(basename "$bench" .py)

@@ -199,10 +199,11 @@ def test_graph_without_rng_switches_to_direct_launch_and_follows_the_current_str
     key = GraphKey.build(owner=1, program="affine", inputs=x)
     entry = cache.capture(key, lambda x: x * 3 + 1, x)
     assert not entry.direct_launch  # nothing known about its RNG use before a replay
+    assert entry.draws_random is None
     offset = torch.cuda.default_generators[0].get_offset()
     cache.replay(key)
     cache.replay(key)
-    assert entry.direct_launch
+    assert entry.direct_launch and entry.draws_random is False
     assert torch.cuda.default_generators[0].get_offset() == offset
     side = torch.cuda.Stream()
     for i in range(5):
@@ -223,7 +224,9 @@ def test_graph_drawing_random_numbers_keeps_torch_replay_and_fresh_numbers():
     key = GraphKey.build(owner=1, program="noise", inputs=x)
     entry = cache.capture(key, lambda x: x + torch.rand(4096, device=DEV), x)
     outs = [cache.replay(key).clone() for _ in range(6)]
-    assert not entry.direct_launch
+    assert not entry.direct_launch and entry.draws_random is True
+    with pytest.raises(ValueError, match="draws random numbers.*replay it instead"):
+        cache.resident(key)
     for a, b in zip(outs, outs[1:]):
         assert not torch.equal(a, b)  # each replay draws new numbers
     assert all(0 <= o.min() and o.max() < 1 for o in outs)

@@ -267,6 +267,15 @@ def test_idle_timeout_must_be_a_positive_number(bad):
         ResidentGraph(e, idle_timeout_s=bad, loop=ThreadGate(0.1))
 
 
+def test_a_graph_known_to_draw_random_numbers_is_refused():
+    _, _, e = entry()
+    e.draws_random = True  # what replays that moved the generator conclude
+    with raises(ValueError, "draws random numbers", "would repeat the same numbers"):
+        ResidentGraph(e, idle_timeout_s=0.5, loop=ThreadGate(0.5))
+    e.draws_random = None  # unknown (no replay yet) is allowed
+    ResidentGraph(e, idle_timeout_s=0.5, loop=ThreadGate(0.5)).close()
+
+
 def test_seq_must_be_a_submitted_run_and_a_closed_runner_refuses():
     gate = ThreadGate(0.5)
     r = resident(gate)
