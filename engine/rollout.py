@@ -80,6 +80,10 @@ class Rollout:
         use_graphs: run each chunk through the `GraphCache` (replays on CUDA, eager
             calls on CPU) rather than calling it directly.
         debug: the graph cache's address checks at every replay.
+        resident: run each chunk's graph resident (`GraphCache.resident`): a chunk
+            is submitted by one host store to a loop kept on the device instead of
+            a graph launch, which after a wait costs ~100 µs of host time on an H200
+            (docs/benchmarks.md). Needs ``use_graphs``; on CPU chunks run eagerly.
         model: an existing `CausalVideoDiT` of the same spec and prompt length to
             share (its weights are read, never changed; its attention backend is
             used, ``backend`` is ignored); default: a new one.
@@ -98,11 +102,16 @@ class Rollout:
 
     def __init__(self, preset="tiny", device=None, *, backend=None, use_graphs: bool = True,
                  debug: bool = False, model: CausalVideoDiT | None = None,
-                 process_group=None):
+                 process_group=None, resident: bool = False):
+        if resident and not use_graphs:
+            raise ValueError("resident=True runs captured graphs: it needs use_graphs=True, "
+                             "got use_graphs=False")
         self.name, self.model_spec, self.spec = resolve_specs(preset)
         self.device = resolve_device(device)
         self.dtype = model_dtype(self.model_spec, self.device)
         self.use_graphs = use_graphs
+        self.resident = resident
+        self._runners: dict[int, object] = {}  # chunk tokens -> open ResidentGraph
         self.model = model or CausalVideoDiT(
             self.model_spec, prompt_tokens=self.spec.prompt_tokens, device=self.device,
             backend=backend if backend is not None else default_backend(self.device))
@@ -252,7 +261,9 @@ class Rollout:
             raise ValueError("call prefill() before step()")
         inputs = self.inputs(self.chunk_index)
         tokens = inputs["noise"].shape[0] * self.spec.tokens_per_frame
-        if self.use_graphs:
+        if self.resident:
+            out = self._run_resident(tokens, inputs)
+        elif self.use_graphs:
             # Replay only: a capture here would run warm-up calls on the live cache.
             out = self.graphs.replay(self._requests[tokens].key, inputs)
         else:
@@ -260,6 +271,21 @@ class Rollout:
         self.chunk_index += 1
         self.frames_done += inputs["noise"].shape[0]
         return out.clone()
+
+    def _run_resident(self, tokens: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One chunk through its `ResidentGraph` (opened on first use): the inputs are
+        copied into the static buffers and on the device before the submit, as its
+        contract asks; returns the static output once the run is done."""
+        key = self._requests[tokens].key
+        runner = self._runners.get(tokens)
+        if runner is None or runner.closed:
+            runner = self._runners[tokens] = self.graphs.resident(key)
+        self.graphs.load(key, inputs)
+        if self.device.type == "cuda":
+            # This stream only: a device-wide synchronize would wait for the loop to idle.
+            torch.cuda.current_stream(self.device).synchronize()
+        runner.submit()
+        return runner.wait()
 
     def run(self, chunks: int | None = None) -> list[torch.Tensor]:
         """Prefill if needed, then ``chunks`` more chunks (default: the spec's count)."""

@@ -133,6 +133,11 @@ class GraphCache:
         """Read-only mapping of the key's static input buffers, to fill in place."""
         return self._entry(key).static_inputs
 
+    def load(self, key: GraphKey, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``inputs`` into the key's static input buffers (as `replay` does),
+        checking names, shapes and dtypes; for a run submitted without a replay."""
+        self._entry(key).load(inputs)
+
     def get_static_outputs(self, key: GraphKey) -> Any:
         """The key's static outputs (None before the first call of an eager entry)."""
         return self._entry(key).static_outputs

@@ -102,6 +102,27 @@ def test_warmup_builder_captures_the_plan():
     assert _max_err(out, eager.run()) == 0.0
 
 
+def test_resident_rollout_equals_the_replayed_one_and_keeps_a_runner_per_chunk_length():
+    spec = _specs(chunks=5, last_chunk_frames=1)
+    replayed = Rollout(spec)
+    resident = Rollout(spec, resident=True, model=replayed.model)
+    want, got = replayed.run(), resident.run()
+    assert [x.shape[0] for x in got] == [2, 2, 2, 2, 1]
+    assert _max_err(want, got) == 0.0
+    runners = resident._runners
+    assert sorted(runners) == sorted(spec[1].chunk_token_counts())
+    assert sorted(r.completed for r in runners.values()) == [1, 4] and all(r.eager for r in runners.values())
+    resident.reset()  # the runners stay open across a reset
+    assert _max_err(want[:2], resident.run(2)) == 0.0 and not any(r.closed for r in runners.values())
+    resident.close()
+    assert all(r.closed for r in runners.values())
+
+
+def test_resident_needs_graphs():
+    with pytest.raises(ValueError, match="needs use_graphs=True, got use_graphs=False"):
+        Rollout("tiny", use_graphs=False, resident=True)
+
+
 def test_lifecycle_errors():
     r = Rollout("tiny")
     with pytest.raises(ValueError, match="prefill"):

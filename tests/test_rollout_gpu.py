@@ -24,22 +24,44 @@ WIDE = (msgspec.structs.replace(TINY.model, name="wide", num_layers=3, hidden_si
                                 last_chunk_frames=1))
 
 
+def steps_equal_eager(eager: Rollout, other: Rollout, chunks: int, what: str) -> None:
+    """Prefill both rollouts, then ``chunks`` steps of each, equal bit for bit."""
+    eager.prefill()
+    other.prefill()
+    for i in range(chunks):
+        want, got = eager.step(), other.step()
+        assert torch.isfinite(want).all(), f"chunk {i}: eager latents not finite"
+        assert torch.equal(want, got), (f"chunk {i}: {what} differs from eager by "
+                                        f"{(want - got).abs().max().item():.3g}")
+    assert eager.cache.committed_tokens == other.cache.committed_tokens
+
+
 @pytest.mark.parametrize("preset,chunks", [("tiny", 60), (WIDE, 52)], ids=["tiny", "wide"])
 def test_graph_replay_equals_eager_bit_for_bit(preset, chunks):
     eager = Rollout(preset, DEV, use_graphs=False)
     graphed = Rollout(preset, DEV, use_graphs=True, model=eager.model)
-    eager.prefill()
-    graphed.prefill()
-    for i in range(chunks):
-        want, got = eager.step(), graphed.step()
-        assert torch.isfinite(want).all(), f"chunk {i}: eager latents not finite"
-        assert torch.equal(want, got), (f"chunk {i}: replay differs from eager by "
-                                        f"{(want - got).abs().max().item():.3g}")
+    steps_equal_eager(eager, graphed, chunks, "replay")
     stats = graphed.graphs.stats()
     assert stats.hits == chunks and stats.graphs == len(graphed.spec.chunk_token_counts())
-    assert eager.cache.committed_tokens == graphed.cache.committed_tokens
     eager.close()
     graphed.close()
+
+
+@pytest.mark.parametrize("preset,chunks", [("tiny", 30), (WIDE, 24)], ids=["tiny", "wide"])
+def test_resident_rollout_equals_eager_bit_for_bit(preset, chunks):
+    eager = Rollout(preset, DEV, use_graphs=False)
+    resident = Rollout(preset, DEV, resident=True, model=eager.model)
+    for rollout_chunks in (chunks, 3):  # a reset keeps the runners; the rollout restarts
+        steps_equal_eager(eager, resident, rollout_chunks, "resident run")
+        eager.reset()
+        resident.reset()
+    runners = list(resident._runners.values())
+    assert len(runners) == len(resident.spec.chunk_token_counts())
+    assert not any(r.eager for r in runners)
+    assert sum(r.completed for r in runners) == chunks + 3
+    resident.close()
+    assert all(r.closed for r in runners)
+    eager.close()
 
 
 @pytest.mark.parametrize("preset", ["tiny", WIDE], ids=["tiny", "wide"])
