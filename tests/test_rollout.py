@@ -111,9 +111,11 @@ def test_resident_rollout_equals_the_replayed_one_and_keeps_a_runner_per_chunk_l
     assert _max_err(want, got) == 0.0
     runners = resident._runners
     assert sorted(runners) == sorted(spec[1].chunk_token_counts())
-    assert sorted(r.completed for r in runners.values()) == [1, 4] and all(r.eager for r in runners.values())
+    assert sorted(r.completed for r in runners.values()) == [1, 4]
+    assert all(r.eager for r in runners.values())
     resident.reset()  # the runners stay open across a reset
-    assert _max_err(want[:2], resident.run(2)) == 0.0 and not any(r.closed for r in runners.values())
+    assert _max_err(want[:2], resident.run(2)) == 0.0
+    assert not any(r.closed for r in runners.values())
     resident.close()
     assert all(r.closed for r in runners.values())
 
