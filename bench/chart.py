@@ -43,15 +43,19 @@ def _chunk(ax, res: dict) -> None:
 def _e2e(ax, runs: list) -> None:
     width = 0.8 / max(len(runs), 1)
     variants = [v for v in runs[0]["variants"] if "frames_per_second" in runs[0]["variants"][v]]
+    top = 0.0
     for i, run in enumerate(runs):
         fps = [run["variants"].get(v, {}).get("frames_per_second", 0.0) for v in variants]
-        ax.bar([x + i * width for x in range(len(variants))], fps, width,
-               label=f"window {run['window_frames']} frames")
+        bars = ax.bar([x + i * width for x in range(len(variants))], fps, width,
+                      label=f"window {run['window_frames']} frames")
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+        top = max([top, *fps])
+    ax.set_ylim(0, top * 1.3)  # headroom: the legend sits above the tallest bars
     ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(variants))], variants,
                   rotation=15)
     ax.set_ylabel("latent frames / s")
     ax.set_title(f"end to end: {runs[0]['preset']}")
-    ax.legend()
+    ax.legend(loc="upper center", ncol=max(len(runs), 1))
 
 
 def draw(results: dict, path: str) -> None:
