@@ -50,7 +50,7 @@ def _e2e(ax, runs: list) -> None:
                       label=f"window {run['window_frames']} frames")
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
         top = max([top, *fps])
-    ax.set_ylim(0, top * 1.3)  # headroom: the legend sits above the tallest bars
+    ax.set_ylim(0, top * 1.3 or 1.0)  # headroom: the legend sits above the tallest bars
     ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(variants))], variants,
                   rotation=15)
     ax.set_ylabel("latent frames / s")
