@@ -1,6 +1,7 @@
-"""`framekv bench`: framekv measured side by side with what users run instead.
+"""framekv.bench: every measurement of framekv, as `framekv bench` sections and as
+modules run on their own.
 
-Sections (each a module with ``run(args) -> dict``):
+`framekv bench` sections (each a module with ``run(args) -> dict``):
 
     attention   one layer's attention at a spec's geometry: framekv's paged cuDNN
                 path against dense torch SDPA variants, errors checked first
@@ -8,6 +9,20 @@ Sections (each a module with ``run(args) -> dict``):
                 per-forward graphs and as one whole-chunk graph
     e2e         the reference model end to end: framekv against a dense rolling cache
 
+Modules run as ``python -m framekv.bench.NAME [--json FILE]`` (each checks its results
+against a reference before timing and writes JSON):
+
+    commit          the commit at the seed geometry: kernels, uploads, device and host time
+    graphs          host cost of a graph replay against many small launches
+    launch          host cost of launching big graphs: node kinds, launch methods
+    merge           the fused split-KV merge against torch merges
+    ops             the ops at the seed geometry against torch equivalents
+    resident        starting a graph after the host waited: replayed or resident
+    resident_waits  which CUDA calls wait for a resident loop that polls
+    small_chunks    whether resident runs pay in a serving loop of small models
+    ulysses         Ulysses attention over several GPUs (under torchrun)
+    wait            what a launch after a host wait costs, and what changes it
+
 Timing follows `framekv.bench.timing`: CUDA events around graph replays after
-warm-up, the L2 flushed before each, medians and spreads.
+warm-up, the L2 flushed before each, medians and spreads. Results: docs/benchmarks.md.
 """

@@ -24,8 +24,8 @@ import torch
 
 from framekv import specs
 from framekv.engine import CachedAttention, CausalKVCache
-from framekv.engine.attention_backends import attend_fp32
-from framekv.engine.reference import ExactWindowReference, visible_positions
+from framekv.engine.attention.backend import attend_fp32
+from framekv.engine.cache.reference import ExactWindowReference, visible_positions
 
 from .timing import Flusher, captured_graph, interleaved_device_times, matmul_ceiling, summary
 

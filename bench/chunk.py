@@ -43,7 +43,7 @@ import msgspec
 import torch
 
 from framekv import specs
-from framekv.engine.attention_stack import AttentionStack
+from .stack import AttentionStack
 from framekv.graphs import GraphCache, decode_report
 from framekv.graphs.inspect import graph_info
 
@@ -201,7 +201,8 @@ def _chunk_result(dev, host, stack, g, T, frame, steps) -> dict:
 
 
 def measure_warmup(preset_name: str, progress=print) -> dict:
-    """``framekv warmup PRESET`` in two new processes sharing a fresh cache dir."""
+    """``framekv warmup PRESET`` (the preset's rollout) in two new processes sharing a
+    fresh cache dir."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for label in ("cold", "warm"):
@@ -215,10 +216,10 @@ def measure_warmup(preset_name: str, progress=print) -> dict:
             if proc.returncode:
                 raise RuntimeError(f"framekv warmup {preset_name} failed:\n{proc.stderr}")
             report = decode_report(open(path, "rb").read())
-            plans = [ln for ln in proc.stdout.splitlines() if ln.startswith("cuDNN plans:")]
+            plans = [ln for ln in proc.stdout.splitlines() if ln.startswith("numba kernels:")]
             out[label] = {"warmup_seconds": report.seconds, "process_seconds": wall,
                           "graphs": report.graphs, "reserved_bytes": report.reserved_bytes,
-                          "cudnn_plans": plans[0] if plans else ""}
+                          "builds": plans[0] if plans else ""}
     return out
 
 
@@ -247,9 +248,10 @@ def format_chunk(res: dict) -> str:
 
 
 def format_warmup(res: dict) -> str:
-    lines = ["warm-up of the plan in a new process (cold, then with the cold run's cache dir):"]
+    lines = ["warm-up of the preset's rollout in a new process (cold, then with the cold "
+             "run's cache dir):"]
     for label, r in res.items():
         lines.append(f"  {label:<5} warm-up {r['warmup_seconds']:8.2f} s, process "
                      f"{r['process_seconds']:6.1f} s, {r['graphs']} graphs, "
-                     f"{r['reserved_bytes'] / 2**20:.0f} MiB pool; {r['cudnn_plans']}")
+                     f"{r['reserved_bytes'] / 2**20:.0f} MiB pool; {r['builds']}")
     return "\n".join(lines)

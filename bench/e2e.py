@@ -38,7 +38,7 @@ def with_window(preset: str, window_frames: int | None):
 def _make(variant: str, pair, model):
     if variant.startswith("framekv"):
         return Rollout(pair, "cuda", use_graphs=variant.endswith("graphs"), model=model)
-    from framekv.engine.dense_rollout import DenseRollout
+    from .dense import DenseRollout
 
     return DenseRollout(pair, "cuda", use_graphs=variant.endswith("graphs"), model=model)
 

@@ -11,7 +11,7 @@ Each includes the K/V write and, for k > 1, the sub-row rebuild and the merge.
 from __future__ import annotations
 
 from framekv.engine import CachedAttention
-from framekv.engine.attention_cudnn import CudnnBackend
+from framekv.engine.attention.cudnn import CudnnBackend
 
 
 def variants_for(splits):

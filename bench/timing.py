@@ -42,15 +42,18 @@ def captured_graph(fn: Callable[[], object], launches: int = 1) -> torch.cuda.CU
     return graph
 
 
-def one_kernel_launcher() -> Callable[[], None]:
-    """A launcher of a captured one-kernel graph (one float incremented), launched as
-    `framekv.graphs` launches graphs: directly when torch exposes the executable. It
-    holds the buffer the graph writes, so the buffer lives as long as the launcher."""
-    from framekv.graphs.launch import DirectLaunch
+def one_kernel_launcher(direct: bool = False) -> Callable[[], None]:
+    """A launcher of a captured one-kernel graph (one float incremented): torch's
+    ``CUDAGraph.replay``, as a `framekv.graphs.GraphCache` replays graphs by default, or
+    with ``direct`` a launch of torch's executable with nothing before it, as
+    ``GraphCache(direct_launch=True)`` does for a graph that draws no random numbers
+    (where torch exposes the executable). It holds the buffer the graph writes, so the
+    buffer lives as long as the launcher."""
+    from framekv.graphs.resident import DirectLaunch
 
     one = torch.zeros(1, device="cuda")
     graph = captured_graph(lambda: one.add_(1))
-    launch = DirectLaunch.of(graph, one.device) or graph.replay
+    launch = (DirectLaunch.of(graph, one.device) if direct else None) or graph.replay
 
     def call(_written=one) -> None:
         launch()

@@ -25,7 +25,7 @@ import mmap
 
 import torch
 
-from . import _driver
+from framekv.ops import driver as _driver
 
 #: Mapping chunk of device arenas. The H200's allocation granularity is 2 MiB;
 #: a fixed chunk makes `round_up` (and so the cache's `pool_bytes_for`) exact

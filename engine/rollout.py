@@ -5,13 +5,21 @@ Each chunk is ``denoising_steps`` forwards of a flow-matching Euler sampler (tim
 then the clean pass at t = 0 with one-frame causal blocks (its K/V become history),
 then ``commit(chunk_tokens)``. All of that is one callable over static inputs (the
 chunk's noise and its first frame index), so on a GPU a steady-state chunk is ONE
-`GraphCache` replay; the host mirror of the cache advances in the replay hook.
+`GraphCache` replay; the K/V store's host half advances in the replay hook.
 
-Capturing runs the callable (warm-up calls, and the capture's Python once), which
-moves the cache. So `Rollout.capture` runs before the prefill, on the real cache, and
-then resets the cache with ``close(); open(geometry)``: the geometry's device state
-keeps its addresses across a reopen, so the graphs stay valid. On CPU the graph cache
-runs the callable eagerly; the code path is the same.
+Where the K/V go is a `framekv.engine.kv.KVStore`: the paged cache (default), the fp32
+reference (``kv="reference"``), a store across ranks (``process_group``), or any
+store the caller built for this rollout's geometry.
+
+One capture path: `Rollout.capture_requests` says what to capture (one whole-chunk
+graph per chunk length) and `Rollout.capture` captures it through
+`framekv.graphs.run_warmup`, which `framekv warmup` runs too. Capturing runs the
+callable (warm-up calls, and the capture's Python once), which moves the store, so it
+runs before the prefill and is followed by a reset; the paged cache's device state
+keeps its addresses across the reset, so the graphs stay valid. With ``cache_dir``
+the kernels and cuDNN plans built for the captures are kept on disk and a later
+process loads them (`framekv.engine.cache_dir`). On CPU the graph cache runs the
+callable eagerly; the code path is the same.
 
 Memory is constant in the number of chunks: the cache's pool never grows, the graphs
 are captured once per chunk length, and the driver keeps nothing per chunk.
@@ -23,12 +31,16 @@ import functools
 import msgspec
 import torch
 
-from framekv.graphs import CaptureRequest, GraphCache, chunk_key, owner_token
+from framekv.graphs import CaptureRequest, GraphCache, WarmupReport, chunk_key, owner_token, run_warmup
 from framekv.specs import ModelSpec, Preset, RolloutSpec, load_preset
 
+from .attention import get_backend
+from .attention.ulysses import resolve_world_size
+from .attention.ulysses_kv import UlyssesKV
 from .cache import CausalKVCache
+from .cache_dir import use_cache_dir
+from .kv import KVStore, PagedKV, ReferenceKV
 from .model import CausalVideoDiT, default_backend, model_dtype
-from .ulysses import UlyssesParallel
 
 
 def resolve_device(device=None) -> torch.device:
@@ -71,27 +83,33 @@ def with_chunks(rollout: RolloutSpec, chunks: int) -> RolloutSpec:
 
 
 class Rollout:
-    """One autoregressive rollout of the reference model over a causal K/V cache.
+    """One autoregressive rollout of the reference model over a K/V store.
 
     Args:
         preset: a `Preset`, a preset name or path, or a (ModelSpec, RolloutSpec) pair.
         device: "cpu", "cuda[:N]" or None (cuda if available).
-        backend: attention backend (default: cudnn on CUDA, reference on CPU).
+        backend: attention backend name or instance (default: cudnn on CUDA, reference
+            on CPU); one instance serves every layer.
         use_graphs: run each chunk through the `GraphCache` (replays on CUDA, eager
             calls on CPU) rather than calling it directly.
         debug: the graph cache's address checks at every replay.
-        resident: run each chunk's graph resident (`GraphCache.resident`): a chunk
-            is submitted by one host store to a loop kept on the device instead of
-            a graph launch, which after a wait costs ~100 µs of host time on an H200
-            (docs/benchmarks.md). Needs ``use_graphs``; on CPU chunks run eagerly.
+        resident: run each chunk's graph resident (`GraphCache.resident`): submitted
+            by one host store to a loop kept on the device instead of a graph launch
+            (docs/benchmarks.md says when that pays). Needs ``use_graphs``; on CPU
+            chunks run eagerly.
         model: an existing `CausalVideoDiT` of the same spec and prompt length to
             share (its weights are read, never changed; its attention backend is
             used, ``backend`` is ignored); default: a new one.
         process_group: run under Ulysses sequence parallelism over this
             torch.distributed group (every rank builds the same `Rollout`): the cache
             holds this rank's H_kv / W K/V heads, each forward runs this rank's share
-            of the tokens and every layer's attention goes through `UlyssesAttention`;
-            every rank gets the whole chunk's latents. None: one process.
+            of the tokens (`UlyssesKV`); every rank gets the whole chunk's latents.
+        kv: "paged" (the paged `CausalKVCache`, default), "reference" (the fp32
+            exact-window reference: no graphs) or a `KVStore` built for this
+            rollout's geometry.
+        cache_dir: keep compiled kernels and built cuDNN plans in this folder and load
+            them from it (`framekv.engine.cache_dir`); with a shared model, its cuDNN
+            backend gets the plan folder if it has none.
 
     Usage::
 
@@ -102,34 +120,22 @@ class Rollout:
 
     def __init__(self, preset="tiny", device=None, *, backend=None, use_graphs: bool = True,
                  debug: bool = False, model: CausalVideoDiT | None = None,
-                 process_group=None, resident: bool = False):
+                 process_group=None, resident: bool = False, kv="paged", cache_dir=None):
         if resident and not use_graphs:
             raise ValueError("resident=True runs captured graphs: it needs use_graphs=True, "
                              "got use_graphs=False")
         self.name, self.model_spec, self.spec = resolve_specs(preset)
         self.device = resolve_device(device)
         self.dtype = model_dtype(self.model_spec, self.device)
-        self.use_graphs = use_graphs
-        self.resident = resident
-        self._runners: dict[int, object] = {}  # chunk tokens -> open ResidentGraph
-        self.model = model or CausalVideoDiT(
-            self.model_spec, prompt_tokens=self.spec.prompt_tokens, device=self.device,
-            backend=backend if backend is not None else default_backend(self.device))
-        if (self.model.spec, self.model.prompt_tokens) != (self.model_spec, self.spec.prompt_tokens):
-            raise ValueError("model was built for another spec or prompt length")
+        self.use_graphs, self.resident = use_graphs, resident
+        self.geometry = self.spec.geometry()
+        self.model = self._model(model, backend, use_cache_dir(cache_dir, self.device))
         #: name of the attention backend (a shared model brings its own)
         self.backend: str = self.model.blocks[0].attn.backend.name
-        #: Ulysses sequence parallelism over ``process_group``, or None (one process)
-        self.parallel = (None if process_group is None
-                         else UlyssesParallel(self.model, process_group))
-        kv_heads = self.parallel.num_kv_heads if self.parallel else self.model_spec.num_kv_heads
-        self.geometry = self.spec.geometry()
-        tpp = self.model_spec.tokens_per_page
-        self.cache = CausalKVCache(
-            num_layers=self.model_spec.num_layers, num_kv_heads=kv_heads,
-            head_dim=self.model_spec.head_dim, dtype=self.dtype, tokens_per_page=tpp,
-            device=self.device, pool_tokens=CausalKVCache.pool_tokens_for(self.geometry, tpp))
-        self.cache.open(self.geometry)
+        self.kv: KVStore = self._store(kv, process_group)
+        if use_graphs and not self.kv.graph_safe:
+            raise ValueError(f"kv={type(self.kv).__name__} cannot be captured in graphs: "
+                             "pass use_graphs=False")
         self.graphs = GraphCache(self.device, debug=debug)
         steps = self.spec.denoising_steps
         self.timesteps = torch.linspace(1.0, 0.0, steps + 1, device=self.device)  # [steps+1]
@@ -137,9 +143,58 @@ class Rollout:
                                                    self.timesteps[1:].tolist())]
         self._zero_t = torch.zeros(1, device=self.device)
         self._requests: dict[int, CaptureRequest] = {}  # chunk tokens -> what was captured
-        self.chunk_index = 0
-        self.frames_done = 0
+        self._runners: dict[int, object] = {}  # chunk tokens -> open ResidentGraph
+        self.chunk_index = self.frames_done = 0
         self.prefilled = False
+        #: chunks run per path: "graphs" (a replay or resident run), "eager"; ``path``:
+        #: the last chunk's (None before one)
+        self.paths: dict[str, int] = {"eager": 0, "graphs": 0}
+        self.path: str | None = None
+
+    def _model(self, model, backend, plan_dir) -> CausalVideoDiT:
+        if model is None:
+            backend = get_backend(backend if backend is not None else default_backend(self.device),
+                                  plan_dir=plan_dir)
+            return CausalVideoDiT(self.model_spec, prompt_tokens=self.spec.prompt_tokens,
+                                  device=self.device, backend=backend)
+        if (model.spec, model.prompt_tokens) != (self.model_spec, self.spec.prompt_tokens):
+            raise ValueError("model was built for another spec or prompt length")
+        shared = model.blocks[0].attn.backend
+        if plan_dir is not None and getattr(shared, "plan_files", False) is None:
+            from .attention.cudnn_graph import PlanFiles
+
+            shared.plan_files = PlanFiles(plan_dir)
+        return model
+
+    def _store(self, kv, process_group) -> KVStore:
+        if isinstance(kv, KVStore):
+            if kv.geometry != self.geometry:
+                raise ValueError(f"kv keeps geometry {kv.geometry}, this rollout needs "
+                                 f"{self.geometry}")
+            return kv
+        if kv == "reference":
+            return ReferenceKV(self.geometry, self.model_spec.num_layers)
+        if kv != "paged":
+            raise ValueError(f"kv must be 'paged', 'reference' or a KVStore, got {kv!r}")
+        world = 1 if process_group is None else resolve_world_size(process_group, None)
+        m, tpp = self.model_spec, self.model_spec.tokens_per_page
+        cache = CausalKVCache(
+            num_layers=m.num_layers, num_kv_heads=m.num_kv_heads // world, head_dim=m.head_dim,
+            dtype=self.dtype, tokens_per_page=tpp, device=self.device,
+            pool_tokens=CausalKVCache.pool_tokens_for(self.geometry, tpp))
+        if process_group is None:
+            return PagedKV(cache, self.geometry)
+        return UlyssesKV(self.model, cache, self.geometry, process_group)
+
+    @property
+    def cache(self) -> CausalKVCache | None:
+        """The paged cache of the K/V store, or None for a store without one."""
+        return getattr(self.kv, "cache", None)
+
+    @property
+    def parallel(self) -> UlyssesKV | None:
+        """The Ulysses store under ``process_group``, else None (one process)."""
+        return self.kv if isinstance(self.kv, UlyssesKV) else None
 
     # ------------------------------------------------------------------ chunks
     def chunk_frames(self, index: int) -> int:
@@ -156,25 +211,13 @@ class Rollout:
         T = noise.shape[0] * self.spec.tokens_per_frame
         x = noise.clone()                                                  # fp32 [F, C, H, W]
         for i, dt in enumerate(self._dts):
-            v = self.model(x, self.timesteps[i:i + 1], frame0, **self._attention(T, T))
+            v = self.model(x, self.timesteps[i:i + 1], frame0, kv=self.kv, seq_len=T,
+                           causal_block_size=T)
             x = x + dt * v.float()
-        self.model(x, self._zero_t, frame0, **self._attention(T, self.spec.tokens_per_frame))
-        self._commit(T)
+        self.model(x, self._zero_t, frame0, kv=self.kv, seq_len=T,
+                   causal_block_size=self.spec.tokens_per_frame)
+        self.kv.commit(T)
         return x
-
-    def _attention(self, tokens: int, block_size: int) -> dict:
-        """Where a forward's attention goes (`ReferenceRollout` sends it elsewhere)."""
-        if self.parallel is not None:
-            return self.parallel.forward_kwargs(self.cache, tokens, block_size)
-        return {"kv_cache": self.cache, "seq_len": tokens, "causal_block_size": block_size}
-
-    def _commit(self, tokens: int) -> None:
-        self.cache.commit(tokens)
-
-    def _after_replay(self, tokens: int) -> None:
-        """Host half of a replayed chunk: the forwards staged ``tokens``, then commit."""
-        self.cache.note_staged(tokens)
-        self.cache.commit_mirror(tokens)
 
     def inputs(self, index: int, frame0: int | None = None) -> dict[str, torch.Tensor]:
         """Static inputs of chunk ``index``: its noise (from the model seed and the
@@ -188,60 +231,60 @@ class Rollout:
         return {"noise": noise.to(self.device),
                 "frame0": torch.tensor([frame0], dtype=torch.int64, device=self.device)}
 
-    def capture_request(self, geometry, tokens: int, block_size: int | None = None) -> CaptureRequest:
-        """What to capture for chunks of ``tokens`` real tokens (a `graphs.warmup`
-        builder: every block size of one chunk length maps to the same chunk key)."""
-        if geometry != self.geometry:
-            raise ValueError(f"geometry {geometry} is not this rollout's {self.geometry}")
+    # ------------------------------------------------------------------ capture
+    def capture_request(self, tokens: int) -> CaptureRequest:
+        """What to capture for chunks of ``tokens`` real tokens: the whole chunk as one
+        graph, the store's host half as its replay hook."""
         frames, rem = divmod(tokens, self.spec.tokens_per_frame)
         if rem or tokens not in self.spec.chunk_token_counts():
             raise ValueError(f"tokens must be one of the rollout's chunk lengths "
                              f"{self.spec.chunk_token_counts()}, got {tokens}")
         index = self.spec.chunks - 1 if frames != self.spec.frames_per_chunk else 0
         inputs = self.inputs(index, frame0=0)
-        key = chunk_key(owner_token(self), geometry, tokens,
+        blocks = (tokens,) * self.spec.denoising_steps + (self.spec.tokens_per_frame,)
+        key = chunk_key(owner_token(self), self.geometry, tokens,
                         denoise_steps=self.spec.denoising_steps,
                         clean_block=self.spec.tokens_per_frame, inputs=inputs,
-                        splits=self._splits(tokens))
+                        splits=self.kv.key_splits(self.model.blocks[0].attn, tokens, blocks))
         return CaptureRequest(key, self.chunk_fn, inputs,
-                              functools.partial(self._after_replay, tokens))
+                              functools.partial(self.kv.after_replay, tokens))
 
-    def _splits(self, tokens: int) -> tuple[int, ...]:
-        """Split-KV S of each forward of a chunk (empty for a backend that never splits)."""
-        split_for = getattr(self.model.blocks[0].attn.backend, "split_for", None)
-        if split_for is None:
-            return ()
-        blocks = [tokens] * self.spec.denoising_steps + [self.spec.tokens_per_frame]
-        heads = self.parallel.num_heads if self.parallel else self.model_spec.num_heads
-        return tuple(split_for(self.geometry, self.model_spec.tokens_per_page,
-                               heads, tokens, b, self.device) for b in blocks)
+    def capture_requests(self) -> list[CaptureRequest]:
+        """Every graph this rollout replays: one whole chunk per chunk length."""
+        return [self.capture_request(t) for t in self.spec.chunk_token_counts()]
 
     def chunk_key(self, tokens: int):
         """The `GraphKey` of chunks of ``tokens`` tokens."""
-        return self.capture_request(self.geometry, tokens).key
+        return self.capture_request(tokens).key
 
-    # ------------------------------------------------------------------ lifecycle
-    def capture(self) -> None:
-        """Capture every chunk length of the rollout, then reset the cache.
+    def capture(self, *, progress: bool = False, stream=None) -> WarmupReport:
+        """Capture every graph of `capture_requests` (those not captured yet), then
+        reset the store; returns the warm-up report (per graph: seconds, memory).
 
-        Must run before `prefill` (capturing moves the cache; the reset would drop
+        Must run before `prefill` (capturing moves the store; the reset would drop
         the prompt). `prefill` calls it when graphs are on and nothing is captured.
+        ``progress``: a progress bar on ``stream`` (default stderr).
         """
         if self.prefilled:
             raise ValueError("capture() must run before prefill(): it resets the cache")
-        for tokens in self.spec.chunk_token_counts():
-            req = self.capture_request(self.geometry, tokens)
-            if req.key not in self.graphs:
-                self.graphs.capture(req.key, req.fn, req.inputs, after_replay=req.after_replay)
-            self._requests[tokens] = req
-        self.reset()
+        if not self.use_graphs:
+            raise ValueError("capture() needs use_graphs=True")
+        try:
+            with self.kv.capture_scope():
+                requests = self.capture_requests()
+                report = run_warmup(self.graphs, requests, progress=progress, stream=stream)
+            self._requests.update((r.key.tokens, r) for r in requests)
+        finally:
+            self.reset()
+        return report
 
+    # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
-        """Back to position 0, no prompt: ``close(); open(geometry)`` (graphs stay valid)."""
-        self.cache.close()
-        self.cache.open(self.geometry)
+        """Back to position 0, no prompt (graphs stay valid)."""
+        self.kv.reset()
         self.chunk_index = self.frames_done = 0
         self.prefilled = False
+        self.paths, self.path = {"eager": 0, "graphs": 0}, None
 
     def prefill(self) -> None:
         """Capture (graphs on, first time), then commit the prompt as the pinned prefix."""
@@ -249,34 +292,37 @@ class Rollout:
             raise ValueError("the prompt is already prefilled; reset() first")
         if self.use_graphs and len(self._requests) < len(self.spec.chunk_token_counts()):
             self.capture()
-        if self.parallel is not None:
-            self.parallel.prefill(self.model, self.cache)
-        else:
-            self.model.prefill(kv_cache=self.cache)
+        self.model.prefill(self.kv)
         self.prefilled = True
 
     def step(self) -> torch.Tensor:
-        """Generate the next chunk; returns its clean latents, fp32 [F, C, H, W] (a copy)."""
+        """Generate the next chunk; returns its clean latents, fp32 [F, C, H, W] (a copy).
+
+        With graphs on, a chunk is a replay (a resident run with ``resident``) when the
+        store can replay it now, else it runs eagerly; ``paths`` counts both.
+        """
         if not self.prefilled:
             raise ValueError("call prefill() before step()")
         inputs = self.inputs(self.chunk_index)
         tokens = inputs["noise"].shape[0] * self.spec.tokens_per_frame
-        if self.resident:
-            out = self._run_resident(tokens, inputs)
-        elif self.use_graphs:
+        if self.use_graphs and self.kv.replayable:
             # Replay only: a capture here would run warm-up calls on the live cache.
-            out = self.graphs.replay(self._requests[tokens].key, inputs)
+            key = self._requests[tokens].key
+            out = (self._run_resident(key, tokens, inputs) if self.resident
+                   else self.graphs.replay(key, inputs))
+            self.path = "graphs"
         else:
             out = self.chunk_fn(**inputs)
+            self.path = "eager"
+        self.paths[self.path] += 1
         self.chunk_index += 1
         self.frames_done += inputs["noise"].shape[0]
         return out.clone()
 
-    def _run_resident(self, tokens: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _run_resident(self, key, tokens: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One chunk through its `ResidentGraph` (opened on first use): the inputs are
         copied into the static buffers and on the device before the submit, as its
         contract asks; returns the static output once the run is done."""
-        key = self._requests[tokens].key
         runner = self._runners.get(tokens)
         if runner is None or runner.closed:
             runner = self._runners[tokens] = self.graphs.resident(key)
@@ -294,15 +340,6 @@ class Rollout:
         return [self.step() for _ in range(self.spec.chunks if chunks is None else chunks)]
 
     def close(self) -> None:
-        """Free the cache; the rollout is unusable after."""
+        """Free the store and the graphs; the rollout is unusable after."""
         self.graphs.clear()
-        self.cache.shutdown()
-
-
-def __getattr__(name):
-    # The verification harness builds on this module; imported on first use.
-    if name in ("verify_rollout", "VerifyReport"):
-        from . import verify
-
-        return getattr(verify, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        self.kv.close()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .reference import ExactWindowReference
+from .cache import ExactWindowReference
 from .rollout import Rollout, resolve_specs, with_chunks
 
 #: Default tolerances by compute dtype: fp32 math differs in summation order only;
@@ -34,28 +34,20 @@ DEFAULT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1
 
 class ReferenceRollout(Rollout):
     """The same rollout with every attention recomputed densely in fp32 over its visible
-    positions by an `ExactWindowReference` (no cache reads, no graphs). Its memory grows
-    with the rollout: for tests and short checks."""
+    positions by an `ExactWindowReference` (``kv="reference"``: no cache reads, no
+    graphs). Its memory grows with the rollout: for tests and short checks.
+
+    Attributes:
+        reference: the store's `ExactWindowReference` (a new one after each reset).
+    """
 
     def __init__(self, preset="tiny", device=None, *, model=None):
-        super().__init__(preset, device, backend="reference", use_graphs=False, model=model)
-        self.reference = ExactWindowReference(self.geometry, self.model_spec.num_layers)
+        super().__init__(preset, device, backend="reference", use_graphs=False, model=model,
+                         kv="reference")
 
-    def _attention(self, tokens: int, block_size: int) -> dict:
-        return {"reference": self.reference, "seq_len": tokens, "causal_block_size": block_size}
-
-    def _commit(self, tokens: int) -> None:
-        self.reference.commit(tokens)
-
-    def reset(self) -> None:
-        super().reset()
-        self.reference = ExactWindowReference(self.geometry, self.model_spec.num_layers)
-
-    def prefill(self) -> None:
-        if self.prefilled:
-            raise ValueError("the prompt is already prefilled; reset() first")
-        self.model.prefill(reference=self.reference)
-        self.prefilled = True
+    @property
+    def reference(self) -> ExactWindowReference:
+        return self.kv.reference
 
 
 @dataclass

@@ -10,8 +10,7 @@ import argparse
 
 import torch
 
-from framekv.engine import CachedAttention, CausalKVCache
-from framekv.engine.reference import ExactWindowReference
+from framekv.engine import CachedAttention, CausalKVCache, ExactWindowReference
 from framekv.specs import load_preset
 
 

@@ -1,13 +1,15 @@
 """Embedding framekv in a server: one engine per process, every graph captured at start.
 
-    python examples/server.py [--preset tiny] [--device cpu|cuda] [--port 8000]
+    python examples/server.py [--preset tiny] [--device cpu|cuda] [--port 8000] [--cache-dir D]
     curl -s localhost:8000/health
     curl -s -X POST localhost:8000/generate -d '{"chunks": 4}'
 
 The engine owns one `Rollout` (model, paged cache, graph cache). Its chunk graphs are
 captured before the socket opens, so no request pays a capture; each request resets
 the rollout to position 0, prefills the prompt and replays one graph per chunk. The
-GPU is one resource: requests take a lock and run one at a time.
+GPU is one resource: requests take a lock and run one at a time. With ``--cache-dir``
+(filled by ``framekv warmup PRESET --cache-dir D``) the start builds no kernel and no
+cuDNN plan.
 
 ``--self-test`` serves on a free port, sends two requests and checks that the same
 request gives the same latents (what a deterministic replay promises), then exits.
@@ -31,8 +33,8 @@ MAX_CHUNKS = 1000
 class Engine:
     """A rollout whose graphs are all captured; `generate` serves one request."""
 
-    def __init__(self, preset: str, device: str | None):
-        self.rollout = Rollout(preset, device)
+    def __init__(self, preset: str, device: str | None, cache_dir: str | None = None):
+        self.rollout = Rollout(preset, device, cache_dir=cache_dir)
         self.rollout.capture()  # every chunk length, before the first request
         self.lock = threading.Lock()
 
@@ -122,9 +124,11 @@ def main() -> int:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--cache-dir", default=None,
+                    help="load kernels and cuDNN plans kept by framekv warmup --cache-dir")
     ap.add_argument("--self-test", action="store_true")
     args = ap.parse_args()
-    engine = Engine(args.preset, args.device)
+    engine = Engine(args.preset, args.device, args.cache_dir)
     if args.self_test:
         return self_test(engine)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), handler_for(engine))

@@ -7,11 +7,12 @@ supplies the callables, the owner tokens and the host-mirror hooks.
 - `GraphKey` / `TensorSpec`: everything baked into a graph; never the commit count.
   `forward_key`, `commit_key`, `chunk_key` build the standard ones; `owner_token`
   names an owner for its lifetime.
-- `GraphCache`: warm-up, capture into one shared pool, replay, stats; eager on CPU.
-  Replays of graphs that draw no random numbers skip torch's replay prologue
-  (`framekv.graphs.launch`).
+- `GraphCache`: warm-up, capture into one shared pool, replay (torch's
+  ``CUDAGraph.replay``), stats; eager on CPU. Memset nodes become kernel nodes before
+  instantiation (`framekv.graphs.rewrite`); `framekv.graphs.inspect` describes a graph.
 - `ResidentGraph` (``GraphCache.resident``): a captured graph looped on the device,
-  each run submitted by one host store instead of a launch.
+  each run submitted by one host store instead of a launch (`framekv.graphs.resident`,
+  which also holds the opt-in direct launch, ``GraphCache(direct_launch=True)``).
 - `SequenceProgram` / `Step`: a per-chunk program (forwards and a commit) as one
   callable whose key is derived from its steps.
 - `run_warmup` (``GraphCache.warmup``), `format_report`, `encode_report`: capture a

@@ -24,14 +24,15 @@ State effects, the contract callers must know:
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 import msgspec
 import torch
 
+from .capture import default_generator_offset, end_failed_capture, instantiate, new_graph
 from .captured import CapturedGraph, GraphCaptureError, static_copy
 from .keys import GraphKey, TensorSpec, input_specs
+from .warmup import WarmupReport, run_warmup
 
 
 class KeyStats(msgspec.Struct, frozen=True):
@@ -83,10 +84,15 @@ class GraphCache:
         kernel_only: turn the memset nodes of each captured graph into kernel nodes
             before it is instantiated (`framekv.graphs.rewrite`): memset nodes make
             a launch's host cost grow several times faster with the node count.
+        direct_launch: replays of a graph that draws no random numbers launch its
+            executable directly, skipping torch's generator prologue; the first
+            replays go through torch to find out (`framekv.graphs.resident.direct`).
+            Default: every replay is torch's ``CUDAGraph.replay``.
     """
 
     def __init__(self, device, *, debug: bool = False, warmup_iters: int = 2,
-                 shared_pool: bool = True, kernel_only: bool = True):
+                 shared_pool: bool = True, kernel_only: bool = True,
+                 direct_launch: bool = False):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -95,7 +101,7 @@ class GraphCache:
         if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
             raise ValueError(f"warmup_iters must be an integer >= 0, got {warmup_iters!r}")
         self.debug, self.warmup_iters, self.shared_pool = debug, warmup_iters, shared_pool
-        self.kernel_only = kernel_only
+        self.kernel_only, self.direct_launch = kernel_only, direct_launch
         self._entries: dict[GraphKey, CapturedGraph] = {}
         self._pool = None  # torch.cuda.graph_pool_handle(), made at the first capture
         self._side: torch.cuda.Stream | None = None
@@ -183,7 +189,13 @@ class GraphCache:
         iters = self.warmup_iters if warmup is None else warmup
         start = time.perf_counter()
         try:
+            offset = None if self.eager else default_generator_offset(self.device)
             self._warm_up(key, warmup_fn or fn, static, iters)
+            if offset is not None and iters and warmup_fn is None:
+                # The warm-up calls are the captured callable run eagerly: if they moved
+                # the generator, every replay draws numbers (a busy other thread drawing
+                # meanwhile only makes this err on the side of "draws").
+                entry.draws_random = default_generator_offset(self.device) != offset
             if not self.eager:
                 self._record(entry, fn)
         except GraphCaptureError:
@@ -229,7 +241,7 @@ class GraphCache:
         dev = self.device
         torch.cuda.synchronize(dev)
         alloc0, reserved0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
-        graph = _new_graph()
+        graph = new_graph()
         side = self._side_stream()
         side.wait_stream(torch.cuda.current_stream(dev))
         pool = self._pool_handle()
@@ -244,11 +256,15 @@ class GraphCache:
                 raise GraphCaptureError(f"capture of {entry.key.summary()} failed: {exc}") from exc
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
-        entry.memsets_replaced = _instantiate(graph, self.kernel_only)
+        entry.memsets_replaced = instantiate(graph, self.kernel_only, dev.index)
         try:
             entry.set_captured(graph, outputs, dev)
         except ValueError as exc:
             raise GraphCaptureError(f"capture of {entry.key.summary()}: {exc}") from exc
+        if self.direct_launch:
+            from .resident import RngProbe  # opt-in: not imported by the default path
+
+            entry.launcher = RngProbe()
         entry.allocated_bytes = torch.cuda.memory_allocated(dev) - alloc0
         entry.reserved_bytes = torch.cuda.memory_reserved(dev) - reserved0
 
@@ -273,7 +289,7 @@ class GraphCache:
         capture into it fails with "already recording to mempool_id"), so later
         captures go to a fresh shared pool; graphs already captured keep theirs.
         """
-        _end_failed_capture(graph, self.device, pool)
+        end_failed_capture(graph, self.device, pool)
         if self.shared_pool:
             self._pool = None
 
@@ -304,28 +320,28 @@ class GraphCache:
         """A `ResidentGraph` running ``key``'s graph: each run is submitted by one host
         store to a loop kept on the device (`framekv.graphs.resident`); on CPU its
         submits call the entry eagerly. One per key at a time; `drop` and `clear`
-        close it. While it is open the key's graph is not replayed, and no other graph
-        of this cache may run while its runs are in flight (they share the pool).
+        close it. While it is open the key's replays raise RuntimeError, and no other
+        graph of this cache may run while its runs are in flight (they share the pool).
 
         Raises:
             KeyError: ``key`` was not captured.
-            ValueError: the key already has an open resident runner.
+            ValueError: the key already has an open resident runner, or its graph is
+                known to draw random numbers.
         """
-        from .resident import ResidentGraph
-
         entry = self._entry(key)
         if entry.resident is not None and not entry.resident.closed:
             raise ValueError(f"{key.summary()} already has an open ResidentGraph; close it first")
+        from .resident import ResidentGraph  # opt-in: not imported by the default path
+
         entry.resident = ResidentGraph(entry, idle_timeout_s=idle_timeout_s)
         return entry.resident
 
     # ------------------------------------------------------------------ warm-up, stats
-    def warmup(self, plan_items: Iterable, builder: Callable, *, progress: bool = True,
-               stream=None):
-        """Capture every (geometry, tokens, block_size) of a plan; see `run_warmup`."""
-        from .warmup import run_warmup
-
-        return run_warmup(self, plan_items, builder, progress=progress, stream=stream)
+    def warmup(self, requests: Iterable, builder: Callable | None = None, *,
+               progress: bool = True, stream=None) -> WarmupReport:
+        """Capture every `CaptureRequest` (or item ``builder`` turns into one) up front,
+        with a progress bar and a report; see `run_warmup`."""
+        return run_warmup(self, requests, builder, progress=progress, stream=stream)
 
     def stats(self) -> GraphStats:
         """Counts, capture time and memory, per key and in total."""
@@ -352,59 +368,3 @@ def _describe_mismatch(want: tuple[TensorSpec, ...], got: tuple[TensorSpec, ...]
             return (f"input {name!r} is {g[name].summary()} (strides {list(g[name].stride)}), the "
                     f"key says {w[name].summary()} (strides {list(w[name].stride)})")
     return "inputs do not match the key"
-
-
-def _new_graph() -> torch.cuda.CUDAGraph:
-    """A graph whose raw cudaGraph_t stays after capture (to rewrite and inspect)."""
-    try:
-        return torch.cuda.CUDAGraph(keep_graph=True)
-    except TypeError:  # a torch without keep_graph: graphs are used as captured
-        return torch.cuda.CUDAGraph()
-
-
-def _instantiate(graph: torch.cuda.CUDAGraph, kernel_only: bool) -> int:
-    """Rewrite memset nodes (when asked and the graph was kept), then instantiate;
-    returns how many memset nodes became kernel nodes."""
-    try:
-        graph.raw_cuda_graph()
-    except (RuntimeError, AttributeError):  # instantiated at capture end already
-        return 0
-    replaced = 0
-    if kernel_only:
-        from .rewrite import replace_memsets
-
-        try:
-            replaced = replace_memsets(graph)
-        except Exception as exc:  # the graph is still whole: launch it as captured
-            warnings.warn(f"memset nodes not rewritten ({exc}); graph launches cost per node",
-                          stacklevel=3)
-    graph.instantiate()
-    return replaced
-
-
-def _end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) -> None:
-    """End the stream capture and the allocator's routing to the pool, whatever state
-    the failure left them in.
-
-    A capture invalidated by an illegal call (a host sync) makes ``capture_end``
-    raise, which is expected here (and a second ``capture_end`` after a successful
-    one raises too). torch has no public call to stop routing allocations to the
-    pool, hence the private one (named differently before torch 2.8), which raises
-    harmlessly when routing already ended. A final synchronize surfaces and clears
-    any error left by the failed call.
-    """
-    try:
-        graph.capture_end()
-    except Exception:
-        pass
-    end = (getattr(torch._C, "_cuda_endAllocateToPool", None)
-           or getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None))
-    if end is not None and pool is not None:
-        try:
-            end(device.index, pool)
-        except Exception:
-            pass
-    try:
-        torch.cuda.synchronize(device)
-    except Exception:
-        pass

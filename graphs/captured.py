@@ -2,6 +2,11 @@
 
 `GraphCache` builds these; callers may keep the handle `GraphCache.capture` returns
 and call `CapturedGraph.replay` in a hot loop (it skips the key lookup).
+
+A replay launches the graph through the entry's launcher slot, ``launcher``: None is
+torch's ``CUDAGraph.replay``, and other ways of running the graph
+(`framekv.graphs.resident`) install their own there: a direct launch of the
+executable (opt-in), or a guard that refuses replays while the graph runs resident.
 """
 from __future__ import annotations
 
@@ -11,7 +16,6 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .keys import GraphKey, TensorSpec
-from .launch import DirectLaunch, default_generator_offset
 
 
 class GraphCaptureError(RuntimeError):
@@ -50,7 +54,6 @@ def static_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _UNSET = object()
-_RNG_PROBES = 3
 
 
 class CapturedGraph:
@@ -64,9 +67,15 @@ class CapturedGraph:
             call); rewritten by every replay.
         graph: the ``torch.cuda.CUDAGraph``, or None when running eagerly.
         hits: replays (eager calls on CPU).
-        direct_launch: whether replays now skip torch's replay prologue (see
-            `framekv.graphs.launch`): set after a replay showed the graph draws no
-            random numbers.
+        launcher: how a replay launches the graph: None for torch's
+            ``CUDAGraph.replay``, else a callable taking this entry (see the module doc).
+        direct_launch: whether replays now skip torch's replay prologue: set by an
+            opt-in direct launcher once a replay showed the graph draws no random
+            numbers (`framekv.graphs.resident.direct`).
+        draws_random: whether the graph draws random numbers (torch advances the
+            generator in its replay prologue): set at capture from whether its eager
+            warm-up calls moved the default generator, or by a probing launcher; None
+            while unknown (no warm-up call, a separate ``warmup_fn``, CPU).
         capture_seconds, allocated_bytes, reserved_bytes: capture cost; the byte
             counts are the growth of torch's allocated / reserved memory during capture.
     """
@@ -87,17 +96,13 @@ class CapturedGraph:
         self.capture_seconds = 0.0
         self.allocated_bytes = self.reserved_bytes = 0
         self.memsets_replaced = 0  # memset nodes turned into kernel nodes at capture
-        self._direct: DirectLaunch | None = None
         self._graph_device: torch.device | None = None
-        #: The open `ResidentGraph` running this graph, if any: replays would race it.
-        self.resident = None
-        # Replays through torch that may still show no RNG use; a graph that moved the
-        # offset this many times draws numbers (another thread's draws are not that
-        # regular) and stays on torch's replay.
-        self._rng_probes = _RNG_PROBES
-        #: Whether replays showed the graph draws random numbers (torch advances the
-        #: generator in a replay prologue): None until the probes decide.
+        self.launcher: Callable[[CapturedGraph], None] | None = None
+        self.direct_launch = False
         self.draws_random: bool | None = None
+        #: The `ResidentGraph` the cache opened for this graph, if any (`GraphCache`
+        #: keeps one open per key and closes it on `drop`).
+        self.resident = None
         self._remember_addresses()
 
     @property
@@ -131,7 +136,8 @@ class CapturedGraph:
         An eager call runs the callable's Python itself and calls no hook.
 
         The outputs are the static buffers: valid until the next replay of any graph
-        sharing the memory pool (copy out what you keep).
+        sharing the memory pool (copy out what you keep). RuntimeError while an open
+        `ResidentGraph` runs this graph.
         """
         if inputs:
             self.load(inputs)
@@ -139,13 +145,11 @@ class CapturedGraph:
             self.check_addresses()
         if self.graph is None:
             return self._call_eagerly()
-        if self.resident is not None and not self.resident.closed:
-            raise RuntimeError(f"{self.key.summary()} runs resident: submit through its "
-                               "ResidentGraph, or close it before replaying")
-        if self._direct is not None:
-            self._direct()
+        launch = self.launcher
+        if launch is None:
+            self.graph.replay()
         else:
-            self._replay_through_torch()
+            launch(self)  # a resident runner's guard raises RuntimeError here
         self.hits += 1
         hook = after_replay if after_replay is not None else self.after_replay
         if hook is not None:
@@ -156,30 +160,6 @@ class CapturedGraph:
     def device(self) -> torch.device | None:
         """The device the graph was captured on (None for an eager entry)."""
         return self._graph_device
-
-    @property
-    def direct_launch(self) -> bool:
-        return self._direct is not None
-
-    def _replay_through_torch(self) -> None:
-        """torch's replay (generator prologue included); the first one whose replay
-        left the default generator's offset unmoved switches to `DirectLaunch`."""
-        if self._rng_probes <= 0:
-            self.graph.replay()
-            return
-        device = self._graph_device
-        before = default_generator_offset(device)
-        self.graph.replay()
-        if before is None:
-            self._rng_probes = 0
-        elif default_generator_offset(device) == before:
-            self._direct = DirectLaunch.of(self.graph, device)
-            self._rng_probes = 0
-            self.draws_random = False
-        else:
-            self._rng_probes -= 1
-            if self._rng_probes == 0:
-                self.draws_random = True
 
     def load(self, inputs: Mapping[str, torch.Tensor]) -> None:
         """Copy tensors into the static input buffers of the same names."""

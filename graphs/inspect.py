@@ -3,12 +3,14 @@
 A launch's host cost grows fastest with the node count when the graph is not
 straight-line (every node one dependency and one dependent) or holds memset/memcpy or
 event nodes; this is the first thing to look at when a replay's host cost is high.
-Straight-line kernel-only graphs launch in nearly constant time (H200: a 691-node
-chunk ~10 µs right after another launch); a launch after the host waited tens of ms
-costs ~100 µs whatever the graph, a 4-node one included (docs/benchmarks.md).
+A straight-line kernel-only graph launches in nearly constant time whatever its node
+count, while any launch right after the host waited costs far more whatever the graph
+(docs/benchmarks.md, "Launches after a wait").
 
     info = graph_info(captured.graph)     # a torch.cuda.CUDAGraph
     info.nodes, info.types, info.straight_line
+
+Runtime calls are checked by `framekv.ops.driver.check`.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from collections import Counter
 
 import msgspec
 import torch
+
+from framekv.ops.driver import check
 
 
 class GraphInfo(msgspec.Struct, frozen=True):
@@ -40,10 +44,11 @@ def graph_info(graph: torch.cuda.CUDAGraph) -> GraphInfo:
     from cuda.bindings import runtime as rt
 
     raw = rt.cudaGraph_t(init_value=graph.raw_cuda_graph())
-    nodes = _call(rt.cudaGraphGetNodes, raw, _count(rt.cudaGraphGetNodes, raw))
+    count = _count(rt.cudaGraphGetNodes, raw)
+    nodes = check("cudaGraphGetNodes", rt.cudaGraphGetNodes(raw, count))[0] if count else []
     types, deps, dependents = Counter(), 0, 0
     for node in nodes:
-        kind = _call(rt.cudaGraphNodeGetType, node)
+        kind = check("cudaGraphNodeGetType", rt.cudaGraphNodeGetType(node))
         types[kind.name.removeprefix("cudaGraphNodeType").lower()] += 1
         deps = max(deps, _count(rt.cudaGraphNodeGetDependencies, node))
         dependents = max(dependents, _count(rt.cudaGraphNodeGetDependentNodes, node))
@@ -54,16 +59,5 @@ def graph_info(graph: torch.cuda.CUDAGraph) -> GraphInfo:
 def _count(fn, handle) -> int:
     """The count a CUDA list query reports when asked for 0 entries."""
     out = fn(handle, 0)
-    _check(out[0])
+    check(fn.__name__, out)
     return int(out[-1])
-
-
-def _call(fn, *args):
-    out = fn(*args)
-    _check(out[0])
-    return out[1] if len(out) > 1 else None
-
-
-def _check(err) -> None:
-    if int(err) != 0:
-        raise RuntimeError(f"CUDA runtime call failed: {err}")

@@ -1,20 +1,17 @@
-"""Warm-up: capture a whole plan up front, with a progress bar and a report.
+"""Warm-up: capture everything a user of the graphs replays, up front, with a progress
+bar and a report.
 
 A server captures every graph it will replay before taking traffic, so no request pays
-a capture. The plan is a sequence of (geometry, token count, block size) triples, as
-``framekv.specs.WarmupPlan.items()`` yields; a builder turns each into what to capture::
+a capture. What to capture comes from whoever replays it, as `CaptureRequest`s (the
+arguments of `GraphCache.capture`): a rollout's ``capture_requests()`` lists one
+whole-chunk graph per chunk length, and its ``capture()`` runs them through here, as
+``framekv warmup`` does::
 
-    def builder(geometry, tokens, block_size):
-        key = chunk_key(owner, geometry, tokens, denoise_steps=4, clean_block=block_size,
-                        inputs=inputs)
-        return key, chunk_fn, inputs, after_replay
-
-    report = graphs.warmup(plan.items(), builder)
+    report = run_warmup(graphs, rollout.capture_requests())
     print(format_report(report))
     open("warmup.json", "wb").write(encode_report(report))
 
-Items whose key is already captured (builders may map several triples to one key) are
-reported as ``cached`` and cost nothing.
+A request whose key is already captured is reported as ``cached`` and costs nothing.
 """
 from __future__ import annotations
 
@@ -40,11 +37,12 @@ class CaptureRequest(NamedTuple):
 
 
 class WarmupRecord(msgspec.Struct, frozen=True):
-    """One plan item.
+    """One captured (or already captured) graph.
 
     Attributes:
-        geometry, tokens, block_size: the plan item.
-        key: ``GraphKey.summary()`` of what was captured for it.
+        geometry, tokens, block_sizes: from its key (what the graph was built for).
+        program: the key's program, e.g. "chunk:4x1576+clean394+commit".
+        key: ``GraphKey.summary()``.
         status: "captured", or "cached" when the key was already captured.
         capture_seconds: warm-up plus capture wall time (0 when cached).
         allocated_bytes, reserved_bytes: memory growth during the capture.
@@ -52,7 +50,8 @@ class WarmupRecord(msgspec.Struct, frozen=True):
 
     geometry: Geometry | None
     tokens: int
-    block_size: int
+    block_sizes: tuple[int, ...]
+    program: str
     key: str
     status: str
     capture_seconds: float
@@ -71,25 +70,25 @@ class WarmupReport(msgspec.Struct, frozen=True):
     reserved_bytes: int
 
 
-def run_warmup(cache, plan_items: Iterable, builder: Callable, *, progress: bool = True,
-               stream=None) -> WarmupReport:
-    """Capture what ``builder(geometry, tokens, block_size)`` returns for every item.
+def run_warmup(cache, requests: Iterable, builder: Callable | None = None, *,
+               progress: bool = True, stream=None) -> WarmupReport:
+    """Capture every request into ``cache`` (a `GraphCache`), in order.
 
-    ``builder`` returns a `CaptureRequest` or a plain tuple ``(key, fn, inputs,
-    after_replay[, warmup_fn])``. A failed capture raises `GraphCaptureError` naming
-    the item; graphs captured before it stay. Progress goes to ``stream`` (default
-    stderr) when ``progress`` is true.
+    ``requests`` are `CaptureRequest`s (or plain tuples ``(key, fn, inputs,
+    after_replay[, warmup_fn])``); with ``builder``, they are items that
+    ``builder(*item)`` turns into requests. A failed capture raises
+    `GraphCaptureError` with a note naming the request; graphs captured before it
+    stay. Progress goes to ``stream`` (default stderr) when ``progress`` is true.
     """
-    items = list(plan_items)
+    items = list(requests)
     bar = _Progress(len(items), stream or sys.stderr) if progress else None
     records, start = [], time.perf_counter()
     try:
         for i, item in enumerate(items):
-            geometry, tokens, block_size = item
-            request = CaptureRequest(*builder(geometry, tokens, block_size))
+            request = CaptureRequest(*(builder(*item) if builder is not None else item))
             if bar:
                 bar.update(i, request.key.program)
-            records.append(_capture_item(cache, request, geometry, tokens, block_size, i))
+            records.append(_capture(cache, request, i))
     finally:
         if bar:
             bar.finish(len(records))
@@ -99,20 +98,19 @@ def run_warmup(cache, plan_items: Iterable, builder: Callable, *, progress: bool
         reserved_bytes=sum(r.reserved_bytes for r in records))
 
 
-def _capture_item(cache, request: CaptureRequest, geometry, tokens, block_size,
-                  index: int) -> WarmupRecord:
+def _capture(cache, request: CaptureRequest, index: int) -> WarmupRecord:
     key = request.key
+    fields = (key.geometry, key.tokens, key.block_sizes, key.program, key.summary())
     if key in cache:
-        return WarmupRecord(geometry, tokens, block_size, key.summary(), "cached", 0.0, 0, 0)
+        return WarmupRecord(*fields, "cached", 0.0, 0, 0)
     try:
         entry = cache.capture(key, request.fn, request.inputs, after_replay=request.after_replay,
                               warmup_fn=request.warmup_fn)
     except Exception as exc:
-        exc.add_note(f"warm-up plan item {index}: tokens={tokens} block_size={block_size} "
-                     f"geometry={geometry}")
+        exc.add_note(f"warm-up request {index}: {key.summary()}")
         raise
-    return WarmupRecord(geometry, tokens, block_size, key.summary(), "captured",
-                        entry.capture_seconds, entry.allocated_bytes, entry.reserved_bytes)
+    return WarmupRecord(*fields, "captured", entry.capture_seconds, entry.allocated_bytes,
+                        entry.reserved_bytes)
 
 
 class _Progress:
@@ -141,8 +139,8 @@ class _Progress:
 
 def format_report(report: WarmupReport) -> str:
     """A text table of a warm-up report, one row per plan item, totals last."""
-    head = ("tokens", "block", "status", "seconds", "reserved MiB", "key")
-    rows = [(str(r.tokens), str(r.block_size), r.status, f"{r.capture_seconds:.3f}",
+    head = ("tokens", "program", "status", "seconds", "reserved MiB", "key")
+    rows = [(str(r.tokens), r.program, r.status, f"{r.capture_seconds:.3f}",
              f"{r.reserved_bytes / 2**20:.1f}", r.key) for r in report.records]
     rows.append(("", "", f"{report.captured} new", f"{report.seconds:.3f}",
                  f"{report.reserved_bytes / 2**20:.1f}",

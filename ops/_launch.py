@@ -13,21 +13,31 @@ tensors (pointer, shape, strides) and a launch is one ``cuLaunchKernel``, so eve
 launch path is legal inside CUDA graph capture (warm up first: a kernel's first launch
 compiles and loads it). The fallback through numba's dispatcher (``USE_DISPATCHER``)
 imports the tensors with ``cuda.from_cuda_array_interface(..., sync=False)``.
-Importing this module does not initialise CUDA.
+A graph kernel node takes the same flat arguments (`Kernel.node_params`), also over
+memory no tensor owns (`pointer_arg`). Launches and nodes get their compiled function
+through one path (`framekv.ops._compile.obtain`): numba's on-disk cache once
+`enable_disk_cache` turned it on, and counted (`compile_stats`). Importing this module
+does not initialise CUDA.
 """
 from __future__ import annotations
 
 import ctypes
 import math
-import os
 
 import numba
 import numpy as np
 import torch
 from numba import cuda
 
+# The disk cache and the compile count live in _compile; their names are part of this
+# module's face (warm-up and tests reach them here).
+from ._compile import (_KERNELS, CompileStats, compile_stats,  # noqa: F401
+                       enable_disk_cache, obtain, register)
+from .driver import check, driver
+
 __all__ = ["SIMULATOR", "MAX_THREADS", "MAX_BLOCKS", "use_kernel", "pick_word_size",
-           "array_arg", "int_arg", "threads_for", "blocks_for", "Kernel", "enable_disk_cache"]
+           "array_arg", "pointer_arg", "int_arg", "kernel_arguments", "threads_for",
+           "blocks_for", "Kernel", "enable_disk_cache", "CompileStats", "compile_stats"]
 
 #: True when numba runs CUDA kernels in its simulator (decided when numba is imported).
 SIMULATOR: bool = bool(numba.config.ENABLE_CUDASIM)
@@ -95,8 +105,9 @@ class _CudaArg:
     """A kernel argument in numba's ABI: its numba type and the flat launch values.
 
     An array is passed as (meminfo, parent, nitems, itemsize, data, *shape, *strides),
-    exactly what numba's own launcher passes for a device array; ``tensor`` keeps the
-    memory alive and serves the dispatcher fallback."""
+    exactly what numba's own launcher passes for a device array; ``tensor`` (None for
+    a `pointer_arg`) keeps the memory alive and serves the dispatcher fallback. A
+    scalar (``word`` 0) is one ctypes value."""
 
     __slots__ = ("nbtype", "values", "tensor", "word", "shape", "strides")
 
@@ -106,12 +117,24 @@ class _CudaArg:
 
     def for_dispatcher(self):
         """The same argument as numba's dispatcher takes it (no copy, no sync)."""
-        if self.tensor is None:
+        if not self.word:
             return self.values[0].value
         desc = {"shape": self.shape, "strides": self.strides, "version": 3,
                 "typestr": np.dtype(_WORD_NUMPY[self.word]).str,
-                "data": (self.tensor.data_ptr(), False)}
+                "data": (self.values[4], False)}
         return cuda.from_cuda_array_interface(desc, owner=self.tensor, sync=False)
+
+    def ctypes_pairs(self) -> tuple[list, list]:
+        """(values, ctypes types) of the flat argument, as a kernel node takes them."""
+        if not self.word:
+            return [self.values[0].value], [type(self.values[0])]
+        ndim = len(self.shape)
+        return list(self.values), list(_ARRAY_HEAD_CTYPES) + [ctypes.c_int64] * (2 * ndim)
+
+
+# meminfo, parent, nitems, itemsize, data: what precedes an array's shape and strides
+_ARRAY_HEAD_CTYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                      ctypes.c_void_p)
 
 
 _ARRAY_TYPES: dict = {}
@@ -157,6 +180,21 @@ def _sim_array(t: torch.Tensor, e: int, word: int):
     return FakeCUDAArray(a)
 
 
+def pointer_arg(ptr: int, shape, strides, word: int):
+    """A kernel array over device memory at ``ptr`` that no tensor owns (a graph
+    node's target): ``shape`` elements of ``word`` bytes (1, 2, 4, 8 or 16), ``strides``
+    in bytes. The caller keeps the memory alive. CUDA only (the simulator needs a
+    tensor: use `array_arg`)."""
+    if word not in _WORD_NUMPY:
+        raise ValueError(f"word: expected one of {sorted(_WORD_NUMPY)} bytes, got {word!r}")
+    shape, strides = tuple(int(n) for n in shape), tuple(int(n) for n in strides)
+    if len(shape) != len(strides) or not shape:
+        raise ValueError(f"shape, strides: expected the same number (at least 1) of "
+                         f"dimensions, got shape {shape} and strides {strides}")
+    values = [0, 0, math.prod(shape), word, int(ptr), *shape, *strides]
+    return _CudaArg(_array_type(word, len(shape)), values, None, word, shape, strides)
+
+
 _INT64 = numba.types.int64
 
 
@@ -165,6 +203,17 @@ def int_arg(value: int):
     if SIMULATOR:
         return int(value)
     return _CudaArg(_INT64, [ctypes.c_int64(value)])
+
+
+def kernel_arguments(args) -> tuple[tuple, tuple]:
+    """The flat (values, ctypes types) of kernel arguments (from `array_arg`,
+    `pointer_arg`, `int_arg`): a graph kernel node's ``kernelParams``."""
+    values, types = [], []
+    for a in args:
+        v, t = a.ctypes_pairs()
+        values += v
+        types += t
+    return tuple(values), tuple(types)
 
 
 # --- streams and launches ---------------------------------------------------------
@@ -190,55 +239,19 @@ def current_stream(device_index: int):
     return handles
 
 
-# --- on-disk kernel cache ---------------------------------------------------------
-
-_KERNELS: list = []  # every Kernel made, so that enable_disk_cache reaches them all
-_DISK_CACHE_DIR: str | None = None
-
-
-def enable_disk_cache(path) -> bool:
-    """Keep compiled kernels under ``path`` (numba's on-disk cache) from now on.
-
-    A later process that enables the same directory loads each kernel instead of
-    compiling it (numba keys entries by source file, signature and device). The
-    lean launcher compiles through ``dispatcher.compile``, which reads and writes
-    this cache, so turning it on is all it takes; kernels this process compiled
-    already are not written. Sets ``NUMBA_CACHE_DIR`` for child processes. Returns
-    False under the simulator, which has no cache.
-    """
-    global _DISK_CACHE_DIR
-    if SIMULATOR:
-        return False
-    path = os.path.abspath(os.fspath(path))
-    os.makedirs(path, exist_ok=True)
-    os.environ["NUMBA_CACHE_DIR"] = path
-    # numba-cuda reads its own config object (reloaded from the environment only when
-    # it compiles); the cache locator reads it when caching is enabled, so set it now.
-    try:
-        from numba.cuda.core import config as cuda_config
-    except ImportError:  # older numba-cuda reads numba's own config
-        cuda_config = numba.config
-    cuda_config.CACHE_DIR = numba.config.CACHE_DIR = path
-    _DISK_CACHE_DIR = path
-    for kernel in _KERNELS:
-        kernel._dispatcher.enable_caching()
-    return True
-
-
 class Kernel:
     """A numba kernel launched with pre-converted arguments.
 
     On CUDA the compiled function is looked up once per argument-type tuple and device,
     and each launch goes straight to ``cuda.core.launch`` with the flat argument values
-    (numba's dispatcher would re-type every argument on every launch)."""
+    (numba's dispatcher would re-type every argument on every launch). `cufunction` and
+    `node_params` hand the same function to a graph kernel node."""
 
     def __init__(self, dispatcher):
         self._dispatcher = dispatcher
         self._compiled: dict = {}
         self._configs: dict = {}
-        _KERNELS.append(self)
-        if _DISK_CACHE_DIR is not None:
-            dispatcher.enable_caching()
+        register(self)
 
     def launch(self, grid: int, block: int, args, device: torch.device) -> None:
         """Launch on torch's current stream of ``device`` (kernel args from array_arg/int_arg)."""
@@ -257,10 +270,7 @@ class Kernel:
         if USE_DISPATCHER:
             self._dispatcher[grid, block, nb_stream](*[a.for_dispatcher() for a in args])
             return
-        types = tuple(a.nbtype for a in args)
-        fn = self._compiled.get((types, index))
-        if fn is None:
-            fn = self._compiled[(types, index)] = self._compile(types)
+        fn = self._function(tuple(a.nbtype for a in args), index)
         config = self._configs.get((grid, block))
         if config is None:
             config = self._configs[(grid, block)] = _LaunchConfig(grid=grid, block=block,
@@ -270,7 +280,35 @@ class Kernel:
             values += a.values
         _core_launch(core_stream, config, fn, *values)
 
-    def _compile(self, types):
-        kernel = self._dispatcher.compile(types)
-        return kernel._codelibrary.get_cufunc().kernel
+    def _function(self, types: tuple, index: int):
+        """The compiled function for ``types`` on device ``index`` (current already)."""
+        fn = self._compiled.get((types, index))
+        if fn is None:
+            fn = self._compiled[(types, index)] = obtain(self._dispatcher, types)
+        return fn
 
+    def cufunction(self, arg_types, device_index: int):
+        """The driver ``CUfunction`` of this kernel for numba ``arg_types`` on a device,
+        from the same compiled (or disk-cached) function launches use."""
+        types = tuple(arg_types)
+        if device_index != torch.cuda.current_device():
+            with torch.cuda.device(device_index):
+                return self.cufunction(types, device_index)
+        handle = self._function(types, device_index).handle
+        dr = driver()
+        if isinstance(handle, dr.CUfunction):
+            return handle
+        # A library kernel (CUkernel): its function in the current context.
+        return check("cuKernelGetFunction", dr.cuKernelGetFunction(handle))
+
+    def node_params(self, grid: int, block: int, args, device_index: int):
+        """``CUDA_KERNEL_NODE_PARAMS`` launching this kernel over ``args`` (from
+        `array_arg`, `pointer_arg`, `int_arg`) on ``grid`` x ``block`` threads, no
+        shared memory: a graph kernel node of device ``device_index``."""
+        k = driver().CUDA_KERNEL_NODE_PARAMS()
+        k.func = self.cufunction([a.nbtype for a in args], device_index)
+        k.gridDimX, k.gridDimY, k.gridDimZ = grid, 1, 1
+        k.blockDimX, k.blockDimY, k.blockDimZ = block, 1, 1
+        k.sharedMemBytes = 0
+        k.kernelParams = kernel_arguments(args)
+        return k

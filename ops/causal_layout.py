@@ -30,6 +30,10 @@ first. Unused entries are -1.
 Kernel: one CTA per (block size, block), grid-stride; the CTA finds its size by
 scanning desc (S is tiny) and its threads split the row entries, own tokens and
 partial positions. Every entry of every output is rewritten on each launch.
+
+One file: one op, as every op of this package is (kernel, reference, validating
+wrapper, custom op); the kernel and the reference are two independent codings of the
+layout rule, kept side by side so that they are read together.
 """
 from __future__ import annotations
 
@@ -46,7 +50,8 @@ from .advance_commit import check_counters, check_int, check_page_args
 
 __all__ = ["causal_layout_", "causal_layout_reference", "DESC_COLUMNS"]
 
-#: Column names of the descriptor, in order.
+#: The descriptor's format, defined here once: column names in order. The engine's
+#: ``LayoutPlan.descriptor`` fills rows by these names; ``_check_desc`` checks them.
 DESC_COLUMNS = ("b", "nb", "row_pages", "private_pages", "committed_len", "current_len",
                 "private_base", "rows_off", "blocks_off", "staged_off", "staged_len",
                 "committed_off")
@@ -347,42 +352,59 @@ def _check_scalars(table, P, W, M, tpp, F, R) -> None:
                          f"got {table.shape[0]}")
 
 
-def _expected_desc(sizes, P, W, M, tpp):
-    """Descriptor rows of ``sizes`` (private_base left -1) and the flat totals."""
-    want, off = [], [0, 0, 0, 0]  # rows, blocks, staged, committed
-    for b in sizes:
-        nb, cl = M // b, 3 * (tpp - 1)
-        q = -(-(cl + b) // tpp)
-        rp, rl = (P + W) // tpp + q, min(cl, (nb - 1) * b)
-        want.append([b, nb, rp, q, cl, rl, -1, off[0], off[1], off[2], M + nb * rl, off[3]])
-        off = [off[0] + nb * rp, off[1] + nb, off[2] + M + nb * rl, off[3] + nb * cl]
-    return np.array(want, np.int64).reshape(-1, len(DESC_COLUMNS)), off
+def _needs(d, P, W, M, tpp) -> dict[int, int]:
+    """Least value of each size column that keeps the kernel's writes inside its row,
+    private pages and list slots for a block of size d[_B]: at most 3 * (tpp - 1)
+    partial positions, (P + W) // tpp full pages, block j seeing j * b staged tokens."""
+    b, nb = int(d[_B]), int(d[_NB])
+    partial = 3 * (tpp - 1)
+    q = -(-(partial + b) // tpp)
+    return {_NB: 1, _Q: q, _RP: (P + W) // tpp + int(d[_Q]), _CL: partial,
+            _RL: min(partial, (nb - 1) * b)}
 
 
 def _check_desc(desc: np.ndarray, outs: dict, P, W, M, tpp, F, R) -> None:
-    """Descriptor contents (host memory only) against the geometry and output lengths."""
+    """Descriptor contents (host memory only) against what the kernel needs: sizes large
+    enough for every write, offsets and lengths that tile the flat outputs, private
+    pages after the table's and disjoint. The values themselves are the caller's (the
+    engine's ``LayoutPlan`` defines them)."""
     sizes = desc[:, _B]
     if (sizes < 1).any() or (sizes > M).any() or (np.diff(sizes) <= 0).any():
         raise ValueError(f"desc: column b must hold increasing block sizes in "
                          f"[1, max_staged_tokens={M}], got {sizes.tolist()}")
-    want, totals = _expected_desc(sizes.tolist(), P, W, M, tpp)
-    for col, name in enumerate(DESC_COLUMNS):
-        bad = np.nonzero(desc[:, col] != want[:, col])[0]
-        if col != _PBASE and bad.size:
-            i = int(bad[0])
-            raise ValueError(f"desc: row {i} column {col} ({name}): expected "
-                             f"{want[i, col]} (from pin_tokens, window_tokens, "
-                             f"max_staged_tokens, tokens_per_page), got {desc[i, col]}")
-    end = F + R  # private pages follow the shared ones and never overlap each other
+    off = [0, 0, 0, 0]  # rows, blocks, staged, committed
+    for i, d in enumerate(desc):
+        if d[_NB] * d[_B] > M:
+            raise ValueError(f"desc: row {i}: nb * b must be <= max_staged_tokens={M}, "
+                             f"got {d[_NB]} * {d[_B]}")
+        for col, least in _needs(d, P, W, M, tpp).items():
+            if d[col] < least:
+                raise ValueError(f"desc: row {i} column {DESC_COLUMNS[col]}: expected >= "
+                                 f"{least} (what the kernel writes for b={d[_B]} at pin_tokens="
+                                 f"{P}, window_tokens={W}, tokens_per_page={tpp}), got {d[col]}")
+        exact = {_ROFF: off[0], _BOFF: off[1], _SOFF: off[2], _COFF: off[3],
+                 _SLEN: M + d[_NB] * d[_RL]}
+        for col, want in exact.items():
+            if d[col] != want:
+                raise ValueError(f"desc: row {i} column {DESC_COLUMNS[col]}: expected {want} "
+                                 f"(rows tile the flat outputs in order; staged_len = "
+                                 f"max_staged_tokens={M} + nb * current_len), got {d[col]}")
+        off = [off[0] + d[_NB] * d[_RP], off[1] + d[_NB], off[2] + d[_SLEN],
+               off[3] + d[_NB] * d[_CL]]
+    _check_private_pages(desc, F + R)
+    for name, total in zip(("rows", "seq_len_kv", "staged_src", "committed_src"), off):
+        if outs[name].shape[0] != total:
+            raise ValueError(f"{name}: expected length {total} (from desc), "
+                             f"got {outs[name].shape[0]}")
+
+
+def _check_private_pages(desc: np.ndarray, end: int) -> None:
+    """Private pages follow the table's pages and never overlap each other."""
     for i in np.argsort(desc[:, _PBASE], kind="stable"):
         if desc[i, _PBASE] < end:
             raise ValueError(f"desc: row {i} private_base {desc[i, _PBASE]} overlaps the "
                              f"table's pages or another size's private pages (< {end})")
         end = desc[i, _PBASE] + desc[i, _NB] * desc[i, _Q]
-    for name, total in zip(("rows", "seq_len_kv", "staged_src", "committed_src"), totals):
-        if outs[name].shape[0] != total:
-            raise ValueError(f"{name}: expected length {total} (from desc), "
-                             f"got {outs[name].shape[0]}")
 
 
 # --------------------------------------------------------------------------- op

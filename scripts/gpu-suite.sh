@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs everything that needs a GPU in one go: `framekv info`, the GPU test suite,
-# `framekv bench` and the benchmark scripts, writing logs and JSON under OUT (default ./out).
+# `framekv bench` and the framekv.bench modules, writing logs and JSON under OUT
+# (default ./out).
 #   OUT=/tmp/results bash scripts/gpu-suite.sh [pytest args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,12 +15,19 @@ status=0
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 "$PY" -m framekv.tools.cli bench --json "$OUT/bench.json" --png "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-"$PY" benchmarks/resident_waits.py 2>&1 | tee "$OUT/resident_waits.txt"
+"$PY" -m framekv.bench.resident_waits 2>&1 | tee "$OUT/resident_waits.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-for bench in benchmarks/bench_*.py; do
-  [ -f "$bench" ] || continue
-  name=$(basename "$bench" .py)
-  "$PY" "$bench" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+for name in commit graphs launch merge ops resident small_chunks wait; do
+  "$PY" -m "framekv.bench.$name" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
+# Ulysses needs several GPUs and one process per GPU.
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [ "${gpus:-0}" -ge 2 ]; then
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m framekv.bench.ulysses \
+    --json "$OUT/ulysses.json" 2>&1 | tee "$OUT/ulysses.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+else
+  echo "framekv.bench.ulysses skipped: it needs 2 GPUs, this machine has ${gpus:-0}"
+fi
 exit $status

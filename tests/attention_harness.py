@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from framekv.engine import CachedAttention, CausalKVCache
-from framekv.engine.reference import ExactWindowReference, visible_positions
+from framekv.engine.cache.reference import ExactWindowReference, visible_positions
 
 
 def make(geometry, tpp, *, layers, H, Hkv, D, dtype, device, backend):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from framekv.engine.reference import visible_positions
+from framekv.engine.cache.reference import visible_positions
 
 BASE = 128  # digit base: every stamp element is an integer < 128, exact in bf16
 

@@ -11,20 +11,20 @@ MiB = 1 << 20
 
 @pytest.fixture
 def dev():
-    from framekv.engine import _driver
+    from framekv.ops import driver
 
     torch.cuda.init()
     d = torch.device("cuda", torch.cuda.current_device())
-    _driver.make_current(d.index)
+    driver.make_current(d.index)
     torch.cuda.synchronize()
     return d
 
 
 def _free(dev) -> int:
-    from framekv.engine import _driver
+    from framekv.ops import driver
 
     torch.cuda.synchronize(dev)
-    return _driver.mem_get_info(dev.index)[0]
+    return driver.mem_get_info(dev.index)[0]
 
 
 def test_growth_keeps_every_earlier_address(dev):

@@ -6,7 +6,7 @@ import torch
 
 from attention_harness import make, onehot_visible_sets, rollout_vs_reference
 from framekv.engine import CachedAttention
-from framekv.engine.attention_backends import TorchSDPABackend, attend_fp32
+from framekv.engine.attention.backend import TorchSDPABackend, attend_fp32
 from framekv.specs import Geometry as G
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attention_harness import make, onehot_visible_sets, rollout_vs_reference
-from framekv.engine.reference import ExactWindowReference
+from framekv.engine.cache.reference import ExactWindowReference
 from framekv.specs import Geometry as G
 
 pytestmark = pytest.mark.gpu

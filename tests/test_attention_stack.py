@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from framekv import specs
-from framekv.engine.attention_backends import attend_fp32
-from framekv.engine.attention_stack import AttentionStack
-from framekv.engine.reference import visible_positions
+from framekv.engine.attention.backend import attend_fp32
+from framekv.bench.stack import AttentionStack
+from framekv.engine.cache.reference import visible_positions
 from framekv.graphs import GraphCache
 
 KV = specs.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float32", tokens_per_page=4)

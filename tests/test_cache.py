@@ -7,7 +7,7 @@ import torch
 
 from cache_harness import check_block, row_keys, run_rollout, stamp
 from framekv.engine import CausalKVCache
-from framekv.engine.layout_plan import LayoutPlan
+from framekv.engine.cache.plan import LayoutPlan
 from framekv.specs import Geometry
 
 G = Geometry

@@ -18,10 +18,10 @@ def _cache(g, tpp, *, layers=2, heads=2, dim=16, dtype=torch.bfloat16, pool_toke
 
 
 def _free() -> int:
-    from framekv.engine import _driver
+    from framekv.ops import driver
 
     torch.cuda.synchronize()
-    return _driver.mem_get_info(torch.cuda.current_device())[0]
+    return driver.mem_get_info(torch.cuda.current_device())[0]
 
 
 @pytest.mark.parametrize("g,tpp", [

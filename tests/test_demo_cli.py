@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-import framekv.engine.attention as attention_module
-from framekv.engine.attention_backends import ReferenceBackend, get_backend
+import framekv.engine.rollout as rollout_module
+from framekv.engine.attention import get_backend
+from framekv.engine.attention.backend import ReferenceBackend, ReferencePlan
 from framekv.tools.cli import main
 
 
@@ -35,6 +36,15 @@ def test_demo_runs_times_and_checks(capsys, tmp_path):
     assert report["graphs"]["hits"] == 6 and [c["ok"] for c in report["checks"]] == [True, True]
 
 
+def test_demo_with_a_cache_dir_on_cpu_builds_nothing(capsys, tmp_path):
+    path = tmp_path / "demo.json"
+    assert main(["demo", "--chunks", "2", "--no-progress", "--cache-dir", str(tmp_path / "c"),
+                 "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["ok"] and report["builds"]["numba_compiled"] == 0
+    assert not (tmp_path / "c").exists()  # on CPU nothing is compiled, nothing is kept
+
+
 def test_demo_short_run_without_progress(capsys):
     assert main(["demo", "--chunks", "1", "--no-progress", "--check-chunks", "1"]) == 0
     captured = capsys.readouterr()
@@ -50,16 +60,22 @@ def test_verify_passes_and_prints_the_table(capsys):
         assert text in out, text
 
 
-class _Perturbed(ReferenceBackend):
-    def cached(self, q, cache, layer, block_size, scale, out):
-        super().cached(q, cache, layer, block_size, scale, out)
+class _PerturbedPlan(ReferencePlan):
+    def run(self, q, layer, out):
+        super().run(q, layer, out)
         out.add_(1e-3)
 
 
+class _Perturbed(ReferenceBackend):
+    def plan(self, cache, *, tokens, block_size, num_heads, scale):
+        return _PerturbedPlan(cache, tokens=tokens, block_size=block_size, num_heads=num_heads,
+                              scale=scale)
+
+
 def test_verify_fails_beyond_tolerance(capsys, monkeypatch):
-    def perturbed(backend):
+    def perturbed(backend, plan_dir=None):
         return _Perturbed() if backend == "reference" else get_backend(backend)
-    monkeypatch.setattr(attention_module, "get_backend", perturbed)
+    monkeypatch.setattr(rollout_module, "get_backend", perturbed)
     assert main(["verify", "--chunks", "2", "--device", "cpu"]) == 1
     assert "result: FAILED" in capsys.readouterr().out
 

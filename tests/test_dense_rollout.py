@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from framekv.engine import CausalVideoDiT, DenseRollingKV, DenseRollout, Rollout
-from framekv.engine.dense_rollout import SDPA_BACKENDS, sdpa_backend_name
-from framekv.engine.reference import ExactWindowReference, visible_positions
+from framekv.bench.dense import SDPA_BACKENDS, DenseRollingKV, DenseRollout, sdpa_backend_name
+from framekv.engine import CausalVideoDiT, KVStore, Rollout
+from framekv.engine.cache.reference import ExactWindowReference, visible_positions
 from framekv.engine.verify import ReferenceRollout
 from framekv.specs import Geometry, load_preset
 
@@ -284,7 +284,7 @@ def test_buffer_errors():
     with pytest.raises(ValueError, match="C = 0 only"):
         kv.commit_prompt()
     with pytest.raises(ValueError, match="empty buffer"):
-        kv.prefill_attend()
+        kv.prompt_forward(kv.pin_tokens)
     with pytest.raises(ValueError, match="layer"):
         kv.stage(1, k, k)
     with pytest.raises(ValueError, match=r"k and v must both be \[T, 2, 4\]"):
@@ -297,7 +297,7 @@ def test_buffer_errors():
     with pytest.raises(ValueError, match="n must be in"):
         kv.commit(2)
     with pytest.raises(ValueError, match="full window"):
-        kv.commit_mirror(1)
+        kv.after_replay(1)
     with pytest.raises(ValueError, match="geometry must be a Geometry"):
         DenseRollingKV(None, num_layers=1, num_kv_heads=1, head_dim=1)
     with pytest.raises(ValueError, match="dtype"):
@@ -316,29 +316,56 @@ def test_rollout_lifecycle_errors():
         r.capture()
     with pytest.raises(ValueError, match="another spec or prompt length"):
         DenseRollout(_specs(prompt_tokens=7), model=r.model)
-    # A chunk graph refuses to run below a full window (the slices would be wrong).
-    req = r.capture_request(r.geometry, 32)
-    with pytest.raises(ValueError, match="full window"):
-        req.fn(**req.inputs)
+    # Graphs are captured at a full window and replayed only at one.
+    assert not r.kv.replayable and r.step().shape[0] == 2 and r.path == "eager"
     r.close()
-    with pytest.raises(ValueError, match="released"):
+    with pytest.raises(ValueError, match="closed"):
         r.kv.stage(0, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16))
 
 
-def test_model_attend_hook():
+class _DenseStore(KVStore):
+    """A store that keeps nothing: every forward attends densely over its own tokens;
+    it records what the model asks of the seam."""
+
+    def __init__(self, geometry):
+        self.geometry, self.seen = geometry, []
+
+    def forward(self, seq_len, block_size):
+        def attend(attn, qkv):
+            self.seen.append(("forward", attn.layer_idx, qkv.shape[1], seq_len, block_size))
+            return attn(qkv)
+        return attend
+
+    def prompt_forward(self, prompt_tokens):
+        def attend(attn, qkv):
+            self.seen.append(("prompt", attn.layer_idx, qkv.shape[1]))
+            return attn(qkv)
+        return attend
+
+    def commit_prompt(self):
+        self.seen.append(("commit_prompt",))
+
+    def commit(self, n):
+        self.seen.append(("commit", n))
+
+    def reset(self):
+        self.seen.clear()
+
+
+def test_model_forward_goes_through_the_store():
     m = CausalVideoDiT(TINY.model, prompt_tokens=TINY.rollout.prompt_tokens)
     x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     t, f0 = torch.ones(1), torch.zeros(1, dtype=torch.int64)
-    # An attend that runs the module densely gives the plain forward.
+    store, L = _DenseStore(TINY.rollout.geometry()), TINY.model.num_layers
+    # A store that attends densely gives the plain forward; every layer asks it once.
     plain = m(x, t, f0)
-    assert torch.equal(m(x, t, f0, attend=lambda attn, qkv: attn(qkv)), plain)
-    ref = ExactWindowReference(TINY.rollout.geometry(), TINY.model.num_layers)
-    with pytest.raises(ValueError, match="only one"):
-        m(x, t, f0, reference=ref, attend=lambda attn, qkv: attn(qkv))
-    with pytest.raises(ValueError, match="exactly one"):
-        m.prefill(reference=ref, attend=lambda attn, qkv: attn(qkv))
-    # The prompt through an attend: every layer sees the P prompt tokens once.
-    seen = []
-    m.prefill(attend=lambda attn, qkv: (seen.append((attn.layer_idx, qkv.shape[1])), attn(qkv))[1])
-    assert seen == [(i, TINY.rollout.prompt_tokens) for i in range(TINY.model.num_layers)]
+    assert torch.equal(m(x, t, f0, kv=store, seq_len=32, causal_block_size=16), plain)
+    assert store.seen == [("forward", i, 32, 32, 16) for i in range(L)]
+    store.reset()
+    # The prompt: every layer sees the P prompt tokens once, then one commit.
+    m.prefill(store)
+    P = TINY.rollout.prompt_tokens
+    assert store.seen == [("prompt", i, P) for i in range(L)] + [("commit_prompt",)]
+    with pytest.raises(ValueError, match="kv must be a framekv.engine.kv.KVStore"):
+        m.prefill(ExactWindowReference(TINY.rollout.geometry(), L))
     assert np.isfinite(plain.numpy()).all()

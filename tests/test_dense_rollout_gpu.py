@@ -6,8 +6,9 @@ import msgspec
 import pytest
 import torch
 
-from framekv.engine import DenseRollout, Rollout
-from framekv.engine.reference import ExactWindowReference
+from framekv.bench.dense import DenseRollout
+from framekv.engine import Rollout
+from framekv.engine.cache.reference import ExactWindowReference
 from framekv.engine.verify import DEFAULT_TOLERANCE
 from framekv.specs import load_preset
 

@@ -399,28 +399,49 @@ class FakeGraph:
         self.replays += 1
 
 
-def _entry_over_fake_graph():
+def _entry_over_fake_graph(probe: bool = False):
+    """An entry over a `FakeGraph`; ``probe``: with the launcher a
+    ``GraphCache(direct_launch=True)`` gives its entries."""
     from framekv.graphs import CapturedGraph
+    from framekv.graphs.resident import RngProbe
 
     k = key()
     entry = CapturedGraph(k, lambda **kw: None, {"x": torch.zeros(8, 16), "t": torch.zeros(4)},
                           after_replay=None, debug=False)
     graph = FakeGraph()
     entry.set_captured(graph, torch.zeros(2), torch.device("cuda", 0))
+    if probe:
+        entry.launcher = RngProbe()
     return entry, graph
 
 
+def test_default_replay_is_torchs_replay_without_probing_the_generator(monkeypatch):
+    from framekv.graphs.resident import direct
+
+    monkeypatch.setattr(direct, "default_generator_offset",
+                        lambda device: pytest.fail("the default replay probed the generator"))
+    hooks = []
+    entry, graph = _entry_over_fake_graph()
+    entry.after_replay = lambda: hooks.append(1)
+    assert entry.launcher is None and GraphCache("cpu").direct_launch is False
+    for _ in range(5):
+        entry.replay()
+    assert graph.replays == 5 and entry.hits == 5 and hooks == [1] * 5
+    assert not entry.direct_launch and entry.draws_random is None  # nothing was probed
+
+
 def test_replay_switches_to_a_direct_launch_once_a_replay_drew_no_random_numbers(monkeypatch):
-    import framekv.graphs.captured as captured
+    from framekv.graphs.resident import direct
 
     launches = []
-    monkeypatch.setattr(captured, "default_generator_offset", lambda device: 40)
-    monkeypatch.setattr(captured.DirectLaunch, "of",
-                        classmethod(lambda cls, graph, device: lambda: launches.append(device)))
-    entry, graph = _entry_over_fake_graph()
-    assert not entry.direct_launch
+    monkeypatch.setattr(direct, "default_generator_offset", lambda device: 40)
+    monkeypatch.setattr(direct.DirectLaunch, "of", classmethod(
+        lambda cls, graph, device: lambda entry: launches.append(device)))
+    entry, graph = _entry_over_fake_graph(probe=True)
+    assert GraphCache("cpu", direct_launch=True).direct_launch
+    assert not entry.direct_launch and entry.draws_random is None
     entry.replay()
-    assert graph.replays == 1 and entry.direct_launch
+    assert graph.replays == 1 and entry.direct_launch and entry.draws_random is False
     for _ in range(3):
         entry.replay()
     assert graph.replays == 1 and launches == [torch.device("cuda", 0)] * 3
@@ -428,7 +449,7 @@ def test_replay_switches_to_a_direct_launch_once_a_replay_drew_no_random_numbers
 
 
 def test_a_graph_that_moves_the_generator_stays_on_torch_replay(monkeypatch):
-    import framekv.graphs.captured as captured
+    from framekv.graphs.resident import direct
 
     offsets, probes = iter(range(0, 1000, 4)), []
 
@@ -436,18 +457,29 @@ def test_a_graph_that_moves_the_generator_stays_on_torch_replay(monkeypatch):
         probes.append(device)
         return next(offsets)  # every read later than the one before: numbers were drawn
 
-    monkeypatch.setattr(captured, "default_generator_offset", offset)
-    monkeypatch.setattr(captured.DirectLaunch, "of", classmethod(
+    monkeypatch.setattr(direct, "default_generator_offset", offset)
+    monkeypatch.setattr(direct.DirectLaunch, "of", classmethod(
         lambda cls, graph, device: pytest.fail("a graph drawing numbers got a direct launch")))
-    entry, graph = _entry_over_fake_graph()
+    entry, graph = _entry_over_fake_graph(probe=True)
     for _ in range(6):
         entry.replay()
-    assert graph.replays == 6 and not entry.direct_launch
-    assert len(probes) == 2 * captured._RNG_PROBES  # probing stops after that many replays
+    assert graph.replays == 6 and not entry.direct_launch and entry.draws_random is True
+    assert len(probes) == 2 * direct.RNG_PROBES  # probing stops after that many replays
+    assert entry.launcher is None  # settled on torch's replay: no probe left in the way
+
+
+def test_an_unreadable_generator_keeps_torch_replay_and_leaves_rng_use_unknown(monkeypatch):
+    from framekv.graphs.resident import direct
+
+    monkeypatch.setattr(direct, "default_generator_offset", lambda device: None)
+    entry, graph = _entry_over_fake_graph(probe=True)
+    for _ in range(3):
+        entry.replay()
+    assert graph.replays == 3 and not entry.direct_launch and entry.draws_random is None
 
 
 def test_direct_launch_needs_torchs_executable():
-    from framekv.graphs.launch import DirectLaunch, default_generator_offset
+    from framekv.graphs.resident import DirectLaunch, default_generator_offset
 
     assert DirectLaunch.of(object(), torch.device("cuda", 0)) is None  # no raw executable
 
@@ -464,7 +496,7 @@ def test_direct_launch_keeps_the_graph_that_owns_its_executable_alive():
     import weakref
 
     pytest.importorskip("cuda.bindings")
-    from framekv.graphs.launch import DirectLaunch
+    from framekv.graphs.resident import DirectLaunch
 
     class Instantiated:
         def raw_cuda_graph_exec(self):
@@ -515,8 +547,11 @@ def test_warmup_captures_a_plan_and_reports():
     text = out.getvalue()
     assert "warm-up [" in text and "3/3" in text and "done" in text
     table = format_report(report)
-    assert table.splitlines()[0].split() == ["tokens", "block", "status", "seconds",
+    assert table.splitlines()[0].split() == ["tokens", "program", "status", "seconds",
                                               "reserved", "MiB", "key"]
+    assert [(r.tokens, r.block_sizes, r.program) for r in report.records] == [
+        (8, (8, 8), "chunk:2x8+commit"), (8, (8, 8), "chunk:2x8+commit"),
+        (4, (4, 4), "chunk:2x4+commit")]
     assert "cached" in table and "2 graphs on cpu" in table
     assert decode_report(encode_report(report)) == report
     assert b"\n" not in encode_report(report, indent=0)
@@ -533,17 +568,22 @@ def test_warmup_without_progress_and_with_capture_requests():
     assert out.getvalue() == "" and report.captured == 3
 
 
+def _fails(x):
+    raise RuntimeError("planted failure")
+
+
 def test_warmup_failure_names_the_item_and_keeps_earlier_graphs():
     cache, out = GraphCache("cpu"), io.StringIO()
 
     def builder(geometry, tokens, block_size):
         x = {"x": torch.zeros(tokens)}
-        fn = (lambda x: x) if block_size == 4 and tokens == 8 else Counter(fail_on={1})
+        fn = (lambda x: x) if block_size == 4 and tokens == 8 else _fails
         return forward_key(1, geometry, tokens, block_size, x), fn, x, None
 
     with pytest.raises(GraphCaptureError) as info:
         cache.warmup(plan().items(), builder, stream=out)
-    assert "warm-up plan item 1: tokens=8 block_size=8" in "\n".join(info.value.__notes__)
+    assert "planted failure" in str(info.value)
+    assert "warm-up request 1: forward T=8 blocks=8" in "\n".join(info.value.__notes__)
     assert len(cache) == 1 and "stopped" in out.getvalue()
 
 

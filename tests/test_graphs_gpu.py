@@ -185,21 +185,48 @@ def test_replay_host_cost():
     debug = GraphCache(DEV, debug=True)
     debug.capture(key, lambda x: x + 1, x)
     costs["debug cache.replay(key, inputs)"] = _per_call_us(lambda: debug.replay(key, {"x": fresh}))
+    direct = GraphCache(DEV, direct_launch=True)
+    direct.capture(key, lambda x: x + 1, x)
+    costs["direct_launch cache.replay(key)"] = _per_call_us(lambda: direct.replay(key))
+    assert direct.get(key).direct_launch
     print("\nhost cost per replay of a one-kernel graph, 1000 replays:")
     for name, us in costs.items():
         print(f"  {name:40s} {us:7.2f} us")
     # The cache's bookkeeping must stay small next to the launch itself.
     assert costs["cache.replay(key)"] < costs["CUDAGraph.replay"] + 10
+    assert costs["direct_launch cache.replay(key)"] < costs["CUDAGraph.replay"] + 10
 
 
 # ---------------------------------------------------------------------------- direct launch
-def test_graph_without_rng_switches_to_direct_launch_and_follows_the_current_stream():
+def test_default_replays_go_through_torch_and_the_warm_up_tells_random_graphs():
     cache = GraphCache(DEV)
+    x = {"x": torch.zeros(4096, device=DEV)}
+    key = GraphKey.build(owner=1, program="noise", inputs=x)
+    entry = cache.capture(key, lambda x: x + torch.rand(4096, device=DEV), x)
+    assert entry.draws_random is True  # its warm-up calls moved the generator
+    with pytest.raises(ValueError, match="draws random numbers.*replay it instead"):
+        cache.resident(key)
+    outs = [cache.replay(key).clone() for _ in range(6)]
+    assert entry.launcher is None and not entry.direct_launch
+    for a, b in zip(outs, outs[1:]):
+        assert not torch.equal(a, b)  # torch's prologue advances the generator each replay
+    plain = GraphKey.build(owner=2, program="affine", inputs=x)
+    handle = cache.capture(plain, lambda x: x * 3 + 1, x)
+    for _ in range(4):
+        cache.replay(plain)
+    assert handle.launcher is None and not handle.direct_launch and handle.draws_random is False
+    quiet = GraphKey.build(owner=3, program="affine", inputs=x)
+    unknown = cache.capture(quiet, lambda x: x * 3 + 1, x, warmup=0)
+    assert unknown.draws_random is None  # no eager call, nothing known
+
+
+def test_graph_without_rng_switches_to_direct_launch_and_follows_the_current_stream():
+    cache = GraphCache(DEV, direct_launch=True)
     x = {"x": torch.randn(1 << 20, device=DEV)}
     key = GraphKey.build(owner=1, program="affine", inputs=x)
     entry = cache.capture(key, lambda x: x * 3 + 1, x)
-    assert not entry.direct_launch  # nothing known about its RNG use before a replay
-    assert entry.draws_random is None
+    assert not entry.direct_launch  # the probe switches at a replay
+    assert entry.draws_random is False  # known from the warm-up calls
     offset = torch.cuda.default_generators[0].get_offset()
     cache.replay(key)
     cache.replay(key)
@@ -219,10 +246,11 @@ def test_graph_without_rng_switches_to_direct_launch_and_follows_the_current_str
 
 
 def test_graph_drawing_random_numbers_keeps_torch_replay_and_fresh_numbers():
-    cache = GraphCache(DEV)
+    cache = GraphCache(DEV, direct_launch=True)
     x = {"x": torch.zeros(4096, device=DEV)}
     key = GraphKey.build(owner=1, program="noise", inputs=x)
     entry = cache.capture(key, lambda x: x + torch.rand(4096, device=DEV), x)
+    assert entry.draws_random is True
     outs = [cache.replay(key).clone() for _ in range(6)]
     assert not entry.direct_launch and entry.draws_random is True
     with pytest.raises(ValueError, match="draws random numbers.*replay it instead"):
@@ -230,6 +258,28 @@ def test_graph_drawing_random_numbers_keeps_torch_replay_and_fresh_numbers():
     for a, b in zip(outs, outs[1:]):
         assert not torch.equal(a, b)  # each replay draws new numbers
     assert all(0 <= o.min() and o.max() < 1 for o in outs)
+
+
+def test_a_direct_launch_entry_runs_resident_and_launches_directly_again_after():
+    cache = GraphCache(DEV, direct_launch=True)
+    x = {"x": torch.zeros(256, device=DEV)}
+    key = GraphKey.build(owner=1, program="count", inputs=x)
+    entry = cache.capture(key, lambda x: x.add_(1), x)
+    cache.replay(key)
+    direct = entry.launcher
+    assert entry.direct_launch and direct is not None
+    before = entry.static_inputs["x"].clone()
+    torch.cuda.synchronize()
+    r = cache.resident(key, idle_timeout_s=5.0)
+    with pytest.raises(RuntimeError, match="runs resident"):
+        cache.replay(key)
+    r.submit()
+    r.wait(timeout_s=10)
+    r.close()
+    assert entry.launcher is direct
+    cache.replay(key)
+    torch.cuda.synchronize()
+    assert torch.equal(entry.static_inputs["x"], before + 2)  # one resident run, one replay
 
 
 # ---------------------------------------------------------------------------- memset rewrite

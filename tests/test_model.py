@@ -7,11 +7,10 @@ import msgspec
 import pytest
 import torch
 
-from framekv.engine import CausalKVCache
+from framekv.engine import CausalKVCache, PagedKV, ReferenceKV
 from framekv.engine.model import (CausalVideoDiT, default_backend, model_dtype, patchify,
                                   unpatchify)
-from framekv.engine.model_blocks import Rope3D, apply_rope, rope_split
-from framekv.engine.reference import ExactWindowReference
+from framekv.engine.model.blocks import Rope3D, apply_rope, rope_split
 from framekv.specs import load_preset
 
 TINY = load_preset("tiny")
@@ -144,11 +143,11 @@ def test_prefill_commits_the_prompt_kv(prompt):
     g = rollout.geometry()
     m = _model(prompt=prompt)
     cache = _cache(g)
-    cache.open(g)
-    m.prefill(kv_cache=cache)
+    m.prefill(PagedKV(cache, g))
     assert cache.committed_tokens == prompt
-    ref = ExactWindowReference(g, TINY.model.num_layers)
-    m.prefill(reference=ref)
+    store = ReferenceKV(g, TINY.model.num_layers)
+    m.prefill(store)
+    ref = store.reference
     assert ref.committed == prompt
     for layer in range(TINY.model.num_layers):
         k, v = ref.kv(layer, list(range(prompt)))
@@ -160,12 +159,13 @@ def test_prefill_commits_the_prompt_kv(prompt):
 def test_prefill_errors():
     g = TINY.rollout.geometry()
     m = _model()
-    with pytest.raises(ValueError, match="exactly one"):
-        m.prefill()
-    cache = _cache(g)
-    cache.open(g)
-    m.prefill(kv_cache=cache)
-    with pytest.raises(ValueError, match="freshly opened"):
-        m.prefill(kv_cache=cache)
+    with pytest.raises(ValueError, match="kv must be a framekv.engine.kv.KVStore"):
+        m.prefill(_cache(g))
+    kv = PagedKV(_cache(g), g)
+    m.prefill(kv)
+    with pytest.raises(ValueError, match="at position 0, C = 6"):
+        m.prefill(kv)
+    with pytest.raises(ValueError, match="the prompt must hold pin_tokens=6 tokens, got 7"):
+        _model(prompt=7).prefill(PagedKV(_cache(g), g))
     with pytest.raises(ValueError, match="prompt_tokens"):
         _model(prompt=-1)

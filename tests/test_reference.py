@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from framekv.engine.reference import ExactWindowReference, visible_positions
+from framekv.engine.cache.reference import ExactWindowReference, visible_positions
 from framekv.specs import Geometry
 
 

@@ -1,7 +1,7 @@
 """ResidentGraph's host protocol on CPU, with a thread playing the device's gate.
 
 `ThreadGate` runs, on a worker thread, what the parent graph of
-`framekv.graphs.resident_cuda` runs on the device (the gate's waits and its
+`framekv.graphs.resident.device` runs on the device (the gate's waits and its
 re-check before leaving, the run, the done counter), over a control block in host
 memory. Hooks let a test act at the gate's decision points to replay the races.
 """
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from framekv.graphs import GraphCache, ResidentGraph, forward_key
-from framekv.graphs.resident import (DONE, EXITED, EXITING, RING, RUNNING, SERVED, STATE,
-                                     STOP, WORDS)
+from framekv.graphs.resident.protocol import (DONE, EXITED, EXITING, RING, RUNNING, SERVED,
+                                              STATE, STOP, WORDS)
 from framekv.specs import Geometry
 from test_graphs import raises
 
@@ -322,14 +322,45 @@ def test_cache_keeps_one_open_resident_per_key_and_drop_closes_it():
     assert r2.closed
 
 
-def test_replay_refuses_while_a_graph_runs_resident():
+def test_replay_refuses_while_a_graph_runs_resident_and_replays_again_once_closed():
+    from test_graphs import FakeGraph
+
     _, _, e = entry()
-    e.set_captured(object(), e.static_outputs)  # stands in for a captured graph
+    graph = FakeGraph()
+    e.set_captured(graph, e.static_outputs)  # stands in for a captured graph
     r = ResidentGraph(e, idle_timeout_s=0.5, loop=ThreadGate(0.5))
-    e.resident = r
     with raises(RuntimeError, "runs resident", "close it before replaying"):
         e.replay()
     r.close()
+    e.replay()
+    assert graph.replays == 1 and e.launcher is None  # torch's replay, as before
+
+
+def test_closing_a_runner_gives_back_the_launcher_it_found():
+    from test_graphs import FakeGraph
+
+    _, _, e = entry()
+    graph, launched = FakeGraph(), []
+    e.set_captured(graph, e.static_outputs)
+    e.launcher = direct = launched.append  # an opt-in launcher (a direct launch)
+    r = ResidentGraph(e, idle_timeout_s=0.5, loop=ThreadGate(0.5))
+    assert e.launcher is not direct
+    r.close()
+    e.replay()
+    assert e.launcher is direct and launched == [e] and graph.replays == 0
+
+
+def test_a_runner_dropped_without_close_gives_replays_back():
+    from test_graphs import FakeGraph
+
+    _, _, e = entry()
+    graph = FakeGraph()
+    e.set_captured(graph, e.static_outputs)
+    r = ResidentGraph(e, idle_timeout_s=0.5, loop=ThreadGate(0.5))
+    del r
+    gc.collect()
+    e.replay()
+    assert graph.replays == 1
 
 
 def test_state_names_follow_the_control_block():

@@ -1,6 +1,6 @@
 """The resident gate's own source, built for the host with g++, under ResidentGraph.
 
-`framekv.graphs.resident_cuda` writes the gate and done kernels against a few FK_*
+`framekv.graphs.resident.device` writes the gate and done kernels against a few FK_*
 primitives; here they become host code (a steady clock, a yield, fences, and handle
 values in an array) and a worker thread plays the parent graph around them:
 ``WHILE loop { gate; IF run { run; done } }``. So the protocol the device will run is
@@ -18,8 +18,8 @@ import time
 import pytest
 
 from framekv.graphs import ResidentGraph
-from framekv.graphs.resident import SERVED
-from framekv.graphs.resident_cuda import kernel_source
+from framekv.graphs.resident.device import kernel_source
+from framekv.graphs.resident.protocol import SERVED
 from test_resident import QueuedLoop, entry
 
 HOST_PRELUDE = r"""

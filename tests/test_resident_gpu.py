@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from framekv.engine.attention_cudnn import CudnnBackend
+from framekv.engine.attention.cudnn import CudnnBackend
 from framekv.graphs import GraphCache, GraphKey
 from test_graphs_gpu import recurrent_state, recurrent_step
 from test_stack_gpu import FRAME, GEOM, KV, T, capture_chunk, chunk_input, make_pair

@@ -7,9 +7,10 @@ import msgspec
 import pytest
 import torch
 
-from framekv.engine.attention_backends import ReferenceBackend
-from framekv.engine.rollout import Rollout, resolve_device, verify_rollout, with_chunks
-from framekv.engine.verify import ReferenceRollout
+from framekv.engine import KVStore, PagedKV, ReferenceKV
+from framekv.engine.attention.backend import ReferenceBackend, ReferencePlan
+from framekv.engine.rollout import Rollout, resolve_device, with_chunks
+from framekv.engine.verify import ReferenceRollout, verify_rollout
 from framekv.specs import load_preset
 
 TINY = load_preset("tiny")
@@ -90,16 +91,70 @@ def test_frame_index_input_grows_with_the_rollout():
     assert seen == [0, 2, 4, 5]  # the short chunk is the third
 
 
-def test_warmup_builder_captures_the_plan():
+def test_capture_warms_exactly_what_is_replayed():
     r = Rollout(_specs(chunks=3, last_chunk_frames=1))
-    plan = TINY.warmup_plan().__class__.from_rollout(TINY.kv_spec(), r.spec)
-    report = r.graphs.warmup(plan.items(), r.capture_request, progress=False)
+    requests = r.capture_requests()
+    assert [q.key.tokens for q in requests] == [32, 16]
+    assert [q.key.program for q in requests] == ["chunk:2x32+clean16+commit",
+                                                 "chunk:2x16+clean16+commit"]
+    report = r.capture(progress=False)
     assert report.graphs == 2 and report.captured == 2
-    r.reset()  # the warm-up calls moved the cache
+    assert [rec.program for rec in report.records] == [q.key.program for q in requests]
+    again = r.capture(progress=False)  # nothing new: every graph is there
+    assert again.captured == 0 and [x.status for x in again.records] == ["cached"] * 2
+    assert r.cache.committed_tokens == 0  # the store was reset after the captures
     out = r.run()
-    assert len(r.graphs) == 2
+    assert len(r.graphs) == 2 and r.paths == {"graphs": 3, "eager": 0}
+    assert set(r.graphs.keys()) == {q.key for q in requests}
     eager = Rollout((r.model_spec, r.spec), use_graphs=False, model=r.model)
-    assert _max_err(out, eager.run()) == 0.0
+    assert _max_err(out, eager.run()) == 0.0 and eager.paths == {"graphs": 0, "eager": 3}
+
+
+class _CountingKV(PagedKV):
+    """The paged store, counting what the rollout asks of the seam."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls = {"forward": 0, "commit": 0, "after_replay": 0, "prompt": 0}
+
+    def forward(self, seq_len, block_size):
+        self.calls["forward"] += 1
+        return super().forward(seq_len, block_size)
+
+    def commit(self, n):
+        self.calls["commit"] += 1
+        super().commit(n)
+
+    def after_replay(self, tokens):
+        self.calls["after_replay"] += 1
+        super().after_replay(tokens)
+
+    def commit_prompt(self):
+        self.calls["prompt"] += 1
+        super().commit_prompt()
+
+
+def test_a_store_given_to_the_rollout_is_the_one_seam():
+    from framekv.engine import CausalKVCache
+
+    g, m = TINY.geometry(), TINY.model
+    cache = CausalKVCache(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+                          head_dim=m.head_dim, dtype=torch.float32, tokens_per_page=8,
+                          device="cpu", pool_tokens=CausalKVCache.pool_tokens_for(g, 8))
+    kv = _CountingKV(cache, g)
+    r = Rollout("tiny", kv=kv, use_graphs=False)
+    want = Rollout("tiny", use_graphs=False, model=r.model).run(3)
+    assert _max_err(r.run(3), want) == 0.0 and r.cache is cache
+    steps = TINY.rollout.denoising_steps
+    assert kv.calls == {"forward": 3 * (steps + 1), "commit": 3, "after_replay": 0, "prompt": 1}
+    with pytest.raises(ValueError, match="kv keeps geometry"):
+        Rollout(_specs(window_frames=1), kv=kv)
+    with pytest.raises(ValueError, match="kv must be 'paged', 'reference' or a KVStore"):
+        Rollout("tiny", kv="dense")
+    with pytest.raises(ValueError, match="cannot be captured in graphs"):
+        Rollout("tiny", kv="reference")
+    assert isinstance(ReferenceRollout("tiny").kv, ReferenceKV)
+    assert isinstance(r.kv, KVStore) and ReferenceRollout("tiny").cache is None
 
 
 def test_resident_rollout_equals_the_replayed_one_and_keeps_a_runner_per_chunk_length():
@@ -135,7 +190,7 @@ def test_lifecycle_errors():
     with pytest.raises(ValueError, match="before prefill"):
         r.capture()
     with pytest.raises(ValueError, match="chunk lengths"):
-        r.capture_request(r.geometry, 16)
+        r.capture_request(16)
     with pytest.raises(ValueError, match="unknown preset"):
         Rollout("no-such-preset")
     with pytest.raises(ValueError, match="device"):
@@ -191,12 +246,18 @@ def test_verify_rollout_api():
     report.assert_ok()
 
 
+class _PerturbedPlan(ReferencePlan):
+    def run(self, q, layer, out):
+        super().run(q, layer, out)
+        out.add_(1e-2)
+
+
 class _Perturbed(ReferenceBackend):
     """The reference backend with a planted error in every cached attention."""
 
-    def cached(self, q, cache, layer, block_size, scale, out):
-        super().cached(q, cache, layer, block_size, scale, out)
-        out.add_(1e-2)
+    def plan(self, cache, *, tokens, block_size, num_heads, scale):
+        return _PerturbedPlan(cache, tokens=tokens, block_size=block_size, num_heads=num_heads,
+                              scale=scale)
 
 
 def test_verify_rollout_catches_a_planted_error():

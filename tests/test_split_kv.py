@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from framekv.engine import CachedAttention, CausalKVCache
-from framekv.engine.split_kv import SplitBuffers, choose_split, sub_row_index, wave_fill
+from framekv.engine.attention.split_kv import SplitBuffers, choose_split, sub_row_index, wave_fill
 from framekv.ops.merge_split_kv import merge_split_kv_reference
 from framekv.specs import Geometry
 
@@ -103,7 +103,8 @@ def test_sub_rows_merged_equal_attention_over_the_visible_set(g, tpp, b, commits
                                  row_pages=bt.rows.shape[1], tokens_per_page=tpp, num_heads=4,
                                  head_dim=16, dtype=torch.float32)
     q = qkv[0, :, :4]
-    qv = bufs.prepare(bt.rows[:T // b], bt.seq_len_kv[:T // b], q)
+    bufs.rebuild(bt.rows[:T // b], bt.seq_len_kv[:T // b])
+    qv = bufs.query(q)
     assert qv.shape == (S * (T // b), 4, b, 16)
     assert int(bufs.kv_lens.sum()) == int(bt.seq_len_kv[:T // b].sum())  # no key lost or doubled
     partial, lse = attend_sub_rows(cache, bufs, q)
@@ -112,30 +113,39 @@ def test_sub_rows_merged_equal_attention_over_the_visible_set(g, tpp, b, commits
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-def test_prepare_without_rebuild_keeps_the_old_sub_rows():
+def test_sub_rows_follow_the_rows_only_when_rebuilt():
+    """What a plan's ``prepare`` is for: after a commit the rows move; rebuilt sub-rows
+    follow them, sub-rows left alone still describe the old rows (the stale layout a
+    forward without its prepare would read)."""
     g = Geometry(5, 40, 12, (4, 12))
-    cache, _ = cache_with_history(g, 4, 5)
+    cache, gen = cache_with_history(g, 4, 5)
     bt = cache.block_tensors(12)
     bufs = SplitBuffers.allocate(HostArena(), splits=2, num_blocks=1, block_size=12,
                                  row_pages=bt.rows.shape[1], tokens_per_page=4, num_heads=4,
                                  head_dim=16, dtype=torch.float32)
-    q = torch.randn(12, 4, 16)
-    bufs.prepare(bt.rows[:1], bt.seq_len_kv[:1], q)
+    bufs.rebuild(bt.rows[:1], bt.seq_len_kv[:1])
     before = bufs.table.clone(), bufs.kv_lens.clone()
-    bufs.prepare(torch.zeros_like(bt.rows[:1]), torch.zeros_like(bt.seq_len_kv[:1]), q,
-                 rebuild=False)
-    assert torch.equal(bufs.table, before[0]) and torch.equal(bufs.kv_lens, before[1])
+    kv = torch.randn(2, 12, 2, 16, generator=gen)
+    cache.write_staged(0, kv[0], kv[1], 12)
+    cache.commit(12)                                    # the window slides: rows change
+    assert torch.equal(bufs.table, before[0])           # stale until rebuilt
+    bufs.rebuild(bt.rows[:1], bt.seq_len_kv[:1])
+    assert not torch.equal(bufs.table, before[0])
+    want = torch.tensor(sub_row_index(2, 1, bt.rows.shape[1]))
+    assert torch.equal(bufs.table.view(-1), bt.rows.reshape(-1)[want].to(bufs.table.dtype))
+    assert int(bufs.kv_lens.sum()) == int(bt.seq_len_kv[0])
 
 
-def test_layout_epoch_moves_at_open_and_commit():
+def test_a_forward_plans_once_and_every_layer_checks_its_plan():
     g = Geometry(5, 40, 12, (4, 12))
-    cache, _ = cache_with_history(g, 4, 0)
-    e0 = cache.layout_epoch
-    cache.write_staged(0, torch.randn(12, 2, 16), torch.randn(12, 2, 16), 12)
-    assert cache.layout_epoch == e0  # staging does not change the rows
-    cache.commit(12)
-    assert cache.layout_epoch > e0
-    e1 = cache.layout_epoch
-    cache.close()
-    cache.open(g)
-    assert cache.layout_epoch > e1
+    cache, gen = cache_with_history(g, 4, 2)
+    attn = CachedAttention(4, 2, 16, backend="reference")
+    plan = attn.plan_for(cache, 12, 4)
+    assert (plan.tokens, plan.block_size, plan.num_heads, plan.splits) == (12, 4, 4, 1)
+    assert plan.matches(cache, 12, 4, 4, attn.scale)
+    qkv = torch.randn(1, 12, 8, 16, generator=gen)
+    want = attn(qkv, kv_cache=cache, seq_len=12, causal_block_size=4)
+    assert torch.equal(attn(qkv, kv_cache=cache, seq_len=12, causal_block_size=4, plan=plan), want)
+    for bad in (attn.plan_for(cache, 12, 12), "plan"):
+        with pytest.raises(ValueError, match="plan must be the AttentionPlan of this forward"):
+            attn(qkv, kv_cache=cache, seq_len=12, causal_block_size=4, plan=bad)

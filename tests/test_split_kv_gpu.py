@@ -7,8 +7,8 @@ import torch
 
 from attention_harness import onehot_visible_sets, rollout_vs_reference
 from framekv import specs
-from framekv.engine.attention_cudnn import CudnnBackend
-from framekv.engine.attention_stack import AttentionStack
+from framekv.engine.attention.cudnn import CudnnBackend
+from framekv.bench.stack import AttentionStack
 from framekv.graphs import GraphCache
 from framekv.specs import Geometry as G
 
@@ -82,3 +82,45 @@ def test_split_forwards_replay_bit_for_bit_across_104_commits():
     assert torch.equal(eager.cache.k_pool, graphed.cache.k_pool)
     for s in stacks:
         s.cache.shutdown()
+
+
+def test_a_plan_serves_every_layer_and_prepare_follows_commits():
+    """One backend, one plan per forward for every layer (one cuDNN graph built); the
+    plan's ``prepare`` is what keeps split sub-rows right after a commit: skipped, the
+    forward reads the previous rows (the negative control)."""
+    from framekv.engine import CachedAttention, CausalKVCache
+
+    g, tpp, T = G(64, 1536, 256, (64, 256)), 32, 256
+    backend = CudnnBackend(split=2)
+    cache = CausalKVCache(num_layers=3, num_kv_heads=2, head_dim=128, dtype=BF16,
+                          tokens_per_page=tpp, device="cuda",
+                          pool_tokens=CausalKVCache.pool_tokens_for(g, tpp))
+    cache.open(g)
+    fast = [CachedAttention(8, 2, 128, backend=backend, layer_idx=i) for i in range(3)]
+    ref = [CachedAttention(8, 2, 128, backend="reference", layer_idx=i) for i in range(3)]
+    plan = fast[0].plan_for(cache, T, T)
+    assert all(m.plan_for(cache, T, T) is plan for m in fast) and plan.splits == 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def qkv():
+        return torch.randn(1, T, 12, 128, device="cuda", generator=gen).to(BF16)
+
+    def err(a, b):
+        return float((a.float() - b.float()).abs().max())
+
+    for _ in range(8):
+        x = qkv()
+        plan.prepare()                                  # once for the three layers
+        got = [m(x, kv_cache=cache, seq_len=T, causal_block_size=T, plan=plan) for m in fast]
+        want = [m(x, kv_cache=cache, seq_len=T, causal_block_size=T) for m in ref]
+        assert max(err(a, b) for a, b in zip(got, want)) < 2e-2
+        cache.commit(T)
+    x = qkv()
+    want = ref[0](x, kv_cache=cache, seq_len=T, causal_block_size=T)
+    stale = fast[0](x, kv_cache=cache, seq_len=T, causal_block_size=T, plan=plan)
+    plan.prepare()
+    fresh = fast[0](x, kv_cache=cache, seq_len=T, causal_block_size=T, plan=plan)
+    print(f"stale sub-rows: error {err(stale, want):.3e}; prepared: {err(fresh, want):.3e}")
+    assert err(stale, want) > 0.05 and err(fresh, want) < 2e-2
+    assert backend.plans_built == 1
+    cache.shutdown()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from framekv import specs
-from framekv.engine.attention_cudnn import CudnnBackend
-from framekv.engine.attention_stack import AttentionStack
+from framekv.engine.attention.cudnn import CudnnBackend
+from framekv.bench.stack import AttentionStack
 from framekv.graphs import GraphCache
 
 pytestmark = pytest.mark.gpu

@@ -24,11 +24,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attention_harness import make
-from framekv.engine import CachedAttention, CausalKVCache, CausalVideoDiT
+from framekv.engine import CachedAttention, CausalKVCache, CausalVideoDiT, PagedKV
+from framekv.engine.attention.ulysses import (PendingAttention, UlyssesAttention, gather_sequence,
+                                              pad_to_multiple, shard_length, shard_sequence)
+from framekv.engine.attention.ulysses_kv import UlyssesKV
 from framekv.engine.rollout import Rollout
-from framekv.engine.ulysses import (PendingAttention, UlyssesAttention, UlyssesParallel,
-                                    gather_sequence, pad_to_multiple, shard_length,
-                                    shard_sequence)
 from framekv.specs import Geometry as G
 from framekv.specs import load_preset
 from framekv.tools.demo import run_demo
@@ -146,16 +146,20 @@ def test_world_of_one_is_the_plain_module():
 def test_model_forward_with_a_world_of_one_is_unchanged():
     spec = ODD_TINY
     model = CausalVideoDiT(spec[0], prompt_tokens=spec[1].prompt_tokens)
-    par = UlyssesParallel(model, world_size=1)
     caches = [Rollout(spec, "cpu", use_graphs=False, model=model).cache for _ in range(2)]
-    model.prefill(kv_cache=caches[0])
-    par.prefill(model, caches[1])
+    g = spec[1].geometry()
+    plain, par = PagedKV(caches[0], g), UlyssesKV(model, caches[1], g, world_size=1)
+    assert (par.world_size, par.rank, par.num_kv_heads) == (1, 0, spec[0].num_kv_heads)
+    model.prefill(plain)
+    model.prefill(par)
     gen = torch.Generator().manual_seed(3)
     lat = torch.randn(2, 4, 6, 6, generator=gen)
     t, f0 = torch.full((1,), 0.5), torch.zeros(1, dtype=torch.int64)
-    want = model(lat, t, f0, kv_cache=caches[0], seq_len=18, causal_block_size=9)
-    got = model(lat, t, f0, **par.forward_kwargs(caches[1], 18, 9))
+    want = model(lat, t, f0, kv=plain, seq_len=18, causal_block_size=9)
+    got = model(lat, t, f0, kv=par, seq_len=18, causal_block_size=9)
     assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="this rank's num_kv_heads / world_size"):
+        UlyssesKV(model, caches[0], g, world_size=2, rank=0)
 
 
 # ---------------------------------------------------------------------- several ranks

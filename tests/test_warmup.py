@@ -1,5 +1,6 @@
-"""`framekv warmup` and `framekv.engine.warmup` on CPU: the table, the JSON, plan files,
-clear errors, and a cache left at position 0 with graphs that replay."""
+"""`framekv warmup` and `framekv.engine.warm_up` on CPU: the table, the JSON, preset
+files, clear errors, and a rollout left at position 0 whose captured graphs are exactly
+the ones it replays."""
 from __future__ import annotations
 
 import argparse
@@ -13,10 +14,11 @@ import pytest
 import torch
 
 from framekv import specs
-from framekv.engine.warmup import (COMMIT_BLOCK, AttentionStack, plan_geometries, warm_up,
-                                   warmup_items)
+from framekv.engine import Rollout, warm_up
 from framekv.graphs import decode_report
 from framekv.tools import warmup as tool
+
+TINY_TOML = importlib.resources.files("framekv.specs") / "presets" / "tiny.toml"
 
 
 def cli(argv):
@@ -27,28 +29,11 @@ def cli(argv):
     return args.func(args)
 
 
-def small_plan(**kw) -> specs.WarmupPlan:
-    """Two chunk lengths over one geometry (the last chunk is shorter): two entries."""
-    kv = specs.KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16",
-                      tokens_per_page=4)
-    rollout = specs.RolloutSpec(tokens_per_frame=6, frames_per_chunk=2, window_frames=2,
-                                prompt_tokens=5, denoising_steps=1, chunks=3,
-                                last_chunk_frames=1)
-    return specs.WarmupPlan.from_rollout(kv, rollout, **kw)
-
-
-def to_toml(plan: specs.WarmupPlan) -> str:
-    """A plan as TOML, written out by hand (msgspec's TOML encoder needs an extra package)."""
-    kv = "\n".join(f"{k} = {json.dumps(v)}" for k, v in msgspec.to_builtins(plan.kv).items())
-    lines = [f"cache_dir = {json.dumps(plan.cache_dir)}", "", "[kv]", kv]
-    for e in plan.entries:
-        g = e.geometry
-        lines += ["", "[[entries]]", f"token_counts = {list(e.token_counts)}",
-                  f"block_sizes = {list(e.block_sizes)}", "[entries.geometry]",
-                  f"pin_tokens = {g.pin_tokens}", f"window_tokens = {g.window_tokens}",
-                  f"max_staged_tokens = {g.max_staged_tokens}",
-                  f"causal_block_sizes = {list(g.causal_block_sizes)}"]
-    return "\n".join(lines) + "\n"
+def two_lengths() -> specs.Preset:
+    """tiny with a shorter last chunk: two chunk lengths, two graphs."""
+    tiny = specs.load_preset("tiny")
+    return msgspec.structs.replace(tiny, name="two-lengths", rollout=msgspec.structs.replace(
+        tiny.rollout, chunks=3, last_chunk_frames=1))
 
 
 # ---------------------------------------------------------------------------- the command
@@ -56,16 +41,15 @@ def test_tiny_prints_the_table_and_writes_json(tmp_path, capsys):
     out_json = tmp_path / "w.json"
     assert cli(["tiny", "--json", str(out_json), "--no-progress"]) == 0
     out, err = capsys.readouterr()
-    assert tool.CPU_NOTE in out
-    assert "tokens" in out and "reserved MiB" in out and "graphs on cpu" in out
-    assert "forward T=32" in out and "commit:32" in out
+    assert tool.CPU_NOTE in out and "1 chunk graph(s)" in out and "backend reference" in out
+    assert "program" in out and "reserved MiB" in out and "1 graphs on cpu" in out
+    assert "chunk:2x32+clean16+commit" in out
     assert err == ""  # --no-progress
     report = decode_report(out_json.read_bytes())
-    plan = specs.load_preset("tiny").warmup_plan()
-    assert len(report.records) == plan.num_forwards + 1  # one chunk length: one commit
-    assert [r.status for r in report.records] == ["captured"] * len(report.records)
-    assert report.graphs == report.captured == len(report.records)
-    assert report.device == "cpu"
+    assert [(r.tokens, r.program, r.status) for r in report.records] == [
+        (32, "chunk:2x32+clean16+commit", "captured")]
+    assert report.records[0].block_sizes == (32, 32, 16)
+    assert report.graphs == report.captured == 1 and report.device == "cpu"
     assert decode_report(json.dumps(msgspec.to_builtins(report))) == report
 
 
@@ -77,44 +61,55 @@ def test_progress_goes_to_stderr(capsys):
 
 
 @pytest.mark.parametrize("suffix", [".json", ".toml"])
-def test_plan_file(tmp_path, capsys, suffix):
-    plan = small_plan(cache_dir=str(tmp_path / "cache"))
-    path = tmp_path / f"plan{suffix}"
-    path.write_bytes(specs.encode_json(plan) if suffix == ".json" else to_toml(plan).encode())
-    assert specs.load(path, specs.WarmupPlan) == plan
+def test_preset_file(tmp_path, capsys, suffix):
+    path = tmp_path / f"preset{suffix}"
+    if suffix == ".json":
+        path.write_bytes(specs.encode_json(two_lengths()))
+    else:  # the shipped TOML with a short last chunk and a cache dir
+        text = TINY_TOML.read_text().replace("chunks = 6", "chunks = 3\nlast_chunk_frames = 1")
+        path.write_text(text + f'\n[warmup]\ncache_dir = "{tmp_path / "cache"}"\n')
     out_json = tmp_path / "w.json"
     assert cli([str(path), "--json", str(out_json), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "cache dir:" in out and "unused on cpu" in out
+    assert "warm-up of" in out and "2 chunk graph(s)" in out
+    if suffix == ".toml":
+        assert "cache dir:" in out and "unused on cpu" in out
     report = decode_report(out_json.read_bytes())
-    assert len(report.records) == plan.num_forwards + 2  # two chunk lengths
-    assert {r.tokens for r in report.records} == {6, 12}
+    assert [r.tokens for r in report.records] == [32, 16]
     assert not (tmp_path / "cache").exists()  # nothing is compiled on CPU
 
 
-def test_preset_file_path(capsys):
-    path = importlib.resources.files("framekv.specs") / "presets" / "tiny.toml"
-    assert cli([str(path), "--no-progress"]) == 0
+def test_shipped_preset_file_path(capsys):
+    assert cli([str(TINY_TOML), "--no-progress"]) == 0
     assert "warm-up of" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("plan, words", [
-    ("missing.toml", ["plan file not found", "missing.toml"]),
-    ("no/such/plan.json", ["plan file not found"]),
+def test_a_bare_warm_up_plan_is_refused_with_the_reason(tmp_path, capsys):
+    tiny = specs.load_preset("tiny")
+    path = tmp_path / "plan.json"
+    path.write_bytes(specs.encode_json(tiny.warmup_plan()))
+    assert cli([str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "is a warm-up plan, not a preset" in err and "a preset defines the rollout" in err
+
+
+@pytest.mark.parametrize("name, words", [
+    ("missing.toml", ["preset file not found", "missing.toml"]),
+    ("no/such/preset.json", ["preset file not found"]),
     ("nope", ["preset name", "unknown preset 'nope'", "available:", "tiny"]),
-    ("plan.yaml", ["unknown preset 'plan.yaml'", ".toml/.json plan file"]),
+    ("preset.yaml", ["unknown preset 'preset.yaml'", ".toml/.json preset file"]),
 ])
-def test_bad_plan_errors_are_clear(capsys, plan, words):
-    assert cli([plan, "--no-progress"]) == 2
+def test_bad_preset_errors_are_clear(capsys, name, words):
+    assert cli([name, "--no-progress"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("framekv warmup: error: ")
     for w in words:
         assert w in err
 
 
-def test_invalid_plan_file_names_the_field(tmp_path, capsys):
-    data = msgspec.to_builtins(small_plan())
-    data["kv"]["tokens_per_page"] = 48
+def test_invalid_preset_file_names_the_field(tmp_path, capsys):
+    data = msgspec.to_builtins(specs.load_preset("tiny"))
+    data["model"]["tokens_per_page"] = 48
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
     assert cli([str(path)]) == 2
@@ -130,7 +125,7 @@ def test_bad_device(capsys, device, words):
     assert all(w in err for w in words)
 
 
-def test_failed_capture_names_the_plan_item(capsys, monkeypatch):
+def test_failed_capture_names_the_graph(capsys, monkeypatch):
     from framekv.engine import CachedAttention
 
     def broken(self, *args, **kwargs):
@@ -139,7 +134,7 @@ def test_failed_capture_names_the_plan_item(capsys, monkeypatch):
     monkeypatch.setattr(CachedAttention, "forward", broken)
     assert cli(["tiny", "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "kernel exploded" in err and "warm-up plan item 0: tokens=32 block_size=16" in err
+    assert "kernel exploded" in err and "warm-up request 0: chunk:2x32+clean16+commit T=32" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
@@ -152,7 +147,7 @@ def test_module_entry_point_and_light_import():
     out = subprocess.run([sys.executable, "-m", "framekv.tools.warmup", "tiny", "--no-progress"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert tool.CPU_NOTE in out.stdout and "3 graphs on cpu" in out.stdout
+    assert tool.CPU_NOTE in out.stdout and "1 graphs on cpu" in out.stdout
     code = ("import sys, framekv.tools.warmup\n"
             "assert 'torch' not in sys.modules and 'cudnn' not in sys.modules\nprint('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -160,52 +155,32 @@ def test_module_entry_point_and_light_import():
 
 
 # ---------------------------------------------------------------------------- the engine side
-def test_items_put_one_commit_after_each_chunk_length():
-    plan = small_plan()
-    items = warmup_items(plan)
-    g = plan_geometries(plan)[0]
-    assert [(t, b) for _, t, b in items] == [(12, 6), (12, 12), (12, COMMIT_BLOCK), (6, 6),
-                                             (6, COMMIT_BLOCK)]
-    assert all(geometry == g for geometry, _, _ in items)
-    repeated = specs.WarmupPlan(plan.kv, plan.entries + plan.entries[:1])
-    assert sum(b == COMMIT_BLOCK for _, _, b in warmup_items(repeated)) == 2
+def test_warm_up_captures_what_the_rollout_replays_and_leaves_it_at_position_zero():
+    result = warm_up(two_lengths(), device="cpu", progress=False)
+    r = result.rollout
+    assert r.cache.committed_tokens == 0 and r.cache.staged_tokens == 0 and not r.prefilled
+    assert r.cache._open.counters.tolist() == [0, r.cache._open.host.ring_base, 0, 0]
+    assert set(r.graphs.keys()) == {q.key for q in r.capture_requests()}
+    assert result.report.captured == 2 and set(result.builds) >= {"numba_compiled",
+                                                                  "numba_loaded"}
+    out = r.run()
+    assert r.paths == {"graphs": 3, "eager": 0} and r.graphs.stats().captures == 2
+    eager = Rollout(two_lengths(), "cpu", use_graphs=False, model=r.model)
+    assert max(float((a - b).abs().max()) for a, b in zip(out, eager.run())) == 0.0
+    r.close()
 
 
-def test_after_warm_up_every_geometry_opens_at_position_zero():
-    result = warm_up(small_plan(), device="cpu", progress=False)
-    cache = result.cache
-    assert not cache.is_open
-    assert cache.dtype == torch.float32  # CPU computes in fp32 whatever the plan says
-    assert not cache.k_pool.any() and not cache.v_pool.any()  # no warm-up garbage
-    for g in plan_geometries(small_plan()):
-        cache.open(g)
-        assert cache.committed_tokens == 0 and cache.staged_tokens == 0
-        assert cache._open.counters.tolist() == [0, cache._open.host.ring_base, 0, 0]
-        cache.close()
-    cache.shutdown()
+def test_warm_up_takes_the_preset_cache_dir(tmp_path, monkeypatch):
+    seen = []
+    import framekv.engine.rollout as rollout_module
 
-
-def test_warmed_graphs_replay_a_chunk():
-    result = warm_up(specs.load_preset("tiny"), device="cpu", progress=False)
-    graphs, cache, stack = result.graphs, result.cache, result.stack
-    g = stack.geometries[0]
-    assert stack.num_heads == 4  # the preset model's query heads, not its 2 K/V heads
-    cache.open(g)
-    for chunk in range(3):
-        for block in (32, 16):
-            out = graphs.replay(stack.forward_key(g, 32, block))
-            assert out.shape == (1, 32, 4, 16) and torch.isfinite(out).all()
-        graphs.replay(stack.commit_key(g, 32))
-        assert cache.committed_tokens == 32 * (chunk + 1)
-    assert len(graphs) == 3 and all(k.owner == stack.owner for k in graphs.keys())
-    cache.shutdown()
-
-
-def test_plan_without_a_preset_uses_mha():
-    stack = AttentionStack(small_plan().kv, plan_geometries(small_plan()), device="cpu")
-    key = stack.forward_key(stack.geometries[0], 6, 6)
-    assert stack.num_heads == 2 and key.inputs[0].shape == (1, 6, 6, 16)
-    stack.cache.shutdown()
+    monkeypatch.setattr(rollout_module, "use_cache_dir",
+                        lambda d, device: seen.append(d) or None)
+    preset = msgspec.structs.replace(two_lengths(), warmup=specs.WarmupOptions(
+        cache_dir=str(tmp_path / "preset-dir")))
+    warm_up(preset, device="cpu", progress=False).rollout.close()
+    warm_up(preset, device="cpu", progress=False, cache_dir=str(tmp_path / "given")).rollout.close()
+    assert seen == [str(tmp_path / "preset-dir"), str(tmp_path / "given")]
 
 
 def test_numba_disk_cache_reaches_every_kernel(tmp_path):
@@ -214,7 +189,7 @@ def test_numba_disk_cache_reaches_every_kernel(tmp_path):
         "from framekv.ops import _launch\n"
         f"d = {str(tmp_path / 'numba')!r}\n"
         "assert _launch.enable_disk_cache(d)\n"
-        "assert os.environ['NUMBA_CACHE_DIR'] == d and len(_launch._KERNELS) == 6\n"
+        "assert os.environ['NUMBA_CACHE_DIR'] == d and len(_launch._KERNELS) == 7\n"
         "for k in _launch._KERNELS:\n"
         "    c = k._dispatcher._cache\n"
         "    assert type(c).__name__ == 'CUDACache', c\n"

@@ -1,7 +1,8 @@
-"""Warm-up on a GPU: captured graphs replay a chunk, the on-disk caches make a second
-process's warm-up faster, and a cuDNN plan file loads into a fresh backend."""
+"""Warm-up on a GPU: a warmed cache dir makes a later process build nothing (no numba
+compile, no cuDNN plan build), and the warmed rollout replays like eager."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -10,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from framekv import specs
-from framekv.engine.warmup import plan_geometries, warm_up
+from framekv.engine import Rollout, warm_up
 from framekv.graphs import decode_report
 
 pytestmark = pytest.mark.gpu
@@ -41,26 +41,38 @@ def test_second_process_warms_up_faster_from_the_cache_dir(tmp_path):
           f"{len(plan_files)} cuDNN plan files")
     assert any(name.endswith(".nbi") for name in numba_files), numba_files
     assert plan_files and "0 loaded from disk" in cold_out
-    assert f"0 built, {len(plan_files)} loaded from disk" in warm_out
+    assert "numba kernels: 0 compiled" in warm_out, warm_out
+    assert f"cuDNN plans: 0 built, {len(plan_files)} loaded from disk" in warm_out, warm_out
     assert warm < cold
 
 
-def test_captured_chunk_replays_like_eager():
-    result = warm_up(specs.load_preset("tiny"), device="cuda", progress=False)
-    graphs, cache, stack = result.graphs, result.cache, result.stack
-    assert not graphs.eager and result.report.captured == len(result.report.records)
-    g = plan_geometries(specs.load_preset("tiny").warmup_plan())[0]
-    cache.open(g)
-    for chunk in range(4):
-        for block in (32, 16):
-            key = stack.forward_key(g, 32, block)
-            out = graphs.replay(key).clone()
-            qkv = graphs.get_static_inputs(key)["qkv"]
-            # Every layer reads the same input, so the last layer's eager forward over
-            # the same staged positions gives the graph's output again.
-            eager = stack.layers[-1](qkv, kv_cache=cache, seq_len=32, causal_block_size=block)
-            torch.testing.assert_close(out, eager, atol=2e-3, rtol=0)
-        graphs.replay(stack.commit_key(g, 32))
-        torch.cuda.synchronize()
-        assert int(cache._open.counters[0]) == cache.committed_tokens == 32 * (chunk + 1)
-    cache.shutdown()
+def test_demo_after_warmup_builds_nothing(tmp_path):
+    """``framekv warmup tiny --cache-dir D``, then ``framekv demo --cache-dir D`` in a new
+    process: its captures compile no kernel and build no cuDNN plan."""
+    cache_dir = tmp_path / "cache"
+    run_tool(cache_dir, tmp_path / "w.json")
+    report_path = tmp_path / "demo.json"
+    out = subprocess.run([sys.executable, "-m", "framekv.tools.cli", "demo", "--device", "cuda",
+                          "--cache-dir", str(cache_dir), "--json", str(report_path),
+                          "--no-progress"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr + out.stdout
+    print(out.stdout)
+    builds = json.loads(report_path.read_text())["builds"]
+    assert builds["numba_compiled"] == 0 and builds["cudnn_plans_built"] == 0, builds
+    assert builds["numba_loaded"] > 0 and builds["cudnn_plans_loaded"] > 0, builds
+
+
+def test_warmed_rollout_replays_like_eager():
+    result = warm_up("tiny", device="cuda", progress=False)
+    r = result.rollout
+    assert not r.graphs.eager and result.report.captured == len(result.report.records) == 1
+    eager = Rollout("tiny", "cuda", use_graphs=False, model=r.model)
+    for rollout in (r, eager):
+        rollout.prefill()
+    for _ in range(8):
+        assert torch.equal(r.step(), eager.step())
+    assert r.paths == {"graphs": 8, "eager": 0}
+    torch.cuda.synchronize()
+    assert int(r.cache._open.counters[0]) == r.cache.committed_tokens
+    r.close()
+    eager.close()

@@ -27,7 +27,7 @@ def _cmd_demo(args) -> int:
     try:
         report = run_demo(args.preset, chunks=args.chunks, device=args.device,
                           backend=args.backend, check_chunks=args.check_chunks,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, cache_dir=args.cache_dir)
     except (ValueError, FileNotFoundError) as exc:
         return _fail("demo", exc)
     if args.json and report.get("rank", 0) == 0:  # under torchrun, rank 0 writes it
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--check-chunks", type=int, default=2,
                       help="chunks re-run eagerly and with the reference backend (default 2)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    demo.add_argument("--cache-dir", metavar="DIR", default=None,
+                      help="load and keep compiled kernels and cuDNN plans in DIR "
+                           "(framekv warmup --cache-dir fills it)")
     demo.set_defaults(func=_cmd_demo)
     verify = sub.add_parser("verify", help="replay-correctness harness: eager vs graphs vs the fp32 reference")
     _rollout_args(verify)

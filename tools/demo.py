@@ -23,6 +23,7 @@ import time
 import msgspec
 import torch
 
+from framekv.engine.cache_dir import build_counts
 from framekv.engine.model import CausalVideoDiT
 from framekv.engine.rollout import Rollout, resolve_device, resolve_specs, with_chunks
 
@@ -134,10 +135,13 @@ def distributed_from_env(device=None):
 
 
 def run_demo(preset="tiny", *, chunks: int | None = None, device=None, backend=None,
-             check_chunks: int = 2, stream=None, progress: bool = True) -> dict:
+             check_chunks: int = 2, stream=None, progress: bool = True,
+             cache_dir=None) -> dict:
     """Run the demo; returns its report (what ``--json`` writes). Text goes to ``stream``
     (default stdout), the progress bar to stderr; under torchrun only rank 0 writes
-    either, and the report also holds ``world_size`` and ``rank``."""
+    either, and the report also holds ``world_size`` and ``rank``. ``cache_dir``:
+    load (and keep) compiled kernels and cuDNN plans there (`framekv warmup --cache-dir`
+    fills it), so the captures build nothing."""
     name, mspec, rspec = resolve_specs(preset)
     if chunks is not None:
         rspec = with_chunks(rspec, chunks)
@@ -145,7 +149,7 @@ def run_demo(preset="tiny", *, chunks: int | None = None, device=None, backend=N
     try:
         return _run(name, mspec, rspec, device, backend, check_chunks,
                     (stream or sys.stdout) if rank == 0 else io.StringIO(),
-                    progress and rank == 0, group)
+                    progress and rank == 0, group, cache_dir)
     finally:
         del group
         if created:
@@ -158,7 +162,7 @@ def release_process_group() -> None:
     A gloo group's worker threads live until the last reference to the group goes; one
     still alive at interpreter shutdown aborts the process when it releases its last
     collective's tensors. Rollouts hold the group, and a reference cycle can keep one
-    alive past its run: collect first, then destroy. (`framekv.engine.ulysses` guards
+    alive past its run: collect first, then destroy. (`framekv.engine.attention.ulysses` guards
     against torch itself pinning the group.)
     """
     import gc
@@ -170,21 +174,23 @@ def release_process_group() -> None:
 
 
 def _run(name, mspec, rspec, device, backend, check_chunks: int, stream, progress: bool,
-         group) -> dict:
+         group, cache_dir=None) -> dict:
     """The demo on one rank (``group``: its process group, or None for one process)."""
     t0 = time.perf_counter()
     parallel = {} if group is None else {"process_group": group}
-    r = Rollout((mspec, rspec), device, backend=backend, **parallel)
+    r = Rollout((mspec, rspec), device, backend=backend, cache_dir=cache_dir, **parallel)
     bname = r.backend
     _print_header(stream, name, r, bname)
     r.capture()
     _sync(r.device)
     setup_s = time.perf_counter() - t0
+    builds = build_counts(r.model.blocks[0].attn.backend)
     bar = Progress(rspec.chunks, sys.stderr) if progress else None
     prefill_s, lat, kept = _timed_rollout(r, rspec.chunks, check_chunks, bar)
     if bar:
         bar.finish()
     report = _report(name, r, bname, setup_s, prefill_s, lat)
+    report["builds"] = builds
     if r.parallel is not None:
         report["world_size"], report["rank"] = r.parallel.world_size, r.parallel.rank
     _print_run(stream, report, r)
@@ -237,6 +243,14 @@ def _print_run(stream, rep: dict, r: Rollout) -> None:
     print(f"setup {rep['setup_seconds']:.2f} s (model, cache, {g['graphs']} chunk graph(s) "
           f"captured in {g['capture_seconds']:.3f} s{eager}); prefill {rep['prefill_seconds'] * 1e3:.1f} ms",
           file=stream)
+    b = rep.get("builds", {})
+    if not g["eager"] and b:
+        line = (f"builds before the first chunk: numba kernels {b['numba_compiled']} compiled, "
+                f"{b['numba_loaded']} loaded from disk")
+        if "cudnn_plans_built" in b:
+            line += (f"; cuDNN plans {b['cudnn_plans_built']} built, "
+                     f"{b['cudnn_plans_loaded']} loaded from disk")
+        print(line, file=stream)
     print(f"{'chunk':>5}  {'frames':>6}  {'latency ms':>10}", file=stream)
     for i, s in enumerate(rep["chunk_seconds"]):
         print(f"{i:>5}  {r.chunk_frames(i):>6}  {s * 1e3:>10.2f}", file=stream)

@@ -77,7 +77,7 @@ def collect() -> dict:
     """Everything `framekv info` prints, as a JSON-friendly dict."""
     import torch
 
-    from framekv.engine import _driver
+    from framekv.ops import driver
 
     device = _device_info()
     cudnn = _cudnn_probe(device)
@@ -94,7 +94,7 @@ def collect() -> dict:
             "msgspec": _version("msgspec"),
             "cudnn (torch)": cudnn.get("torch_cudnn"),
             "cudnn (frontend)": cudnn.get("frontend_backend_version"),
-            "cuda driver": _driver.version_string() if device["cuda_available"] else "unavailable",
+            "cuda driver": driver.version_string() if device["cuda_available"] else "unavailable",
         },
         "device": device,
         "backends": {

@@ -1,0 +1,144 @@
+"""Attention backends: the interface (plan once, run per layer), the fp32 reference and
+plain torch SDPA.
+
+A backend computes dense attention and, when it declares ``supports_kv_cache``,
+attention over a `CausalKVCache`'s per-block rows: block j of a forward reads the pages
+of ``rows[j]`` in order, cut at ``seq_len_kv[j]`` keys, exactly what a paged kernel
+reads. Cached attention is split as FlashInfer splits it::
+
+    plan = backend.plan(cache, tokens=T, block_size=b, num_heads=H, scale=s)   # once
+    plan.prepare()                      # once per forward (device work, graph-safe)
+    plan.run(q, layer, out)             # every layer of that forward
+
+`plan` is a host-side lookup (cached per cache, geometry, T, b, H and scale) that
+decides everything a forward's launches bake in; `prepare` refreshes what the plan
+derives from the cache's per-block tensors (they change at every commit), so a
+forward captured in a graph holds its own refresh; `run` launches one layer.
+The cuDNN backend lives in ``cudnn.py`` (cudnn-frontend is a GPU extra).
+"""
+from __future__ import annotations
+
+import abc
+
+import torch
+
+_QUERY_CHUNK = 256  # query rows per fp32 score tile: bounds the reference's memory
+
+
+class AttentionPlan(abc.ABC):
+    """One forward shape over one cache: what every layer of that forward launches.
+
+    Attributes:
+        cache: the `CausalKVCache` it reads (its open geometry when planned).
+        tokens, block_size, num_heads, scale: the forward it was planned for.
+        splits: split-KV sub-rows per causal block row (1: none); graph keys hold it.
+    """
+
+    splits: int = 1
+
+    def __init__(self, cache, *, tokens: int, block_size: int, num_heads: int, scale: float):
+        self.cache, self.tokens, self.block_size = cache, tokens, block_size
+        self.num_heads, self.scale = num_heads, scale
+
+    def matches(self, cache, tokens: int, block_size: int, num_heads: int, scale: float) -> bool:
+        """Whether this plan is the one for such a forward."""
+        return (cache is self.cache and tokens == self.tokens and block_size == self.block_size
+                and num_heads == self.num_heads and scale == self.scale)
+
+    def prepare(self) -> None:
+        """Refresh what the plan derives from the cache's per-block tensors; once per
+        forward, before its layers run (no host sync, capturable)."""
+
+    @abc.abstractmethod
+    def run(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
+        """Attend q [T, H, D] (block j = rows [j*b, (j+1)*b)) over the cache's rows of
+        ``layer``; write out [T, H, D]. The K/V of these T tokens are already staged."""
+
+
+class AttentionBackend(abc.ABC):
+    """What `CachedAttention` calls. Shapes: q [1, S, H, D], k/v [1, S, H_kv, D]."""
+
+    name: str = "abstract"
+    supports_kv_cache: bool = False
+
+    @abc.abstractmethod
+    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Full attention over the call's own tokens -> [1, S, H, D]."""
+
+    def check_cache(self, cache) -> None:
+        """Raise ValueError for a cache this backend cannot read (device, page size)."""
+        raise ValueError(f"backend {self.name!r} does not support a kv_cache")
+
+    def plan(self, cache, *, tokens: int, block_size: int, num_heads: int,
+             scale: float) -> AttentionPlan:
+        """The `AttentionPlan` of forwards of ``tokens`` queries in ``block_size``
+        blocks over ``cache``'s open geometry. A backend whose plans own device
+        buffers or built kernels returns the same plan for the same forward."""
+        raise ValueError(f"backend {self.name!r} does not support a kv_cache")
+
+
+def attend_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v in fp32, GQA, chunked over queries.
+
+    q [n, H, D]; k, v [L, H_kv, D]; key_mask bool [L] (False: not a key) -> [n, H, D] fp32.
+    """
+    n, H, D = q.shape
+    group = H // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # [L, H, D]
+    vf = v.float().repeat_interleave(group, dim=1)
+    out = torch.empty(n, H, D, dtype=torch.float32, device=q.device)
+    for i in range(0, n, _QUERY_CHUNK):
+        qf = q[i:i + _QUERY_CHUNK].float()
+        s = torch.einsum("qhd,lhd->hql", qf, kf) * scale  # [H, q, L]
+        if key_mask is not None:
+            s.masked_fill_(~key_mask[None, None, :], float("-inf"))
+        out[i:i + _QUERY_CHUNK] = torch.einsum("hql,lhd->qhd", torch.softmax(s, dim=-1), vf)
+    return out
+
+
+class ReferencePlan(AttentionPlan):
+    """The reference backend's plan: nothing to prepare; each block's row gathered and
+    attended in fp32."""
+
+    def run(self, q, layer, out):
+        cache, b = self.cache, self.block_size
+        bt = cache.block_tensors(b)
+        tpp = cache.tokens_per_page
+        offsets = torch.arange(tpp, device=q.device)
+        for j in range(q.shape[0] // b):
+            slots = (bt.rows[j].to(torch.int64)[:, None] * tpp + offsets).reshape(-1)  # [RP*tpp]
+            mask = torch.arange(slots.numel(), device=q.device) < bt.seq_len_kv[j]
+            k, v = cache.k_pool[layer][slots], cache.v_pool[layer][slots]  # [RP*tpp, H_kv, D]
+            rows = slice(j * b, (j + 1) * b)
+            out[rows] = attend_fp32(q[rows], k, v, self.scale, mask).to(out.dtype)
+
+
+class ReferenceBackend(AttentionBackend):
+    """torch fp32 math, any device: the oracle the fast backends are measured against."""
+
+    name = "reference"
+    supports_kv_cache = True
+
+    def dense(self, q, k, v, scale):
+        return attend_fp32(q[0], k[0], v[0], scale).to(q.dtype)[None]
+
+    def check_cache(self, cache) -> None:
+        return None  # any device, any page size
+
+    def plan(self, cache, *, tokens, block_size, num_heads, scale):
+        return ReferencePlan(cache, tokens=tokens, block_size=block_size, num_heads=num_heads,
+                             scale=scale)
+
+
+class TorchSDPABackend(AttentionBackend):
+    """torch.nn.functional.scaled_dot_product_attention, dense only (no cache)."""
+
+    name = "sdpa"
+    supports_kv_cache = False
+
+    def dense(self, q, k, v, scale):
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [1, H, S, D]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qt, kt, vt, scale=scale, enable_gqa=kt.shape[1] != qt.shape[1])
+        return o.transpose(1, 2)

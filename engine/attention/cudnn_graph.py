@@ -1,0 +1,149 @@
+"""cuDNN paged-SDPA graphs: what one graph bakes in, how it is built, and plan files.
+
+A cuDNN graph is built for one `PagedGraphKey` (built graphs are shared by every layer
+and every plan with that key). The tensors it binds::
+
+    Q      [n, H, b, D]            strided view of the queries (packed QKV: no copy)
+    K, V   [pages, H_kv, tpp, D]   the pool layer, token-major pages viewed by strides
+    table  [n, 1, row_pages, 1]    rows of the block size (int32)
+    O      [n, H, b, D]            strided view of the output
+    stats  [n, H, b, 1] fp32       log-sum-exp per query, only when split (S > 1)
+
+Built plans can be kept on disk (`PlanFiles`): one file per key, named by a hash of the
+key, the cuDNN and frontend versions and the GPU, so a plan is only ever loaded where it
+was built. A file that fails to load is rebuilt and replaced; writes are atomic.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import warnings
+
+import msgspec
+import torch
+
+
+class PagedGraphKey(msgspec.Struct, frozen=True):
+    """Everything baked into one built cuDNN graph; a change in any field needs a new graph."""
+
+    device: int              # plans and workspaces belong to one device
+    dtype: str               # io data type of Q, K, V, O
+    num_blocks: int          # batch of the graph: S * (T // b) rows
+    block_size: int          # s_q of every row
+    num_heads: int           # H (query heads)
+    num_kv_heads: int        # H_kv: GQA ratio baked into the kernel choice
+    head_dim: int            # D
+    q_strides: tuple         # Q's batch, token, head strides (packed QKV, split broadcast: 0)
+    o_strides: tuple         # output batch, token and head strides
+    num_pages: int           # K/V container extent
+    tokens_per_page: int     # page size: the container's third dim
+    row_pages: int           # table width; max_seq_len_kv = row_pages * tokens_per_page
+    scale: float             # softmax scale is a graph constant (a stale scale would replay silently)
+    splits: int = 1          # S: > 1 adds the softmax stats output the merge needs
+
+
+#: Tensor uids: a plan loaded from disk has no tensor objects, so packs bind by uid.
+UID = {"q": 1, "k": 2, "v": 3, "o": 4, "k_table": 5, "v_table": 6, "seq_len_q": 7,
+       "seq_len_kv": 8, "stats": 9}
+
+
+def build_graph(key: PagedGraphKey, handle):
+    """Build (validate, plan, compile) the cuDNN graph of ``key``; ValueError naming
+    the key when cuDNN cannot."""
+    import cudnn
+
+    dt = {"torch.bfloat16": cudnn.data_type.BFLOAT16, "torch.float16": cudnn.data_type.HALF}[key.dtype]
+    nb, b, H, Hkv, D = key.num_blocks, key.block_size, key.num_heads, key.num_kv_heads, key.head_dim
+    tpp, rp = key.tokens_per_page, key.row_pages
+    g = cudnn.pygraph(io_data_type=dt, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    qs, os_ = key.q_strides, key.o_strides  # (batch, token, head)
+    page = [tpp * Hkv * D, D, Hkv * D, 1]  # token-major pages viewed as [pages, H_kv, tpp, D]
+    t = {
+        "q": g.tensor(name="q", dim=[nb, H, b, D], stride=[qs[0], qs[2], qs[1], 1], data_type=dt),
+        "k": g.tensor(name="k", dim=[key.num_pages, Hkv, tpp, D], stride=page, data_type=dt),
+        "v": g.tensor(name="v", dim=[key.num_pages, Hkv, tpp, D], stride=page, data_type=dt),
+    }
+    for name, dims, strides in (("k_table", [nb, 1, rp, 1], [rp, rp, 1, 1]),
+                                ("v_table", [nb, 1, rp, 1], [rp, rp, 1, 1]),
+                                ("seq_len_q", [nb, 1, 1, 1], [1, 1, 1, 1]),
+                                ("seq_len_kv", [nb, 1, 1, 1], [1, 1, 1, 1])):
+        t[name] = g.tensor(name=name, dim=dims, stride=strides, data_type=cudnn.data_type.INT32)
+    o, stats = g.sdpa(name="paged_sdpa", q=t["q"], k=t["k"], v=t["v"],
+                      generate_stats=key.splits > 1,
+                      attn_scale=key.scale, use_padding_mask=True,
+                      seq_len_q=t["seq_len_q"], seq_len_kv=t["seq_len_kv"],
+                      paged_attention_k_table=t["k_table"], paged_attention_v_table=t["v_table"],
+                      paged_attention_max_seq_len_kv=rp * tpp)
+    o.set_output(True).set_dim([nb, H, b, D]).set_stride([os_[0], os_[2], os_[1], 1]).set_data_type(dt)
+    t["o"] = o
+    if key.splits > 1:  # log-sum-exp per (row, head, query), fp32 [nb, H, b, 1]
+        stats.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+        t["stats"] = stats
+    for name, tensor in t.items():
+        tensor.set_uid(UID[name])
+    try:
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+    except Exception as e:
+        raise ValueError(f"cuDNN cannot build paged attention for {key}: {e}") from e
+    return g
+
+
+class PlanFiles:
+    """Built cuDNN plans kept in one folder across processes.
+
+    Args:
+        folder: where plan files live (created on the first save).
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = os.fspath(folder)
+
+    def path(self, key: PagedGraphKey) -> str:
+        """The file of ``key`` on this machine's cuDNN, frontend and GPU."""
+        import cudnn
+
+        ident = (msgspec.json.encode(key) + f"|cudnn {cudnn.backend_version()}|frontend "
+                 f"{getattr(cudnn, '__version__', '?')}|{torch.cuda.get_device_name(key.device)}"
+                 f"|cc {torch.cuda.get_device_capability(key.device)}".encode())
+        return os.path.join(self.folder, hashlib.sha256(ident).hexdigest()[:32] + ".plan")
+
+    def load(self, key: PagedGraphKey, handle):
+        """The graph saved for ``key``, or None (no file, or one that did not load: a
+        warning says so, and the caller rebuilds and saves over it)."""
+        import cudnn
+
+        path = self.path(key)
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            graph = cudnn.pygraph()
+            graph.deserialize(handle, data)
+            return graph
+        except Exception as e:  # a truncated or foreign file: rebuild and replace it
+            warnings.warn(f"cuDNN plan {path} did not load ({e}); rebuilding it", stacklevel=3)
+            return None
+
+    def save(self, key: PagedGraphKey, graph) -> None:
+        """Write ``graph`` as ``key``'s file (readers see all of it or nothing)."""
+        write_atomic(self.path(key), bytes(graph.serialize(as_bytes=True)))
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file: readers see all or nothing."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

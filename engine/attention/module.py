@@ -1,0 +1,156 @@
+"""CachedAttention: one layer's attention, plain or over the causal K/V cache.
+
+Without a cache it is full attention over the S tokens of the call. With a cache it
+stages the first ``seq_len`` rows' K/V (strided views: no copy, also for a packed
+QKV tensor), then attends each causal block over exactly its visible key set V(j)
+in one backend launch; rows >= seq_len are padding: neither staged nor attended,
+and come back zero.
+
+Backends (``backend=`` by name or instance): ``reference`` (torch fp32 math, any
+device; the oracle) and ``cudnn`` (cudnn-frontend paged SDPA, CUDA). A backend
+declares ``supports_kv_cache``; the module refuses a cache on one that does not.
+A forward of several layers plans once (``backend.plan(...)`` then ``prepare()``)
+and passes the plan to every layer (``plan=``); a call without one plans and
+prepares for itself, a one-layer forward.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .backend import AttentionBackend, AttentionPlan
+from .registry import get_backend
+
+_GPU_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class CachedAttention(torch.nn.Module):
+    """Attention of one layer, optionally over a `CausalKVCache`.
+
+    Args:
+        num_heads: H, query heads.
+        num_kv_heads: H_kv, key/value heads; H must be a multiple (GQA).
+        head_dim: D.
+        backend: "reference", "cudnn" or an `AttentionBackend` instance.
+        layer_idx: the cache layer this module reads and writes.
+        scale: softmax scale; default 1/sqrt(D).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 backend="reference", layer_idx: int = 0, scale: float | None = None):
+        super().__init__()
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be an integer >= 0, got {layer_idx!r}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_idx = layer_idx
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.backend: AttentionBackend = get_backend(backend)
+
+    @property
+    def supports_kv_cache(self) -> bool:
+        """Whether this module's backend can attend over a `CausalKVCache`."""
+        return self.backend.supports_kv_cache
+
+    def forward(self, q, k=None, v=None, *, kv_cache=None, seq_len=None,
+                causal_block_size=None, plan: AttentionPlan | None = None, **unsupported):
+        """Attention output [1, S, H, D].
+
+        Args:
+            q: [1, S, H, D], or packed [1, S, H + 2*H_kv, D] with k = v = None.
+            k, v: [1, S, H_kv, D] (any strides, head dim contiguous).
+            kv_cache: a `CausalKVCache` with an open geometry, or None.
+            seq_len: real query tokens of this forward; required with a cache.
+            causal_block_size: block size cutting the real tokens (a declared size);
+                default one block of seq_len.
+            plan: this forward's `AttentionPlan`, already prepared (``plan()`` of
+                this module's backend for the same cache, seq_len, block size and
+                heads); default: planned and prepared here.
+        Raises:
+            ValueError: masks or other unsupported arguments, bad shapes or dtypes,
+                a cache on a backend without cache support, seq_len missing.
+        """
+        if unsupported:
+            raise ValueError(f"unsupported arguments {sorted(unsupported)}: masks are not taken; "
+                             "causality comes from causal_block_size and the cache")
+        q, k, v = self._split(q, k, v)
+        if kv_cache is None:
+            if seq_len is not None or causal_block_size is not None:
+                raise ValueError("seq_len and causal_block_size need a kv_cache")
+            return self.backend.dense(q, k, v, self.scale)
+        if not self.backend.supports_kv_cache:
+            raise ValueError(f"backend {self.backend.name!r} does not support a kv_cache")
+        T, b = self._check_cached(q, kv_cache, seq_len, causal_block_size)
+        plan = self._plan(plan, kv_cache, T, b)
+        kv_cache.write_staged(self.layer_idx, k[0, :T], v[0, :T], b)
+        out = torch.empty_like(q)  # [1, S, H, D]
+        out[:, T:].zero_()  # padding rows come back zero
+        plan.run(q[0, :T], self.layer_idx, out[0, :T])
+        return out
+
+    def plan_for(self, kv_cache, seq_len: int, causal_block_size: int) -> AttentionPlan:
+        """This module's backend's plan of a forward over ``kv_cache`` (not prepared)."""
+        return self.backend.plan(kv_cache, tokens=seq_len, block_size=causal_block_size,
+                                 num_heads=self.num_heads, scale=self.scale)
+
+    def _plan(self, plan, cache, T: int, b: int) -> AttentionPlan:
+        if plan is None:
+            plan = self.plan_for(cache, T, b)
+            plan.prepare()
+        elif not (isinstance(plan, AttentionPlan)
+                  and plan.matches(cache, T, b, self.num_heads, self.scale)):
+            raise ValueError(f"plan must be the AttentionPlan of this forward (cache, seq_len={T}, "
+                             f"causal_block_size={b}, {self.num_heads} heads, scale {self.scale}), "
+                             f"got {plan!r}")
+        return plan
+
+    # ------------------------------------------------------------------ checks
+    def _split(self, q, k, v):
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != 1:
+            raise ValueError(f"q must be a [1, S, H, D] tensor, got "
+                             f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        if (k is None) != (v is None):
+            raise ValueError("k and v must both be given, or both be None for a packed q")
+        if k is None:
+            if tuple(q.shape[2:]) != (H + 2 * Hkv, D):
+                raise ValueError(f"packed q must have shape [1, S, {H + 2 * Hkv}, {D}], "
+                                 f"got {list(q.shape)}")
+            q, k, v = q[:, :, :H], q[:, :, H:H + Hkv], q[:, :, H + Hkv:]
+        for name, t, heads in (("q", q, H), ("k", k, Hkv), ("v", v, Hkv)):
+            if t.dim() != 4 or tuple(t.shape) != (1, q.shape[1], heads, D):
+                raise ValueError(f"{name} must have shape [1, {q.shape[1]}, {heads}, {D}], "
+                                 f"got {list(t.shape)}")
+            if t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), "
+                                 f"got {t.dtype}, {t.device}")
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must have a contiguous head dim, got strides {t.stride()}")
+        allowed = _GPU_DTYPES + ((torch.float32,) if q.device.type == "cpu" else ())
+        if q.dtype not in allowed:
+            raise ValueError(f"q must have dtype in {allowed} on {q.device.type}, got {q.dtype}")
+        return q, k, v
+
+    def _check_cached(self, q, cache, seq_len, b):
+        S = q.shape[1]
+        if seq_len is None:
+            raise ValueError("seq_len (the real query tokens of this forward) is required with a kv_cache")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= S:
+            raise ValueError(f"seq_len must be an integer in [1, {S}], got {seq_len!r}")
+        b = seq_len if b is None else b
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or seq_len % b:
+            raise ValueError(f"causal_block_size must be a positive divisor of seq_len={seq_len}, got {b!r}")
+        if (cache.num_kv_heads, cache.head_dim) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"kv_cache holds {cache.num_kv_heads} K/V heads of {cache.head_dim}, "
+                             f"the module {self.num_kv_heads} of {self.head_dim}")
+        if cache.dtype != q.dtype:
+            raise ValueError(f"kv_cache dtype {cache.dtype} differs from q's {q.dtype}")
+        self.backend.check_cache(cache)
+        return seq_len, b

@@ -1,0 +1,375 @@
+"""Host model of the causal K/V cache's page layout: plain numpy, integers only.
+
+It is the specification the device kernel ``causal_layout_`` mirrors, and the CPU cache
+uses it directly. Notation (DESIGN.md, "The cache"): P pin_tokens, W window_tokens,
+M max_staged_tokens, tpp tokens_per_page, C committed count; logical page of position
+x is x // tpp; a slot id is physical_page * tpp + offset, the same in every layer.
+
+Physical pages of one geometry::
+
+    page id  0 ... F-1 | F ...... F+R-1 | F+R ............................... total_pages
+            +----------+----------------+-----------------------------------------+
+            |  fixed   |  ring          | private: size b0: blk0 | blk1 | ...     |
+            | [0, P)   | [max(P,C-W),   |          size b1: blk0 | blk1 | ...     |
+            | (+ tail) |  C+M)          |          (Q_b pages each, contiguous)   |
+            +----------+----------------+-----------------------------------------+
+
+Page table ``table`` (int64 [F + R])::
+
+    table[p]              logical page p < F            (fixed, never moves)
+    table[F + i]          logical page ring_base + i    (ring)
+    commit: ring_base' = max(F, max(P, C' - W) // tpp); the ring part is rolled left by
+    ring_base' - ring_base, so dropped pages come back at its end for new positions.
+
+Row of causal block j (s = C + j*b, V'(j) = [0, min(P, s)) U [max(P, s - W), s))::
+
+    | full | full | ... | private page | private page | ... | pad (last private) |
+      pages wholly in V'  visible positions of the <= 3 partly visible pages
+      (table order)       (committed_private, then current_private), own b tokens
+    seq_len_kv = n_full * tpp + n_partial + b; keys past seq_len_kv are never read.
+
+``build_block_layout`` is the vectorised host model; ``build_block_layout_looped`` runs
+the op reference ``causal_layout_reference`` (a loop over blocks, one per kernel CTA),
+so the two are independent codings of one rule. ``HostLayout`` holds the rollout state
+and ``HostLayout.flat_layout()`` is the flat format the kernel writes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from framekv.ops.causal_layout import DESC_COLUMNS, causal_layout_reference
+
+from .plan import (BlockPlan, LayoutPlan, check_ring_capacity, is_resident,
+                          pool_tokens_for, resident_low, ring_base_for)
+
+__all__ = ["BlockLayout", "FlatLayout", "HostLayout", "LayoutPlan", "BlockPlan",
+           "build_block_layout", "build_block_layout_looped", "pool_tokens_for",
+           "ring_base_for", "FLAT_FIELDS"]
+
+#: Fields of BlockLayout / FlatLayout that hold tensors, in the op's argument order
+#: (seq_len_q, constant, is not an op output).
+FLAT_FIELDS = ("rows", "seq_len_kv", "seq_len_q", "staged_src", "staged_dst",
+               "staged_dst2", "committed_src", "committed_dst")
+_OP_OUTPUTS = tuple(f for f in FLAT_FIELDS if f != "seq_len_q")
+
+
+# --------------------------------------------------------------------------- lookups
+
+def physical_page(plan: LayoutPlan, ring_base: int, table: np.ndarray, p: int) -> int:
+    """Physical page of logical page ``p`` (fixed below F, ring above)."""
+    F = plan.fixed_pages
+    if p < F:
+        return int(table[p])
+    i = p - ring_base
+    assert 0 <= i < plan.ring_pages, (p, ring_base)
+    return int(table[F + i])
+
+
+def slot_at(plan: LayoutPlan, ring_base: int, table: np.ndarray, x: int) -> int:
+    """Slot id of position ``x`` (no residency check beyond the ring bounds)."""
+    tpp = plan.tokens_per_page
+    return physical_page(plan, ring_base, table, x // tpp) * tpp + x % tpp
+
+
+# --------------------------------------------------------------------------- drivers
+
+@dataclass
+class FlatLayout:
+    """Per-block tensors of every block size, concatenated in ``plan.blocks`` order:
+    the flat format ``causal_layout_`` writes (``LayoutPlan.descriptor()`` gives each
+    size's offsets). rows: int32 [sum nb * row_pages] (each size row-major);
+    seq_len_kv, seq_len_q: int32 [sum nb]; staged_src/dst/dst2: int64
+    [sum staged_len]; committed_src/dst: int64 [sum nb * committed_len].
+    """
+
+    rows: np.ndarray
+    seq_len_kv: np.ndarray
+    seq_len_q: np.ndarray
+    staged_src: np.ndarray
+    staged_dst: np.ndarray
+    staged_dst2: np.ndarray
+    committed_src: np.ndarray
+    committed_dst: np.ndarray
+
+
+@dataclass
+class BlockLayout(FlatLayout):
+    """Per-block tensors of one block size at one committed count.
+
+    Attributes:
+        block_size: b.
+        rows: int32 [nb, row_pages]; seq_len_kv, seq_len_q: int32 [nb].
+        staged_src, staged_dst, staged_dst2: int64 [M + nb * current_len]. Entry i < M
+            writes forward row i to its shared slot and to its block's private slot;
+            then block j's current_private entries at M + j * current_len. The scatter
+            skips src_row outside [0, T) and destinations < 0.
+        committed_src, committed_dst: int64 [nb * committed_len], pool-to-pool copies
+            applied to every layer after commit; -1 pairs are padding.
+    """
+
+    block_size: int = field(kw_only=True)  # after the inherited fields, still required
+
+
+def _empty_layout(plan: LayoutPlan, bp: BlockPlan) -> BlockLayout:
+    nb = bp.num_blocks
+    return BlockLayout(
+        block_size=bp.block_size, rows=np.zeros((nb, bp.row_pages), np.int32),
+        seq_len_kv=np.zeros(nb, np.int32), seq_len_q=np.full(nb, bp.block_size, np.int32),
+        staged_src=np.full(bp.staged_len, -1, np.int64),
+        staged_dst=np.full(bp.staged_len, -1, np.int64),
+        staged_dst2=np.full(bp.staged_len, -1, np.int64),
+        committed_src=np.full(nb * bp.committed_len, -1, np.int64),
+        committed_dst=np.full(nb * bp.committed_len, -1, np.int64))
+
+
+_OFFSET_COLUMNS = [DESC_COLUMNS.index(c)
+                   for c in ("rows_off", "blocks_off", "staged_off", "committed_off")]
+
+
+def build_block_layout_looped(plan: LayoutPlan, b: int, committed: int, ring_base: int,
+                              table: np.ndarray) -> BlockLayout:
+    """The layout of block size ``b`` from the per-block loop of the op reference
+    (``causal_layout_reference``: one iteration per kernel CTA), on this size's
+    descriptor row with its offsets moved to 0 so it fills this size's arrays alone.
+    """
+    bp = plan.block(b)
+    desc = plan.descriptor()[[plan.blocks.index(bp)]]           # [1, 12]
+    desc[:, _OFFSET_COLUMNS] = 0
+    out = _empty_layout(plan, bp)
+    counters = torch.tensor([committed, ring_base, 0, 0], dtype=torch.int64)
+    g = plan.geometry
+    causal_layout_reference(
+        counters, torch.from_numpy(np.ascontiguousarray(table, np.int64)),
+        torch.from_numpy(desc), *(torch.from_numpy(getattr(out, name).reshape(-1))
+                                  for name in _OP_OUTPUTS),
+        pin_tokens=g.pin_tokens, window_tokens=g.window_tokens,
+        max_staged_tokens=g.max_staged_tokens, tokens_per_page=plan.tokens_per_page,
+        fixed_pages=plan.fixed_pages, ring_pages=plan.ring_pages)
+    return out
+
+
+def _slots(plan: LayoutPlan, ring_base: int, table: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Vectorised ``slot_at`` over positions known to be resident."""
+    tpp, F = plan.tokens_per_page, plan.fixed_pages
+    page = x // tpp
+    idx = np.where(page < F, page, F + page - ring_base)
+    assert idx.size == 0 or (idx.min() >= 0 and idx.max() < plan.table_len), (x, ring_base)
+    return table[idx] * tpp + x % tpp
+
+
+def _block_geometry(plan: LayoutPlan, bp: BlockPlan, committed: int):
+    """Per block: starts s, full page ranges of both intervals, partial candidates."""
+    g, tpp = plan.geometry, plan.tokens_per_page
+    P, W = g.pin_tokens, g.window_tokens
+    s = committed + np.arange(bp.num_blocks, dtype=np.int64) * bp.block_size  # [nb]
+    a, lo = np.minimum(P, s), np.maximum(P, s - W)
+    merged = lo <= a
+    v0 = np.where(merged, s, a)
+    u1 = np.where(merged, s, np.minimum(lo, s))
+    fv0 = v0 // tpp                               # interval 0 starts at 0: pages [0, fv0)
+    cu1 = -(-u1 // tpp)
+    fv1 = np.maximum(cu1, s // tpp)               # interval 1: pages [cu1, fv1)
+    # Partial segments in position order: tail of [0, v0), head and tail of [u1, s).
+    starts = np.stack([fv0 * tpp, u1, fv1 * tpp], axis=1)                 # [nb, 3]
+    ends = np.stack([v0, np.minimum(s, cu1 * tpp), s], axis=1)           # [nb, 3]
+    cand = starts[:, :, None] + np.arange(tpp - 1)[None, None, :]        # [nb, 3, tpp-1]
+    valid = cand < ends[:, :, None]
+    nb = bp.num_blocks
+    width = 3 * (tpp - 1)
+    return s, fv0, cu1, fv1, cand.reshape(nb, width), valid.reshape(nb, width)
+
+
+def _fill_rows(out: BlockLayout, plan: LayoutPlan, bp: BlockPlan, ring_base: int,
+               table: np.ndarray, fv0, cu1, fv1, page0) -> np.ndarray:
+    """Rows of every block: full pages of both intervals, private pages, padding."""
+    tpp, g = plan.tokens_per_page, plan.geometry
+    n_a, n_full = fv0, fv0 + (fv1 - cu1)                                     # [nb]
+    assert n_full.max() <= (g.pin_tokens + g.window_tokens) // tpp
+    k = np.arange(bp.row_pages)[None, :]                                     # [1, RP]
+    logical = np.where(k < n_a[:, None], k, cu1[:, None] + k - n_a[:, None])  # [nb, RP]
+    is_full = k < n_full[:, None]
+    rows = page0[:, None] + np.minimum(k - n_full[:, None], bp.private_pages - 1)
+    rows[is_full] = _slots(plan, ring_base, table, logical[is_full] * tpp) // tpp
+    out.rows[:] = rows
+    return n_full
+
+
+def build_block_layout(plan: LayoutPlan, b: int, committed: int, ring_base: int,
+                       table: np.ndarray) -> BlockLayout:
+    """The layout of block size ``b``, vectorised over blocks; equals the looped one."""
+    bp, tpp, M = plan.block(b), plan.tokens_per_page, plan.geometry.max_staged_tokens
+    nb, out = bp.num_blocks, _empty_layout(plan, bp)
+    s, fv0, cu1, fv1, cand, valid = _block_geometry(plan, bp, committed)
+    page0 = bp.private_base + np.arange(nb) * bp.private_pages               # [nb]
+    n_full = _fill_rows(out, plan, bp, ring_base, table, fv0, cu1, fv1, page0)
+    n_partial = valid.sum(axis=1)                                            # [nb]
+    assert n_partial.max(initial=0) <= bp.committed_len
+    out.seq_len_kv[:] = n_full * tpp + n_partial + b
+    rank = np.cumsum(valid, axis=1) - 1                # private slot of each candidate
+    slot0 = page0 * tpp
+    jj = np.broadcast_to(np.arange(nb)[:, None], cand.shape)                 # block ids
+    com = valid & (cand < committed)   # committed positions come first in each row
+    n_com = com.sum(axis=1)
+    at = jj[com] * bp.committed_len + rank[com]
+    out.committed_src[at] = _slots(plan, ring_base, table, cand[com])
+    out.committed_dst[at] = slot0[jj[com]] + rank[com]
+    cur = valid & (cand >= committed)
+    assert (n_partial - n_com).max(initial=0) <= bp.current_len
+    at = M + jj[cur] * bp.current_len + rank[cur] - n_com[jj[cur]]
+    out.staged_src[at] = cand[cur] - committed
+    out.staged_dst[at] = slot0[jj[cur]] + rank[cur]
+    i = np.arange(nb * b)                                                    # own tokens
+    out.staged_src[:nb * b] = i
+    out.staged_dst[:nb * b] = _slots(plan, ring_base, table, committed + i)
+    out.staged_dst2[:nb * b] = slot0[i // b] + n_partial[i // b] + i % b
+    return out
+
+
+# --------------------------------------------------------------------------- state
+
+class HostLayout:
+    """Rollout state of one geometry's layout: committed count, ring base, page table.
+
+    ``open`` state is C = 0, ring_base = F, table = identity over [0, F + R). The
+    staged count is the most tokens written since the last commit (``note_staged``);
+    ``commit(n)`` leaves ``staged - n`` of them staged.
+    """
+
+    def __init__(self, plan: LayoutPlan):
+        self.plan = plan
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the state of a freshly opened geometry."""
+        self._committed = 0
+        self._ring_base = self.plan.fixed_pages
+        self._table_np = np.arange(self.plan.table_len, dtype=np.int64)  # [F + R]
+        self._pending_roll = 0  # ring rotation not yet applied to _table_np (commit is O(1))
+        self._staged = 0
+        self._layouts: dict[int, BlockLayout] = {}
+
+    @property
+    def committed(self) -> int:
+        """C, positions committed so far."""
+        return self._committed
+
+    @property
+    def ring_base(self) -> int:
+        """Logical page held by ring entry 0."""
+        return self._ring_base
+
+    @property
+    def table(self) -> np.ndarray:
+        """A copy of the page table, int64 [F + R]; the state cannot be edited through it."""
+        return self._table.copy()
+
+    @property
+    def _table(self) -> np.ndarray:
+        """The page table with every commit's ring rotation applied.
+
+        Commits only add to a pending rotation, applied here on first use: a replayed
+        commit's host mirror then costs a few integer operations, not an array roll.
+        """
+        if self._pending_roll:
+            F = self.plan.fixed_pages
+            self._table_np[F:] = np.roll(self._table_np[F:], -self._pending_roll)
+            self._pending_roll = 0
+        return self._table_np
+
+    @property
+    def staged(self) -> int:
+        """Tokens written since the last commit and not yet committed."""
+        return self._staged
+
+    def is_resident(self, pos: int) -> bool:
+        """True when ``pos`` has a slot: [0, P) or [max(P, C - W), C + M)."""
+        return is_resident(self.plan, self._committed, pos)
+
+    def slot_of(self, pos: int) -> int:
+        """Slot id of a resident position; ValueError for any other position."""
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)):
+            raise ValueError(f"pos must be an integer, got {pos!r}")
+        if not self.is_resident(int(pos)):
+            g = self.plan.geometry
+            raise ValueError(
+                f"position {pos} is not resident: resident are [0, {g.pin_tokens}) and "
+                f"[{resident_low(self.plan, self._committed)}, "
+                f"{self._committed + g.max_staged_tokens})")
+        return slot_at(self.plan, self._ring_base, self._table, int(pos))
+
+    def block_layout(self, b: int) -> BlockLayout:
+        """Per-block tensors of block size ``b`` at the current state (cached)."""
+        layout = self._layouts.get(b)
+        if layout is None:
+            layout = build_block_layout(self.plan, b, self._committed, self._ring_base,
+                                        self._table)
+            self._layouts[b] = layout
+        return layout
+
+    def flat_layout(self) -> FlatLayout:
+        """Every block size's tensors at the current state, in the flat format (what
+        the cache uploads at open, and on CPU after every commit)."""
+        layouts = [self.block_layout(bp.block_size) for bp in self.plan.blocks]
+        return FlatLayout(**{name: np.concatenate([getattr(x, name).reshape(-1)
+                                                   for x in layouts])
+                             for name in FLAT_FIELDS})
+
+    def committed_copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) slot pairs of every block size, -1 padded, to apply after commit."""
+        layouts = [self.block_layout(bp.block_size) for bp in self.plan.blocks]
+        return (np.concatenate([x.committed_src for x in layouts]),
+                np.concatenate([x.committed_dst for x in layouts]))
+
+    def edit_targets(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source row, slot) pairs of an edit of positions [start, start + count): each
+        position's shared slot, then every committed private copy of a committed one.
+
+        Raises ValueError (from `slot_of`) naming the resident ranges for a position
+        that is not resident.
+        """
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise ValueError(f"start must be an integer, got {start!r}")
+        rows = np.arange(count, dtype=np.int64)
+        slots = np.array([self.slot_of(start + int(r)) for r in rows], np.int64)
+        csrc, cdst = self.committed_copies()
+        copies: dict[int, list[int]] = {}
+        for s_, d_ in zip(csrc.tolist(), cdst.tolist()):
+            if s_ >= 0:
+                copies.setdefault(s_, []).append(d_)
+        extra_rows, extra_dst = [], []
+        for r, slot in zip(rows.tolist(), slots.tolist()):
+            if start + r < self._committed:
+                for d_ in copies.get(slot, ()):
+                    extra_rows.append(r)
+                    extra_dst.append(d_)
+        return (np.concatenate([rows, np.array(extra_rows, np.int64)]),
+                np.concatenate([slots, np.array(extra_dst, np.int64)]))
+
+    def note_staged(self, tokens: int) -> None:
+        """Record a forward that wrote ``tokens`` rows at [C, C + tokens)."""
+        M = self.plan.geometry.max_staged_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= M:
+            raise ValueError(f"tokens must be an integer in [0, {M}], got {tokens!r}")
+        self._staged = max(self._staged, tokens)
+
+    def commit(self, n: int) -> int:
+        """Make [C, C + n) history and rotate the ring; returns the rotation d.
+
+        The caller then applies ``committed_copies()`` to every layer.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._staged:
+            raise ValueError(f"n must be an integer in [0, staged={self._staged}], got {n!r}")
+        self._committed += n
+        self._staged -= n
+        new_base = ring_base_for(self.plan, self._committed)
+        d = new_base - self._ring_base
+        assert 0 <= d <= self.plan.ring_pages, (d, self._ring_base, new_base)
+        # Dropped pages return at the ring's end; the roll itself waits for `_table`.
+        self._pending_roll = (self._pending_roll + d) % self.plan.ring_pages
+        self._ring_base = new_base
+        check_ring_capacity(self.plan, self._committed, new_base)
+        self._layouts.clear()
+        return d

@@ -1,0 +1,237 @@
+"""Where a forward's K/V goes: the one seam between a model and the K/V it attends.
+
+A model forward over a chunk asks its store for the forward's attention function, and
+each layer calls it with its attention module and its packed QKV::
+
+    attend = kv.forward(seq_len=T, block_size=b)    # once per model forward (plans once)
+    out = attend(attn, qkv)                         # each layer: stage its K/V, attend V(j)
+    kv.commit(T)                                    # the chunk becomes history
+    kv.after_replay(T)                              # host half of a replayed chunk
+
+The prompt goes in once, as a forward whose K/V the store keeps
+(``prompt_forward(P)``), then ``commit_prompt()``. A store whose forwards span ranks
+also cuts the tokens (``shard`` / ``gather``); the others leave them whole.
+
+Stores: `PagedKV` (framekv's paged `CausalKVCache`), `ReferenceKV` (the fp32
+`ExactWindowReference`, the oracle; not capturable), `UlyssesKV`
+(`framekv.engine.attention.ulysses`: a paged cache per rank, heads exchanged), and
+the dense rolling baseline of the benchmarks (`framekv.bench.dense`).
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from framekv.specs import Geometry
+
+from .cache import CausalKVCache, ExactWindowReference
+
+#: attend(attention_module, packed_qkv [1, S, H + 2*H_kv, D]) -> [1, S, H, D]
+AttendFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+class KVStore(abc.ABC):
+    """The K/V of one rollout, as a model's forwards see it.
+
+    Attributes:
+        geometry: the `Geometry` the store keeps (P, W, staged tokens, block sizes).
+        graph_safe: whether a chunk over this store may be captured in a CUDA graph
+            (its forwards and commit run no host-dependent work).
+    """
+
+    graph_safe: bool = True
+    geometry: Geometry
+
+    @abc.abstractmethod
+    def forward(self, seq_len: int, block_size: int) -> AttendFn:
+        """The attention of one model forward writing ``seq_len`` tokens at [C, C + T)
+        in causal blocks of ``block_size``; rows >= seq_len are padding."""
+
+    @abc.abstractmethod
+    def prompt_forward(self, prompt_tokens: int) -> AttendFn:
+        """The attention of the prompt forward (P tokens, one block over itself); the
+        store keeps each layer's K/V for `commit_prompt`. Needs position 0."""
+
+    @abc.abstractmethod
+    def commit_prompt(self) -> None:
+        """Make the prompt forward's K/V the pinned prefix [0, P)."""
+
+    @abc.abstractmethod
+    def commit(self, n: int) -> None:
+        """Make the first ``n`` staged tokens history (inside a captured chunk, the
+        device half runs on every replay; see `after_replay`)."""
+
+    def after_replay(self, tokens: int) -> None:
+        """Host bookkeeping after a replay of a captured chunk whose forwards staged
+        ``tokens`` and committed them (the replay ran no Python)."""
+        raise ValueError(f"{type(self).__name__} chunks cannot be replayed from graphs")
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Back to position 0, no prompt (captured graphs stay valid)."""
+
+    def close(self) -> None:
+        """Free what the store holds; it is unusable after."""
+
+    @property
+    def replayable(self) -> bool:
+        """Whether the next chunk may run as a replay of the chunk captured under
+        `capture_scope` (a store whose launches depend on its fill level says no
+        until its state matches the captured one)."""
+        return self.graph_safe
+
+    def capture_scope(self) -> contextlib.AbstractContextManager:
+        """The state chunks are captured in (entered around the captures; the rollout
+        resets the store afterwards)."""
+        return contextlib.nullcontext()
+
+    def key_splits(self, attn, tokens: int, block_sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """Split-KV sub-rows of each forward of a chunk, for its graph key (empty when
+        the store's attention never splits)."""
+        return ()
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This process's share of a forward's token rows [1, S, ...] (all of them)."""
+        return x
+
+    def gather(self, x: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
+        """Every process's rows back, cut to ``length`` (``x`` itself here)."""
+        return x
+
+
+class PagedKV(KVStore):
+    """framekv's paged cache as a model's K/V store.
+
+    Args:
+        cache: a `CausalKVCache`; opened at ``geometry`` (closed first if open).
+        geometry: the rollout's geometry.
+
+    A forward plans its attention once (the first layer's backend ``plan``, prepared
+    then) and runs every layer with that plan.
+    """
+
+    def __init__(self, cache: CausalKVCache, geometry: Geometry):
+        self.cache, self.geometry = cache, geometry
+        self._prompt: list[torch.Tensor] = []
+        cache.close()
+        cache.open(geometry)
+
+    def forward(self, seq_len: int, block_size: int) -> AttendFn:
+        cache, plans = self.cache, {}
+
+        def attend(attn, qkv):
+            plan = plans.get(id(attn.backend))
+            if plan is None or not plan.matches(cache, seq_len, block_size, attn.num_heads,
+                                                attn.scale):
+                plan = plans[id(attn.backend)] = attn.plan_for(cache, seq_len, block_size)
+                plan.prepare()
+            return attn(qkv, kv_cache=cache, seq_len=seq_len, causal_block_size=block_size,
+                        plan=plan)
+        return attend
+
+    def prompt_forward(self, prompt_tokens: int) -> AttendFn:
+        check_prompt(self.geometry, prompt_tokens, self.cache.committed_tokens)
+        self._prompt = kvs = []
+
+        def attend(attn, qkv):  # the prompt attends itself densely: P is rarely a block size
+            kvs.append(qkv[0, :, attn.num_heads:])                        # [P, 2*H_kv, D]
+            return attn(qkv)
+        return attend
+
+    def commit_prompt(self) -> None:
+        kvs, self._prompt = self._prompt, []
+        stage_prompt(self.cache, kvs, self.cache.num_kv_heads)
+
+    def commit(self, n: int) -> None:
+        self.cache.commit(n)
+
+    def after_replay(self, tokens: int) -> None:
+        self.cache.note_staged(tokens)
+        self.cache.commit_mirror(tokens)
+
+    def reset(self) -> None:
+        self._prompt = []
+        self.cache.close()
+        self.cache.open(self.geometry)
+
+    def close(self) -> None:
+        self.cache.shutdown()
+
+    def key_splits(self, attn, tokens, block_sizes):
+        return tuple(attn.plan_for(self.cache, tokens, b).splits for b in block_sizes)
+
+
+def stage_prompt(cache: CausalKVCache, kvs: list[torch.Tensor], num_kv_heads: int) -> None:
+    """Write the prompt's per-layer K/V ([P, 2*H_kv, D] each) at [0, P) and commit it.
+
+    A staged write needs a multiple of a declared block size, and the prompt length
+    rarely is one. So the prompt goes in pieces of at most max_staged_tokens, each
+    padded with zero rows to a multiple of the smallest declared block size, and only
+    the real rows are committed: the padding rows sit at staged positions, which the
+    next forward overwrites before anything can see them.
+    """
+    g = cache.geometry
+    b = min(g.causal_block_sizes)
+    piece = g.max_staged_tokens // b * b
+    P = kvs[0].shape[0] if kvs else 0
+    for start in range(0, P, piece):
+        n = min(piece, P - start)
+        padded = -(-n // b) * b
+        for layer, kv in enumerate(kvs):
+            buf = kv.new_zeros(padded, *kv.shape[1:])                      # [padded, 2Hkv, D]
+            buf[:n] = kv[start:start + n]
+            cache.write_staged(layer, buf[:, :num_kv_heads], buf[:, num_kv_heads:], b)
+        cache.commit(n)
+
+
+class ReferenceKV(KVStore):
+    """The fp32 exact-window reference as a K/V store: every K/V recorded densely, each
+    block attended over exactly V(j) in fp32 (on the CPU; memory grows with the
+    rollout). The oracle tests and `verify_rollout` compare against; not capturable.
+
+    Args:
+        geometry: the rollout's geometry; num_layers: layers recorded.
+    """
+
+    graph_safe = False
+
+    def __init__(self, geometry: Geometry, num_layers: int):
+        self.geometry, self.num_layers = geometry, num_layers
+        self.reference = ExactWindowReference(geometry, num_layers)
+
+    def forward(self, seq_len: int, block_size: int) -> AttendFn:
+        ref = self.reference
+
+        def attend(attn, qkv):
+            H, Hkv = attn.num_heads, attn.num_kv_heads
+            k, v = qkv[0, :seq_len, H:H + Hkv], qkv[0, :seq_len, H + Hkv:]   # [T, Hkv, D]
+            ref.write(attn.layer_idx, ref.committed, k, v)
+            out = ref.attention(attn.layer_idx, qkv[0, :, :H], seq_len, block_size,
+                                scale=attn.scale)                            # [S, H, D] fp32
+            return out.to(qkv.device, qkv.dtype)[None]
+        return attend
+
+    def prompt_forward(self, prompt_tokens: int) -> AttendFn:
+        check_prompt(self.geometry, prompt_tokens, self.reference.committed)
+        return self.forward(prompt_tokens, prompt_tokens)
+
+    def commit_prompt(self) -> None:
+        self.reference.commit(self.geometry.pin_tokens)
+
+    def commit(self, n: int) -> None:
+        self.reference.commit(n)
+
+    def reset(self) -> None:
+        self.reference = ExactWindowReference(self.geometry, self.num_layers)
+
+
+def check_prompt(geometry: Geometry, prompt_tokens: int, committed: int) -> None:
+    """ValueError unless a prompt of ``prompt_tokens`` can go in now: P = pin_tokens, C = 0."""
+    if prompt_tokens != geometry.pin_tokens:
+        raise ValueError(f"the prompt must hold pin_tokens={geometry.pin_tokens} tokens, "
+                         f"got {prompt_tokens}")
+    if committed:
+        raise ValueError(f"the prompt goes in at position 0, C = {committed}; reset() first")

@@ -1,0 +1,148 @@
+"""Building blocks of the reference causal video DiT: embeddings, 3-axis rotary
+positions, norms and one transformer block.
+
+Shapes follow the engine's convention: a forward holds one sequence of S tokens,
+activations are [1, S, hidden], attention heads are [1, S, heads, D].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from framekv.specs import ModelSpec
+
+from ..attention import CachedAttention
+from ..kv import AttendFn
+
+#: Wan feeds the sampler's t in [0, 1] to the sinusoid as t * 1000.
+TIMESTEP_SCALE = 1000.0
+ROPE_THETA = 10000.0
+
+
+def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """cos/sin features of timesteps: t [N] in [0, 1] -> fp32 [N, dim] (dim even)."""
+    half = dim // 2
+    exponent = torch.arange(half, device=t.device, dtype=torch.float64) / half
+    freqs = torch.exp(-math.log(10000.0) * exponent)                        # [half]
+    args = t.double()[:, None] * TIMESTEP_SCALE * freqs[None]              # [N, half]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1).float()
+
+
+def rope_split(head_dim: int) -> tuple[int, int, int]:
+    """How head_dim is cut over the (frame, row, col) axes; each part even (Wan's split)."""
+    spatial = 2 * (head_dim // 6)
+    return head_dim - 2 * spatial, spatial, spatial
+
+
+class Rope3D:
+    """Rotary embedding over absolute (frame, row, col) positions.
+
+    Pairs of head dims (2i, 2i+1) rotate by ``position * inv_freq[i]``; the first
+    ``rope_split(D)[0]`` dims follow the frame axis, the rest the row and col axes.
+    Frame angles are computed in float64 from a device tensor, so positions can grow
+    over a long rollout without losing precision and without a host-side value that
+    a captured graph would bake in.
+    """
+
+    def __init__(self, head_dim: int, grid: tuple[int, int], device: torch.device):
+        self.dims = rope_split(head_dim)
+        self.inv_freq = [1.0 / ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float64,
+                                                           device=device) / d)
+                         for d in self.dims]                               # [d / 2] each
+        h, w = grid
+        rows = torch.arange(h, device=device, dtype=torch.float64).repeat_interleave(w)
+        cols = torch.arange(w, device=device, dtype=torch.float64).repeat(h)
+        spatial = torch.cat([rows[:, None] * self.inv_freq[1][None],
+                             cols[:, None] * self.inv_freq[2][None]], dim=-1)
+        self._spatial = spatial                                            # [h*w, (Dr+Dc)/2]
+
+    def angles(self, frame0: torch.Tensor, frames: int) -> torch.Tensor:
+        """Angles of a chunk's tokens: frame0 int64 [1] (rope frame of its first frame)
+        -> fp64 [frames * h * w, D / 2], frame-major token order."""
+        f = frame0.double() + torch.arange(frames, device=frame0.device, dtype=torch.float64)
+        fa = f[:, None] * self.inv_freq[0][None]                           # [F, Df/2]
+        tpf = self._spatial.shape[0]
+        fa = fa.repeat_interleave(tpf, dim=0)                              # [S, Df/2]
+        return torch.cat([fa, self._spatial.repeat(frames, 1)], dim=-1)    # [S, D/2]
+
+    @staticmethod
+    def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos and sin [1, S, 1, D/2] ready to broadcast over heads."""
+        return (torch.cos(angles).float()[None, :, None],
+                torch.sin(angles).float()[None, :, None])
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (2i, 2i+1) of x [1, S, heads, D] by the angles; fp32 math."""
+    xf = x.float().unflatten(-1, (-1, 2))                                  # [1, S, h, D/2, 2]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class RMSNorm(torch.nn.Module):
+    """Root-mean-square norm over the last dim with a learned scale (per-head QK norm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """LayerNorm without affine parameters, in fp32 (adaptive norms add their own)."""
+    return F.layer_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Adaptive norm: norm(x) * (1 + scale) + shift; shift/scale [hidden] broadcast."""
+    return layer_norm(x) * (1 + scale) + shift
+
+
+class DiTBlock(torch.nn.Module):
+    """One block: adaptive-norm self-attention (fused QKV, QK RMSNorm, 3-axis rope)
+    and an adaptive-norm GELU-tanh MLP, each added through a gate.
+
+    ``modulation`` [6, hidden] is added to the shared time projection: shift, scale
+    and gate of the attention, then of the MLP (Wan's layout).
+    """
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, backend):
+        super().__init__()
+        H, Hkv, D, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+        self.heads = (H, Hkv, D)
+        self.layer_idx = layer_idx
+        self.qkv = torch.nn.Linear(hid, (H + 2 * Hkv) * D)
+        self.q_norm, self.k_norm = RMSNorm(D), RMSNorm(D)
+        self.proj = torch.nn.Linear(H * D, hid)
+        self.fc1 = torch.nn.Linear(hid, spec.ffn_size)
+        self.fc2 = torch.nn.Linear(spec.ffn_size, hid)
+        self.modulation = torch.nn.Parameter(torch.zeros(6, hid))
+        self.attn = CachedAttention(H, Hkv, D, backend=backend, layer_idx=layer_idx)
+
+    def qkv_packed(self, h: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+        """[1, S, hidden] -> packed [1, S, H + 2*H_kv, D]: q, k normed and rotated."""
+        H, Hkv, D = self.heads
+        qkv = self.qkv(h).unflatten(-1, (H + 2 * Hkv, D))                 # [1, S, H+2Hkv, D]
+        q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return torch.cat([q, k, v], dim=2)
+
+    def forward(self, x: torch.Tensor, time_mod: torch.Tensor, rope: tuple | None,
+                attend: AttendFn) -> torch.Tensor:
+        """x [1, S, hidden]; time_mod [6, hidden]; rope (cos, sin) or None (no rotation)."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = (time_mod + self.modulation).unbind(0)
+        packed = self.qkv_packed(modulate(x, shift1, scale1), rope)
+        out = attend(self.attn, packed)                                    # [1, S, H, D]
+        x = x + gate1 * self.proj(out.flatten(2))
+        h = modulate(x, shift2, scale2)
+        return x + gate2 * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
