@@ -81,8 +81,7 @@ def measure_chunk(preset: specs.Preset, *, iters: int = 10, progress=print) -> d
     """Device and host times of a preset's chunk cycle (see the module doc)."""
     g, r = preset.rollout.geometry(), preset.rollout
     T, frame, steps = g.max_staged_tokens, r.tokens_per_frame, r.denoising_steps
-    stack = AttentionStack(preset.warmup_plan().kv, [g], device="cuda",
-                           num_heads=preset.model.num_heads)
+    stack = AttentionStack.for_preset(preset)
     graphs = GraphCache("cuda")
     progress(f"chunk: capturing {stack.kv.num_layers}-layer forwards, commit and whole chunk")
     keys = _capture_all(stack, graphs, g, T, frame, steps)

@@ -27,7 +27,6 @@ import time
 
 import torch
 
-from framekv import specs
 from framekv.bench.timing import environment
 from framekv.bench.stack import AttentionStack
 from framekv.graphs import GraphCache, GraphKey
@@ -49,10 +48,8 @@ def _pause(how) -> None:
 
 def _graphs():
     """(cache, {name: key}, stack) for the one-kernel graph and a 36-layer forward."""
-    preset = specs.load_preset("seed-bench")
-    g, kv = preset.rollout.geometry(), preset.warmup_plan().kv
-    stack = AttentionStack(kv, [g], device="cuda", num_heads=preset.model.num_heads)
-    stack.ensure_open(g)
+    stack = AttentionStack.for_preset("seed-bench")
+    g = stack.geometries[0]
     cache, T = GraphCache("cuda"), g.max_staged_tokens
     one = torch.zeros(1, device="cuda")
     k1 = GraphKey.build(owner=1, program="one-kernel", inputs={"one": one})

@@ -86,6 +86,18 @@ class AttentionStack:
         self._widen = torch.arange(self.num_heads + 2 * kv.num_kv_heads,
                                    device=self.device) % self.num_heads
 
+    @classmethod
+    def for_preset(cls, preset, *, device="cuda", **kw) -> "AttentionStack":
+        """The stack of a preset's attention (its model's layers and heads, its
+        rollout's geometry), that geometry open. ``preset``: a `Preset` or a name."""
+        from framekv.specs import load_preset
+
+        preset = load_preset(preset) if isinstance(preset, str) else preset
+        g = preset.rollout.geometry()
+        stack = cls(preset.kv_spec(), [g], device=device, num_heads=preset.model.num_heads, **kw)
+        stack.ensure_open(g)
+        return stack
+
     # ------------------------------------------------------------------ keys
     def qkv_input(self, tokens: int) -> dict[str, torch.Tensor]:
         """A packed QKV input of ``tokens`` tokens: ``{"qkv": [1, T, H + 2 H_kv, D]}``."""

@@ -36,7 +36,6 @@ import time
 
 import torch
 
-from framekv import specs
 from framekv.bench.timing import environment, one_kernel_launcher
 from framekv.bench.stack import AttentionStack
 from framekv.graphs import GraphCache
@@ -130,10 +129,8 @@ def _launch_sample(launch, wait, drain) -> tuple[float, int, int]:
 
 
 def _stack_launches():
-    preset = specs.load_preset("seed-bench")
-    g, kv = preset.rollout.geometry(), preset.warmup_plan().kv
-    stack = AttentionStack(kv, [g], device="cuda", num_heads=preset.model.num_heads)
-    stack.ensure_open(g)
+    stack = AttentionStack.for_preset("seed-bench")
+    g = stack.geometries[0]
     graphs, T = GraphCache("cuda"), g.max_staged_tokens
     keys = {}
     for name, req in (("commit (4 nodes)", stack.commit_request(g, T)),

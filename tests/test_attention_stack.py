@@ -92,3 +92,13 @@ def test_chunk_request_runs_eagerly_on_cpu_with_the_whole_commit():
 def test_stack_needs_a_geometry():
     with pytest.raises(ValueError, match="at least one geometry"):
         AttentionStack(KV, [], device="cpu")
+
+
+def test_for_preset_takes_the_model_heads_and_opens_the_geometry():
+    from framekv.specs import load_preset
+
+    s = AttentionStack.for_preset("tiny", device="cpu")
+    tiny = load_preset("tiny")
+    assert s.kv == tiny.kv_spec() and s.num_heads == tiny.model.num_heads
+    assert s.cache.geometry == tiny.rollout.geometry() and s.cache.committed_tokens == 0
+    s.cache.shutdown()
