@@ -31,6 +31,7 @@ import functools
 import msgspec
 import torch
 
+from framekv import ops
 from framekv.graphs import CaptureRequest, GraphCache, WarmupReport, chunk_key, owner_token, run_warmup
 from framekv.specs import ModelSpec, Preset, RolloutSpec, load_preset
 
@@ -44,21 +45,9 @@ from .model import CausalVideoDiT, default_backend, model_dtype
 
 
 def resolve_device(device=None) -> torch.device:
-    """A torch device from a name (default: cuda if available, else cpu).
-
-    Raises ValueError for an unknown device name or CUDA on a machine without it.
-    """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {device!r}: use cpu or cuda[:N]") from exc
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be cpu or cuda, got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: CUDA is not available on this machine")
-    return dev
+    """A torch device from a name (default: cuda if available, else cpu); ValueError for
+    an unknown name or CUDA on a machine without it (`framekv.ops.resolve_device`)."""
+    return ops.resolve_device(device)
 
 
 def resolve_specs(preset) -> tuple[str, ModelSpec, RolloutSpec]:

@@ -93,11 +93,9 @@ class GraphCache:
     def __init__(self, device, *, debug: bool = False, warmup_iters: int = 2,
                  shared_pool: bool = True, kernel_only: bool = True,
                  direct_launch: bool = False):
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device}")
+        from framekv.ops.device import resolve_device  # the one device check
+
+        self.device = resolve_device(device)
         if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
             raise ValueError(f"warmup_iters must be an integer >= 0, got {warmup_iters!r}")
         self.debug, self.warmup_iters, self.shared_pool = debug, warmup_iters, shared_pool

@@ -10,11 +10,13 @@ imports numba but does not initialise CUDA.
 Besides the ops: `fill_pattern_` / `fill_node_params` (a memset's bytes written by a
 kernel, for graph kernel nodes), `compile_stats` (how many kernels this process compiled
 or loaded from numba's disk cache, and the seconds it took) and `framekv.ops.driver`
-(the cuda-python driver, runtime and NVRTC calls, checked in one place).
+(the cuda-python driver, runtime and NVRTC calls, checked in one place) and
+`resolve_device` (a device argument checked once, with a clear error).
 """
 from ._launch import CompileStats, compile_stats, use_kernel
 from .advance_commit import advance_commit_, advance_commit_reference
 from .causal_layout import causal_layout_, causal_layout_reference
+from .device import resolve_device
 from .copy_kv_slots import CopyKVSlots, bind_copy_kv_slots, copy_kv_slots_, copy_kv_slots_reference
 from .fill_pattern import fill_node_params, fill_pattern_, fill_pattern_reference
 from .merge_split_kv import (MergeSplitKV, bind_merge_split_kv, merge_split_kv_,
@@ -24,7 +26,7 @@ from .scatter_kv_slots import (ScatterKVSlots, bind_scatter_kv_slots, scatter_kv
                                scatter_kv_slots_reference)
 
 __all__ = [
-    "use_kernel", "CompileStats", "compile_stats",
+    "use_kernel", "CompileStats", "compile_stats", "resolve_device",
     "fill_pattern_", "fill_pattern_reference", "fill_node_params",
     "advance_commit_", "advance_commit_reference",
     "causal_layout_", "causal_layout_reference",

@@ -245,7 +245,8 @@ def test_misuse_raises_clear_errors(call, match):
 
 def test_commit_more_than_staged_and_closed_use():
     cache = _open_cache()
-    cache.write_staged(0, *_kv(3), 3)
+    for layer in range(cache.num_layers):
+        cache.write_staged(layer, *_kv(3), 3)
     with pytest.raises(ValueError, match=r"n must be an integer in \[0, staged=3\], got 4"):
         cache.commit(4)
     cache.commit(3)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from framekv.engine.cache.host import HostLayout, LayoutPlan, ring_base_for
+from framekv.engine.cache import HostLayout, LayoutPlan, ring_base_for
 from framekv.ops import rotate_rows_
 from framekv.ops.advance_commit import advance_commit_, advance_commit_reference
 from framekv.ops.causal_layout import DESC_COLUMNS, causal_layout_, causal_layout_reference

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from framekv.engine.cache.host import HostLayout
+from framekv.engine.cache import HostLayout
 from test_causal_layout import (GEOMETRIES, assert_matches_host, commit_ops, device_state,
                                 host_at, make_plan, random_plan, run_rollout)
 

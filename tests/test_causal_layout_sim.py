@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from framekv.engine.cache.host import HostLayout
+from framekv.engine.cache import HostLayout
 from framekv.ops import _launch
 from framekv.ops.causal_layout import causal_layout_
 from test_causal_layout import (GEOMETRIES, OUTPUTS, assert_matches_host, device_state,

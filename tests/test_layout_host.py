@@ -12,8 +12,9 @@ import zlib
 import numpy as np
 import pytest
 
-from framekv.engine.cache.host import (FLAT_FIELDS, HostLayout, LayoutPlan, build_block_layout,
-                                   build_block_layout_looped, pool_tokens_for, ring_base_for)
+from framekv.engine.cache import (HostLayout, LayoutPlan, build_block_layout,
+                                  build_block_layout_looped, pool_tokens_for, ring_base_for)
+from framekv.engine.cache.host import FLAT_FIELDS
 from framekv.engine.cache.reference import visible_positions
 from framekv.specs import Geometry
 

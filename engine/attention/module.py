@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from ..cache import CausalKVCache
 from .backend import AttentionBackend, AttentionPlan
 from .registry import get_backend
 
@@ -66,7 +67,9 @@ class CachedAttention(torch.nn.Module):
         Args:
             q: [1, S, H, D], or packed [1, S, H + 2*H_kv, D] with k = v = None.
             k, v: [1, S, H_kv, D] (any strides, head dim contiguous).
-            kv_cache: a `CausalKVCache` with an open geometry, or None.
+            kv_cache: a `CausalKVCache` with an open geometry, or None. Cached
+                attention is inference only: it records no autograd history (inputs
+                that require grad are read, never tracked), and its output has none.
             seq_len: real query tokens of this forward; required with a cache.
             causal_block_size: block size cutting the real tokens (a declared size);
                 default one block of seq_len.
@@ -89,10 +92,12 @@ class CachedAttention(torch.nn.Module):
             raise ValueError(f"backend {self.backend.name!r} does not support a kv_cache")
         T, b = self._check_cached(q, kv_cache, seq_len, causal_block_size)
         plan = self._plan(plan, kv_cache, T, b)
-        kv_cache.write_staged(self.layer_idx, k[0, :T], v[0, :T], b)
-        out = torch.empty_like(q)  # [1, S, H, D]
-        out[:, T:].zero_()  # padding rows come back zero
-        plan.run(q[0, :T], self.layer_idx, out[0, :T])
+        # Inference only: the cache never records autograd history, nor does the output.
+        with torch.no_grad():
+            kv_cache.write_staged(self.layer_idx, k[0, :T], v[0, :T], b)
+            out = torch.empty_like(q)  # [1, S, H, D]
+            out[:, T:].zero_()  # padding rows come back zero
+            plan.run(q[0, :T].detach(), self.layer_idx, out[0, :T])
         return out
 
     def plan_for(self, kv_cache, seq_len: int, causal_block_size: int) -> AttentionPlan:
@@ -139,6 +144,9 @@ class CachedAttention(torch.nn.Module):
         return q, k, v
 
     def _check_cached(self, q, cache, seq_len, b):
+        if not isinstance(cache, CausalKVCache):
+            raise ValueError(f"kv_cache must be a framekv.engine.CausalKVCache, got "
+                             f"{type(cache).__name__}")
         S = q.shape[1]
         if seq_len is None:
             raise ValueError("seq_len (the real query tokens of this forward) is required with a kv_cache")

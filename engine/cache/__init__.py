@@ -3,14 +3,15 @@
 - `CausalKVCache` (``cache.py``): the pool, open/close, staged writes, commit, edits.
 - `LayoutPlan` (``plan.py``): the static sizes of one geometry's layout and the integer
   rules every layer shares (pure functions of geometry, page size and C).
-- `HostLayout` (``host.py``): the host model of the layout, the rollout state's mirror
-  and the specification the ``causal_layout_`` kernel follows.
+- ``host.py``: the host model of the layout, the specification the ``causal_layout_``
+  kernel follows; `HostLayout` (``mirror.py``): the rollout state's host mirror.
 - `GeometryState` / `BlockTensors` (``state.py``): one geometry's tensors in the arena.
 - `ExactWindowReference` (``reference.py``): the fp32 oracle over exactly V(j), with
   `visible_positions`, the one definition of the keys a block sees.
 """
 from .cache import CausalKVCache
-from .host import BlockLayout, FlatLayout, HostLayout, build_block_layout, build_block_layout_looped
+from .host import BlockLayout, FlatLayout, build_block_layout, build_block_layout_looped
+from .mirror import HostLayout
 from .plan import BlockPlan, LayoutPlan, pool_tokens_for, ring_base_for
 from .reference import ExactWindowReference, visible_positions
 from .state import BlockTensors, GeometryState

@@ -18,6 +18,8 @@ captured once in a CUDA graph replays for every later chunk. Edit path
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from framekv import ops
@@ -51,17 +53,11 @@ class CausalKVCache:
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, tokens_per_page: int, pool_tokens: int, device):
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("pool_tokens", pool_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        _check_sizes(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     pool_tokens=pool_tokens)
         _check_tpp(tokens_per_page)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if dtype not in _DTYPES or (dtype == torch.float32 and self.device.type != "cpu"):
-            allowed = "bfloat16, float16" + (", float32" if self.device.type == "cpu" else "")
-            raise ValueError(f"dtype must be one of {allowed} on {self.device.type}, got {dtype}")
+        self.device = ops.resolve_device(device)
+        _check_dtype(dtype, self.device)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.tokens_per_page = dtype, tokens_per_page
         self.num_pages = -(-pool_tokens // tokens_per_page)
@@ -91,6 +87,9 @@ class CausalKVCache:
         The pool, the geometry's state tensors and arena alignment, rounded up to
         the 2 MiB mapping chunk: exactly what the driver hands out.
         """
+        _check_geometry(geometry)
+        _check_sizes(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        _check_dtype(dtype, None)
         plan = LayoutPlan.for_geometry(geometry, tokens_per_page)
         shape = (num_layers, 2, plan.total_pages, tokens_per_page, num_kv_heads, head_dim)
         sizes = [nbytes(shape, dtype)] + [nbytes(s, d) for _, s, d in state_specs(plan)]
@@ -134,8 +133,7 @@ class CausalKVCache:
         too small: the message says how many tokens are needed and available); a
         failed open leaves nothing open and nothing allocated.
         """
-        if self._arena.closed:
-            raise RuntimeError("CausalKVCache was shut down")
+        self._check_alive()
         if self._open is not None:
             raise ValueError(f"a geometry is already open ({self._open.plan.geometry}); close() it first")
         _check_geometry(geometry)
@@ -145,9 +143,10 @@ class CausalKVCache:
                 f"pool too small for {geometry}: it needs {plan.pool_tokens} tokens "
                 f"({plan.total_pages} pages of {self.tokens_per_page}), the pool has "
                 f"{self.pool_tokens}")
-        state = self._states.get(geometry) or GeometryState.carve(self._arena, plan)
-        state.reset()
+        state = self._states.get(geometry) or GeometryState.carve(self._arena, plan,
+                                                                   self.num_layers)
         self._states[geometry] = state
+        state.reset()  # a failure here leaves the cache closed; the next open resets again
         self._open = state
 
     def close(self) -> None:
@@ -162,9 +161,15 @@ class CausalKVCache:
         self._arena.close()
 
     def _require_open(self) -> GeometryState:
+        self._check_alive()
         if self._open is None:
             raise ValueError("no geometry is open; call open(geometry) first")
         return self._open
+
+    def _check_alive(self) -> None:
+        if self._arena.closed:
+            raise RuntimeError("this CausalKVCache was shut down: its memory is freed; "
+                               "build a new one")
 
     # ------------------------------------------------------------------ accessors
     def block_tensors(self, causal_block_size: int) -> BlockTensors:
@@ -175,6 +180,7 @@ class CausalKVCache:
 
     def page_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as [pages, H_kv, tokens_per_page, D] strided views."""
+        self._check_alive()
         self._check_layer(layer)
         shape = (self.num_pages, self.tokens_per_page, self.num_kv_heads, self.head_dim)
         k = self.k_pool[layer].view(shape).permute(0, 2, 1, 3)
@@ -215,14 +221,15 @@ class CausalKVCache:
             launch = ops.bind_scatter_kv_slots(self.k_pool[layer], self.v_pool[layer],
                                                bt.staged_dst, bt.staged_dst2, bt.staged_src)
             state.launchers[key] = launch
-        launch(k, v)
-        state.host.note_staged(T)
+        with torch.no_grad():  # a cache write never records autograd history
+            launch(k.detach(), v.detach())
+        state.host.note_staged(T, layer)
 
     def note_staged(self, tokens: int) -> None:
         """Advance the host mirror's staged count as a forward of ``tokens`` would.
 
-        For replays of a captured forward: the graph writes the K/V on the device,
-        the host mirror learns of it here (it never reads the device back).
+        For replays of a captured forward: the graph writes every layer's K/V on the
+        device, the host mirror learns of it here (it never reads the device back).
         """
         self._require_open().host.note_staged(tokens)
 
@@ -230,17 +237,25 @@ class CausalKVCache:
     def commit(self, n: int) -> None:
         """Make the first ``n`` staged tokens history: C += n, the window slides.
 
-        ``commit_mirror(n)`` (validation, host mirror) then ``commit_device(n)``.
+        All or nothing: ValueError (nothing changed) unless n is in [0, staged] and every
+        layer staged n tokens since the last commit; if the device half fails part way,
+        the host mirror and the device state are put back as they were and the error is
+        raised again, so the same commit can be retried.
         """
-        self.commit_mirror(n)
-        self.commit_device(n)
+        state = self._require_open()
+        state.host.check_commit(n)
+        snap = state.host.snapshot()
+        try:
+            state.host.commit(n)
+            self.commit_device(n)
+        except BaseException:
+            self._recover(state, snap)
+            raise
 
     def commit_mirror(self, n: int) -> None:
-        """Advance the host mirror only: what a replay of a captured commit needs."""
-        state = self._require_open()
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= state.host.staged:
-            raise ValueError(f"n must be an integer in [0, staged={state.host.staged}], got {n!r}")
-        state.host.commit(n)
+        """Advance the host mirror only (all or nothing): what a replay of a captured
+        commit needs."""
+        self._require_open().host.commit(n)
 
     def commit_device(self, n: int) -> None:
         """The device side of commit(n), safe to capture: no host-computed argument
@@ -255,32 +270,58 @@ class CausalKVCache:
         ops.copy_kv_slots_(self.k_pool, self.v_pool, state.flat["committed_src"],
                            state.flat["committed_dst"])
 
+    def _recover(self, state: GeometryState, snap: tuple) -> None:
+        """After a failed commit: the host mirror back to ``snap``, the device state
+        (counters, table, per-block tensors, committed private copies) rebuilt from it.
+        The copies read only shared slots, which a commit never writes."""
+        state.host.restore(snap)
+        state.upload()
+        src, dst = state.host.committed_copies()
+        dev = self.device
+        ops.copy_kv_slots_(self.k_pool, self.v_pool, torch.from_numpy(src).to(dev),
+                           torch.from_numpy(dst).to(dev))
+
     # ------------------------------------------------------------------ edits
     def write_range(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Overwrite K/V of resident positions [start, start + T) of one layer.
 
         Committed positions' private copies are updated too, so the edit takes effect
         on the next forward. Staged positions are rewritten by every forward; an
-        edit reaches the shared slot that the next commit reads.
+        edit reaches the shared slot that the next commit reads. All or nothing: a
+        failure part way puts back every slot it touched.
         """
         state = self._require_open()
         self._check_layer(layer)
         T = self._check_kv(k, v)
         src_rows, dst = state.host.edit_targets(start, T)
-        dev = self.device
-        ops.scatter_kv_slots_(self.k_pool[layer], self.v_pool[layer], k, v,
-                              torch.from_numpy(dst).to(dev), None,
-                              torch.from_numpy(src_rows).to(dev))
+        rows, slots = (torch.from_numpy(a).to(self.device) for a in (src_rows, dst))
+        with self._restoring(layer, slots):
+            ops.scatter_kv_slots_(self.k_pool[layer], self.v_pool[layer], k.detach(),
+                                  v.detach(), slots, None, rows)
 
     def zero_values(self, layer: int, start: int, n: int) -> None:
         """Zero V (not K) of resident positions [start, start + n) of one layer,
-        private copies included."""
+        private copies included (all or nothing)."""
         state = self._require_open()
         self._check_layer(layer)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive integer, got {n!r}")
         _, dst = state.host.edit_targets(start, n)
-        self.v_pool[layer].index_fill_(0, torch.from_numpy(dst).to(self.device), 0)
+        slots = torch.from_numpy(dst).to(self.device)
+        with self._restoring(layer, slots):
+            self.v_pool[layer].index_fill_(0, slots, 0)
+
+    @contextlib.contextmanager
+    def _restoring(self, layer: int, slots: torch.Tensor):
+        """Keep the K/V of ``slots`` of ``layer``; put them back if the block raises."""
+        with torch.no_grad():
+            k_old, v_old = self.k_pool[layer][slots], self.v_pool[layer][slots]  # [n, H_kv, D]
+            try:
+                yield
+            except BaseException:
+                self.k_pool[layer].index_copy_(0, slots, k_old)
+                self.v_pool[layer].index_copy_(0, slots, v_old)
+                raise
 
     # ------------------------------------------------------------------ checks
     def _check_layer(self, layer: int) -> None:
@@ -318,6 +359,21 @@ def _commit_kernels(state: GeometryState, n: int) -> None:
                        max_staged_tokens=g.max_staged_tokens,
                        tokens_per_page=plan.tokens_per_page,
                        fixed_pages=plan.fixed_pages, ring_pages=plan.ring_pages)
+
+
+def _check_sizes(**sizes) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_dtype(dtype, device: torch.device | None) -> None:
+    """bf16/fp16 anywhere, fp32 on the CPU (``device`` None: any device)."""
+    cpu = device is None or device.type == "cpu"
+    if dtype not in _DTYPES or (dtype == torch.float32 and not cpu):
+        allowed = "bfloat16, float16" + (", float32 (cpu)" if cpu else "")
+        where = f" on {device.type}" if device is not None else ""
+        raise ValueError(f"dtype must be one of {allowed}{where}, got {dtype}")
 
 
 def _check_tpp(tpp) -> None:

@@ -30,8 +30,8 @@ Row of causal block j (s = C + j*b, V'(j) = [0, min(P, s)) U [max(P, s - W), s))
 
 ``build_block_layout`` is the vectorised host model; ``build_block_layout_looped`` runs
 the op reference ``causal_layout_reference`` (a loop over blocks, one per kernel CTA),
-so the two are independent codings of one rule. ``HostLayout`` holds the rollout state
-and ``HostLayout.flat_layout()`` is the flat format the kernel writes.
+so the two are independent codings of one rule. ``mirror.HostLayout`` holds the
+rollout state and draws its layouts with ``build_block_layout``.
 """
 from __future__ import annotations
 
@@ -42,12 +42,10 @@ import torch
 
 from framekv.ops.causal_layout import DESC_COLUMNS, causal_layout_reference
 
-from .plan import (BlockPlan, LayoutPlan, check_ring_capacity, is_resident,
-                          pool_tokens_for, resident_low, ring_base_for)
+from .plan import BlockPlan, LayoutPlan
 
-__all__ = ["BlockLayout", "FlatLayout", "HostLayout", "LayoutPlan", "BlockPlan",
-           "build_block_layout", "build_block_layout_looped", "pool_tokens_for",
-           "ring_base_for", "FLAT_FIELDS"]
+__all__ = ["BlockLayout", "FlatLayout", "build_block_layout", "build_block_layout_looped",
+           "physical_page", "slot_at", "FLAT_FIELDS"]
 
 #: Fields of BlockLayout / FlatLayout that hold tensors, in the op's argument order
 #: (seq_len_q, constant, is not an op output).
@@ -226,150 +224,3 @@ def build_block_layout(plan: LayoutPlan, b: int, committed: int, ring_base: int,
     out.staged_dst[:nb * b] = _slots(plan, ring_base, table, committed + i)
     out.staged_dst2[:nb * b] = slot0[i // b] + n_partial[i // b] + i % b
     return out
-
-
-# --------------------------------------------------------------------------- state
-
-class HostLayout:
-    """Rollout state of one geometry's layout: committed count, ring base, page table.
-
-    ``open`` state is C = 0, ring_base = F, table = identity over [0, F + R). The
-    staged count is the most tokens written since the last commit (``note_staged``);
-    ``commit(n)`` leaves ``staged - n`` of them staged.
-    """
-
-    def __init__(self, plan: LayoutPlan):
-        self.plan = plan
-        self.reset()
-
-    def reset(self) -> None:
-        """Back to the state of a freshly opened geometry."""
-        self._committed = 0
-        self._ring_base = self.plan.fixed_pages
-        self._table_np = np.arange(self.plan.table_len, dtype=np.int64)  # [F + R]
-        self._pending_roll = 0  # ring rotation not yet applied to _table_np (commit is O(1))
-        self._staged = 0
-        self._layouts: dict[int, BlockLayout] = {}
-
-    @property
-    def committed(self) -> int:
-        """C, positions committed so far."""
-        return self._committed
-
-    @property
-    def ring_base(self) -> int:
-        """Logical page held by ring entry 0."""
-        return self._ring_base
-
-    @property
-    def table(self) -> np.ndarray:
-        """A copy of the page table, int64 [F + R]; the state cannot be edited through it."""
-        return self._table.copy()
-
-    @property
-    def _table(self) -> np.ndarray:
-        """The page table with every commit's ring rotation applied.
-
-        Commits only add to a pending rotation, applied here on first use: a replayed
-        commit's host mirror then costs a few integer operations, not an array roll.
-        """
-        if self._pending_roll:
-            F = self.plan.fixed_pages
-            self._table_np[F:] = np.roll(self._table_np[F:], -self._pending_roll)
-            self._pending_roll = 0
-        return self._table_np
-
-    @property
-    def staged(self) -> int:
-        """Tokens written since the last commit and not yet committed."""
-        return self._staged
-
-    def is_resident(self, pos: int) -> bool:
-        """True when ``pos`` has a slot: [0, P) or [max(P, C - W), C + M)."""
-        return is_resident(self.plan, self._committed, pos)
-
-    def slot_of(self, pos: int) -> int:
-        """Slot id of a resident position; ValueError for any other position."""
-        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)):
-            raise ValueError(f"pos must be an integer, got {pos!r}")
-        if not self.is_resident(int(pos)):
-            g = self.plan.geometry
-            raise ValueError(
-                f"position {pos} is not resident: resident are [0, {g.pin_tokens}) and "
-                f"[{resident_low(self.plan, self._committed)}, "
-                f"{self._committed + g.max_staged_tokens})")
-        return slot_at(self.plan, self._ring_base, self._table, int(pos))
-
-    def block_layout(self, b: int) -> BlockLayout:
-        """Per-block tensors of block size ``b`` at the current state (cached)."""
-        layout = self._layouts.get(b)
-        if layout is None:
-            layout = build_block_layout(self.plan, b, self._committed, self._ring_base,
-                                        self._table)
-            self._layouts[b] = layout
-        return layout
-
-    def flat_layout(self) -> FlatLayout:
-        """Every block size's tensors at the current state, in the flat format (what
-        the cache uploads at open, and on CPU after every commit)."""
-        layouts = [self.block_layout(bp.block_size) for bp in self.plan.blocks]
-        return FlatLayout(**{name: np.concatenate([getattr(x, name).reshape(-1)
-                                                   for x in layouts])
-                             for name in FLAT_FIELDS})
-
-    def committed_copies(self) -> tuple[np.ndarray, np.ndarray]:
-        """(src, dst) slot pairs of every block size, -1 padded, to apply after commit."""
-        layouts = [self.block_layout(bp.block_size) for bp in self.plan.blocks]
-        return (np.concatenate([x.committed_src for x in layouts]),
-                np.concatenate([x.committed_dst for x in layouts]))
-
-    def edit_targets(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source row, slot) pairs of an edit of positions [start, start + count): each
-        position's shared slot, then every committed private copy of a committed one.
-
-        Raises ValueError (from `slot_of`) naming the resident ranges for a position
-        that is not resident.
-        """
-        if isinstance(start, bool) or not isinstance(start, int):
-            raise ValueError(f"start must be an integer, got {start!r}")
-        rows = np.arange(count, dtype=np.int64)
-        slots = np.array([self.slot_of(start + int(r)) for r in rows], np.int64)
-        csrc, cdst = self.committed_copies()
-        copies: dict[int, list[int]] = {}
-        for s_, d_ in zip(csrc.tolist(), cdst.tolist()):
-            if s_ >= 0:
-                copies.setdefault(s_, []).append(d_)
-        extra_rows, extra_dst = [], []
-        for r, slot in zip(rows.tolist(), slots.tolist()):
-            if start + r < self._committed:
-                for d_ in copies.get(slot, ()):
-                    extra_rows.append(r)
-                    extra_dst.append(d_)
-        return (np.concatenate([rows, np.array(extra_rows, np.int64)]),
-                np.concatenate([slots, np.array(extra_dst, np.int64)]))
-
-    def note_staged(self, tokens: int) -> None:
-        """Record a forward that wrote ``tokens`` rows at [C, C + tokens)."""
-        M = self.plan.geometry.max_staged_tokens
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= M:
-            raise ValueError(f"tokens must be an integer in [0, {M}], got {tokens!r}")
-        self._staged = max(self._staged, tokens)
-
-    def commit(self, n: int) -> int:
-        """Make [C, C + n) history and rotate the ring; returns the rotation d.
-
-        The caller then applies ``committed_copies()`` to every layer.
-        """
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._staged:
-            raise ValueError(f"n must be an integer in [0, staged={self._staged}], got {n!r}")
-        self._committed += n
-        self._staged -= n
-        new_base = ring_base_for(self.plan, self._committed)
-        d = new_base - self._ring_base
-        assert 0 <= d <= self.plan.ring_pages, (d, self._ring_base, new_base)
-        # Dropped pages return at the ring's end; the roll itself waits for `_table`.
-        self._pending_roll = (self._pending_roll + d) % self.plan.ring_pages
-        self._ring_base = new_base
-        check_ring_capacity(self.plan, self._committed, new_base)
-        self._layouts.clear()
-        return d

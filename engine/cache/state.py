@@ -26,7 +26,8 @@ import torch
 
 from framekv.ops.causal_layout import DESC_COLUMNS
 
-from .host import FLAT_FIELDS, HostLayout
+from .host import FLAT_FIELDS
+from .mirror import HostLayout
 from .plan import LayoutPlan
 
 #: committed, ring_base, ring shift, pad (keeps 32-byte alignment)
@@ -83,25 +84,25 @@ class GeometryState:
         launchers: bound kernels of this geometry, built on first use.
     """
 
-    def __init__(self, plan: LayoutPlan, flat: dict[str, torch.Tensor]):
+    def __init__(self, plan: LayoutPlan, flat: dict[str, torch.Tensor], num_layers: int = 1):
         self.plan, self.flat = plan, flat
-        self.host = HostLayout(plan)
+        self.host = HostLayout(plan, num_layers)
         self.blocks = _block_views(plan, flat)
         self.launchers: dict = {}
         flat["desc"].copy_(torch.from_numpy(plan.descriptor()))
 
     @classmethod
-    def carve(cls, arena, plan: LayoutPlan) -> "GeometryState":
+    def carve(cls, arena, plan: LayoutPlan, num_layers: int = 1) -> "GeometryState":
         """Carve every tensor from ``arena``: all of them, or none (the arena is rolled
-        back when one carve fails)."""
+        back when anything fails)."""
         mark = arena.mark()
         try:
             flat = {name: arena.empty(shape, dtype, name=name)
                     for name, shape, dtype in state_specs(plan)}
-        except Exception:
+            return cls(plan, flat, num_layers)
+        except BaseException:
             arena.release_to(mark)
             raise
-        return cls(plan, flat)
 
     @property
     def counters(self) -> torch.Tensor:
@@ -117,6 +118,11 @@ class GeometryState:
         """Position 0: host mirror, counters and layout from the host model (an upload
         at open is fine; commits never upload)."""
         self.host.reset()
+        self.upload()
+
+    def upload(self) -> None:
+        """Counters, table and per-block tensors from the host mirror: the device state
+        of the mirror's position (open, and recovery after a failed commit)."""
         h = self.host
         self.counters.copy_(torch.tensor([h.committed, h.ring_base, 0, 0], dtype=torch.int64))
         self.upload_layout()
