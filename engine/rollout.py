@@ -41,6 +41,7 @@ from .attention.ulysses_kv import UlyssesKV
 from .cache import CausalKVCache
 from .cache_dir import use_cache_dir
 from .kv import KVStore, PagedKV, ReferenceKV
+from .memory import check_fits, rollout_bytes
 from .model import CausalVideoDiT, default_backend, model_dtype
 
 
@@ -118,6 +119,10 @@ class Rollout:
         self.dtype = model_dtype(self.model_spec, self.device)
         self.use_graphs, self.resident = use_graphs, resident
         self.geometry = self.spec.geometry()
+        check_fits(f"preset {self.name!r}", rollout_bytes(
+            self.model_spec, self.spec, self.dtype, weights=model is None,
+            paged_cache=kv == "paged",
+            reference_attention=_default_name(backend, self.device) == "reference"), self.device)
         self.model = self._model(model, backend, use_cache_dir(cache_dir, self.device))
         #: name of the attention backend (a shared model brings its own)
         self.backend: str = self.model.blocks[0].attn.backend.name
@@ -134,7 +139,7 @@ class Rollout:
         self._requests: dict[int, CaptureRequest] = {}  # chunk tokens -> what was captured
         self._runners: dict[int, object] = {}  # chunk tokens -> open ResidentGraph
         self.chunk_index = self.frames_done = 0
-        self.prefilled = False
+        self.prefilled = self.closed = False
         #: chunks run per path: "graphs" (a replay or resident run), "eager"; ``path``:
         #: the last chunk's (None before one)
         self.paths: dict[str, int] = {"eager": 0, "graphs": 0}
@@ -143,7 +148,10 @@ class Rollout:
     def _model(self, model, backend, plan_dir) -> CausalVideoDiT:
         if model is None:
             backend = get_backend(backend if backend is not None else default_backend(self.device),
-                                  plan_dir=plan_dir)
+                                  plan_dir=plan_dir, device=self.device)
+            if not backend.supports_kv_cache:
+                raise ValueError(f"backend {backend.name!r} cannot attend over the K/V cache: "
+                                 "use 'cudnn' (CUDA) or 'reference'")
             return CausalVideoDiT(self.model_spec, prompt_tokens=self.spec.prompt_tokens,
                                   device=self.device, backend=backend)
         if (model.spec, model.prompt_tokens) != (self.model_spec, self.spec.prompt_tokens):
@@ -254,6 +262,7 @@ class Rollout:
         the prompt). `prefill` calls it when graphs are on and nothing is captured.
         ``progress``: a progress bar on ``stream`` (default stderr).
         """
+        self._check_open()
         if self.prefilled:
             raise ValueError("capture() must run before prefill(): it resets the cache")
         if not self.use_graphs:
@@ -270,6 +279,7 @@ class Rollout:
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
         """Back to position 0, no prompt (graphs stay valid)."""
+        self._check_open()
         self.kv.reset()
         self.chunk_index = self.frames_done = 0
         self.prefilled = False
@@ -277,6 +287,7 @@ class Rollout:
 
     def prefill(self) -> None:
         """Capture (graphs on, first time), then commit the prompt as the pinned prefix."""
+        self._check_open()
         if self.prefilled:
             raise ValueError("the prompt is already prefilled; reset() first")
         if self.use_graphs and len(self._requests) < len(self.spec.chunk_token_counts()):
@@ -290,6 +301,7 @@ class Rollout:
         With graphs on, a chunk is a replay (a resident run with ``resident``) when the
         store can replay it now, else it runs eagerly; ``paths`` counts both.
         """
+        self._check_open()
         if not self.prefilled:
             raise ValueError("call prefill() before step()")
         inputs = self.inputs(self.chunk_index)
@@ -329,6 +341,21 @@ class Rollout:
         return [self.step() for _ in range(self.spec.chunks if chunks is None else chunks)]
 
     def close(self) -> None:
-        """Free the store and the graphs; the rollout is unusable after."""
+        """Free the store and the graphs; the rollout is unusable after (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
         self.graphs.clear()
         self.kv.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this Rollout was closed: its cache and graphs are freed; "
+                               "build a new one")
+
+
+def _default_name(backend, device: torch.device) -> str:
+    """The name of the backend a rollout will run (an instance: its own)."""
+    if backend is None:
+        return default_backend(device)
+    return getattr(backend, "name", backend)

@@ -20,6 +20,7 @@ Three comparisons per rollout:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -154,6 +155,9 @@ def verify_rollout(preset="tiny", *, chunks: int | None = None, device=None, bac
         tolerance: max abs error allowed (default by dtype, `DEFAULT_TOLERANCE`).
     Returns a `VerifyReport`; ``report.assert_ok()`` for tests.
     """
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(
+            tolerance, (int, float)) or not math.isfinite(tolerance) or tolerance < 0):
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
     name, mspec, rspec = resolve_specs(preset)
     if chunks is not None:
         rspec = with_chunks(rspec, chunks)

@@ -28,6 +28,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from framekv.engine.rollout import Rollout
 
 MAX_CHUNKS = 1000
+#: A request body is a small JSON object; anything larger is refused unread.
+MAX_BODY_BYTES = 4096
+#: Seconds a client may take to send its body.
+BODY_TIMEOUT_S = 10.0
 
 
 class Engine:
@@ -58,8 +62,48 @@ class Engine:
                 "graphs": s.graphs, "eager": s.eager, "graph_memory_bytes": s.reserved_bytes}
 
 
+class BadRequest(Exception):
+    """A request refused with an HTTP status and a message naming the problem."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def read_json_object(rfile, headers) -> dict:
+    """The request body as a JSON object (empty body: {}), or BadRequest: a chunked
+    body (411), a bad or oversized Content-Length (400, 413), a body that stalls (408,
+    the handler's socket timeout), malformed or too deeply nested JSON, or JSON that is
+    not an object (400)."""
+    if headers.get("Transfer-Encoding", "").lower() not in ("", "identity"):
+        raise BadRequest(411, "chunked request bodies are not accepted: send Content-Length")
+    text = headers.get("Content-Length", "0")
+    try:
+        length = int(text)
+    except ValueError:
+        raise BadRequest(400, f"Content-Length must be an integer, got {text!r}") from None
+    if not 0 <= length <= MAX_BODY_BYTES:
+        raise BadRequest(413 if length > 0 else 400, f"Content-Length must be in [0, "
+                         f"{MAX_BODY_BYTES}] bytes, got {length}")
+    try:
+        raw = rfile.read(length)
+    except TimeoutError:
+        raise BadRequest(408, f"the body did not arrive within {BODY_TIMEOUT_S} s") from None
+    try:
+        body = json.loads(raw or b"{}")
+    except RecursionError:
+        raise BadRequest(400, "the JSON body is nested too deeply") from None
+    except ValueError as exc:
+        raise BadRequest(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, f"the body must be a JSON object, got a {type(body).__name__}")
+    return body
+
+
 def handler_for(engine: Engine):
     class Handler(BaseHTTPRequestHandler):
+        timeout = BODY_TIMEOUT_S  # a stalled client holds a thread this long, no longer
+
         def do_GET(self):
             if self.path != "/health":
                 return self._reply(404, {"error": f"no such path {self.path}"})
@@ -69,12 +113,13 @@ def handler_for(engine: Engine):
             if self.path != "/generate":
                 return self._reply(404, {"error": f"no such path {self.path}"})
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                chunks = body.get("chunks", 1)
+                chunks = read_json_object(self.rfile, self.headers).get("chunks", 1)
                 if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= MAX_CHUNKS:
-                    raise ValueError(f"chunks must be an integer in [1, {MAX_CHUNKS}], got {chunks!r}")
-            except (ValueError, AttributeError) as exc:
-                return self._reply(400, {"error": str(exc)})
+                    raise BadRequest(400, f"chunks must be an integer in [1, {MAX_CHUNKS}], "
+                                          f"got {chunks!r}")
+            except BadRequest as exc:
+                self.close_connection = True  # the body may not have been read whole
+                return self._reply(exc.status, {"error": str(exc)})
             self._reply(200, engine.generate(chunks))
 
         def _reply(self, status: int, payload: dict) -> None:

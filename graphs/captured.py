@@ -162,7 +162,9 @@ class CapturedGraph:
         return self._graph_device
 
     def load(self, inputs: Mapping[str, torch.Tensor]) -> None:
-        """Copy tensors into the static input buffers of the same names."""
+        """Copy tensors into the static input buffers of the same names: every input
+        is checked first, so a refused call copies nothing (the next replay never runs
+        on a mix of old and new inputs)."""
         static = self._inputs
         for name, t in inputs.items():
             s = static.get(name)
@@ -171,14 +173,16 @@ class CapturedGraph:
                                  f"the graph takes {sorted(static)}")
             if t is s:
                 continue
-            if self.debug:
+            if self.debug or not isinstance(t, torch.Tensor):
                 self.check_layout(name, t)
             elif t.shape != s.shape or t.dtype != s.dtype:
                 # Checked always: copy_ would broadcast a wrong shape without a word.
                 raise ValueError(f"input {name!r}: got shape {list(t.shape)} {t.dtype}, the "
                                  f"graph was captured for {list(s.shape)} {s.dtype}; a "
                                  "different layout is a different key")
-            s.copy_(t)
+        for name, t in inputs.items():
+            if t is not static[name]:
+                static[name].copy_(t)
 
     # ------------------------------------------------------------------ debug checks
     def check_layout(self, name: str, tensor: torch.Tensor) -> None:

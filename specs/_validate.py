@@ -14,9 +14,15 @@ def _name(owner: str, field: str) -> str:
     return f"{owner}.{field}" if owner else field
 
 
+#: Largest size or count a spec takes: device tensors index tokens, pages and rows with
+#: 32-bit integers, and a seed shifted into the upper half of a 64-bit one must fit.
+SIZE_MAX = 2**31 - 1
+
+
 def check_int(owner: str, field: str, value: Any, *, minimum: int | None = None,
-              maximum: int | None = None) -> None:
-    """Raise ValueError unless ``value`` is an int (not bool) in ``[minimum, maximum]``."""
+              maximum: int | None = SIZE_MAX) -> None:
+    """Raise ValueError unless ``value`` is an int (not bool) in ``[minimum, maximum]``
+    (``maximum`` defaults to `SIZE_MAX`)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{_name(owner, field)} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:

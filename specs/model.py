@@ -106,6 +106,25 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The torch dtype of the weights (imports torch)."""
         return torch_dtype_of(self.dtype)
 
+    def parameter_count(self) -> int:
+        """Weights of the reference model of these shapes (`CausalVideoDiT`), counted
+        from the shapes alone, so that a size can be checked before anything is built.
+
+        Per block: fused QKV (hidden -> (H + 2 H_kv) * D), the two per-head QK norms, the
+        output projection, the MLP and its 6-row modulation; around the blocks: the
+        patch, text and time embeddings, the time projection (6 modulation rows), the
+        head and its 2-row modulation. Every Linear has a bias.
+        """
+        hid, H, Hkv, D, ffn = (self.hidden_size, self.num_heads, self.num_kv_heads,
+                               self.head_dim, self.ffn_size)
+        qkv = (H + 2 * Hkv) * D
+        block = (hid * qkv + qkv + 2 * D + H * D * hid + hid + hid * ffn + ffn + ffn * hid
+                 + hid + 6 * hid)
+        embed = (self.patch_dim * hid + hid + self.text_dim * hid + hid + hid * hid + hid
+                 + self.freq_dim * hid + hid + hid * hid + hid + hid * 6 * hid + 6 * hid)
+        head = 2 * hid + hid * self.patch_dim + self.patch_dim
+        return self.num_layers * block + embed + head
+
     def kv_spec(self) -> KVSpec:
         """The K/V cache this model needs."""
         return KVSpec(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,

@@ -73,7 +73,7 @@ class _Perturbed(ReferenceBackend):
 
 
 def test_verify_fails_beyond_tolerance(capsys, monkeypatch):
-    def perturbed(backend, plan_dir=None):
+    def perturbed(backend, plan_dir=None, device=None):
         return _Perturbed() if backend == "reference" else get_backend(backend)
     monkeypatch.setattr(rollout_module, "get_backend", perturbed)
     assert main(["verify", "--chunks", "2", "--device", "cpu"]) == 1

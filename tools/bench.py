@@ -23,6 +23,8 @@ import argparse
 import json
 import sys
 
+from .args import writable_file
+
 SECTIONS = ("attention", "chunk", "e2e")
 
 
@@ -75,8 +77,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-iters", type=_iters, default=10, help="chunk-cycle iterations")
     p.add_argument("--splits", default="2,3,4,5,6", help="split-KV sub-row counts to time")
     p.add_argument("--no-warmup", action="store_true", help="skip the cold/warm warm-up runs")
-    p.add_argument("--json", dest="json_path", metavar="FILE", default=None)
-    p.add_argument("--png", metavar="FILE", default=None, help="write a chart (matplotlib)")
+    p.add_argument("--json", dest="json_path", metavar="FILE", type=writable_file, default=None)
+    p.add_argument("--png", metavar="FILE", type=writable_file, default=None,
+                   help="write a chart (matplotlib)")
     p.add_argument("--chart-from", metavar="JSON", default=None,
                    help="only draw --png from an earlier --json; no GPU needed")
     p.set_defaults(func=run)

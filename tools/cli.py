@@ -6,6 +6,7 @@ import json
 import sys
 
 from . import bench, warmup
+from .args import nonnegative_int, positive_int, tolerance, writable_file
 
 
 def _cmd_info(args) -> int:
@@ -47,17 +48,10 @@ def _cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _rollout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny",
                    help="preset name (tiny, seed-bench, wan-1.3b) or a .toml/.json file (default tiny)")
-    p.add_argument("--chunks", type=_positive_int, default=None,
+    p.add_argument("--chunks", type=positive_int, default=None,
                    help="chunks to generate (default: the preset's)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--backend", default=None,
@@ -74,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_cmd_info)
     demo = sub.add_parser("demo", help="the main job: a timed, checked rollout of the reference model")
     _rollout_args(demo)
-    demo.add_argument("--json", metavar="FILE", default=None, help="also write the report as JSON to FILE")
-    demo.add_argument("--check-chunks", type=int, default=2,
+    demo.add_argument("--json", metavar="FILE", type=writable_file, default=None,
+                      help="also write the report as JSON to FILE")
+    demo.add_argument("--check-chunks", type=nonnegative_int, default=2,
                       help="chunks re-run eagerly and with the reference backend (default 2)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     demo.add_argument("--cache-dir", metavar="DIR", default=None,
@@ -84,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
     verify = sub.add_parser("verify", help="replay-correctness harness: eager vs graphs vs the fp32 reference")
     _rollout_args(verify)
-    verify.add_argument("--tolerance", type=float, default=None,
+    verify.add_argument("--tolerance", type=tolerance, default=None,
                         help="max abs error allowed (default: 1e-4 in fp32, 2e-2 in bf16)")
     verify.set_defaults(func=_cmd_verify)
     warmup.add_parser(sub)

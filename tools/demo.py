@@ -23,6 +23,7 @@ import time
 import msgspec
 import torch
 
+from framekv.engine.attention.registry import CUDNN_INSTALL, cudnn_frontend_available
 from framekv.engine.cache_dir import build_counts
 from framekv.engine.model import CausalVideoDiT
 from framekv.engine.rollout import Rollout, resolve_device, resolve_specs, with_chunks
@@ -142,6 +143,8 @@ def run_demo(preset="tiny", *, chunks: int | None = None, device=None, backend=N
     either, and the report also holds ``world_size`` and ``rank``. ``cache_dir``:
     load (and keep) compiled kernels and cuDNN plans there (`framekv warmup --cache-dir`
     fills it), so the captures build nothing."""
+    if isinstance(check_chunks, bool) or not isinstance(check_chunks, int) or check_chunks < 0:
+        raise ValueError(f"check_chunks must be an integer >= 0, got {check_chunks!r}")
     name, mspec, rspec = resolve_specs(preset)
     if chunks is not None:
         rspec = with_chunks(rspec, chunks)
@@ -206,6 +209,9 @@ def _print_header(stream, name: str, r: Rollout, bname: str) -> None:
     g = r.geometry
     print(f"framekv demo: preset {name}, device {r.device}, backend {bname}, "
           f"{str(r.dtype).removeprefix('torch.')}", file=stream)
+    if r.device.type == "cuda" and bname == "reference" and not cudnn_frontend_available():
+        print(f"note: nvidia-cudnn-frontend is not installed, so attention runs the fp32 "
+              f"reference backend (slow): {CUDNN_INSTALL}", file=stream)
     print(f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads}/{m.num_kv_heads} "
           f"heads of {m.head_dim}; {s.tokens_per_frame} tokens per frame, "
           f"{s.frames_per_chunk}-frame chunks ({s.chunk_tokens} tokens), window "

@@ -20,6 +20,8 @@ import argparse
 import os
 import sys
 
+from .args import writable_file
+
 CPU_NOTE = "cpu: graphs run eagerly; nothing is captured"
 
 
@@ -44,7 +46,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="cpu or cuda[:N] (default: cuda when a GPU is visible, else cpu)")
     p.add_argument("--backend", default=None,
                    help="attention backend: cudnn or reference (default: cudnn on CUDA)")
-    p.add_argument("--json", dest="json_path", metavar="FILE", default=None,
+    p.add_argument("--json", dest="json_path", metavar="FILE", type=writable_file, default=None,
                    help="write the report as JSON to FILE")
     p.add_argument("--cache-dir", metavar="DIR", default=None,
                    help="keep compiled numba kernels and cuDNN plans in DIR "

@@ -10,7 +10,8 @@
 """
 from .backend import AttentionBackend, AttentionPlan, ReferenceBackend, TorchSDPABackend, attend_fp32
 from .module import CachedAttention
-from .registry import BACKENDS, get_backend
+from .registry import BACKENDS, cudnn_frontend_available, default_backend, get_backend
 
 __all__ = ["AttentionBackend", "AttentionPlan", "BACKENDS", "CachedAttention",
-           "ReferenceBackend", "TorchSDPABackend", "attend_fp32", "get_backend"]
+           "ReferenceBackend", "TorchSDPABackend", "attend_fp32", "cudnn_frontend_available",
+           "default_backend", "get_backend"]

@@ -1,17 +1,40 @@
-"""Backends by name: the one place a name becomes an `AttentionBackend` instance."""
+"""Backends by name: the one place a name becomes an `AttentionBackend` instance, and
+the one place that says what a backend needs to run here."""
 from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
 
 from .backend import AttentionBackend, ReferenceBackend, TorchSDPABackend
 
 #: Names `get_backend` takes.
 BACKENDS = ("reference", "cudnn", "sdpa")
+#: What to install where cudnn-frontend is missing.
+CUDNN_INSTALL = "pip install 'framekv[gpu]' (nvidia-cudnn-frontend)"
 
 
-def get_backend(backend, *, plan_dir=None) -> AttentionBackend:
+@functools.lru_cache(maxsize=None)
+def cudnn_frontend_available() -> bool:
+    """Whether ``import cudnn`` (nvidia-cudnn-frontend) can work here."""
+    return importlib.util.find_spec("cudnn") is not None
+
+
+def default_backend(device) -> str:
+    """The attention backend a device uses unless told otherwise: cudnn on CUDA when
+    cudnn-frontend is installed, else the reference (the GPU extra is optional)."""
+    cuda = torch.device(device).type == "cuda"
+    return "cudnn" if cuda and cudnn_frontend_available() else "reference"
+
+
+def get_backend(backend, *, plan_dir=None, device=None) -> AttentionBackend:
     """A backend instance from a name ("reference", "cudnn", "sdpa") or an instance.
 
     ``plan_dir``: with "cudnn", keep built cuDNN plans in this folder across processes
-    (see `CudnnBackend`); ignored for the others and for an instance.
+    (see `CudnnBackend`); ignored for the others and for an instance. ``device``: where
+    it will run, checked when given: "cudnn" needs CUDA and cudnn-frontend (the
+    ValueError says what to install).
     """
     if isinstance(backend, AttentionBackend):
         return backend
@@ -20,6 +43,12 @@ def get_backend(backend, *, plan_dir=None) -> AttentionBackend:
     if backend == "sdpa":
         return TorchSDPABackend()
     if backend == "cudnn":
+        if device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"backend 'cudnn' needs a CUDA device, got {device}: use "
+                             "backend='reference' on the CPU")
+        if not cudnn_frontend_available():
+            raise ValueError(f"backend 'cudnn' needs nvidia-cudnn-frontend, which is not "
+                             f"installed: {CUDNN_INSTALL}")
         from .cudnn import CudnnBackend
 
         return CudnnBackend(plan_dir=plan_dir)

@@ -32,6 +32,7 @@ import torch
 from framekv.specs import ModelSpec
 
 from ..attention import get_backend
+from ..attention.registry import default_backend
 from ..kv import AttendFn, KVStore
 from .blocks import DiTBlock, Rope3D, modulate, sinusoidal_embedding
 
@@ -45,11 +46,6 @@ def model_dtype(spec: ModelSpec, device) -> torch.dtype:
     if torch.device(device).type != "cuda":
         return torch.float32
     return torch.bfloat16 if spec.dtype == "float32" else spec.torch_dtype
-
-
-def default_backend(device) -> str:
-    """The attention backend a device uses unless told otherwise."""
-    return "cudnn" if torch.device(device).type == "cuda" else "reference"
 
 
 def patchify(latents: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:

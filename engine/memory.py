@@ -1,0 +1,77 @@
+"""Whether a rollout fits its device, checked from the specs before anything is built.
+
+A preset whose sizes the machine cannot hold should fail at once with what it would
+need, not after minutes of building modules or with an allocator's traceback. The need
+is counted from the shapes alone::
+
+    weights      ModelSpec.parameter_count() x the compute dtype's bytes
+    K/V cache    CausalKVCache.pool_bytes_for(geometry, ...)  (exact)
+    activations  one forward's largest tensors over a chunk, x 4 for what the graph
+                 pool and the allocator keep alive (an estimate, said so)
+
+and compared with the device's free memory (CUDA: the driver's count; CPU: the
+kernel's MemAvailable). Where free memory cannot be read, nothing is refused.
+"""
+from __future__ import annotations
+
+import torch
+
+from framekv.specs import ModelSpec, RolloutSpec
+
+from .cache import CausalKVCache
+
+__all__ = ["check_fits", "free_bytes", "rollout_bytes"]
+
+_GIB = 2**30
+#: Live copies of one forward's activations: the forward itself, the graph pool that
+#: keeps a captured chunk's, and allocator slack.
+_ACTIVATION_COPIES = 4
+#: Query rows per fp32 score tile of the reference attention (`attend_fp32`).
+_QUERY_TILE = 256
+
+
+def rollout_bytes(model: ModelSpec, rollout: RolloutSpec, dtype: torch.dtype, *,
+                  weights: bool = True, paged_cache: bool = True,
+                  reference_attention: bool = False) -> dict[str, int]:
+    """Bytes a rollout of these specs needs on its device, by part (see module doc)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    T, hid = rollout.chunk_tokens, model.hidden_size
+    qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    act = T * (6 * hid + 2 * qkv + 2 * model.ffn_size) * size + T * model.head_dim * 8
+    if reference_attention:  # fp32 scores of one query tile over every key, and softmax
+        act += 2 * model.num_heads * _QUERY_TILE * rollout.keys_per_forward * 4
+    out = {"weights": model.parameter_count() * size if weights else 0,
+           "kv_cache": 0, "activations": _ACTIVATION_COPIES * act}
+    if paged_cache:
+        out["kv_cache"] = CausalKVCache.pool_bytes_for(
+            rollout.geometry(), num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim, dtype=dtype, tokens_per_page=model.tokens_per_page)
+    return out
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device`` in bytes, or None where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(name: str, need: dict[str, int], device: torch.device) -> None:
+    """ValueError saying what ``name`` needs (by part) and what ``device`` has free,
+    when the total does not fit."""
+    free = free_bytes(device)
+    total = sum(need.values())
+    if free is None or total <= free:
+        return
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / _GIB:.2f} GiB" for k, v in need.items() if v)
+    raise ValueError(f"{name} needs about {total / _GIB:.2f} GiB on {device} ({parts}; "
+                     f"activations estimated), and {device} has {free / _GIB:.2f} GiB free: "
+                     "use a smaller preset (fewer layers, a shorter window or chunk) or a "
+                     "larger device")

@@ -1,0 +1,53 @@
+"""Argument types shared by the commands: each refuses a bad value at parse time, with
+the expected and the actual value, before any work runs."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+    return value
+
+
+def tolerance(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def writable_file(text: str) -> str:
+    """A file path this process can write: its folder exists and is writable, it is not
+    a folder, and an existing file is writable. Checked before the run, so a long run's
+    report is never lost to a bad path at the end."""
+    path = os.path.abspath(text)
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"must be a file path, got the folder {text!r}")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+    return text
