@@ -211,19 +211,15 @@ class DenseRollingKV(KVStore):
             raise ValueError("DenseRollingKV was closed")
         return self.k_buffers[layer], self.v_buffers[layer]
 
-    def _check_prompt_committed(self) -> None:
-        if self.committed < self.pin_tokens:
-            raise ValueError(f"commit the prompt ({self.pin_tokens} tokens) before a forward, "
-                             f"C = {self.committed}")
-
     def slot(self, position: int) -> int:
-        """Buffer slot of a position in the window or the current forward (p >= C - h)."""
-        return self.pin_tokens + self.history + (position - self.committed)
+        """Buffer slot of a position in the window or the current forward (p >= C - h).
+        While the pinned region fills (C < P, a model whose pinned prefix is its first
+        generated frames) positions sit at their own index."""
+        return min(self.committed, self.pin_tokens) + self.history + (position - self.committed)
 
     def stage(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write a forward's k, v ([T, H_kv, D], any strides) at positions [C, C + T)."""
         kb, vb = self._buffers(layer)
-        self._check_prompt_committed()
         want = (self.num_kv_heads, self.head_dim)
         if k.dim() != 3 or k.shape != v.shape or tuple(k.shape[1:]) != want:
             raise ValueError(f"k and v must both be [T, {want[0]}, {want[1]}], got "
@@ -300,16 +296,16 @@ class DenseRollingKV(KVStore):
     def commit(self, n: int) -> None:
         """Make the first n staged tokens history: C += n; the window rolls by clone once
         it would hold more than W tokens. Staged tokens past n are not kept."""
-        self._check_prompt_committed()
         if not _is_int_in(n, 0, self.staged):
             raise ValueError(f"n must be in [0, {self.staged}] (staged tokens), got {n!r}")
-        P, W = self.pin_tokens, self.window_tokens
-        shift = self.history + n - W
+        P, W, C = self.pin_tokens, self.window_tokens, self.committed
+        held = self.history + max(0, C + n - max(C, P))  # window tokens at [P, P + held)
+        shift = held - W
         if shift > 0 and W:
             for buf in self.k_buffers + self.v_buffers:
                 buf[P:P + W] = buf[P + shift:P + shift + W].clone()       # [W, H_kv, D]
         self.committed += n
-        self.history = min(self.history + n, W)
+        self.history = min(held, W)
         self.staged = 0
 
     def after_replay(self, n: int) -> None:

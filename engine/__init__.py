@@ -15,9 +15,10 @@ from .model import CausalVideoDiT
 from .rollout import Rollout
 from .verify import ReferenceRollout, VerifyReport, verify_rollout
 from .warmup import WarmupResult, warm_up
+from .wan import WanRollout
 
 __all__ = ["AttentionBackend", "AttentionPlan", "ArenaClosedError", "ArenaError",
            "ArenaExhaustedError", "CachedAttention", "CausalKVCache", "CausalVideoDiT",
            "DeviceArena", "ExactWindowReference", "HostArena", "KVStore", "PagedKV",
-           "ReferenceKV", "ReferenceRollout", "Rollout", "VerifyReport", "WarmupResult",
+           "ReferenceKV", "ReferenceRollout", "Rollout", "VerifyReport", "WanRollout", "WarmupResult",
            "make_arena", "verify_rollout", "warm_up"]

@@ -278,8 +278,6 @@ def test_buffer_errors():
     g = Geometry(pin_tokens=2, window_tokens=4, max_staged_tokens=3, causal_block_sizes=(1, 3))
     kv = _kv(g, layers=1)
     k = torch.zeros(3, 2, 4)
-    with pytest.raises(ValueError, match="commit the prompt"):
-        kv.stage(0, k, k)
     kv.commit_prompt()
     with pytest.raises(ValueError, match="C = 0 only"):
         kv.commit_prompt()

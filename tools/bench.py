@@ -10,6 +10,11 @@ Sections (``--sections``, default all):
     e2e         the ``--e2e-preset`` model (default wan-1.3b) end to end: framekv with
                 graphs and eager against a dense rolling cache with torch SDPA, at each
                 of ``--windows``
+    wan         diffusers' Wan transformer (the 1.3B config, random weights, bf16,
+                latent 60x104, 3-frame chunks, 4 steps, a 21-frame window filled first):
+                `WanRollout` with graphs and eager against a Self-Forcing-style dense
+                rolling cache (eager and under graphs) and the stock model recomputing
+                its visible window every step (`framekv.bench.wan`)
 
 Prints a table per section; ``--json FILE`` writes every number with the environment;
 ``--png FILE`` draws a chart (needs matplotlib, the ``plot`` extra). ``--chart-from
@@ -25,7 +30,7 @@ import sys
 
 from .args import writable_file
 
-SECTIONS = ("attention", "chunk", "e2e")
+SECTIONS = ("attention", "chunk", "e2e", "wan")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -66,7 +71,7 @@ def _iters(text: str) -> int:
 def configure(p: argparse.ArgumentParser) -> None:
     """Add the command's arguments to ``p`` and set ``func``."""
     p.add_argument("--sections", type=_sections, default=list(SECTIONS),
-                   help="comma-separated: attention,chunk,e2e (default all)")
+                   help="comma-separated: attention,chunk,e2e,wan (default all)")
     p.add_argument("--preset", default="seed-bench",
                    help="geometry of the attention and chunk sections (default seed-bench)")
     p.add_argument("--e2e-preset", default="wan-1.3b", help="model of the e2e section")
@@ -150,6 +155,13 @@ def _run_sections(args, preset, splits, results, save) -> None:
                                               chunks=args.chunks, progress=progress))
             save()
             print(e2e.format_e2e(out["e2e"][-1]), flush=True)
+    if "wan" in args.sections:
+        from framekv.bench import wan
+
+        out["wan"] = wan.measure_wan("1.3b", window_frames=21, chunks=min(args.chunks, 5),
+                                     progress=progress)
+        save()
+        print(wan.format_wan(out["wan"]), flush=True)
 
 
 def _chart(results: dict, path: str) -> int:

@@ -23,12 +23,19 @@ def _fail(command: str, exc: Exception) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .demo import run_demo
-
     try:
-        report = run_demo(args.preset, chunks=args.chunks, device=args.device,
-                          backend=args.backend, check_chunks=args.check_chunks,
-                          progress=not args.no_progress, cache_dir=args.cache_dir)
+        if args.model == "wan-diffusers":
+            from .wan_demo import run_wan_demo
+
+            report = run_wan_demo(args.config, weights=args.weights, chunks=args.chunks,
+                                  device=args.device, backend=args.backend,
+                                  check_chunks=args.check_chunks, cache_dir=args.cache_dir)
+        else:
+            from .demo import run_demo
+
+            report = run_demo(args.preset, chunks=args.chunks, device=args.device,
+                              backend=args.backend, check_chunks=args.check_chunks,
+                              progress=not args.no_progress, cache_dir=args.cache_dir)
     except (ValueError, FileNotFoundError) as exc:
         return _fail("demo", exc)
     if args.json and report.get("rank", 0) == 0:  # under torchrun, rank 0 writes it
@@ -73,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--check-chunks", type=nonnegative_int, default=2,
                       help="chunks re-run eagerly and with the reference backend (default 2)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    demo.add_argument("--model", choices=("reference", "wan-diffusers"), default="reference",
+                      help="the reference DiT of --preset (default), or diffusers' Wan "
+                           "transformer (needs the wan extra)")
+    demo.add_argument("--config", default="tiny",
+                      help="with --model wan-diffusers: tiny or 1.3b (random weights)")
+    demo.add_argument("--weights", metavar="DIR", default=None,
+                      help="with --model wan-diffusers: a local diffusers folder")
     demo.add_argument("--cache-dir", metavar="DIR", default=None,
                       help="load and keep compiled kernels and cuDNN plans in DIR "
                            "(framekv warmup --cache-dir fills it)")

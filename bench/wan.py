@@ -1,0 +1,213 @@
+"""End to end: diffusers' Wan transformer rolled out, framekv against what users run.
+
+One model (a shipped config, random weights, bf16 as ``torch_dtype`` would load it),
+the same prompt and the same chunk noise for every variant:
+
+    framekv-graphs   `WanRollout` over the paged cache, each chunk one graph replay
+    framekv-eager    the same, every kernel launched from Python
+    dense-eager      `WanRollout` over `DenseRollingKV`: per-layer dense K/V rolled by
+                     copying, torch SDPA (cuDNN) over it: what Self-Forcing runs
+    dense-graphs     the same under CUDA graphs (captured at a full window)
+    stock-recompute  the stock model over every visible frame (sink, window, chunk) at
+                     every step, full attention, no cache: a diffusers user's loop
+
+The window is filled first, then ``chunks`` chunks are timed host to host with the
+device drained around each. Latent frames per second = frames / time; peak memory is
+torch's peak allocation plus the K/V arena.
+
+    python -m framekv.bench.wan --json FILE      (also `framekv bench --sections wan`)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from .timing import environment, summary
+
+VARIANTS = ("stock-recompute", "framekv-graphs", "framekv-eager", "dense-eager", "dense-graphs")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rollout(variant: str, model, kw: dict):
+    from framekv.engine import WanRollout
+    from framekv.engine.wan import WanShape
+
+    from .dense import DenseRollingKV
+
+    graphs = variant.endswith("graphs")
+    if variant.startswith("framekv"):
+        return WanRollout(model, use_graphs=graphs, **kw)
+    shape = WanShape.of(model, kw["latent_size"], kw["frames_per_chunk"], kw["sink_frames"],
+                        kw["window_frames"])
+    device = next(model.parameters()).device
+    dense = DenseRollingKV(shape.geometry(), num_layers=shape.num_layers,
+                           num_kv_heads=shape.heads, head_dim=shape.head_dim,
+                           dtype=model.patch_embedding.weight.dtype, device=device,
+                           backend="cudnn" if device.type == "cuda" else "math")
+    return WanRollout(model, use_graphs=graphs, kv=dense, **kw)
+
+
+def _timed(step, noises, fill: int, device) -> tuple[list[float], list[torch.Tensor]]:
+    """Run ``fill`` untimed chunks, then time one chunk per remaining noise (µs)."""
+    times, outs = [], []
+    for i, noise in enumerate(noises):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = step(noise)
+        _sync(device)
+        if i >= fill:
+            times.append((time.perf_counter() - t0) * 1e6)
+            outs.append(out)
+    return times, outs
+
+
+class StockRecompute:
+    """The unmodified model over sink + window + chunk frames at every step (module doc)."""
+
+    def __init__(self, model, text, *, frames_per_chunk, sink_frames, window_frames, timesteps):
+        self.model, self.text, self.F = model, text, frames_per_chunk
+        self.device, self.dtype = text.device, model.patch_embedding.weight.dtype
+        _, ph, pw = model.config.patch_size
+        self.patch = ph * pw
+        self.sink, self.window = sink_frames, window_frames
+        self.ts = [float(t) for t in timesteps]
+        self.sig = [t / 1000 for t in self.ts] + [0.0]
+        self.frames: list[torch.Tensor] = []     # finished latent frames [1, C, 1, H, W]
+
+    @torch.no_grad()
+    def step(self, noise: torch.Tensor) -> torch.Tensor:
+        hist = self.frames[:self.sink] + self.frames[self.sink:][-self.window:] \
+            if self.window else self.frames[:self.sink]
+        x = noise.to(self.device)
+        tpf = x.shape[3] * x.shape[4] // self.patch
+        for i, t in enumerate(self.ts):
+            full = torch.cat([*hist, x], dim=2).to(self.dtype)
+            tstep = torch.tensor([[0.0] * (len(hist) * tpf) + [t] * (self.F * tpf)],
+                                 device=self.device)
+            v = self.model(full, tstep, self.text, return_dict=False)[0][:, :, -self.F:].float()
+            x = x + (self.sig[i + 1] - self.sig[i]) * v
+        self.frames += list(x.split(1, dim=2))
+        return x
+
+
+def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk: int = 3,
+                sink_frames: int = 1, window_frames: int = 21, chunks: int = 5,
+                recompute_chunks: int = 3, variants=VARIANTS, device="cuda",
+                progress=print) -> dict:
+    """Per-chunk latency, latent frames per second and peak memory of each variant."""
+    from framekv.engine.wan import build_model
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    model = build_model(config, device=device)
+    kw = dict(latent_size=tuple(latent_size), frames_per_chunk=frames_per_chunk,
+              sink_frames=sink_frames, window_frames=window_frames)
+    gen = torch.Generator().manual_seed(0)
+    text = torch.randn(1, 512, model.config.text_dim, generator=gen).to(
+        device, model.patch_embedding.weight.dtype)
+    fill = -(-(sink_frames + window_frames) // frames_per_chunk) + 1
+    C, (H, W) = model.config.in_channels, latent_size
+    noises = [torch.randn(1, C, frames_per_chunk, H, W, generator=gen) for _ in range(fill + chunks)]
+    stock = {"rope": model.rope,
+             "processors": [(b.attn1.processor, b.attn2.processor) for b in model.blocks]}
+    results, latents = {}, {}
+    for variant in variants:
+        progress(f"wan {config} window {window_frames} frames: {variant}")
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        if variant == "stock-recompute":
+            _restore(model, stock)
+            runner = StockRecompute(model, text, timesteps=(1000, 750, 500, 250), **{
+                k: kw[k] for k in ("frames_per_chunk", "sink_frames", "window_frames")})
+            times, outs = _timed(runner.step, noises[:fill + recompute_chunks], fill, device)
+            arena, path = 0, "eager"
+        else:
+            r = _rollout(variant, model, kw)
+            r.set_prompt(text)
+            if r.use_graphs:
+                r.capture()
+            times, outs = _timed(r.step, noises, fill, device)
+            arena = r.cache.pool_bytes if r.cache is not None else r.kv.buffer_bytes
+            path = "graphs" if r.use_graphs else "eager"
+        latents[variant] = outs
+        results[variant] = {
+            "chunk_us": summary(times), "path": path,
+            "frames_per_second": frames_per_chunk * len(times) / (sum(times) / 1e6),
+            "peak_bytes": (torch.cuda.max_memory_allocated() if cuda else 0) + arena}
+    _compare(results, latents)
+    _, ph, pw = model.config.patch_size
+    tpf = (H // ph) * (W // pw)
+    return {"config": config, "layers": len(model.blocks), "latent_size": list(latent_size),
+            "frames_per_chunk": frames_per_chunk, "sink_frames": sink_frames,
+            "window_frames": window_frames, "tokens_per_frame": tpf,
+            "keys": (sink_frames + window_frames + frames_per_chunk) * tpf, "chunks": chunks,
+            "variants": results}
+
+
+def _restore(model, stock: dict) -> None:
+    model.rope = stock["rope"]
+    for block, (p1, p2) in zip(model.blocks, stock["processors"]):
+        block.attn1.set_processor(p1)
+        block.attn2.set_processor(p2)
+
+
+def _compare(results: dict, latents: dict) -> None:
+    """Max abs difference of each variant's latents from framekv-eager's (the dense
+    paths compute the same math in another order; stock-recompute is other math)."""
+    base = latents.get("framekv-eager")
+    for name, outs in latents.items():
+        if base is not None and name != "stock-recompute":
+            results[name]["max_abs_diff_vs_framekv_eager"] = max(
+                float((a - b).abs().max()) for a, b in zip(base, outs))
+
+
+def format_wan(res: dict) -> str:
+    lines = [f"end to end: Wan {res['config']} ({res['layers']} layers), latent "
+             f"{res['latent_size'][0]}x{res['latent_size'][1]} ({res['tokens_per_frame']} "
+             f"tokens/frame), sink {res['sink_frames']} + window {res['window_frames']} frames "
+             f"({res['keys']} keys per forward), {res['frames_per_chunk']}-frame chunks",
+             f"  {'variant':<17}{'ms/chunk':>10}{'p10':>9}{'p90':>9}{'frames/s':>10}"
+             f"{'peak GiB':>10}{'vs eager diff':>15}  path"]
+    for name, r in res["variants"].items():
+        c = r["chunk_us"]
+        lines.append(f"  {name:<17}{c['median'] / 1e3:>10.1f}{c['p10'] / 1e3:>9.1f}"
+                     f"{c['p90'] / 1e3:>9.1f}{r['frames_per_second']:>10.2f}"
+                     f"{r['peak_bytes'] / 2**30:>10.2f}"
+                     f"{r.get('max_abs_diff_vs_framekv_eager', float('nan')):>15.2e}  {r['path']}")
+    v = res["variants"]
+    for a, b in (("framekv-graphs", "dense-eager"), ("framekv-graphs", "dense-graphs"),
+                 ("framekv-graphs", "stock-recompute")):
+        if a in v and b in v:
+            lines.append(f"  {a} / {b} frames per second = "
+                         f"{v[a]['frames_per_second'] / v[b]['frames_per_second']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m framekv.bench.wan",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="1.3b", help="tiny or 1.3b (default 1.3b)")
+    p.add_argument("--window", type=int, default=21, help="window frames (default 21)")
+    p.add_argument("--chunks", type=int, default=5, help="timed chunks per variant")
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+    res = measure_wan(args.config, window_frames=args.window, chunks=args.chunks,
+                      progress=lambda m: print(f"[wan] {m}", file=sys.stderr, flush=True))
+    print(format_wan(res))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"environment": environment(), "wan": res}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""What framekv puts inside a diffusers `WanTransformer3DModel`: self-attention
+processors over a K/V store, cross-attention over text K/V computed once per prompt, and
+a rotary embedding at absolute frame positions.
+
+The model's blocks call ``attn1(norm_hs, None, None, rotary_emb)``: no argument reaches
+a processor but those. So a `WanContext` the rollout owns is the side channel: before
+each model forward the rollout sets it (``begin(seq_len, block_size)``: the K/V store's
+attention function for that forward) and the processors read it. Nothing here depends
+on diffusers at import time; the math is the stock processors' (``WanAttnProcessor``):
+
+    self-attention   q, k, v projections (fused or not) -> RMSNorm over all heads (q, k)
+                     -> heads [1, S, H, D] -> rotary on interleaved pairs -> the store's
+                     cached attention over exactly V(j) -> to_out
+    cross-attention  q projection and norm per forward; k, v of the prompt projected and
+                     normed once per prompt (`WanCrossAttention.set_text`) -> SDPA -> to_out
+    rope             cos / sin of (frame0 + f, row, col) for every token: fp64 angles,
+                     fp32 tables, each angle repeated for its pair, as the stock table
+                     (`get_1d_rotary_pos_embed(..., repeat_interleave_real=True)`) but
+                     from a device frame index (graph-replayable) and without a length cap
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kv import AttendFn
+
+
+class WanContext:
+    """The side channel between a rollout and the processors in its model.
+
+    Attributes:
+        kv: the rollout's `KVStore`.
+        frame0: int64 [1] device tensor, the rope frame of the forward's first frame.
+        attend: the store's attention function of the forward under way (`begin`).
+    """
+
+    def __init__(self, kv, frame0: torch.Tensor):
+        self.kv, self.frame0 = kv, frame0
+        self.attend: AttendFn | None = None
+
+    def begin(self, seq_len: int, block_size: int) -> None:
+        """The next model forward writes ``seq_len`` tokens in blocks of ``block_size``."""
+        self.attend = self.kv.forward(seq_len, block_size)
+
+
+def qkv_projections(attn, hidden_states: torch.Tensor):
+    """q, k, v [1, S, H*D] of a self-attention module, fused or not (the stock rule)."""
+    if getattr(attn, "fused_projections", False):
+        return attn.to_qkv(hidden_states).chunk(3, dim=-1)
+    return attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair rotary of x [1, S, H, D] by cos / sin [1, S, 1, D] (each angle
+    twice, as the stock table holds it); the stock processor's arithmetic."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * c - x2 * s
+    out[..., 1::2] = x1 * s + x2 * c
+    return out.type_as(x)
+
+
+class WanSelfAttention:
+    """``attn1``'s processor: the stock math, attention through the context's store.
+
+    Args:
+        ctx: the `WanContext`.
+        cached: the layer's `CachedAttention` (H = H_kv = the block's heads).
+    """
+
+    def __init__(self, ctx: WanContext, cached):
+        self.ctx, self.cached = ctx, cached
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None, **kwargs):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("framekv's Wan self-attention takes no encoder states or mask: "
+                             "causality comes from the rollout's blocks")
+        q, k, v = qkv_projections(attn, hidden_states)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # [1, S, H, D]
+        if rotary_emb is not None:
+            q, k = rotate(q, *rotary_emb), rotate(k, *rotary_emb)
+        packed = torch.cat([q, k, v], dim=2)                                 # [1, S, 3H, D]
+        out = self.ctx.attend(self.cached, packed)                           # [1, S, H, D]
+        out = out.flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class WanCrossAttention:
+    """``attn2``'s processor: the stock text attention, with the prompt's K/V projected
+    once per prompt into fixed buffers (a captured chunk reads the new prompt's)."""
+
+    def __init__(self):
+        self.k = self.v = None  # [1, L, H, D], fixed once the first prompt is set
+
+    @torch.no_grad()
+    def set_text(self, attn, text: torch.Tensor) -> None:
+        """Project and norm ``text`` [1, L, dim] (the model's embedded prompt) into the
+        buffers; L must stay what the first prompt had (the buffers do not move)."""
+        if getattr(attn, "fused_projections", False):
+            k, v = attn.to_kv(text).chunk(2, dim=-1)
+        else:
+            k, v = attn.to_k(text), attn.to_v(text)
+        k = attn.norm_k(k).unflatten(2, (attn.heads, -1))                    # [1, L, H, D]
+        v = v.unflatten(2, (attn.heads, -1))
+        if self.k is None:
+            self.k, self.v = k.clone(), v.clone()
+            return
+        if self.k.shape != k.shape:
+            raise ValueError(f"text must keep the prompt length of the first set_prompt "
+                             f"({self.k.shape[1]} tokens), got {k.shape[1]}")
+        self.k.copy_(k)
+        self.v.copy_(v)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None, **kwargs):
+        if self.k is None:
+            raise ValueError("no prompt: call set_prompt(text_embeds) before a step")
+        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), self.k.transpose(1, 2),
+                                             self.v.transpose(1, 2))          # [1, H, S, D]
+        out = out.transpose(1, 2).flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class WanRope(torch.nn.Module):
+    """The model's ``rope``, at absolute frames: frame f of a forward sits at rope frame
+    ``ctx.frame0 + f`` (a device tensor, so one captured graph serves every chunk).
+
+    Args:
+        ctx: the `WanContext`.
+        head_dim, patch_size, theta: the stock rope's (its (t, h, w) split of head_dim).
+    """
+
+    def __init__(self, ctx: WanContext, head_dim: int, patch_size, theta: float = 10000.0):
+        super().__init__()
+        self.ctx, self.patch_size = ctx, tuple(patch_size)
+        hw = 2 * (head_dim // 6)
+        self.dims = (head_dim - 2 * hw, hw, hw)
+        self.theta = theta
+
+    def _inv_freq(self, dim: int, device) -> torch.Tensor:
+        return 1.0 / self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64,
+                                                 device=device)[: dim // 2] / dim)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, _, frames, height, width = hidden_states.shape
+        pt, ph, pw = self.patch_size
+        f, h, w = frames // pt, height // ph, width // pw
+        dev = hidden_states.device
+        pos = (self.ctx.frame0.to(torch.float64) + torch.arange(f, device=dev, dtype=torch.float64),
+               torch.arange(h, device=dev, dtype=torch.float64),
+               torch.arange(w, device=dev, dtype=torch.float64))
+        parts = [torch.outer(p, self._inv_freq(d, dev)) for p, d in zip(pos, self.dims)]
+        angles = torch.cat([parts[0][:, None, None].expand(f, h, w, -1),      # [f, h, w, D/2]
+                            parts[1][None, :, None].expand(f, h, w, -1),
+                            parts[2][None, None, :].expand(f, h, w, -1)], dim=-1)
+        angles = angles.reshape(1, f * h * w, 1, -1).repeat_interleave(2, dim=-1)  # [1, S, 1, D]
+        return angles.cos().float(), angles.sin().float()
