@@ -10,8 +10,10 @@ after half its work (a copy cut in the middle).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
+from framekv import ops
 from framekv.engine import CachedAttention, CausalKVCache
 from framekv.engine.cache.reference import ExactWindowReference
 from framekv.specs import Geometry
@@ -20,6 +22,7 @@ from framekv.specs import Geometry
 GEOMETRY = Geometry(pin_tokens=5, window_tokens=11, max_staged_tokens=8,
                     causal_block_sizes=(4, 8))
 TPP, LAYERS, H, HKV, D = 4, 2, 4, 2, 16
+_COPY = ops.copy_kv_slots_  # the real op, for faults that do part of its work
 
 
 class InjectedFault(RuntimeError):
@@ -122,3 +125,52 @@ class Twin:
             self.forward(b)
         for _ in range(chunks):
             self.chunk()
+
+
+def half_copy(k_pool, v_pool, src, dst):
+    """A committed-copy pass cut in the middle: the first half of the pairs only."""
+    n = src.shape[0] // 2
+    _COPY(k_pool, v_pool, src[:n], dst[:n])
+
+
+#: The commit's device steps (kernels on CUDA and under the simulator): the op to make
+#: fail and how much of it runs first.
+KERNEL_STEPS = {"after advancing the counters": ("advance_commit_", "after"),
+                "after rotating the ring": ("rotate_rows_", "after"),
+                "after rebuilding the layout": ("causal_layout_", "after"),
+                "committed copies cut in the middle": ("copy_kv_slots_", half_copy)}
+
+
+def commit_fails_at(monkeypatch, twin: Twin, step: str, chunks: int = 3) -> None:
+    """``chunks`` whole chunks, a staged forward, then a commit that fails at ``step``
+    (`KERNEL_STEPS`): asserts it left the cache as before, then commits again and
+    verifies the next forwards."""
+    for _ in range(chunks):
+        twin.chunk()
+    twin.forward(GEOMETRY.max_staged_tokens)
+    C, M = twin.cache.committed_tokens, GEOMETRY.max_staged_tokens
+    name, when = KERNEL_STEPS[step]
+    fault = Fault(getattr(ops, name), when=when)
+    monkeypatch.setattr(ops, name, fault)
+    with pytest.raises(InjectedFault):
+        twin.cache.commit(M)
+    assert fault.fired and twin.settle(C, M) == "before"
+    monkeypatch.undo()
+    twin.commit()
+    twin.verify()
+
+
+def first_scatter_fails(monkeypatch) -> list:
+    """Make the first staging launcher a cache binds write its K/V, then fail once;
+    returns the list that will hold its `Fault`."""
+    bind, faults = ops.bind_scatter_kv_slots, []
+
+    def faulty_bind(*args, **kwargs):
+        launch = bind(*args, **kwargs)
+        if faults:
+            return launch
+        faults.append(Fault(launch, when="after"))
+        return faults[-1]
+
+    monkeypatch.setattr(ops, "bind_scatter_kv_slots", faulty_bind)
+    return faults

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fault_harness import GEOMETRY, LAYERS, Fault, InjectedFault, Twin
+from fault_harness import (GEOMETRY, LAYERS, Fault, InjectedFault, Twin, first_scatter_fails,
+                           half_copy)
 from framekv import ops
 from framekv.engine import CachedAttention, CausalKVCache, Rollout
 from framekv.engine.cache import GeometryState, HostLayout
@@ -24,12 +25,6 @@ def patch_method(monkeypatch, cls, name: str, fault: Fault) -> Fault:
     fault.fn = getattr(cls, name)
     monkeypatch.setattr(cls, name, lambda self, *a, **kw: fault(self, *a, **kw))
     return fault
-
-
-def half_copy(k_pool, v_pool, src, dst):
-    """A committed-copy pass cut in the middle: the first half of the pairs only."""
-    n = src.shape[0] // 2
-    COPY(k_pool, v_pool, src[:n], dst[:n])
 
 
 def table_only(state):
@@ -99,17 +94,7 @@ def test_a_forward_that_failed_between_layers_cannot_be_committed(monkeypatch):
 
 
 def test_a_scatter_that_wrote_but_failed_to_note_is_not_committed(monkeypatch):
-    bind = ops.bind_scatter_kv_slots
-    faults = []
-
-    def faulty_bind(*args, **kwargs):
-        launch = bind(*args, **kwargs)
-        if faults:  # the first launcher made fails once; the others are plain
-            return launch
-        faults.append(Fault(launch, when="after"))
-        return faults[-1]
-
-    monkeypatch.setattr(ops, "bind_scatter_kv_slots", faulty_bind)
+    faults = first_scatter_fails(monkeypatch)
     twin = Twin()
     with pytest.raises(InjectedFault):
         twin.forward(M)                                  # layer 0's scatter wrote, then raised

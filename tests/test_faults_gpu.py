@@ -7,63 +7,31 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fault_harness import GEOMETRY, Fault, InjectedFault, Twin
-from framekv import ops
+from fault_harness import (GEOMETRY, KERNEL_STEPS, InjectedFault, Twin, commit_fails_at,
+                           first_scatter_fails)
 from framekv.engine import Rollout
 
 pytestmark = pytest.mark.gpu
 M = GEOMETRY.max_staged_tokens
-COPY = ops.copy_kv_slots_
 
 
 def cuda_twin() -> Twin:
     return Twin("cuda", torch.bfloat16, "cudnn", tol=2e-2, head_dim=64)
 
 
-def half_copy(k_pool, v_pool, src, dst):
-    n = src.shape[0] // 2
-    COPY(k_pool, v_pool, src[:n], dst[:n])
-
-
-STEPS = {"after advancing the counters": ("advance_commit_", "after"),
-         "after rotating the ring": ("rotate_rows_", "after"),
-         "after rebuilding the layout": ("causal_layout_", "after"),
-         "committed copies cut in the middle": ("copy_kv_slots_", half_copy)}
-
-
-@pytest.mark.parametrize("step", sorted(STEPS))
+@pytest.mark.parametrize("step", sorted(KERNEL_STEPS))
 def test_a_commit_failed_between_its_kernels_changes_nothing(monkeypatch, step):
     twin = cuda_twin()
-    for _ in range(4):
-        twin.chunk()
-    twin.forward(M)
-    C = twin.cache.committed_tokens
-    name, when = STEPS[step]
-    fault = Fault(getattr(ops, name), when=when)
-    monkeypatch.setattr(ops, name, fault)
-    with pytest.raises(InjectedFault):
-        twin.cache.commit(M)
-    assert fault.fired and twin.settle(C, M) == "before"
-    monkeypatch.undo()
-    twin.commit()
-    twin.verify()
+    commit_fails_at(monkeypatch, twin, step, chunks=4)
     print(f"{step}: max error over the next forwards {max(twin.errors):.2e}")
 
 
 def test_a_scatter_that_wrote_but_failed_to_note_is_not_committed(monkeypatch):
-    bind, faults = ops.bind_scatter_kv_slots, []
-
-    def faulty_bind(*args, **kwargs):
-        launch = bind(*args, **kwargs)
-        if faults:
-            return launch
-        faults.append(Fault(launch, when="after"))
-        return faults[-1]
-
-    monkeypatch.setattr(ops, "bind_scatter_kv_slots", faulty_bind)
+    faults = first_scatter_fails(monkeypatch)
     twin = cuda_twin()
     with pytest.raises(InjectedFault):
         twin.forward(M)
+    assert faults[0].fired
     with pytest.raises(ValueError, match=r"staged=0"):
         twin.cache.commit(M)
     twin.verify()
