@@ -68,8 +68,8 @@ class WanRollout:
                  cache_dir=None, kv: KVStore | None = None):
         check_model(model)
         self.shape = WanShape.of(model, latent_size, frames_per_chunk, sink_frames, window_frames)
-        self.sampler, self.clean_block = _choice("sampler", sampler, SAMPLERS), \
-            _choice("clean_block", clean_block, CLEAN_BLOCKS)
+        self.sampler = _choice("sampler", sampler, SAMPLERS)
+        self.clean_block = _choice("clean_block", clean_block, CLEAN_BLOCKS)
         self.sigmas = _sigmas(timesteps)
         self.device, self.dtype = model_device_dtype(model, device)
         self.model, self.use_graphs = model, use_graphs
@@ -224,10 +224,9 @@ class WanRollout:
         generator seeded with the frame index, so every device sees the same).
         """
         self._require_prompt()
-        inputs = self._inputs(noise)
+        inputs = self._inputs(noise)  # checked before a first step's capture
         if self.use_graphs and self._key is None:
-            self.capture()
-            inputs = self._inputs(noise)
+            self.capture()  # at frame 0, and back at frame 0 after: the inputs still hold
         if self.use_graphs and self.kv.replayable:
             out = self.graphs.replay(self._key, inputs)
         else:
