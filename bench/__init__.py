@@ -8,6 +8,8 @@ modules run on their own.
     chunk       the chunk cycle over every layer: forwards, clean pass, commit, as
                 per-forward graphs and as one whole-chunk graph
     e2e         the reference model end to end: framekv against a dense rolling cache
+    wan         diffusers' Wan transformer through `WanRollout` against dense baselines
+    streams     concurrent streams: B sequences batched on one pool against B in turn
 
 Modules run as ``python -m framekv.bench.NAME [--json FILE]`` (each checks its results
 against a reference before timing and writes JSON):

@@ -93,8 +93,8 @@ def check_graph_equals_eager(kv) -> None:
         graphed.commit_mirror(N)
         graph.replay()
         torch.cuda.synchronize()
-        for k in eager._open.flat:
-            assert torch.equal(eager._open.flat[k], graphed._open.flat[k]), k
+        for k in eager._open.seqs[0].flat:
+            assert torch.equal(eager._open.seqs[0].flat[k], graphed._open.seqs[0].flat[k]), k
         assert torch.equal(eager._pool, graphed._pool)
     eager.shutdown()
     graphed.shutdown()

@@ -110,30 +110,60 @@ class PagedKV(KVStore):
         geometry: the rollout's geometry.
 
     A forward plans its attention once (the first layer's backend ``plan``, prepared
-    then) and runs every layer with that plan.
+    then) and runs every layer with that plan. Over a pool of N sequences, batch row r
+    of every forward is sequence ``rows[r]`` (`use_sequences`; default all N in
+    order): the ids are a fixed device buffer, so a captured chunk serves any choice.
     """
 
     def __init__(self, cache: CausalKVCache, geometry: Geometry):
         self.cache, self.geometry = cache, geometry
         self._prompt: list[torch.Tensor] = []
+        N = cache.num_sequences
+        # Graph input: fixed address, contents rewritten by use_sequences.
+        self._ids = torch.arange(N, device=cache.device) if N > 1 else None
+        self.use_sequences(range(N))
         cache.close()
         cache.open(geometry)
 
+    @property
+    def batch(self) -> int:
+        """B, the batch rows (sequences) of each forward."""
+        return len(self.rows)
+
+    def use_sequences(self, rows) -> None:
+        """Make batch row r of the next forwards sequence ``rows[r]`` (host ints,
+        distinct, in [0, N)). Copies them into the device buffer graphs read."""
+        N = self.cache.num_sequences
+        rows = tuple(rows)
+        if not rows or len(set(rows)) != len(rows) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < N for i in rows):
+            raise ValueError(f"rows must be distinct sequence ids in [0, {N}), got {list(rows)}")
+        self.rows = rows
+        if self._ids is not None:
+            self._ids[:len(rows)].copy_(torch.tensor(rows, dtype=torch.int64))
+            self.sequences = self._ids[:len(rows)]
+        else:
+            self.sequences = None
+
     def forward(self, seq_len: int, block_size: int) -> AttendFn:
-        cache, plans = self.cache, {}
+        cache, plans, B, ids = self.cache, {}, self.batch, self.sequences
 
         def attend(attn, qkv):
+            if qkv.shape[0] != B:
+                raise ValueError(f"the forward has {qkv.shape[0]} batch rows, the store "
+                                 f"runs {B} sequences {self.rows}")
             plan = plans.get(id(attn.backend))
             if plan is None or not plan.matches(cache, seq_len, block_size, attn.num_heads,
-                                                attn.scale):
-                plan = plans[id(attn.backend)] = attn.plan_for(cache, seq_len, block_size)
-                plan.prepare()
+                                                attn.scale, B):
+                plan = plans[id(attn.backend)] = attn.plan_for(cache, seq_len, block_size, B)
+                plan.prepare(ids)
             return attn(qkv, kv_cache=cache, seq_len=seq_len, causal_block_size=block_size,
                         plan=plan)
         return attend
 
     def prompt_forward(self, prompt_tokens: int) -> AttendFn:
-        check_prompt(self.geometry, prompt_tokens, self.cache.committed_tokens)
+        for i in self.rows:
+            check_prompt(self.geometry, prompt_tokens, self.cache.sequence_committed_tokens(i))
         self._prompt = kvs = []
 
         def attend(attn, qkv):  # the prompt attends itself densely: P is rarely a block size
@@ -142,35 +172,45 @@ class PagedKV(KVStore):
         return attend
 
     def commit_prompt(self) -> None:
+        """The prompt forward's K/V become the pinned prefix of every sequence in ``rows``."""
         kvs, self._prompt = self._prompt, []
-        stage_prompt(self.cache, kvs, self.cache.num_kv_heads)
+        for i in self.rows:
+            one = None if self._ids is None else torch.tensor([i], device=self.cache.device)
+            stage_prompt(self.cache, kvs, self.cache.num_kv_heads, sequences=one)
 
     def commit(self, n: int) -> None:
-        self.cache.commit(n)
+        self.cache.commit(n, sequences=self.sequences)
 
     def after_replay(self, tokens: int) -> None:
-        self.cache.note_staged(tokens)
-        self.cache.commit_mirror(tokens)
+        self.cache.note_staged(tokens, sequences=self.rows)
+        self.cache.commit_mirror(tokens, sequences=self.rows)
 
     def reset(self) -> None:
         self._prompt = []
         self.cache.close()
         self.cache.open(self.geometry)
 
+    def reset_sequences(self, ids) -> None:
+        """Sequences ``ids`` (host ints) back to position 0, no prompt; the others keep
+        their state."""
+        self.cache.reset_sequences(list(ids))
+
     def close(self) -> None:
         self.cache.shutdown()
 
     def key_splits(self, attn, tokens, block_sizes):
-        return tuple(attn.plan_for(self.cache, tokens, b).splits for b in block_sizes)
+        return tuple(attn.plan_for(self.cache, tokens, b, self.batch).splits
+                     for b in block_sizes)
 
 
-def stage_prompt(cache: CausalKVCache, kvs: list[torch.Tensor], num_kv_heads: int) -> None:
+def stage_prompt(cache: CausalKVCache, kvs: list[torch.Tensor], num_kv_heads: int, *,
+                 sequences: torch.Tensor | None = None) -> None:
     """Write the prompt's per-layer K/V ([P, 2*H_kv, D] each) at [0, P) and commit it.
 
     A staged write needs a multiple of a declared block size, and the prompt length
     rarely is one. So the prompt goes in pieces of at most max_staged_tokens, each
     padded with zero rows to a multiple of the smallest declared block size, and only
-    the real rows are committed: the padding rows sit at staged positions, which the
+    the real rows are committed (into sequence 0, or the one ``sequences`` names): the padding rows sit at staged positions, which the
     next forward overwrites before anything can see them.
     """
     g = cache.geometry
@@ -183,8 +223,9 @@ def stage_prompt(cache: CausalKVCache, kvs: list[torch.Tensor], num_kv_heads: in
         for layer, kv in enumerate(kvs):
             buf = kv.new_zeros(padded, *kv.shape[1:])                      # [padded, 2Hkv, D]
             buf[:n] = kv[start:start + n]
-            cache.write_staged(layer, buf[:, :num_kv_heads], buf[:, num_kv_heads:], b)
-        cache.commit(n)
+            cache.write_staged(layer, buf[:, :num_kv_heads], buf[:, num_kv_heads:], b,
+                               sequences=sequences)
+        cache.commit(n, sequences=sequences)
 
 
 class ReferenceKV(KVStore):

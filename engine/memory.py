@@ -32,10 +32,11 @@ _QUERY_TILE = 256
 
 def rollout_bytes(model: ModelSpec, rollout: RolloutSpec, dtype: torch.dtype, *,
                   weights: bool = True, paged_cache: bool = True,
-                  reference_attention: bool = False) -> dict[str, int]:
-    """Bytes a rollout of these specs needs on its device, by part (see module doc)."""
+                  reference_attention: bool = False, sequences: int = 1) -> dict[str, int]:
+    """Bytes a rollout of these specs needs on its device, by part (see module doc);
+    ``sequences`` streams batched: B pools' worth of cache, B x the activations."""
     size = torch.empty((), dtype=dtype).element_size()
-    T, hid = rollout.chunk_tokens, model.hidden_size
+    T, hid = sequences * rollout.chunk_tokens, model.hidden_size
     qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
     act = T * (6 * hid + 2 * qkv + 2 * model.ffn_size) * size + T * model.head_dim * 8
     if reference_attention:  # fp32 scores of one query tile over every key, and softmax
@@ -45,7 +46,8 @@ def rollout_bytes(model: ModelSpec, rollout: RolloutSpec, dtype: torch.dtype, *,
     if paged_cache:
         out["kv_cache"] = CausalKVCache.pool_bytes_for(
             rollout.geometry(), num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim, dtype=dtype, tokens_per_page=model.tokens_per_page)
+            head_dim=model.head_dim, dtype=dtype, tokens_per_page=model.tokens_per_page,
+            num_sequences=sequences)
     return out
 
 

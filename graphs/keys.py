@@ -126,6 +126,9 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         splits: split-KV sub-rows S of each forward (``block_sizes`` order), or empty
             when the attention does not split; a different S launches a different
             cuDNN graph, a different grid and a merge.
+        batch: B, the sequences of a pool each forward runs (1: one). The cuDNN batch
+            rows (B x blocks), the gathered per-block tensors and every launch grid
+            over tokens scale with it; which sequences is a device input, not baked.
 
     Never the commit count or staging offset: those change device contents, not the
     graph. Keys are hashable, compare by value and encode to JSON.
@@ -138,9 +141,11 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     program: str
     inputs: tuple[TensorSpec, ...] = ()
     splits: tuple[int, ...] = ()
+    batch: int = 1
 
     def __post_init__(self) -> None:
         _check_int("GraphKey.owner", self.owner, 0)
+        _check_int("GraphKey.batch", self.batch, 1)
         msgspec.structs.force_setattr(self, "splits", tuple(self.splits))
         if self.splits and len(self.splits) != len(self.block_sizes):
             raise ValueError(f"GraphKey.splits must give one S per block size "
@@ -185,11 +190,12 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @classmethod
     def build(cls, *, owner: int, program: str, inputs: Mapping[str, torch.Tensor] | None = None,
               geometry: Geometry | None = None, tokens: int = 0,
-              block_sizes: tuple[int, ...] = (), splits: tuple[int, ...] = ()) -> "GraphKey":
+              block_sizes: tuple[int, ...] = (), splits: tuple[int, ...] = (),
+              batch: int = 1) -> "GraphKey":
         """A key from live input tensors (their layouts are taken, not their addresses)."""
         return cls(owner=owner, geometry=geometry, tokens=tokens,
                    block_sizes=tuple(block_sizes), program=program, inputs=input_specs(inputs),
-                   splits=tuple(splits))
+                   splits=tuple(splits), batch=batch)
 
     def summary(self) -> str:
         """One line for logs and reports."""
@@ -200,7 +206,8 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.splits:
             blocks += " splits=" + "/".join(map(str, self.splits))
         ins = " ".join(s.summary() for s in self.inputs)
-        return (f"{self.program} T={self.tokens} blocks={blocks}{geom} owner={self.owner}"
+        batch = f" B={self.batch}" if self.batch > 1 else ""
+        return (f"{self.program} T={self.tokens}{batch} blocks={blocks}{geom} owner={self.owner}"
                 + (f" in: {ins}" if ins else ""))
 
 

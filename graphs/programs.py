@@ -135,7 +135,7 @@ def chunk_key(owner: int, geometry: Geometry | None, tokens: int, *, denoise_ste
               denoise_block: int | None = None, clean_block: int | None = None,
               commit: bool | int = True,
               inputs: Mapping[str, torch.Tensor] | None = None,
-              splits: tuple[int, ...] = ()) -> GraphKey:
+              splits: tuple[int, ...] = (), batch: int = 1) -> GraphKey:
     """Key of a whole chunk: ``denoise_steps`` forwards, a clean forward, a commit.
 
     Args:
@@ -144,6 +144,7 @@ def chunk_key(owner: int, geometry: Geometry | None, tokens: int, *, denoise_ste
         commit: True commits the chunk's ``tokens``; an int commits that many; False
             or 0 commits nothing.
         splits: split-KV S of each forward (``block_sizes`` order), or empty.
+        batch: B, the sequences each forward runs.
     Example: ``chunk_key(o, g, 1576, denoise_steps=4, clean_block=394)`` has program
     ``"chunk:4x1576+clean394+commit"`` and block sizes ``(1576,) * 4 + (394,)``.
     """
@@ -152,4 +153,5 @@ def chunk_key(owner: int, geometry: Geometry | None, tokens: int, *, denoise_ste
     blocks = (denoise_block or tokens,) * denoise_steps
     blocks += (clean_block,) if clean_block is not None else ()
     return GraphKey.build(owner=owner, geometry=geometry, tokens=tokens, block_sizes=blocks,
-                          program=program_string("chunk", labels), inputs=inputs, splits=splits)
+                          program=program_string("chunk", labels), inputs=inputs, splits=splits,
+                          batch=batch)

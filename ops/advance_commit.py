@@ -4,7 +4,9 @@ The counters live in device memory so that a commit needs no host-computed argum
 this kernel turns "commit n tokens" into the new committed count, the new ring base
 and the ring rotation that ``rotate_rows_`` then applies to the page table (it reads
 the shift from ``counters[2:3]`` when it runs). ``n`` is a constant of the launch, so a
-commit of n tokens captured once in a CUDA graph replays for every later chunk.
+commit of n tokens captured once in a CUDA graph replays for every later chunk; or a
+one-element device tensor read when the kernel runs, so one captured commit over a
+pool of sequences advances whichever of them the tensor names at replay (0: none).
 
 Counters (int64 [4])::
 
@@ -18,6 +20,7 @@ Kernel: one thread; the whole update is a handful of integer operations.
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
 from numba import cuda
@@ -32,10 +35,13 @@ NUM_COUNTERS = 4
 
 
 @cuda.jit
-def _advance_commit_kernel(counters, n, pin, window, tpp, fixed):
-    # counters: [4] int64 (C, ring_base, shift, unused); the rest int64 scalars.
+def _advance_commit_kernel(counters, n_tensor, n_from_tensor, n, pin, window, tpp, fixed):
+    # counters: [4] int64 (C, ring_base, shift, unused); n_tensor: [1] int64, read when
+    # n_from_tensor (else a stand-in); the rest int64 scalars.
     if cuda.grid(1) != 0:
         return
+    if n_from_tensor:
+        n = n_tensor[0]
     c = counters[0] + n
     low = max(pin, c - window)          # first position a future block may see past P
     base = max(fixed, low // tpp)       # low >= 0, so // is a plain floor
@@ -52,7 +58,7 @@ def advance_commit_reference(counters: torch.Tensor, n: int, *, pin_tokens: int,
                              fixed_pages: int) -> None:
     """Torch reference of :func:`advance_commit_` (same arguments, in place). Tensor
     arithmetic only, so it does not synchronise on CUDA either."""
-    c = counters[0] + n
+    c = counters[0] + (n.reshape(()) if isinstance(n, torch.Tensor) else n)
     low = torch.clamp(c - window_tokens, min=pin_tokens)
     base = torch.clamp(torch.div(low, tokens_per_page, rounding_mode="floor"),
                        min=fixed_pages)
@@ -99,24 +105,28 @@ def check_counters(counters) -> None:
 
 # --------------------------------------------------------------------------- op
 
-def _run(counters, n, pin, window, tpp, fixed) -> None:
+def _run(counters, n_tensor, n, pin, window, tpp, fixed) -> None:
     if not use_kernel(counters):
-        advance_commit_reference(counters, n, pin_tokens=pin, window_tokens=window,
-                                 tokens_per_page=tpp, fixed_pages=fixed)
+        advance_commit_reference(counters, n_tensor if n_tensor is not None else n,
+                                 pin_tokens=pin, window_tokens=window, tokens_per_page=tpp,
+                                 fixed_pages=fixed)
         return
-    args = [array_arg(counters), int_arg(n), int_arg(pin), int_arg(window), int_arg(tpp),
-            int_arg(fixed)]
+    # Without a tensor the kernel never reads it: the counters stand in.
+    args = [array_arg(counters), array_arg(n_tensor if n_tensor is not None else counters),
+            int_arg(n_tensor is not None), int_arg(n), int_arg(pin), int_arg(window),
+            int_arg(tpp), int_arg(fixed)]
     _KERNEL.launch(1, 1, args, counters.device)
 
 
 @torch.library.custom_op("framekv::advance_commit_", mutates_args=("counters",))
-def _advance_commit_op(counters: torch.Tensor, n: int, pin_tokens: int, window_tokens: int,
-                       tokens_per_page: int, fixed_pages: int) -> None:
-    _run(counters, n, pin_tokens, window_tokens, tokens_per_page, fixed_pages)
+def _advance_commit_op(counters: torch.Tensor, n_tensor: Optional[torch.Tensor], n: int,
+                       pin_tokens: int, window_tokens: int, tokens_per_page: int,
+                       fixed_pages: int) -> None:
+    _run(counters, n_tensor, n, pin_tokens, window_tokens, tokens_per_page, fixed_pages)
 
 
 @_advance_commit_op.register_fake
-def _(counters, n, pin_tokens, window_tokens, tokens_per_page, fixed_pages) -> None:
+def _(counters, n_tensor, n, pin_tokens, window_tokens, tokens_per_page, fixed_pages) -> None:
     return None
 
 
@@ -128,7 +138,9 @@ def advance_commit_(counters: torch.Tensor, n: int, *, pin_tokens: int, window_t
     Args:
         counters: int64 [4] contiguous (C, ring_base, shift, unused), on any device.
         n: tokens committed, an integer >= 0 (a constant of the launch; a captured
-            graph commits the same n on every replay).
+            graph commits the same n on every replay), or a one-element int64 tensor
+            on counters' device read when the kernel runs (its value, >= 0, is the
+            caller's: it is not read on the host).
         pin_tokens: P >= 0. window_tokens: W >= 0.
         tokens_per_page: tpp, a power of two.
         fixed_pages: F = ceil(P / tpp).
@@ -138,8 +150,22 @@ def advance_commit_(counters: torch.Tensor, n: int, *, pin_tokens: int, window_t
     on torch's current stream (no sync, capturable); on CPU the torch reference.
     """
     check_counters(counters)
-    n = check_int("n", n)
+    n_tensor = None
+    if isinstance(n, torch.Tensor):
+        n_tensor, n = _check_n_tensor(n, counters), 0
+    else:
+        n = check_int("n", n)
     check_page_args(pin_tokens, tokens_per_page, fixed_pages)
     window = check_int("window_tokens", window_tokens)
-    _advance_commit_op(counters, n, operator.index(pin_tokens), window,
+    _advance_commit_op(counters, n_tensor, n, operator.index(pin_tokens), window,
                        operator.index(tokens_per_page), operator.index(fixed_pages))
+
+
+def _check_n_tensor(n: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    if n.dtype != torch.int64 or n.numel() != 1:
+        raise ValueError(f"n: expected an integer or a one-element int64 tensor, got a "
+                         f"{n.dtype} tensor of shape {list(n.shape)}")
+    if n.device != counters.device:
+        raise ValueError(f"n: expected a tensor on {counters.device} (counters' device), "
+                         f"got {n.device}")
+    return n.reshape(1)

@@ -93,11 +93,11 @@ def _setup():
     (lambda c, m, x: m(x, kv_cache=c, seq_len=12, attn_mask=torch.ones(1)), r"unsupported arguments \['attn_mask'\]"),
     (lambda c, m, x: m(x, is_causal=True), r"unsupported arguments \['is_causal'\]"),
     (lambda c, m, x: m(x.double()), "q must have dtype in"),
-    (lambda c, m, x: m(x[:, :, :7]), r"packed q must have shape \[1, S, 8, 16\]"),
+    (lambda c, m, x: m(x[:, :, :7]), r"packed q must have shape \[B, S, 8, 16\]"),
     (lambda c, m, x: m(x[:, :, :4], x[:, :, 4:6]), "k and v must both be given"),
     (lambda c, m, x: m(x[:, :, :4], x[:, :, 4:7], x[:, :, 4:7]), r"k must have shape \[1, 12, 2, 16\]"),
-    (lambda c, m, x: m(x, seq_len=12), "seq_len and causal_block_size need a kv_cache"),
-    (lambda c, m, x: m(x[0]), r"q must be a \[1, S, H, D\] tensor"),
+    (lambda c, m, x: m(x, seq_len=12), "seq_len, causal_block_size and sequences need a kv_cache"),
+    (lambda c, m, x: m(x[0]), r"q must be a \[B, S, H, D\] tensor"),
 ])
 def test_refusals(call, match):
     cache, mod, x = _setup()

@@ -108,7 +108,7 @@ def test_commit_captured_once_replays_for_200_chunks():
         torch.cuda.synchronize()
         _state_equal(eager, graphed)
         assert eager.committed_tokens == graphed.committed_tokens
-        assert int(graphed._open.counters[0]) == graphed.committed_tokens
+        assert int(graphed._open.seqs[0].counters[0]) == graphed.committed_tokens
     C = graphed.committed_tokens
     _chunk_writes(graphed, g, 500, b=3)
     for j in range(g.max_staged_tokens // 3):
@@ -120,15 +120,15 @@ def test_reopen_other_geometry_and_back_keeps_addresses():
     need = max(CausalKVCache.pool_tokens_for(g, tpp) for g in (g1, g2))
     cache = _cache(g1, tpp, pool_tokens=need)
     cache.open(g1)
-    ptrs = {k: t.data_ptr() for k, t in cache._open.flat.items()}
+    ptrs = {k: t.data_ptr() for k, t in cache._open.seqs[0].flat.items()}
     run_rollout(cache, g1, commits=30, seed=1)
     cache.close()
     cache.open(g2)
     run_rollout(cache, g2, commits=30, seed=2)
     cache.close()
     cache.open(g1)
-    assert {k: t.data_ptr() for k, t in cache._open.flat.items()} == ptrs
-    assert cache.committed_tokens == 0 and int(cache._open.counters[0]) == 0
+    assert {k: t.data_ptr() for k, t in cache._open.seqs[0].flat.items()} == ptrs
+    assert cache.committed_tokens == 0 and int(cache._open.seqs[0].counters[0]) == 0
     run_rollout(cache, g1, commits=30, seed=3)
     cache.shutdown()
 

@@ -24,4 +24,4 @@ def test_kernel_commits_resolve_rows_to_exact_visible_sets(g, tpp):
     cache.open(g)
     run_rollout(cache, g, commits=12, seed=tpp, steps_per_chunk=1)
     # The device counters advanced by the kernels agree with the host mirror.
-    assert cache._open.counters[:2].tolist() == [cache.committed_tokens, cache._open.host.ring_base]
+    assert cache._open.seqs[0].counters[:2].tolist() == [cache.committed_tokens, cache._open.seqs[0].host.ring_base]

@@ -197,6 +197,35 @@ def test_advance_commit_equals_ring_base_for():
                 assert counters.tolist() == [C + n, base, base - base0, 5]
 
 
+def test_advance_commit_tensor_n_equals_int_n():
+    """n as a one-element device tensor (read when the op runs) commits as the int does;
+    0 leaves C and the ring as they were (a pool sequence that did not commit)."""
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        plan = random_plan(rng)
+        for n in (0, 1, int(rng.integers(0, 300))):
+            C, base0 = int(rng.integers(0, 500)), int(rng.integers(0, 100))
+            a, b = torch.tensor([C, base0, 99, 5]), torch.tensor([C, base0, 99, 5])
+            advance_commit_(a, n, **advance_kwargs(plan))
+            advance_commit_(b, torch.tensor([n]), **advance_kwargs(plan))
+            assert a.tolist() == b.tolist()
+    counters = torch.tensor([12, 3, 4, 0])
+    advance_commit_(counters, torch.zeros(1, dtype=torch.int64), pin_tokens=0,
+                    window_tokens=4, tokens_per_page=2, fixed_pages=0)
+    assert counters.tolist() == [12, 4, 1, 0]   # max(0, 8 // 2) = 4: the shift from 3
+
+
+@pytest.mark.parametrize("bad,match", [(torch.tensor([1, 2]), "one-element int64"),
+                                       (torch.tensor([1], dtype=torch.int32), "int64"),
+                                       (torch.tensor([1.0]), "int64")])
+def test_advance_commit_rejects_bad_n_tensor(bad, match):
+    counters = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=f"^n: .*{match}"):
+        advance_commit_(counters, bad, pin_tokens=5, window_tokens=7, tokens_per_page=4,
+                        fixed_pages=2)
+    assert counters.tolist() == [0, 0, 0, 0]
+
+
 def test_advance_commit_reference_is_tensor_only():
     counters = torch.tensor([10, 3, 0, 7])
     advance_commit_reference(counters, 6, pin_tokens=5, window_tokens=4, tokens_per_page=2,
@@ -208,7 +237,7 @@ def test_custom_ops_are_registered():
     plan = make_plan(*GEOMETRIES["worked-example"])
     host = HostLayout(plan)
     t = device_state(host, "cpu")
-    torch.ops.framekv.advance_commit_(t["counters"], 0, *advance_kwargs(plan).values())
+    torch.ops.framekv.advance_commit_(t["counters"], None, 0, *advance_kwargs(plan).values())
     torch.ops.framekv.causal_layout_(*(t[k] for k in ("counters", "table", "desc") + OUTPUTS),
                                      *layout_kwargs(plan).values())
     assert_matches_host(t, host)

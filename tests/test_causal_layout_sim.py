@@ -60,3 +60,20 @@ def test_layout_kernel_at_random_states():
 def test_kernels_past_2_to_the_32(name):
     plan = make_plan(*GEOMETRIES[name])
     run_rollout(plan, 10, seed=5, scribble_every=3, host=host_at(plan, 2 ** 40 + 77, seed=6))
+
+
+def test_advance_kernel_reads_n_from_a_tensor():
+    """The kernel's tensor form: n read when it runs, 0 leaves C where it was."""
+    from framekv.ops.advance_commit import advance_commit_, advance_commit_reference
+
+    rng = np.random.default_rng(5)
+    for _ in range(6):
+        plan = random_plan(rng)
+        kw = dict(pin_tokens=plan.geometry.pin_tokens, window_tokens=plan.geometry.window_tokens,
+                  tokens_per_page=plan.tokens_per_page, fixed_pages=plan.fixed_pages)
+        for n in (0, int(rng.integers(1, 200))):
+            C, base0 = int(rng.integers(0, 400)), int(rng.integers(0, 50))
+            got, want = torch.tensor([C, base0, 7, 3]), torch.tensor([C, base0, 7, 3])
+            advance_commit_(got, torch.tensor([n]), **kw)
+            advance_commit_reference(want, n, **kw)
+            assert got.tolist() == want.tolist()

@@ -88,4 +88,4 @@ def test_a_failed_replay_leaves_the_cache_as_before_and_the_chunk_runs_again():
     for _ in range(30):
         assert torch.equal(r.step(), eager.step())
     torch.cuda.synchronize()
-    assert int(r.cache._open.counters[0]) == r.cache.committed_tokens
+    assert int(r.cache._open.seqs[0].counters[0]) == r.cache.committed_tokens

@@ -70,6 +70,7 @@ CHANGES = {
     "input name": dict(inputs={"y": torch.zeros(8, 16)}),
     "splits": dict(splits=(2, 2, 1)),
     "split of one forward": dict(splits=(1, 1, 2)),
+    "batch": dict(batch=2),
 }
 
 
@@ -82,7 +83,7 @@ def test_every_baked_field_changes_the_key(change):
 
 def test_key_fields_are_exactly_what_a_graph_bakes():
     assert GraphKey.__struct_fields__ == ("owner", "geometry", "tokens", "block_sizes",
-                                          "program", "inputs", "splits")
+                                          "program", "inputs", "splits", "batch")
 
 
 def test_key_never_includes_the_commit_count():

@@ -58,7 +58,7 @@ def test_a_commit_whose_device_half_fails_can_be_retried(monkeypatch):
     twin.forward(M)
     real = CausalKVCache.commit_device
     fault = Fault(real)
-    monkeypatch.setattr(CausalKVCache, "commit_device", lambda self, n: fault(self, n))
+    monkeypatch.setattr(CausalKVCache, "commit_device", lambda self, n, **kw: fault(self, n, **kw))
     with pytest.raises(InjectedFault):
         twin.cache.commit(M)
     assert twin.cache.committed_tokens == M and twin.cache.staged_tokens == M

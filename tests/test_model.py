@@ -94,14 +94,17 @@ def test_rope_split_covers_head_dim_in_even_parts(head_dim):
 
 def test_rope_positions_are_absolute_and_grow():
     rope = Rope3D(16, (2, 2), torch.device("cpu"))
-    a0, a9 = rope.angles(_frame(0), 2), rope.angles(_frame(9), 2)    # [8, 8]
+    a0, a9 = rope.angles(_frame(0), 2)[0], rope.angles(_frame(9), 2)[0]    # [8, 8]
     df = rope.dims[0] // 2
     # Frame-axis angles follow the absolute frame; row/col angles do not move.
     assert torch.allclose(a9[:, :df] - a0[:, :df], 9 * rope.inv_freq[0].expand(8, -1))
     assert torch.equal(a9[:, df:], a0[:, df:])
     # Far into a rollout the angles stay exact (float64), and the rotation keeps norms.
     far = rope.angles(_frame(10**7), 1)
-    assert float(far[0, 0]) == 10**7 + 1 - 1 == 10**7
+    assert float(far[0, 0, 0]) == 10**7 + 1 - 1 == 10**7
+    # One row per sequence: each its own first frame.
+    both = rope.angles(torch.tensor([0, 9]), 2)                       # [2, 8, 8]
+    assert torch.equal(both[0], a0) and torch.equal(both[1], a9)
     q = torch.randn(1, 4, 2, 16)
     rq = apply_rope(q, *Rope3D.cos_sin(far))
     assert torch.allclose(rq.norm(dim=-1), q.norm(dim=-1), atol=1e-5)

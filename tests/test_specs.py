@@ -11,7 +11,7 @@ from framekv.specs import (BENCH_VARIANTS, BenchSpec, Geometry, KVSpec, ModelSpe
                            RolloutSpec, WarmupEntry, WarmupOptions, WarmupPlan, decode_json,
                            decode_toml, encode_json, list_presets, load, load_preset)
 
-SHIPPED = ("seed-bench", "tiny", "wan-1.3b")
+SHIPPED = ("seed-bench", "small-stream", "tiny", "wan-1.3b")
 
 
 def raises(*fragments: str):
@@ -419,7 +419,8 @@ def test_list_presets():
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_preset_is_named_after_its_file(name):
     p = load_preset(name)
-    assert p.name == name and p.model.name == name and p.description
+    model = {"small-stream": "wan-1.3b"}.get(name, name)  # the 1.3B model at a small latent
+    assert p.name == name and p.model.name == model and p.description
     text = importlib.resources.files("framekv.specs").joinpath(f"presets/{name}.toml").read_text()
     assert text.startswith("# "), "each preset file opens with a comment saying what it is for"
 
@@ -494,7 +495,7 @@ def test_decode_toml():
 
 
 def test_unknown_preset_lists_available():
-    with raises("unknown preset 'nope'", "available: seed-bench, tiny, wan-1.3b"):
+    with raises("unknown preset 'nope'", "available: seed-bench, small-stream, tiny, wan-1.3b"):
         load_preset("nope")
 
 

@@ -72,7 +72,7 @@ def test_seed_stack_replays_bit_for_bit_over_100_chunks_and_a_reopen():
                 stack.cache.open(GEOM)
         run_both(eager, graphed, graphs, key, index)
     assert eager.cache.committed_tokens == graphed.cache.committed_tokens == 44 * T
-    assert int(graphed.cache._open.counters[0]) == 44 * T  # the device's own counter
+    assert int(graphed.cache._open.seqs[0].counters[0]) == 44 * T  # the device's own counter
     assert torch.equal(eager.cache.k_pool, graphed.cache.k_pool)
     assert torch.equal(eager.cache.v_pool, graphed.cache.v_pool)
     s = graphs.stats()

@@ -215,3 +215,31 @@ def test_the_wan_bench_and_demo_run_on_the_cpu(capsys):
     assert main(["demo", "--model", "wan-diffusers", "--chunks", "3"]) == 0
     out = capsys.readouterr().out
     assert "framekv demo: Wan tiny" in out and "graphs vs eager" in out and "FAILED" not in out
+
+
+@pytest.mark.parametrize("g", [1.0, 4.5])
+def test_guidance_equals_the_two_branches_run_apart(g):
+    """guidance_scale: conditional and unconditional branches as two sequences of one
+    pool equal each branch over its own rollout, combined in lockstep (fp32)."""
+    from wan_oracle import guidance_pair
+
+    negative = torch.randn(1, 7, CONFIGS["tiny"]["text_dim"],
+                           generator=torch.Generator().manual_seed(3))
+    err = guidance_pair(model, TEXT, negative, g=g, chunks=6, latent_size=(4, 4), frames=2,
+                        sink=1, window=3, timesteps=TS, use_graphs=False,
+                        noise=lambda i: torch.randn(1, 4, 2, 4, 4,
+                                                    generator=torch.Generator().manual_seed(i)))
+    assert err <= 1e-5, err
+
+
+def test_guidance_arguments_are_checked():
+    kw = dict(latent_size=(4, 4), frames_per_chunk=2, window_frames=3, use_graphs=False)
+    with pytest.raises(ValueError, match="guidance_scale must be None or a number"):
+        WanRollout(model(), guidance_scale="7", **kw)
+    r = WanRollout(model(), **kw)
+    with pytest.raises(ValueError, match="negative_embeds needs guidance_scale"):
+        r.set_prompt(TEXT, TEXT)
+    r = WanRollout(model(), guidance_scale=3.0, **kw)
+    with pytest.raises(ValueError, match="shape of text_embeds"):
+        r.set_prompt(TEXT, TEXT[:, :5])
+    assert r.cache.num_sequences == 2

@@ -159,7 +159,7 @@ def test_warm_up_captures_what_the_rollout_replays_and_leaves_it_at_position_zer
     result = warm_up(two_lengths(), device="cpu", progress=False)
     r = result.rollout
     assert r.cache.committed_tokens == 0 and r.cache.staged_tokens == 0 and not r.prefilled
-    assert r.cache._open.counters.tolist() == [0, r.cache._open.host.ring_base, 0, 0]
+    assert r.cache._open.seqs[0].counters.tolist() == [0, r.cache._open.seqs[0].host.ring_base, 0, 0]
     assert set(r.graphs.keys()) == {q.key for q in r.capture_requests()}
     assert result.report.captured == 2 and set(result.builds) >= {"numba_compiled",
                                                                   "numba_loaded"}

@@ -73,6 +73,6 @@ def test_warmed_rollout_replays_like_eager():
         assert torch.equal(r.step(), eager.step())
     assert r.paths == {"graphs": 8, "eager": 0}
     torch.cuda.synchronize()
-    assert int(r.cache._open.counters[0]) == r.cache.committed_tokens
+    assert int(r.cache._open.seqs[0].counters[0]) == r.cache.committed_tokens
     r.close()
     eager.close()

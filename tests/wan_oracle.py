@@ -100,3 +100,43 @@ class Oracle:
             x = x + (self.sig[i + 1] - self.sig[i]) * vs[-1]
         self.history.append(x)
         return x, vs
+
+
+def guidance_pair(build, text, negative, *, g: float, chunks: int, latent_size, frames: int,
+                  sink: int, window: int, timesteps, use_graphs: bool, noise) -> float:
+    """Largest |difference| between a guided `WanRollout` (both branches as two
+    sequences of one pool) and the two branches run separately, each over its own
+    one-sequence rollout and prompt, combined in lockstep: v = v_u + g (v_c - v_u).
+    ``build()`` makes a fresh model (equal weights every call); ``noise(i)`` chunk i's."""
+    from framekv.engine import WanRollout
+
+    kw = dict(latent_size=latent_size, frames_per_chunk=frames, sink_frames=sink,
+              window_frames=window, timesteps=timesteps)
+    guided = WanRollout(build(), guidance_scale=g, use_graphs=use_graphs, **kw)
+    cond, unc = (WanRollout(build(), use_graphs=False, **kw) for _ in range(2))
+    guided.set_prompt(text, negative)
+    cond.set_prompt(text)
+    unc.set_prompt(negative)
+    worst = 0.0
+    for i in range(chunks):
+        got = guided.step(noise(i))
+        want = _lockstep(cond, unc, noise(i), g)
+        worst = max(worst, float((got - want).abs().max()))
+    return worst
+
+
+@torch.no_grad()
+def _lockstep(cond, unc, noise, g: float) -> torch.Tensor:
+    frame0 = torch.tensor([cond.frames_done], device=cond.device)
+    for r in (cond, unc):
+        r._frame0.copy_(frame0)
+    T, sig = cond.shape.chunk_tokens, cond.sigmas
+    x = noise.to(cond.device, torch.float32)
+    for i in range(len(cond._t)):
+        v_c, v_u = (r._forward(x, r._t[i], T, "") for r in (cond, unc))
+        x = x + (sig[i + 1] - sig[i]) * (v_u + g * (v_c - v_u))
+    for r in (cond, unc):
+        r._forward(x, r._t0, T, "clean")
+        r.kv.commit(T)
+        r.frames_done += r.shape.frames_per_chunk
+    return x

@@ -15,6 +15,9 @@ Sections (``--sections``, default all):
                 `WanRollout` with graphs and eager against a Self-Forcing-style dense
                 rolling cache (eager and under graphs) and the stock model recomputing
                 its visible window every step (`framekv.bench.wan`)
+    streams     concurrent streams: B = 1, 2, 4, 8 streams of the small-stream preset
+                as one batched rollout against B one-stream rollouts in turn, and
+                B = 1, 2 at wan-1.3b (`framekv.bench.streams`)
 
 Prints a table per section; ``--json FILE`` writes every number with the environment;
 ``--png FILE`` draws a chart (needs matplotlib, the ``plot`` extra). ``--chart-from
@@ -30,7 +33,7 @@ import sys
 
 from .args import writable_file
 
-SECTIONS = ("attention", "chunk", "e2e", "wan")
+SECTIONS = ("attention", "chunk", "e2e", "wan", "streams")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -71,7 +74,7 @@ def _iters(text: str) -> int:
 def configure(p: argparse.ArgumentParser) -> None:
     """Add the command's arguments to ``p`` and set ``func``."""
     p.add_argument("--sections", type=_sections, default=list(SECTIONS),
-                   help="comma-separated: attention,chunk,e2e,wan (default all)")
+                   help="comma-separated: attention,chunk,e2e,wan,streams (default all)")
     p.add_argument("--preset", default="seed-bench",
                    help="geometry of the attention and chunk sections (default seed-bench)")
     p.add_argument("--e2e-preset", default="wan-1.3b", help="model of the e2e section")
@@ -162,6 +165,15 @@ def _run_sections(args, preset, splits, results, save) -> None:
                                      progress=progress)
         save()
         print(wan.format_wan(out["wan"]), flush=True)
+    if "streams" in args.sections:
+        from framekv.bench import streams
+
+        out["streams"] = []
+        for preset_name, batches in streams.DEFAULT_RUNS:
+            out["streams"].append(streams.measure_streams(
+                preset_name, batches=batches, chunks=args.chunks, progress=progress))
+            save()
+            print(streams.format_streams(out["streams"][-1]), flush=True)
 
 
 def _chart(results: dict, path: str) -> int:

@@ -6,14 +6,16 @@ attention over a `CausalKVCache`'s per-block rows: block j of a forward reads th
 of ``rows[j]`` in order, cut at ``seq_len_kv[j]`` keys, exactly what a paged kernel
 reads. Cached attention is split as FlashInfer splits it::
 
-    plan = backend.plan(cache, tokens=T, block_size=b, num_heads=H, scale=s)   # once
-    plan.prepare()                      # once per forward (device work, graph-safe)
+    plan = backend.plan(cache, tokens=T, block_size=b, num_heads=H, scale=s, batch=B)  # once
+    plan.prepare(sequences=ids)         # once per forward (device work, graph-safe)
     plan.run(q, layer, out)             # every layer of that forward
 
-`plan` is a host-side lookup (cached per cache, geometry, T, b, H and scale) that
-decides everything a forward's launches bake in; `prepare` refreshes what the plan
-derives from the cache's per-block tensors (they change at every commit), so a
-forward captured in a graph holds its own refresh; `run` launches one layer.
+`plan` is a host-side lookup (cached per cache, geometry, T, b, H, scale and the
+number B of sequences) that decides everything a forward's launches bake in;
+`prepare` selects the forward's sequences (`CausalKVCache.select`: the ids checked,
+their per-block tensors gathered) and refreshes what the plan derives from them (they
+change at every commit), so a forward captured in a graph holds its own refresh;
+`run` launches one layer over all B sequences' blocks.
 The cuDNN backend lives in ``cudnn.py`` (cudnn-frontend is a GPU extra).
 """
 from __future__ import annotations
@@ -31,28 +33,41 @@ class AttentionPlan(abc.ABC):
     Attributes:
         cache: the `CausalKVCache` it reads (its open geometry when planned).
         tokens, block_size, num_heads, scale: the forward it was planned for.
+        batch: B, the sequences of each forward (rows of its query batch).
         splits: split-KV sub-rows per causal block row (1: none); graph keys hold it.
+        selected: the `SequenceBatch` of the last `prepare` (None before one).
     """
 
     splits: int = 1
 
-    def __init__(self, cache, *, tokens: int, block_size: int, num_heads: int, scale: float):
+    def __init__(self, cache, *, tokens: int, block_size: int, num_heads: int, scale: float,
+                 batch: int = 1):
         self.cache, self.tokens, self.block_size = cache, tokens, block_size
-        self.num_heads, self.scale = num_heads, scale
+        self.num_heads, self.scale, self.batch = num_heads, scale, batch
+        self.selected = None
 
-    def matches(self, cache, tokens: int, block_size: int, num_heads: int, scale: float) -> bool:
+    def matches(self, cache, tokens: int, block_size: int, num_heads: int, scale: float,
+                batch: int = 1) -> bool:
         """Whether this plan is the one for such a forward."""
         return (cache is self.cache and tokens == self.tokens and block_size == self.block_size
-                and num_heads == self.num_heads and scale == self.scale)
+                and num_heads == self.num_heads and scale == self.scale and batch == self.batch)
 
-    def prepare(self) -> None:
-        """Refresh what the plan derives from the cache's per-block tensors; once per
-        forward, before its layers run (no host sync, capturable)."""
+    def prepare(self, sequences=None) -> None:
+        """Select this forward's sequences (int tensor [B] on the cache's device; None:
+        the first B) and refresh what the plan derives from their per-block tensors;
+        once per forward, before its layers run (capturable; outside a capture the ids
+        are read once to check them)."""
+        self.selected = self.cache.select(sequences, self.block_size, self.tokens, self.batch)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """What a backend derives from the selected per-block tensors (device work)."""
 
     @abc.abstractmethod
     def run(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
-        """Attend q [T, H, D] (block j = rows [j*b, (j+1)*b)) over the cache's rows of
-        ``layer``; write out [T, H, D]. The K/V of these T tokens are already staged."""
+        """Attend q [B * T, H, D] (block j of batch row r = rows [(r*nb + j)*b, ...+b))
+        over the selected sequences' rows of ``layer``; write out [B * T, H, D]. The
+        K/V of these tokens are already staged."""
 
 
 class AttentionBackend(abc.ABC):
@@ -70,10 +85,11 @@ class AttentionBackend(abc.ABC):
         raise ValueError(f"backend {self.name!r} does not support a kv_cache")
 
     def plan(self, cache, *, tokens: int, block_size: int, num_heads: int,
-             scale: float) -> AttentionPlan:
-        """The `AttentionPlan` of forwards of ``tokens`` queries in ``block_size``
-        blocks over ``cache``'s open geometry. A backend whose plans own device
-        buffers or built kernels returns the same plan for the same forward."""
+             scale: float, batch: int = 1) -> AttentionPlan:
+        """The `AttentionPlan` of forwards of ``tokens`` queries per sequence in
+        ``block_size`` blocks over ``batch`` sequences of ``cache``'s open geometry. A
+        backend whose plans own device buffers or built kernels returns the same plan
+        for the same forward."""
         raise ValueError(f"backend {self.name!r} does not support a kv_cache")
 
 
@@ -103,7 +119,11 @@ class ReferencePlan(AttentionPlan):
 
     def run(self, q, layer, out):
         cache, b = self.cache, self.block_size
-        bt = cache.block_tensors(b)
+        if self.selected is None and cache.num_sequences > 1:
+            raise ValueError("prepare(sequences) the plan before run()")
+        # One sequence: its own tensors, nothing to select.
+        bt = (self.selected.blocks if self.selected is not None
+              else cache.batch_blocks(1, b, self.tokens))
         tpp = cache.tokens_per_page
         offsets = torch.arange(tpp, device=q.device)
         for j in range(q.shape[0] // b):
@@ -126,9 +146,9 @@ class ReferenceBackend(AttentionBackend):
     def check_cache(self, cache) -> None:
         return None  # any device, any page size
 
-    def plan(self, cache, *, tokens, block_size, num_heads, scale):
+    def plan(self, cache, *, tokens, block_size, num_heads, scale, batch=1):
         return ReferencePlan(cache, tokens=tokens, block_size=block_size, num_heads=num_heads,
-                             scale=scale)
+                             scale=scale, batch=batch)
 
 
 class TorchSDPABackend(AttentionBackend):

@@ -47,13 +47,14 @@ class CudnnPlan(AttentionPlan):
     """
 
     def __init__(self, backend: "CudnnBackend", cache, *, tokens: int, block_size: int,
-                 num_heads: int, scale: float, splits: int):
+                 num_heads: int, scale: float, splits: int, batch: int = 1):
         super().__init__(cache, tokens=tokens, block_size=block_size, num_heads=num_heads,
-                         scale=scale)
+                         scale=scale, batch=batch)
         self.backend, self.splits = backend, splits
-        self.num_blocks = nb = tokens // block_size
-        bt = cache.block_tensors(block_size)
-        self._rows, self._kv_lens, self._q_lens = bt.rows[:nb], bt.seq_len_kv[:nb], bt.seq_len_q[:nb]
+        # Every sequence's blocks are rows of one cuDNN batch: B * nb rows.
+        self.num_blocks = nb = batch * (tokens // block_size)
+        bt = cache.batch_blocks(batch, block_size, tokens)  # fixed addresses, refreshed by select
+        self._rows, self._kv_lens, self._q_lens = bt.rows, bt.seq_len_kv, bt.seq_len_q
         self.split = None if splits == 1 else SplitBuffers.allocate(
             backend.arena(cache.device.index), splits=splits, num_blocks=nb,
             block_size=block_size, row_pages=bt.rows.shape[1],
@@ -61,8 +62,8 @@ class CudnnPlan(AttentionPlan):
             head_dim=cache.head_dim, dtype=cache.dtype)
         self._launches: dict[tuple, _Executable] = {}  # by (q strides, o strides)
 
-    def prepare(self) -> None:
-        """Rebuild the sub-row tables and key counts from the cache's rows (S > 1)."""
+    def refresh(self) -> None:
+        """Rebuild the sub-row tables and key counts from the selected rows (S > 1)."""
         if self.split is not None:
             self.split.rebuild(self._rows, self._kv_lens)
 
@@ -156,27 +157,30 @@ class CudnnBackend(AttentionBackend):
         if cache.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"backend 'cudnn' needs a bfloat16/float16 kv_cache, got {cache.dtype}")
 
-    def plan(self, cache, *, tokens, block_size, num_heads, scale) -> CudnnPlan:
+    def plan(self, cache, *, tokens, block_size, num_heads, scale, batch=1) -> CudnnPlan:
         self.check_cache(cache)
-        key = (owner_token(cache), cache.geometry, tokens, block_size, num_heads, float(scale))
+        key = (owner_token(cache), cache.geometry, tokens, block_size, num_heads, float(scale),
+               batch)
         plan = self._plans.get(key)
         if plan is None:
             S = self.split_for(cache.geometry, cache.tokens_per_page, num_heads, tokens,
-                               block_size, cache.device)
+                               block_size, cache.device, batch=batch)
             plan = self._plans[key] = CudnnPlan(self, cache, tokens=tokens, block_size=block_size,
-                                                num_heads=num_heads, scale=float(scale), splits=S)
+                                                num_heads=num_heads, scale=float(scale), splits=S,
+                                                batch=batch)
         return plan
 
     def split_for(self, geometry, tokens_per_page: int, num_heads: int, tokens: int,
-                  block_size: int, device=None) -> int:
-        """S of a forward of ``tokens`` queries in ``block_size`` blocks over a cache of
-        ``geometry``: pinned by ``split``, else the wave model's choice."""
+                  block_size: int, device=None, *, batch: int = 1) -> int:
+        """S of a forward of ``tokens`` queries per sequence in ``block_size`` blocks
+        over ``batch`` sequences of a cache of ``geometry``: pinned by ``split``, else
+        the wave model's choice."""
         if isinstance(self.split, int):
             return self.split
         if isinstance(self.split, dict):
             return self.split.get(block_size, 1)
         row_pages = LayoutPlan.for_geometry(geometry, tokens_per_page).block(block_size).row_pages
-        return choose_split(num_blocks=tokens // block_size, block_size=block_size,
+        return choose_split(num_blocks=batch * (tokens // block_size), block_size=block_size,
                             num_heads=num_heads, row_keys=row_pages * tokens_per_page,
                             sms=_sm_count(device))
 

@@ -29,7 +29,7 @@ class PagedGraphKey(msgspec.Struct, frozen=True):
 
     device: int              # plans and workspaces belong to one device
     dtype: str               # io data type of Q, K, V, O
-    num_blocks: int          # batch of the graph: S * (T // b) rows
+    num_blocks: int          # batch of the graph: S * B * (T // b) rows (B sequences)
     block_size: int          # s_q of every row
     num_heads: int           # H (query heads)
     num_kv_heads: int        # H_kv: GQA ratio baked into the kernel choice

@@ -4,7 +4,9 @@ Without a cache it is full attention over the S tokens of the call. With a cache
 stages the first ``seq_len`` rows' K/V (strided views: no copy, also for a packed
 QKV tensor), then attends each causal block over exactly its visible key set V(j)
 in one backend launch; rows >= seq_len are padding: neither staged nor attended,
-and come back zero.
+and come back zero. A batch of B query rows is B sequences of the cache
+(``sequences=ids``, default the first B): each row stages into and attends over its
+own sequence only, all of them in the same launches.
 
 Backends (``backend=`` by name or instance): ``reference`` (torch fp32 math, any
 device; the oracle) and ``cudnn`` (cudnn-frontend paged SDPA, CUDA). A backend
@@ -20,6 +22,7 @@ import math
 import torch
 
 from ..cache import CausalKVCache
+from ..cache.sequences import flat_rows
 from .backend import AttentionBackend, AttentionPlan
 from .registry import get_backend
 
@@ -61,12 +64,14 @@ class CachedAttention(torch.nn.Module):
         return self.backend.supports_kv_cache
 
     def forward(self, q, k=None, v=None, *, kv_cache=None, seq_len=None,
-                causal_block_size=None, plan: AttentionPlan | None = None, **unsupported):
-        """Attention output [1, S, H, D].
+                causal_block_size=None, plan: AttentionPlan | None = None, sequences=None,
+                **unsupported):
+        """Attention output [B, S, H, D].
 
         Args:
-            q: [1, S, H, D], or packed [1, S, H + 2*H_kv, D] with k = v = None.
-            k, v: [1, S, H_kv, D] (any strides, head dim contiguous).
+            q: [B, S, H, D], or packed [B, S, H + 2*H_kv, D] with k = v = None; B > 1
+                only with a kv_cache.
+            k, v: [B, S, H_kv, D] (any strides, head dim contiguous).
             kv_cache: a `CausalKVCache` with an open geometry, or None. Cached
                 attention is inference only: it records no autograd history (inputs
                 that require grad are read, never tracked), and its output has none.
@@ -74,8 +79,11 @@ class CachedAttention(torch.nn.Module):
             causal_block_size: block size cutting the real tokens (a declared size);
                 default one block of seq_len.
             plan: this forward's `AttentionPlan`, already prepared (``plan()`` of
-                this module's backend for the same cache, seq_len, block size and
-                heads); default: planned and prepared here.
+                this module's backend for the same cache, seq_len, block size, heads
+                and B, ``prepare(sequences)``); default: planned and prepared here.
+            sequences: int tensor [B] on the cache's device, the sequence of each
+                batch row (distinct, < the cache's num_sequences); default the first
+                B. With a plan, the tensor it was prepared with (or None).
         Raises:
             ValueError: masks or other unsupported arguments, bad shapes or dtypes,
                 a cache on a backend without cache support, seq_len missing.
@@ -85,53 +93,69 @@ class CachedAttention(torch.nn.Module):
                              "causality comes from causal_block_size and the cache")
         q, k, v = self._split(q, k, v)
         if kv_cache is None:
-            if seq_len is not None or causal_block_size is not None:
-                raise ValueError("seq_len and causal_block_size need a kv_cache")
+            if seq_len is not None or causal_block_size is not None or sequences is not None:
+                raise ValueError("seq_len, causal_block_size and sequences need a kv_cache")
+            if q.shape[0] != 1:
+                raise ValueError(f"q must have batch 1 without a kv_cache, got {q.shape[0]}")
             return self.backend.dense(q, k, v, self.scale)
         if not self.backend.supports_kv_cache:
             raise ValueError(f"backend {self.backend.name!r} does not support a kv_cache")
         T, b = self._check_cached(q, kv_cache, seq_len, causal_block_size)
-        plan = self._plan(plan, kv_cache, T, b)
+        plan = self._plan(plan, kv_cache, T, b, q.shape[0], sequences)
+        B, S, H, D = q.shape
         # Inference only: the cache never records autograd history, nor does the output.
         with torch.no_grad():
-            kv_cache.write_staged(self.layer_idx, k[0, :T], v[0, :T], b)
-            out = torch.empty_like(q)  # [1, S, H, D]
+            kv_cache.write_staged(self.layer_idx, k[:, :T], v[:, :T], b, batch=plan.selected)
+            out = torch.empty_like(q)  # [B, S, H, D]
             out[:, T:].zero_()  # padding rows come back zero
-            plan.run(q[0, :T].detach(), self.layer_idx, out[0, :T])
+            whole = B == 1 or S == T  # out[:, :T] is then one [B * T] row list
+            rows = flat_rows(out[:, :T]) if whole else q.new_empty(B * T, H, D)
+            plan.run(flat_rows(q[:, :T].detach()), self.layer_idx, rows)
+            if not whole:
+                out[:, :T] = rows.view(B, T, H, D)
         return out
 
-    def plan_for(self, kv_cache, seq_len: int, causal_block_size: int) -> AttentionPlan:
-        """This module's backend's plan of a forward over ``kv_cache`` (not prepared)."""
+    def plan_for(self, kv_cache, seq_len: int, causal_block_size: int,
+                 batch: int = 1) -> AttentionPlan:
+        """This module's backend's plan of a forward over ``batch`` sequences of
+        ``kv_cache`` (not prepared)."""
+        # batch only when > 1: backends written before batches take no such argument
+        more = {"batch": batch} if batch != 1 else {}
         return self.backend.plan(kv_cache, tokens=seq_len, block_size=causal_block_size,
-                                 num_heads=self.num_heads, scale=self.scale)
+                                 num_heads=self.num_heads, scale=self.scale, **more)
 
-    def _plan(self, plan, cache, T: int, b: int) -> AttentionPlan:
+    def _plan(self, plan, cache, T: int, b: int, B: int, sequences) -> AttentionPlan:
         if plan is None:
-            plan = self.plan_for(cache, T, b)
-            plan.prepare()
-        elif not (isinstance(plan, AttentionPlan)
-                  and plan.matches(cache, T, b, self.num_heads, self.scale)):
+            plan = self.plan_for(cache, T, b, B)
+            plan.prepare(sequences)
+            return plan
+        if not (isinstance(plan, AttentionPlan)
+                and plan.matches(cache, T, b, self.num_heads, self.scale, B)):
             raise ValueError(f"plan must be the AttentionPlan of this forward (cache, seq_len={T}, "
-                             f"causal_block_size={b}, {self.num_heads} heads, scale {self.scale}), "
-                             f"got {plan!r}")
+                             f"causal_block_size={b}, {self.num_heads} heads, scale {self.scale}, "
+                             f"batch {B}), got {plan!r}")
+        unselected = plan.selected is None and (cache.num_sequences > 1 or sequences is not None)
+        if unselected or (sequences is not None and plan.selected.source is not sequences):
+            raise ValueError("plan must be prepared, with the sequences passed here, before the "
+                             "forward: call plan.prepare(sequences)")
         return plan
 
     # ------------------------------------------------------------------ checks
     def _split(self, q, k, v):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != 1:
-            raise ValueError(f"q must be a [1, S, H, D] tensor, got "
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] < 1:
+            raise ValueError(f"q must be a [B, S, H, D] tensor, got "
                              f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         if (k is None) != (v is None):
             raise ValueError("k and v must both be given, or both be None for a packed q")
         if k is None:
             if tuple(q.shape[2:]) != (H + 2 * Hkv, D):
-                raise ValueError(f"packed q must have shape [1, S, {H + 2 * Hkv}, {D}], "
+                raise ValueError(f"packed q must have shape [B, S, {H + 2 * Hkv}, {D}], "
                                  f"got {list(q.shape)}")
             q, k, v = q[:, :, :H], q[:, :, H:H + Hkv], q[:, :, H + Hkv:]
         for name, t, heads in (("q", q, H), ("k", k, Hkv), ("v", v, Hkv)):
-            if t.dim() != 4 or tuple(t.shape) != (1, q.shape[1], heads, D):
-                raise ValueError(f"{name} must have shape [1, {q.shape[1]}, {heads}, {D}], "
+            if t.dim() != 4 or tuple(t.shape) != (q.shape[0], q.shape[1], heads, D):
+                raise ValueError(f"{name} must have shape [{q.shape[0]}, {q.shape[1]}, {heads}, {D}], "
                                  f"got {list(t.shape)}")
             if t.dtype != q.dtype or t.device != q.device:
                 raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), "

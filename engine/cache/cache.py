@@ -2,9 +2,12 @@
 
 One rollout is one logical sequence [fixed region | rolling window | staged tokens]
 in one pool shared by every layer (a page holds the same positions in all layers, so
-eviction is one decision). The page layout and its rules are in ``plan.py`` and
-``host.py``, a geometry's tensors in ``state.py``; this module owns the memory and
-the crossing to the kernels::
+eviction is one decision). A pool may hold N independent sequences (``num_sequences``:
+concurrent streams, the two branches of classifier-free guidance), each with its own
+pages, commit count and ring; a forward over B of them is one launch per layer
+(``sequences.py``). The page layout and its rules are in ``plan.py`` and ``host.py``,
+a sequence's tensors in ``state.py``; this module owns the memory and the crossing
+to the kernels::
 
     pool (arena)   [L, 2, pages, tokens_per_page, H_kv, D]     K at [:, 0], V at [:, 1]
 
@@ -15,6 +18,9 @@ the counters, rotate the ring (``rotate_rows_``), rebuild every per-block tensor
 keeps a mirror advanced by the same rule and never reads the device back, so a commit
 captured once in a CUDA graph replays for every later chunk. Edit path
 (``write_range`` / ``zero_values``): host-built slot lists, uploaded per call.
+
+One file: the cache's public surface (sizing, lifecycle, sequences, forwards, commit,
+edits) is one object; its rules, states and batches live in the modules beside it.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ from framekv.specs import Geometry
 
 from ..arena import DEVICE_CHUNK_BYTES, carved_bytes, make_arena, round_up
 from .plan import LayoutPlan
+from .sequences import (PoolState, SequenceBatch, batch_bytes_specs, check_batch, flat_rows,
+                        layout_kernel)
 from .state import BlockTensors, GeometryState, nbytes, state_specs
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -42,9 +50,13 @@ class CausalKVCache:
         num_layers, num_kv_heads, head_dim: K/V shape per token and layer.
         dtype: torch.bfloat16 / torch.float16 (any device) or torch.float32 (CPU only).
         tokens_per_page: a power of two.
-        pool_tokens: slots of the pool; ``pool_tokens_for(geometry, tokens_per_page)``
-            gives what a geometry needs (every private page included).
+        pool_tokens: slots of the pool; ``pool_tokens_for(geometry, tokens_per_page,
+            num_sequences=N)`` gives what a geometry needs (every private page included).
         device: "cpu" or a CUDA device.
+        num_sequences: N independent sequences on the pool (default 1). Calls without
+            ``sequences=`` act on sequence 0; with it, on the sequences an int tensor
+            ``ids`` [B] on the cache's device names (a graph input: its values are read
+            on the device when the launches run).
 
     The constructor owns the pool; ``open(geometry)`` starts a rollout; ``close()``
     ends it and keeps the geometry's device state, so graphs captured over it replay
@@ -52,9 +64,11 @@ class CausalKVCache:
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, tokens_per_page: int, pool_tokens: int, device):
+                 dtype: torch.dtype, tokens_per_page: int, pool_tokens: int, device,
+                 num_sequences: int = 1):
         _check_sizes(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     pool_tokens=pool_tokens)
+                     pool_tokens=pool_tokens, num_sequences=num_sequences)
+        self.num_sequences = num_sequences
         _check_tpp(tokens_per_page)
         self.device = ops.resolve_device(device)
         _check_dtype(dtype, self.device)
@@ -68,31 +82,40 @@ class CausalKVCache:
         # [L, slots, H_kv, D] views: a slot id addresses the same token in every layer.
         self.k_pool = self._pool[:, 0].view(num_layers, slots, num_kv_heads, head_dim)
         self.v_pool = self._pool[:, 1].view(num_layers, slots, num_kv_heads, head_dim)
-        self._states: dict[Geometry, GeometryState] = {}
-        self._open: GeometryState | None = None
+        self._states: dict[Geometry, PoolState] = {}
+        self._open: PoolState | None = None
 
     # ------------------------------------------------------------------ sizing
     @staticmethod
-    def pool_tokens_for(geometry: Geometry, tokens_per_page: int) -> int:
-        """Pool slots ``geometry`` needs: fixed pages, the ring, every private page."""
+    def pool_tokens_for(geometry: Geometry, tokens_per_page: int, *,
+                        num_sequences: int = 1) -> int:
+        """Pool slots ``geometry`` needs for ``num_sequences`` sequences: each its fixed
+        pages, ring and every private page."""
         _check_geometry(geometry)
         _check_tpp(tokens_per_page)
-        return LayoutPlan.for_geometry(geometry, tokens_per_page).pool_tokens
+        _check_sizes(num_sequences=num_sequences)
+        return num_sequences * LayoutPlan.for_geometry(geometry, tokens_per_page).pool_tokens
 
     @staticmethod
     def pool_bytes_for(geometry: Geometry, *, num_layers: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype, tokens_per_page: int) -> int:
-        """Device bytes a cache sized for ``geometry`` maps once it is opened.
+                       head_dim: int, dtype: torch.dtype, tokens_per_page: int,
+                       num_sequences: int = 1) -> int:
+        """Device bytes a cache sized for ``geometry`` and ``num_sequences`` maps once
+        it is opened.
 
-        The pool, the geometry's state tensors and arena alignment, rounded up to
-        the 2 MiB mapping chunk: exactly what the driver hands out.
+        The pool, every sequence's state tensors, the batch buffers and arena
+        alignment, rounded up to the 2 MiB mapping chunk: exactly what the driver
+        hands out.
         """
         _check_geometry(geometry)
-        _check_sizes(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        _check_sizes(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     num_sequences=num_sequences)
         _check_dtype(dtype, None)
+        N = num_sequences
         plan = LayoutPlan.for_geometry(geometry, tokens_per_page)
-        shape = (num_layers, 2, plan.total_pages, tokens_per_page, num_kv_heads, head_dim)
-        sizes = [nbytes(shape, dtype)] + [nbytes(s, d) for _, s, d in state_specs(plan)]
+        shape = (num_layers, 2, N * plan.total_pages, tokens_per_page, num_kv_heads, head_dim)
+        sizes = [nbytes(shape, dtype)] + [nbytes((N, *s), d) for _, s, d in state_specs(plan)]
+        sizes += [nbytes(s, d) for s, d in batch_bytes_specs(plan, N)]
         return round_up(carved_bytes(sizes), DEVICE_CHUNK_BYTES)
 
     @property
@@ -117,13 +140,21 @@ class CausalKVCache:
 
     @property
     def committed_tokens(self) -> int:
-        """C: positions committed in the open rollout (from the host mirror)."""
-        return self._require_open().host.committed
+        """C of sequence 0: positions committed in its rollout (from the host mirror)."""
+        return self._seq(0).host.committed
 
     @property
     def staged_tokens(self) -> int:
-        """Tokens written since the last commit (the most any forward wrote)."""
-        return self._require_open().host.staged
+        """Tokens sequence 0 wrote since its last commit (the most any forward wrote)."""
+        return self._seq(0).host.staged
+
+    def sequence_committed_tokens(self, i: int) -> int:
+        """C of sequence ``i``: positions committed in its rollout (host mirror, no sync)."""
+        return self._seq(i).host.committed
+
+    def sequence_staged_tokens(self, i: int) -> int:
+        """Tokens sequence ``i`` wrote since its last commit."""
+        return self._seq(i).host.staged
 
     def open(self, geometry: Geometry) -> None:
         """Start a rollout of ``geometry`` at position 0.
@@ -138,13 +169,14 @@ class CausalKVCache:
             raise ValueError(f"a geometry is already open ({self._open.plan.geometry}); close() it first")
         _check_geometry(geometry)
         plan = LayoutPlan.for_geometry(geometry, self.tokens_per_page)
-        if plan.total_pages > self.num_pages:
+        N = self.num_sequences
+        if N * plan.total_pages > self.num_pages:
             raise ValueError(
-                f"pool too small for {geometry}: it needs {plan.pool_tokens} tokens "
-                f"({plan.total_pages} pages of {self.tokens_per_page}), the pool has "
-                f"{self.pool_tokens}")
-        state = self._states.get(geometry) or GeometryState.carve(self._arena, plan,
-                                                                   self.num_layers)
+                f"pool too small for {geometry} x {N} sequences: it needs "
+                f"{N * plan.pool_tokens} tokens ({N} x {plan.total_pages} pages of "
+                f"{self.tokens_per_page}), the pool has {self.pool_tokens}")
+        state = self._states.get(geometry) or PoolState.carve(self._arena, plan,
+                                                              self.num_layers, N)
         self._states[geometry] = state
         state.reset()  # a failure here leaves the cache closed; the next open resets again
         self._open = state
@@ -160,11 +192,18 @@ class CausalKVCache:
         self._pool = self.k_pool = self.v_pool = None
         self._arena.close()
 
-    def _require_open(self) -> GeometryState:
+    def _require_open(self) -> PoolState:
         self._check_alive()
         if self._open is None:
             raise ValueError("no geometry is open; call open(geometry) first")
         return self._open
+
+    def _seq(self, i: int) -> GeometryState:
+        pool = self._require_open()
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_sequences:
+            raise ValueError(f"sequence must be an integer in [0, {self.num_sequences}), "
+                             f"got {i!r}")
+        return pool.seqs[i]
 
     def _check_alive(self) -> None:
         if self._arena.closed:
@@ -172,11 +211,20 @@ class CausalKVCache:
                                "build a new one")
 
     # ------------------------------------------------------------------ accessors
-    def block_tensors(self, causal_block_size: int) -> BlockTensors:
-        """The open geometry's per-block tensors of a declared block size."""
-        state = self._require_open()
+    def block_tensors(self, causal_block_size: int, sequence: int = 0) -> BlockTensors:
+        """The per-block tensors of a declared block size of one sequence."""
+        state = self._seq(sequence)
         state.plan.block(causal_block_size)  # ValueError naming the declared sizes
         return state.blocks[causal_block_size]
+
+    def batch_blocks(self, batch: int, causal_block_size: int, tokens: int) -> BlockTensors:
+        """What a forward of ``tokens`` rows per sequence over ``batch`` sequences reads:
+        block j of batch row r at r * nb + j, at fixed addresses, refreshed by every
+        `select` (sequence 0's own tensors when the pool holds one sequence)."""
+        pool = self._require_open()
+        pool.plan.block(causal_block_size)
+        check_batch(batch, self.num_sequences)
+        return pool.batch_view(batch, causal_block_size, tokens)
 
     def page_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as [pages, H_kv, tokens_per_page, D] strided views."""
@@ -187,88 +235,155 @@ class CausalKVCache:
         v = self.v_pool[layer].view(shape).permute(0, 2, 1, 3)
         return k, v
 
-    def slot_of(self, position: int) -> int:
-        """Pool slot of a resident position (host mirror)."""
-        return self._require_open().host.slot_of(position)
+    def slot_of(self, position: int, sequence: int = 0) -> int:
+        """Pool slot of a resident position of one sequence (host mirror)."""
+        return self._seq(sequence).host.slot_of(position)
+
+    # ------------------------------------------------------------------ sequences
+    def select(self, sequences, causal_block_size: int, tokens: int,
+               batch: int | None = None) -> SequenceBatch:
+        """The `SequenceBatch` of a forward of ``tokens`` rows per sequence over the
+        sequences ``sequences`` (int tensor [B] on the cache's device; None: the first
+        ``batch``, default 1): ids checked, the batch's per-block tensors gathered on
+        the device. A forward selects once and passes it to every layer."""
+        pool = self._require_open()
+        pool.plan.block(causal_block_size)
+        M = pool.plan.geometry.max_staged_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= M:
+            raise ValueError(f"tokens must be an integer in [1, {M}], got {tokens!r}")
+        ids, host = pool.resolve(sequences, batch, self.device)
+        return SequenceBatch(cache=self, source=sequences, ids=ids, host=host,
+                             block_size=causal_block_size, tokens=tokens,
+                             blocks=pool.gather(ids, causal_block_size, tokens))
+
+    def reset_sequences(self, sequences) -> None:
+        """Sequences ``sequences`` (int tensor [B] on the cache's device, or host ints)
+        start over at position 0; the others keep their state. Graphs stay valid."""
+        pool = self._require_open()
+        pool.reset(pool.host_ids(sequences, self.device))
 
     # ------------------------------------------------------------------ forwards
     def write_staged(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                     causal_block_size: int) -> None:
-        """Write this forward's T tokens of one layer at positions [C, C + T).
+                     causal_block_size: int, *, sequences=None,
+                     batch: SequenceBatch | None = None) -> None:
+        """Write this forward's T tokens of one layer at positions [C, C + T) of each
+        sequence it covers.
 
         Each token goes to its shared slot (read by later blocks and commits) and to
         its block's private slots; earlier blocks' tokens on a partly visible page
-        are copied into later blocks' private slots (current_private). One launch.
+        are copied into later blocks' private slots (current_private). One launch for
+        all sequences.
 
         Args:
             layer: layer index.
-            k, v: [T, H_kv, D] with any token/head strides (head dim contiguous), T a
-                multiple of ``causal_block_size`` and <= max_staged_tokens.
+            k, v: [T, H_kv, D] (sequence 0, or the one sequence named) or [B, T, H_kv, D]
+                with any token/head strides (head dim contiguous), T a multiple of
+                ``causal_block_size`` and <= max_staged_tokens.
             causal_block_size: a block size declared by the open geometry.
+            sequences: int tensor [B] on the cache's device naming each row's sequence
+                (default the first B).
+            batch: the forward's `select` result (then ``sequences`` is not given).
         """
-        state = self._require_open()
+        pool = self._require_open()
         self._check_layer(layer)
-        bt = self.block_tensors(causal_block_size)
-        T = self._check_kv(k, v)
-        M = state.plan.geometry.max_staged_tokens
+        T, B = self._check_kv(k, v)
+        M = pool.plan.geometry.max_staged_tokens
+        pool.plan.block(causal_block_size)
         if T > M or T % causal_block_size:
             raise ValueError(
                 f"k must hold a positive multiple of causal_block_size={causal_block_size} "
                 f"tokens, at most max_staged_tokens={M}, got {T}")
-        key = ("scatter", layer, causal_block_size)
-        launch = state.launchers.get(key)
+        if batch is None:
+            batch = self.select(sequences, causal_block_size, T, 1 if B is None else B)
+        elif sequences is not None:
+            raise ValueError("pass sequences or batch, not both")
+        batch.check(self, causal_block_size, T, 1 if B is None else B)
+        key = ("scatter", layer, causal_block_size, B)
+        launch = pool.launchers.get(key)
         if launch is None:
+            bt = batch.blocks
             launch = ops.bind_scatter_kv_slots(self.k_pool[layer], self.v_pool[layer],
                                                bt.staged_dst, bt.staged_dst2, bt.staged_src)
-            state.launchers[key] = launch
+            pool.launchers[key] = launch
         with torch.no_grad():  # a cache write never records autograd history
-            launch(k.detach(), v.detach())
-        state.host.note_staged(T, layer)
+            launch(flat_rows(k.detach()), flat_rows(v.detach()))
+        for i in batch.host or ():  # capturing: the replay hook notes the replays
+            pool.seqs[i].host.note_staged(T, layer)
 
-    def note_staged(self, tokens: int) -> None:
-        """Advance the host mirror's staged count as a forward of ``tokens`` would.
+    def note_staged(self, tokens: int, *, sequences=None) -> None:
+        """Advance the host mirror's staged count as a forward of ``tokens`` would, for
+        the sequences named (host ints, or a tensor: read, synchronising; default
+        every sequence).
 
         For replays of a captured forward: the graph writes every layer's K/V on the
         device, the host mirror learns of it here (it never reads the device back).
         """
-        self._require_open().host.note_staged(tokens)
+        pool = self._require_open()
+        for i in pool.host_ids(sequences, self.device):
+            pool.seqs[i].host.note_staged(tokens)
 
     # ------------------------------------------------------------------ commit
-    def commit(self, n: int) -> None:
-        """Make the first ``n`` staged tokens history: C += n, the window slides.
+    def commit(self, n: int, *, sequences=None) -> None:
+        """Make the first ``n`` staged tokens of each named sequence history: C += n,
+        its window slides; the other sequences do not move.
 
+        ``sequences``: int tensor [B] on the cache's device (default: every sequence).
         All or nothing: ValueError (nothing changed) unless n is in [0, staged] and every
-        layer staged n tokens since the last commit; if the device half fails part way,
-        the host mirror and the device state are put back as they were and the error is
-        raised again, so the same commit can be retried.
+        layer staged n tokens since the last commit, for every named sequence; if the
+        device half fails part way, the host mirror and the device state are put back
+        as they were and the error is raised again, so the same commit can be retried.
+        While a CUDA graph is captured the ids are not read on the host: only the
+        device half is recorded (the replay hook's `commit_mirror` does the rest).
         """
-        state = self._require_open()
-        state.host.check_commit(n)
-        snap = state.host.snapshot()
+        pool = self._require_open()
+        ids, host = pool.resolve(sequences, None, self.device)
+        if host is None:
+            pool.commit_device(n, ids, self.k_pool, self.v_pool)
+            return
+        states = [pool.seqs[i] for i in host]
+        for st in states:
+            st.host.check_commit(n)
+        snaps = [st.host.snapshot() for st in states]
         try:
-            state.host.commit(n)
-            self.commit_device(n)
+            for st in states:
+                st.host.commit(n)
+            self.commit_device(n, sequences=sequences)
         except BaseException:
-            self._recover(state, snap)
+            for st, snap in zip(states, snaps):
+                self._recover(st, snap)
             raise
 
-    def commit_mirror(self, n: int) -> None:
-        """Advance the host mirror only (all or nothing): what a replay of a captured
-        commit needs."""
-        self._require_open().host.commit(n)
+    def commit_mirror(self, n: int, *, sequences=None) -> None:
+        """Advance the host mirror only (all or nothing over the named sequences: host
+        ints or a tensor, default every one): what a replay of a captured commit needs."""
+        pool = self._require_open()
+        states = [pool.seqs[i] for i in pool.host_ids(sequences, self.device)]
+        for st in states:
+            st.host.check_commit(n)
+        for st in states:
+            st.host.commit(n)
 
-    def commit_device(self, n: int) -> None:
+    def commit_device(self, n: int, *, sequences=None) -> None:
         """The device side of commit(n), safe to capture: no host-computed argument
-        but the constant n, no upload, no synchronisation. On CPU it applies the
-        host mirror (unless numba's simulator runs the kernels), so it must follow
-        ``commit_mirror(n)``."""
-        state = self._require_open()
-        if ops.use_kernel(self._pool):  # CUDA, or numba's simulator on CPU
-            _commit_kernels(state, n)
-        else:
-            state.upload_layout()
-        ops.copy_kv_slots_(self.k_pool, self.v_pool, state.flat["committed_src"],
-                           state.flat["committed_dst"])
+        but the constant n (and the ids tensor, read on the device), no upload, no
+        synchronisation. On CPU it applies the host mirror (unless numba's simulator
+        runs the kernels), so it must follow ``commit_mirror(n)``."""
+        pool = self._require_open()
+        ids, host = pool.resolve(sequences, None, self.device)
+        self._commit_device(pool, n, ids, host)
+
+    def _commit_device(self, pool: PoolState, n: int, ids, host) -> None:
+        if self.num_sequences > 1 and ops.use_kernel(self._pool):
+            pool.commit_device(n, ids, self.k_pool, self.v_pool)
+            return
+        for i in host:
+            state = pool.seqs[i]
+            if ops.use_kernel(self._pool):  # CUDA, or numba's simulator on CPU
+                _commit_kernels(state, n)
+            else:
+                state.upload_layout()
+            ops.copy_kv_slots_(self.k_pool, self.v_pool, state.flat["committed_src"],
+                               state.flat["committed_dst"])
 
     def _recover(self, state: GeometryState, snap: tuple) -> None:
         """After a failed commit: the host mirror back to ``snap``, the device state
@@ -282,27 +397,32 @@ class CausalKVCache:
                            torch.from_numpy(dst).to(dev))
 
     # ------------------------------------------------------------------ edits
-    def write_range(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Overwrite K/V of resident positions [start, start + T) of one layer.
+    def write_range(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, *,
+                    sequence: int = 0) -> None:
+        """Overwrite K/V of resident positions [start, start + T) of one layer of one
+        sequence.
 
         Committed positions' private copies are updated too, so the edit takes effect
         on the next forward. Staged positions are rewritten by every forward; an
         edit reaches the shared slot that the next commit reads. All or nothing: a
         failure part way puts back every slot it touched.
         """
-        state = self._require_open()
+        state = self._seq(sequence)
         self._check_layer(layer)
-        T = self._check_kv(k, v)
+        T, B = self._check_kv(k, v)
+        if B is not None:
+            raise ValueError(f"k must have shape [T, {self.num_kv_heads}, {self.head_dim}], "
+                             f"got {list(k.shape)}")
         src_rows, dst = state.host.edit_targets(start, T)
         rows, slots = (torch.from_numpy(a).to(self.device) for a in (src_rows, dst))
         with self._restoring(layer, slots):
             ops.scatter_kv_slots_(self.k_pool[layer], self.v_pool[layer], k.detach(),
                                   v.detach(), slots, None, rows)
 
-    def zero_values(self, layer: int, start: int, n: int) -> None:
-        """Zero V (not K) of resident positions [start, start + n) of one layer,
-        private copies included (all or nothing)."""
-        state = self._require_open()
+    def zero_values(self, layer: int, start: int, n: int, *, sequence: int = 0) -> None:
+        """Zero V (not K) of resident positions [start, start + n) of one layer of one
+        sequence, private copies included (all or nothing)."""
+        state = self._seq(sequence)
         self._check_layer(layer)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive integer, got {n!r}")
@@ -328,21 +448,22 @@ class CausalKVCache:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an integer in [0, {self.num_layers}), got {layer!r}")
 
-    def _check_kv(self, k, v) -> int:
+    def _check_kv(self, k, v) -> tuple[int, int | None]:
+        """(T, B) of k/v [T, H_kv, D] (B None) or [B, T, H_kv, D]."""
         want = (self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 3 or tuple(t.shape[1:]) != want or t.shape[0] < 1:
-                raise ValueError(f"{name} must have shape [T >= 1, {want[0]}, {want[1]}], "
-                                 f"got {list(t.shape)}")
+            if t.dim() not in (3, 4) or tuple(t.shape[-2:]) != want or 0 in t.shape[:-2]:
+                raise ValueError(f"{name} must have shape [T >= 1, {want[0]}, {want[1]}] or "
+                                 f"[B, T, {want[0]}, {want[1]}], got {list(t.shape)}")
             if t.dtype != self.dtype:
                 raise ValueError(f"{name} must have dtype {self.dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name} must be on {self.device}, got {t.device}")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
-        return int(k.shape[0])
+        return int(k.shape[-3]), (int(k.shape[0]) if k.dim() == 4 else None)
 
 
 def _commit_kernels(state: GeometryState, n: int) -> None:
@@ -352,13 +473,7 @@ def _commit_kernels(state: GeometryState, n: int) -> None:
                         window_tokens=g.window_tokens,
                         tokens_per_page=plan.tokens_per_page, fixed_pages=plan.fixed_pages)
     ops.rotate_rows_(t["table"][plan.fixed_pages:], t["counters"][2:3])
-    ops.causal_layout_(t["counters"], t["table"], t["desc"], t["rows"], t["seq_len_kv"],
-                       t["staged_src"], t["staged_dst"], t["staged_dst2"],
-                       t["committed_src"], t["committed_dst"],
-                       pin_tokens=g.pin_tokens, window_tokens=g.window_tokens,
-                       max_staged_tokens=g.max_staged_tokens,
-                       tokens_per_page=plan.tokens_per_page,
-                       fixed_pages=plan.fixed_pages, ring_pages=plan.ring_pages)
+    layout_kernel(state)
 
 
 def _check_sizes(**sizes) -> None:

@@ -21,7 +21,8 @@ class HostLayout:
     """Rollout state of one geometry's layout: committed count, ring base, page table,
     and what each layer staged.
 
-    ``open`` state is C = 0, ring_base = F, table = identity over [0, F + R). Each
+    ``open`` state is C = 0, ring_base = F, table = the plan's pages
+    [page_base, page_base + F + R) in order. Each
     layer's staged count is the most tokens it wrote since the last commit
     (``note_staged``); ``commit(n)`` needs every layer to have staged n (a forward that
     failed part way leaves some layers short) and leaves ``staged - n`` staged.
@@ -40,7 +41,7 @@ class HostLayout:
         """Back to the state of a freshly opened geometry."""
         self._committed = 0
         self._ring_base = self.plan.fixed_pages
-        self._table_np = np.arange(self.plan.table_len, dtype=np.int64)  # [F + R]
+        self._table_np = self.plan.page_base + np.arange(self.plan.table_len, dtype=np.int64)  # [F + R]
         self._pending_roll = 0  # ring rotation not yet applied to _table_np (commit is O(1))
         self._staged = [0] * self.num_layers
         self._layouts: dict[int, BlockLayout] = {}

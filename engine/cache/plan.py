@@ -11,6 +11,7 @@ M = max_staged_tokens, tpp = tokens_per_page, C = committed count.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +65,9 @@ class LayoutPlan:
         fixed_pages: F = ceil(P / tpp), physical pages [0, F).
         ring_pages: R = floor((W + M + tpp - 2) / tpp) + 1, initially pages [F, F+R).
         blocks: one BlockPlan per declared block size, in sorted order.
-        total_pages: F + R + every block's private pages.
+        total_pages: F + R + every block's private pages: the pages of one sequence.
+        page_base: physical page of the sequence's page 0 (`shifted`); 0 for the
+            first sequence of a pool, i * total_pages for sequence i.
     """
 
     geometry: Geometry
@@ -73,6 +76,7 @@ class LayoutPlan:
     ring_pages: int
     blocks: tuple[BlockPlan, ...]
     total_pages: int
+    page_base: int = 0
 
     @staticmethod
     def for_geometry(geometry: Geometry, tokens_per_page: int) -> "LayoutPlan":
@@ -97,6 +101,15 @@ class LayoutPlan:
             next_page += nb * q
         return LayoutPlan(geometry=geometry, tokens_per_page=tpp, fixed_pages=fixed,
                           ring_pages=ring, blocks=tuple(blocks), total_pages=next_page)
+
+    def shifted(self, page_base: int) -> "LayoutPlan":
+        """The same layout over physical pages [page_base, page_base + total_pages):
+        the plan of one sequence of a pool holding several. Only physical page ids
+        move (the table's initial pages, every block's private_base); every size and
+        rule stays, so sequences share graphs, plans and kernels."""
+        blocks = tuple(dataclasses.replace(bp, private_base=bp.private_base - self.page_base
+                                           + page_base) for bp in self.blocks)
+        return dataclasses.replace(self, blocks=blocks, page_base=page_base)
 
     @property
     def table_len(self) -> int:

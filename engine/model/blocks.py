@@ -59,24 +59,26 @@ class Rope3D:
         self._spatial = spatial                                            # [h*w, (Dr+Dc)/2]
 
     def angles(self, frame0: torch.Tensor, frames: int) -> torch.Tensor:
-        """Angles of a chunk's tokens: frame0 int64 [1] (rope frame of its first frame)
-        -> fp64 [frames * h * w, D / 2], frame-major token order."""
-        f = frame0.double() + torch.arange(frames, device=frame0.device, dtype=torch.float64)
-        fa = f[:, None] * self.inv_freq[0][None]                           # [F, Df/2]
+        """Angles of a chunk's tokens: frame0 int64 [B] (rope frame of each sequence's
+        first frame) -> fp64 [B, frames * h * w, D / 2], frame-major token order."""
+        f = frame0.double()[:, None] + torch.arange(frames, device=frame0.device,
+                                                    dtype=torch.float64)   # [B, F]
+        fa = f[..., None] * self.inv_freq[0]                               # [B, F, Df/2]
         tpf = self._spatial.shape[0]
-        fa = fa.repeat_interleave(tpf, dim=0)                              # [S, Df/2]
-        return torch.cat([fa, self._spatial.repeat(frames, 1)], dim=-1)    # [S, D/2]
+        fa = fa.repeat_interleave(tpf, dim=1)                              # [B, S, Df/2]
+        spatial = self._spatial.repeat(frames, 1).expand(fa.shape[0], -1, -1)
+        return torch.cat([fa, spatial], dim=-1)                            # [B, S, D/2]
 
     @staticmethod
     def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos and sin [1, S, 1, D/2] ready to broadcast over heads."""
-        return (torch.cos(angles).float()[None, :, None],
-                torch.sin(angles).float()[None, :, None])
+        """fp32 cos and sin [B, S, 1, D/2] ready to broadcast over heads."""
+        return (torch.cos(angles).float()[:, :, None],
+                torch.sin(angles).float()[:, :, None])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (2i, 2i+1) of x [1, S, heads, D] by the angles; fp32 math."""
-    xf = x.float().unflatten(-1, (-1, 2))                                  # [1, S, h, D/2, 2]
+    """Rotate pairs (2i, 2i+1) of x [B, S, heads, D] by the angles; fp32 math."""
+    xf = x.float().unflatten(-1, (-1, 2))                                  # [B, S, h, D/2, 2]
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.flatten(-2).to(x.dtype)
@@ -102,7 +104,7 @@ def layer_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Adaptive norm: norm(x) * (1 + scale) + shift; shift/scale [hidden] broadcast."""
+    """Adaptive norm: norm(x) * (1 + scale) + shift; shift/scale [B, 1, hidden] broadcast."""
     return layer_norm(x) * (1 + scale) + shift
 
 
@@ -110,8 +112,8 @@ class DiTBlock(torch.nn.Module):
     """One block: adaptive-norm self-attention (fused QKV, QK RMSNorm, 3-axis rope)
     and an adaptive-norm GELU-tanh MLP, each added through a gate.
 
-    ``modulation`` [6, hidden] is added to the shared time projection: shift, scale
-    and gate of the attention, then of the MLP (Wan's layout).
+    ``modulation`` [6, hidden] is added to the shared time projection [B, 6, 1, hidden]:
+    shift, scale and gate of the attention, then of the MLP (Wan's layout).
     """
 
     def __init__(self, spec: ModelSpec, layer_idx: int, backend):
@@ -128,9 +130,9 @@ class DiTBlock(torch.nn.Module):
         self.attn = CachedAttention(H, Hkv, D, backend=backend, layer_idx=layer_idx)
 
     def qkv_packed(self, h: torch.Tensor, rope: tuple | None) -> torch.Tensor:
-        """[1, S, hidden] -> packed [1, S, H + 2*H_kv, D]: q, k normed and rotated."""
+        """[B, S, hidden] -> packed [B, S, H + 2*H_kv, D]: q, k normed and rotated."""
         H, Hkv, D = self.heads
-        qkv = self.qkv(h).unflatten(-1, (H + 2 * Hkv, D))                 # [1, S, H+2Hkv, D]
+        qkv = self.qkv(h).unflatten(-1, (H + 2 * Hkv, D))                 # [B, S, H+2Hkv, D]
         q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -139,10 +141,11 @@ class DiTBlock(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, time_mod: torch.Tensor, rope: tuple | None,
                 attend: AttendFn) -> torch.Tensor:
-        """x [1, S, hidden]; time_mod [6, hidden]; rope (cos, sin) or None (no rotation)."""
-        shift1, scale1, gate1, shift2, scale2, gate2 = (time_mod + self.modulation).unbind(0)
+        """x [B, S, hidden]; time_mod [B, 6, 1, hidden]; rope (cos, sin) or None."""
+        mods = (time_mod + self.modulation[:, None]).unbind(1)             # [B, 1, hidden] each
+        shift1, scale1, gate1, shift2, scale2, gate2 = mods
         packed = self.qkv_packed(modulate(x, shift1, scale1), rope)
-        out = attend(self.attn, packed)                                    # [1, S, H, D]
+        out = attend(self.attn, packed)                                    # [B, S, H, D]
         x = x + gate1 * self.proj(out.flatten(2))
         h = modulate(x, shift2, scale2)
         return x + gate2 * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))

@@ -4,10 +4,13 @@ No checkpoint is loaded: every weight is drawn from the `ModelSpec`'s seed, on t
 and then moved, so two models of one spec are equal on any device. What matters for
 the runtime is the shape of the work, which is the real one:
 
-    latents [F, C, H, W] -> patches [S = F*h*w, C*ph*pw] -> Linear -> [1, S, hidden]
-    per block: adaptive norm -> fused QKV [1, S, H + 2*H_kv, D] -> QK RMSNorm -> rope
+    latents [B, F, C, H, W] -> patches [B, S = F*h*w, C*ph*pw] -> Linear -> [B, S, hidden]
+    per block: adaptive norm -> fused QKV [B, S, H + 2*H_kv, D] -> QK RMSNorm -> rope
                -> CachedAttention over the K/V cache -> gated residual -> GELU MLP
-    final adaptive norm -> Linear -> patches -> unpatchify -> velocity [F, C, H, W]
+    final adaptive norm -> Linear -> patches -> unpatchify -> velocity [B, F, C, H, W]
+
+B rows are B independent sequences of the K/V store (concurrent streams), each with
+its own time and first frame; a [F, C, H, W] call is one sequence.
 
 Rotary positions are absolute over the rollout (they grow forever, storage does not):
 video frame f sits at rope frame f + 1, row and col at its patch grid cell. Prompt
@@ -121,9 +124,10 @@ class CausalVideoDiT(torch.nn.Module):
         self.register_buffer("prompt", torch.zeros(prompt_tokens, spec.text_dim))
 
     def time_conditioning(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """t fp32 [1] in [0, 1] -> (embedding [1, hidden], block modulation [6, hidden])."""
+        """t fp32 [B] in [0, 1] -> (embedding [B, hidden], block modulation
+        [B, 6, 1, hidden]: shift, scale, gate of attention and MLP, broadcast over tokens)."""
         e = self.time_embed(sinusoidal_embedding(t, self.spec.freq_dim).to(self.dtype))
-        return e, self.time_proj(e).view(6, -1)
+        return e, self.time_proj(e).view(t.shape[0], 6, 1, -1)
 
     def forward(self, latents: torch.Tensor, t: torch.Tensor, frame0: torch.Tensor, *,
                 kv: KVStore | None = None, seq_len: int | None = None,
@@ -131,34 +135,38 @@ class CausalVideoDiT(torch.nn.Module):
         """The velocity of a chunk's latents.
 
         Args:
-            latents: [F, C, H, W], any float dtype (cast to the model dtype).
-            t: fp32 [1], the flow-matching time in [0, 1] (1 = noise).
-            frame0: int64 [1], absolute index of the chunk's first frame (a device
-                tensor, so a captured graph replays for every chunk).
+            latents: [F, C, H, W] or [B, F, C, H, W] (B sequences of the store), any
+                float dtype (cast to the model dtype).
+            t: fp32 [1] or [B], the flow-matching time in [0, 1] (1 = noise).
+            frame0: int64 [1] or [B], absolute index of each sequence's first frame of
+                the chunk (a device tensor, so a captured graph replays for every chunk).
             kv: the `KVStore` this forward stages into and attends over; None: dense
                 attention over the call's own tokens.
             seq_len, causal_block_size: real tokens and block size of the forward
                 (default: all tokens, one block).
         Returns:
-            velocity [F, C, H, W] in the model dtype.
+            velocity in the shape of ``latents``, in the model dtype.
         """
-        frames = latents.shape[0]
-        x = self.patch_embed(patchify(latents, self.spec.patch_size).to(self.dtype))[None]
-        S = x.shape[1]                                                     # [1, S, hidden]
+        lat = latents if latents.dim() == 5 else latents[None]             # [B, F, C, H, W]
+        B, frames = lat.shape[:2]
+        x = self.patch_embed(patchify(lat.flatten(0, 1), self.spec.patch_size).to(self.dtype))
+        x = x.view(B, -1, x.shape[-1])                                     # [B, S, hidden]
+        S = x.shape[1]
         seq_len = S if seq_len is None else seq_len
         b = seq_len if causal_block_size is None else causal_block_size
         e, mod = self.time_conditioning(t)
         rope = Rope3D.cos_sin(self.rope.angles(frame0 + 1, frames))        # video at frame f + 1
         if kv is None:
             x = self._blocks(x, mod, rope, _self_attention, seq_len, b)
-        else:                                                              # [1, S(_l), ...]
+        else:                                                              # [B, S(_l), ...]
             x, rope = kv.shard(x), tuple(kv.shard(c) for c in rope)
             x = self._blocks(x, mod, rope, kv.forward(seq_len, b), seq_len, b)
-        shift, scale = (self.head_modulation + e).unbind(0)
-        y = self.head(modulate(x, shift, scale))                           # [1, S(_l), patch_dim]
+        shift, scale = (self.head_modulation + e[:, None]).unbind(1)      # [B, hidden] each
+        y = self.head(modulate(x, shift[:, None], scale[:, None]))        # [B, S(_l), patch_dim]
         if kv is not None:
             y = kv.gather(y, S)
-        return unpatchify(y[0], frames, self.spec)
+        v = unpatchify(y.flatten(0, 1), B * frames, self.spec)             # [B*F, C, H, W]
+        return v.view(lat.shape) if latents.dim() == 5 else v
 
     def prefill(self, kv: KVStore) -> None:
         """Run the prompt at t = 0 as one causal block and commit its K/V (P tokens) as

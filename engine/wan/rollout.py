@@ -20,6 +20,11 @@ sigma_i = t_i / 1000 and sigma after the last step 0:
     self_forcing   x0 = x - sigma_i * v(x, t_i); x <- (1 - sigma_{i+1}) x0 + sigma_{i+1} e
                    (fresh noise e from the device's default generator, which a CUDA
                    graph replay advances); the chunk is x0 of the last step
+
+Classifier-free guidance (``guidance_scale=g``): the conditional and the unconditional
+branch are two sequences of one pool, run as the two rows of every forward (one
+launch per layer for both); v = v_u + g (v_c - v_u). Each branch attends over its own
+history and its clean pass commits its own K/V (under its own prompt).
 """
 from __future__ import annotations
 
@@ -55,6 +60,9 @@ class WanRollout:
             CUDA, reference on CPU); use_graphs: one graph replay per chunk;
         cache_dir: keep and load kernels and cuDNN plans (`framekv.engine.cache_dir`).
         kv: a `KVStore` for this geometry instead of the paged cache (baselines).
+        guidance_scale: None (no guidance) or g: classifier-free guidance with the
+            branches as two sequences of the pool (module doc); ``set_prompt`` then
+            also takes the unconditional embeddings.
 
     Attributes:
         frames_done: frames generated since the last reset; ``geometry``, ``cache``.
@@ -65,8 +73,10 @@ class WanRollout:
     def __init__(self, model, *, latent_size, frames_per_chunk: int, sink_frames: int = 1,
                  window_frames: int, timesteps=(1000, 750, 500, 250), sampler: str = "euler",
                  clean_block: str = "chunk", device=None, backend=None, use_graphs: bool = True,
-                 cache_dir=None, kv: KVStore | None = None):
+                 cache_dir=None, kv: KVStore | None = None, guidance_scale: float | None = None):
         check_model(model)
+        self.guidance = _guidance(guidance_scale)
+        self.batch = 1 if self.guidance is None else 2  # rows: conditional, unconditional
         self.shape = WanShape.of(model, latent_size, frames_per_chunk, sink_frames, window_frames)
         self.sampler = _choice("sampler", sampler, SAMPLERS)
         self.clean_block = _choice("clean_block", clean_block, CLEAN_BLOCKS)
@@ -78,13 +88,17 @@ class WanRollout:
         name = backend if backend is not None else default_backend(self.device)
         self.backend = get_backend(name, plan_dir=plan_dir, device=self.device)
         self.kv = kv if kv is not None else PagedKV(self._cache(), self.geometry)
+        if getattr(self.kv, "batch", 1) != self.batch:
+            raise ValueError(f"kv must run {self.batch} sequences per forward, got "
+                             f"{getattr(self.kv, 'batch', 1)}")
         self._frame0 = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.ctx = WanContext(self.kv, self._frame0)
         self._install()
         self.graphs = GraphCache(self.device)
-        self._t = [torch.full((1,), float(t), device=self.device) for t in timesteps]
-        self._t0 = torch.zeros(1, device=self.device)
-        self._text_stub = torch.zeros(1, 1, model.config.text_dim, device=self.device,
+        B = self.batch
+        self._t = [torch.full((B,), float(t), device=self.device) for t in timesteps]
+        self._t0 = torch.zeros(B, device=self.device)
+        self._text_stub = torch.zeros(B, 1, model.config.text_dim, device=self.device,
                                       dtype=self.dtype)
         self._key = None
         self.frames_done, self.recorder, self.prompted = 0, None, False
@@ -106,7 +120,9 @@ class WanRollout:
         s, tpp = self.shape, self.shape.tokens_per_page
         return CausalKVCache(num_layers=s.num_layers, num_kv_heads=s.heads, head_dim=s.head_dim,
                              dtype=self.dtype, tokens_per_page=tpp, device=self.device,
-                             pool_tokens=CausalKVCache.pool_tokens_for(self.geometry, tpp))
+                             num_sequences=self.batch,
+                             pool_tokens=CausalKVCache.pool_tokens_for(
+                                 self.geometry, tpp, num_sequences=self.batch))
 
     def _install(self) -> None:
         """The framekv processors and rope, in place, and the cross-attention cache."""
@@ -131,29 +147,53 @@ class WanRollout:
 
     # ------------------------------------------------------------------ prompt
     @torch.no_grad()
-    def set_prompt(self, text_embeds: torch.Tensor) -> None:
+    def set_prompt(self, text_embeds: torch.Tensor, negative_embeds: torch.Tensor | None = None
+                   ) -> None:
         """The prompt for the chunks from now on: ``text_embeds`` [1, L, text_dim] (the
         text encoder's output), embedded and projected to every block's cross-attention
-        K/V once, here. May be called again mid-rollout with the same L."""
-        dim = self.model.config.text_dim
-        if not isinstance(text_embeds, torch.Tensor) or text_embeds.dim() != 3 \
-                or text_embeds.shape[0] != 1 or text_embeds.shape[2] != dim:
-            got = list(text_embeds.shape) if isinstance(text_embeds, torch.Tensor) else text_embeds
-            raise ValueError(f"text_embeds must be a [1, L, {dim}] tensor, got {got}")
+        K/V once, here. May be called again mid-rollout with the same L.
+
+        ``negative_embeds`` [1, L, text_dim]: the unconditional branch's (with
+        guidance only; default zeros, the empty conditioning)."""
+        text_embeds = self._check_text("text_embeds", text_embeds)
+        if self.guidance is None:
+            if negative_embeds is not None:
+                raise ValueError("negative_embeds needs guidance_scale (classifier-free "
+                                 "guidance); this rollout has none")
+        else:
+            negative_embeds = (torch.zeros_like(text_embeds) if negative_embeds is None
+                               else self._check_text("negative_embeds", negative_embeds))
+            if negative_embeds.shape != text_embeds.shape:
+                raise ValueError(f"negative_embeds must have the shape of text_embeds "
+                                 f"{list(text_embeds.shape)}, got {list(negative_embeds.shape)}")
+            text_embeds = torch.cat([text_embeds, negative_embeds])          # [2, L, text_dim]
         emb = self.model.condition_embedder.text_embedder(
-            text_embeds.to(self.device, self.dtype))                         # [1, L, hidden]
+            text_embeds.to(self.device, self.dtype))                         # [B, L, hidden]
         for block, cross in zip(self.model.blocks, self._cross):
             cross.set_text(block.attn2, emb)
         self.prompted = True
 
+    def _check_text(self, name: str, x) -> torch.Tensor:
+        dim = self.model.config.text_dim
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != 1 \
+                or x.shape[2] != dim:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else x
+            raise ValueError(f"{name} must be a [1, L, {dim}] tensor, got {got}")
+        return x
+
     # ------------------------------------------------------------------ chunks
     def _forward(self, x: torch.Tensor, t: torch.Tensor, block: int, label: str) -> torch.Tensor:
-        """One model forward over the chunk's latents x [1, C, F, H, W] at timestep t."""
+        """One model forward over the chunk's latents x [1, C, F, H, W] at timestep t
+        (both branches as two rows with guidance, combined)."""
         self.ctx.begin(self.shape.chunk_tokens, block)
-        v = self.model(x.to(self.dtype), t, self._text_stub, return_dict=False)[0]
+        rows = x.to(self.dtype).expand(self.batch, *x.shape[1:])             # [B, C, F, H, W]
+        v = self.model(rows, t, self._text_stub, return_dict=False)[0].float()
+        if self.guidance is not None:
+            v_c, v_u = v[0:1], v[1:2]
+            v = v_u + self.guidance * (v_c - v_u)
         if self.recorder is not None:
             self.recorder(label, v)
-        return v.float()
+        return v
 
     def chunk_fn(self, noise: torch.Tensor, frame0: torch.Tensor) -> torch.Tensor:
         """One chunk over static inputs: the sampler's steps, the clean pass, the commit.
@@ -194,7 +234,7 @@ class WanRollout:
         blocks = (T,) * len(self._t) + (clean,)
         key = chunk_key(owner_token(self), self.geometry, T, denoise_steps=len(self._t),
                         clean_block=clean, inputs=inputs,
-                        splits=self.kv.key_splits(self._cached(), T, blocks))
+                        splits=self.kv.key_splits(self._cached(), T, blocks), batch=self.batch)
         return CaptureRequest(key, self.chunk_fn, inputs, lambda: self.kv.after_replay(T))
 
     def _cached(self):
@@ -248,6 +288,14 @@ def _choice(name: str, value, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
     return value
+
+
+def _guidance(g) -> float | None:
+    if g is None:
+        return None
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not g == g:
+        raise ValueError(f"guidance_scale must be None or a number, got {g!r}")
+    return float(g)
 
 
 def _sigmas(timesteps) -> list[float]:
