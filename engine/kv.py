@@ -110,9 +110,10 @@ class PagedKV(KVStore):
         geometry: the rollout's geometry.
 
     A forward plans its attention once (the first layer's backend ``plan``, prepared
-    then) and runs every layer with that plan. Over a pool of N sequences, batch row r
-    of every forward is sequence ``rows[r]`` (`use_sequences`; default all N in
-    order): the ids are a fixed device buffer, so a captured chunk serves any choice.
+    then) and runs every layer with that plan. Over a pool of N sequences, a forward of
+    B batch rows runs sequences ``rows[:B]`` (`use_sequences`; default all N in order):
+    the ids are the first B entries of a fixed device buffer, so a chunk captured for B
+    rows serves any choice of B sequences (set them, then replay).
     """
 
     def __init__(self, cache: CausalKVCache, geometry: Geometry):
@@ -121,6 +122,7 @@ class PagedKV(KVStore):
         N = cache.num_sequences
         # Graph input: fixed address, contents rewritten by use_sequences.
         self._ids = torch.arange(N, device=cache.device) if N > 1 else None
+        self._forward_batch = 1  # B of the forward under way: what its commit commits
         self.use_sequences(range(N))
         cache.close()
         cache.open(geometry)
@@ -145,13 +147,19 @@ class PagedKV(KVStore):
         else:
             self.sequences = None
 
+    def _ids_of(self, B: int):
+        if B > self.cache.num_sequences:
+            raise ValueError(f"the forward has {B} batch rows, the pool holds "
+                             f"{self.cache.num_sequences} sequences")
+        return None if self._ids is None else self._ids[:B]
+
     def forward(self, seq_len: int, block_size: int) -> AttendFn:
-        cache, plans, B, ids = self.cache, {}, self.batch, self.sequences
+        cache, plans = self.cache, {}
 
         def attend(attn, qkv):
-            if qkv.shape[0] != B:
-                raise ValueError(f"the forward has {qkv.shape[0]} batch rows, the store "
-                                 f"runs {B} sequences {self.rows}")
+            B = qkv.shape[0]
+            ids = self._ids_of(B)
+            self._forward_batch = B
             plan = plans.get(id(attn.backend))
             if plan is None or not plan.matches(cache, seq_len, block_size, attn.num_heads,
                                                 attn.scale, B):
@@ -161,9 +169,17 @@ class PagedKV(KVStore):
                         plan=plan)
         return attend
 
-    def prompt_forward(self, prompt_tokens: int) -> AttendFn:
+    def prompt_forward(self, prompt_tokens: int, *, rewrite: bool = False) -> AttendFn:
+        """The prompt forward; ``rewrite``: for `rewrite_prompt` over sequences that are
+        under way (then they must hold the pinned region: C >= P)."""
         for i in self.rows:
-            check_prompt(self.geometry, prompt_tokens, self.cache.sequence_committed_tokens(i))
+            C = self.cache.sequence_committed_tokens(i)
+            if not rewrite:
+                check_prompt(self.geometry, prompt_tokens, C)
+            elif prompt_tokens != self.geometry.pin_tokens or C < prompt_tokens:
+                raise ValueError(f"a prompt rewrite needs a prefilled sequence of "
+                                 f"pin_tokens={self.geometry.pin_tokens} prompt tokens; "
+                                 f"sequence {i} holds C={C}, the prompt {prompt_tokens}")
         self._prompt = kvs = []
 
         def attend(attn, qkv):  # the prompt attends itself densely: P is rarely a block size
@@ -178,8 +194,18 @@ class PagedKV(KVStore):
             one = None if self._ids is None else torch.tensor([i], device=self.cache.device)
             stage_prompt(self.cache, kvs, self.cache.num_kv_heads, sequences=one)
 
+    def rewrite_prompt(self) -> None:
+        """The prompt forward's K/V written over positions [0, P) of every sequence in
+        ``rows`` (their committed history stays): `CausalKVCache.write_range`, private
+        copies included, so the next forward sees the new prompt."""
+        kvs, self._prompt = self._prompt, []
+        Hkv = self.cache.num_kv_heads
+        for i in self.rows:
+            for layer, kv in enumerate(kvs):                              # [P, 2*H_kv, D]
+                self.cache.write_range(layer, 0, kv[:, :Hkv], kv[:, Hkv:], sequence=i)
+
     def commit(self, n: int) -> None:
-        self.cache.commit(n, sequences=self.sequences)
+        self.cache.commit(n, sequences=self._ids_of(self._forward_batch))
 
     def after_replay(self, tokens: int) -> None:
         self.cache.note_staged(tokens, sequences=self.rows)
@@ -198,9 +224,9 @@ class PagedKV(KVStore):
     def close(self) -> None:
         self.cache.shutdown()
 
-    def key_splits(self, attn, tokens, block_sizes):
-        return tuple(attn.plan_for(self.cache, tokens, b, self.batch).splits
-                     for b in block_sizes)
+    def key_splits(self, attn, tokens, block_sizes, batch: int | None = None):
+        B = self.batch if batch is None else batch
+        return tuple(attn.plan_for(self.cache, tokens, b, B).splits for b in block_sizes)
 
 
 def stage_prompt(cache: CausalKVCache, kvs: list[torch.Tensor], num_kv_heads: int, *,

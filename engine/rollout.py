@@ -107,6 +107,9 @@ class Rollout:
             together: one pool of B sequences, every forward a batch of B rows, each
             stream its own noise and position (`reset_streams` restarts some of them
             while the others go on); `step` returns [B, F, C, H, W].
+        batch_sizes: with ``sequences``, the batch sizes to capture graphs for (each
+            <= B; default (B,)): `step_rows` replays a chunk over any that many of the
+            pool's sequences (a scheduler's rounded-up batches).
 
     Usage::
 
@@ -118,12 +121,13 @@ class Rollout:
     def __init__(self, preset="tiny", device=None, *, backend=None, use_graphs: bool = True,
                  debug: bool = False, model: CausalVideoDiT | None = None,
                  process_group=None, resident: bool = False, kv="paged", cache_dir=None,
-                 sequences: int | None = None):
+                 sequences: int | None = None, batch_sizes=None):
         if resident and not use_graphs:
             raise ValueError("resident=True runs captured graphs: it needs use_graphs=True, "
                              "got use_graphs=False")
         self.streams = _check_streams(sequences, kv, process_group)
         B = self.streams or 1
+        self.batch_sizes = _check_batch_sizes(batch_sizes, B)
         self.name, self.model_spec, self.spec = resolve_specs(preset)
         self.device = resolve_device(device)
         self.dtype = model_dtype(self.model_spec, self.device)
@@ -146,7 +150,8 @@ class Rollout:
         self._dts = [float(b - a) for a, b in zip(self.timesteps[:-1].tolist(),
                                                    self.timesteps[1:].tolist())]
         self._zero_t = torch.zeros(1, device=self.device)
-        self._requests: dict[int, CaptureRequest] = {}  # chunk tokens -> what was captured
+        # (chunk tokens, batch rows) -> what was captured
+        self._requests: dict[tuple[int, int], CaptureRequest] = {}
         self._runners: dict[int, object] = {}  # chunk tokens -> open ResidentGraph
         #: per stream: chunks generated and frames done since its start
         self.stream_chunks, self.stream_frames = [0] * B, [0] * B
@@ -261,31 +266,41 @@ class Rollout:
                 "frame0": torch.tensor(list(frame0), dtype=torch.int64, device=self.device)}
 
     # ------------------------------------------------------------------ capture
-    def capture_request(self, tokens: int) -> CaptureRequest:
-        """What to capture for chunks of ``tokens`` real tokens: the whole chunk as one
-        graph, the store's host half as its replay hook."""
+    def capture_request(self, tokens: int, batch: int | None = None) -> CaptureRequest:
+        """What to capture for chunks of ``tokens`` real tokens over ``batch`` sequences
+        (default all the rollout's streams): the whole chunk as one graph, the store's
+        host half as its replay hook."""
+        B = self.streams or 1
+        batch = B if batch is None else batch
+        if batch not in self.batch_sizes and batch != B:
+            raise ValueError(f"batch must be one of the batch sizes {self.batch_sizes} or "
+                             f"{B}, got {batch!r}")
         frames, rem = divmod(tokens, self.spec.tokens_per_frame)
         if rem or tokens not in self.spec.chunk_token_counts():
             raise ValueError(f"tokens must be one of the rollout's chunk lengths "
                              f"{self.spec.chunk_token_counts()}, got {tokens}")
         index = self.spec.chunks - 1 if frames != self.spec.frames_per_chunk else 0
         inputs = self.inputs(index, frame0=0)
+        if self.streams:
+            inputs = {name: t[:batch] for name, t in inputs.items()}
         blocks = (tokens,) * self.spec.denoising_steps + (self.spec.tokens_per_frame,)
         key = chunk_key(owner_token(self), self.geometry, tokens,
                         denoise_steps=self.spec.denoising_steps,
                         clean_block=self.spec.tokens_per_frame, inputs=inputs,
-                        splits=self.kv.key_splits(self.model.blocks[0].attn, tokens, blocks),
-                        batch=self.streams or 1)
+                        splits=self.kv.key_splits(self.model.blocks[0].attn, tokens, blocks,
+                                                  batch), batch=batch)
         return CaptureRequest(key, self.chunk_fn, inputs,
                               functools.partial(self.kv.after_replay, tokens))
 
     def capture_requests(self) -> list[CaptureRequest]:
-        """Every graph this rollout replays: one whole chunk per chunk length."""
-        return [self.capture_request(t) for t in self.spec.chunk_token_counts()]
+        """Every graph this rollout replays: one whole chunk per chunk length and batch
+        size."""
+        return [self.capture_request(t, b) for t in self.spec.chunk_token_counts()
+                for b in self.batch_sizes]
 
-    def chunk_key(self, tokens: int):
-        """The `GraphKey` of chunks of ``tokens`` tokens."""
-        return self.capture_request(tokens).key
+    def chunk_key(self, tokens: int, batch: int | None = None):
+        """The `GraphKey` of chunks of ``tokens`` tokens over ``batch`` sequences."""
+        return self.capture_request(tokens, batch).key
 
     def capture(self, *, progress: bool = False, stream=None) -> WarmupReport:
         """Capture every graph of `capture_requests` (those not captured yet), then
@@ -304,7 +319,7 @@ class Rollout:
             with self.kv.capture_scope():
                 requests = self.capture_requests()
                 report = run_warmup(self.graphs, requests, progress=progress, stream=stream)
-            self._requests.update((r.key.tokens, r) for r in requests)
+            self._requests.update(((r.key.tokens, r.key.batch), r) for r in requests)
         finally:
             self.reset()
         return report
@@ -324,7 +339,7 @@ class Rollout:
         self._check_open()
         if self.prefilled:
             raise ValueError("the prompt is already prefilled; reset() first")
-        if self.use_graphs and len(self._requests) < len(self.spec.chunk_token_counts()):
+        if self.use_graphs and not self._requests:
             self.capture()
         self.model.prefill(self.kv)
         self.prefilled = True
@@ -343,7 +358,7 @@ class Rollout:
         tokens = frames * self.spec.tokens_per_frame
         if self.use_graphs and self.kv.replayable:
             # Replay only: a capture here would run warm-up calls on the live cache.
-            key = self._requests[tokens].key
+            key = self._requests[(tokens, self.streams or 1)].key
             out = (self._run_resident(key, tokens, inputs) if self.resident
                    else self.graphs.replay(key, inputs))
             self.path = "graphs"
@@ -354,6 +369,47 @@ class Rollout:
         self.stream_chunks = [i + 1 for i in self.stream_chunks]
         self.stream_frames = [f + frames for f in self.stream_frames]
         return out.clone()
+
+    def step_rows(self, rows, noise: torch.Tensor, frame0: torch.Tensor) -> torch.Tensor:
+        """One chunk over the pool's sequences ``rows`` (host ints, as many as one of
+        ``batch_sizes``): batch row r is sequence rows[r], starting from noise[r] at
+        frame frame0[r]; returns the clean latents [B, F, C, H, W] (a copy). Replays the
+        graph captured for that batch size; the caller keeps each sequence's position
+        (a scheduler's step; `step` keeps them for all streams)."""
+        self._check_open()
+        rows = tuple(rows)
+        if not self.streams or len(rows) not in self.batch_sizes:
+            raise ValueError(f"rows must name as many sequences as one of the batch sizes "
+                             f"{self.batch_sizes} of a rollout with sequences=, got {len(rows)}")
+        want = (len(rows), None, self.model_spec.in_channels, self.model_spec.latent_height,
+                self.model_spec.latent_width)
+        if noise.dim() != 5 or any(w is not None and w != n for w, n in zip(want, noise.shape)):
+            raise ValueError(f"noise must be [{len(rows)}, F, {want[2]}, {want[3]}, {want[4]}], "
+                             f"got {list(noise.shape)}")
+        tokens = noise.shape[1] * self.spec.tokens_per_frame
+        self.kv.use_sequences(rows)
+        inputs = {"noise": noise.to(self.device, torch.float32),
+                  "frame0": frame0.to(self.device, torch.int64)}
+        key = self._requests.get((tokens, len(rows)))
+        if self.use_graphs and key is not None:
+            out, self.path = self.graphs.replay(key.key, inputs), "graphs"
+        else:
+            out, self.path = self.chunk_fn(**inputs), "eager"
+        self.paths[self.path] += 1
+        return out.clone()
+
+    def prefill_rows(self, rows, prompt: torch.Tensor | None = None, *,
+                     rewrite: bool = False) -> None:
+        """The prompt (``prompt`` [prompt_tokens, text_dim], default the model's) as the
+        pinned prefix of sequences ``rows`` (host ints): committed at position 0, or with
+        ``rewrite`` written over the pinned region of sequences already under way (their
+        history stays, and is seen under the new prompt from the next chunk)."""
+        self._check_open()
+        self.kv.use_sequences(rows)
+        try:
+            self.model.prefill(self.kv, prompt=prompt, rewrite=rewrite)
+        finally:
+            self.kv.use_sequences(range(self.streams or 1))
 
     def reset_streams(self, streams) -> None:
         """Restart streams ``streams`` (host ints) at position 0 with the prompt
@@ -422,6 +478,18 @@ def _per_stream(value, B: int, name: str) -> list[int]:
     if len(value) != B:
         raise ValueError(f"{name} must be an int or one per stream ({B}), got {value}")
     return value
+
+
+def _check_batch_sizes(batch_sizes, B: int) -> tuple[int, ...]:
+    """Sorted distinct batch sizes, each in [1, B]; default (B,)."""
+    if batch_sizes is None:
+        return (B,)
+    sizes = tuple(sorted(set(batch_sizes))) if isinstance(batch_sizes, (list, tuple)) else ()
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= B
+                        for b in sizes):
+        raise ValueError(f"batch_sizes must be integers in [1, {B}] (the rollout's sequences), "
+                         f"got {batch_sizes!r}")
+    return sizes
 
 
 def _check_streams(sequences, kv, process_group) -> int | None:

@@ -18,8 +18,14 @@ def test_cached_attention_example_runs_and_matches_reference():
     assert max(errors) < 1e-5
 
 
-def test_server_example_serves_deterministic_replays():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "server.py"), "--self-test",
-                          "--device", "cpu"], capture_output=True, text=True, timeout=300)
+def test_streaming_example_embeds_the_scheduler():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "streaming.py"), "--device",
+                          "cpu"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "same request, same latents: True; bad request answered 400" in out.stdout
+    lines = out.stdout.strip().splitlines()
+    for seed in (1, 2, 3):
+        mine = [line for line in lines if line.startswith(f"session {seed}:")]
+        assert mine[:3] == [f"session {seed}: chunk {i}, frames {2 * i}..{2 * i + 1}, "
+                            f"batch of {line.rsplit(' ', 1)[1]}" for i, line in enumerate(mine[:3])]
+        assert mine[-1] == f"session {seed}: done"
+    assert len((ROOT / "examples" / "streaming.py").read_text().splitlines()) < 40

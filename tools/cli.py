@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from . import bench, warmup
+from . import bench, serve, warmup
 from .args import nonnegative_int, positive_int, tolerance, writable_file
 
 
@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.set_defaults(func=_cmd_verify)
     warmup.add_parser(sub)
     bench.add_parser(sub)
+    serve.add_parser(sub)
     return p
 
 

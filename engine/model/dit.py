@@ -168,19 +168,28 @@ class CausalVideoDiT(torch.nn.Module):
         v = unpatchify(y.flatten(0, 1), B * frames, self.spec)             # [B*F, C, H, W]
         return v.view(lat.shape) if latents.dim() == 5 else v
 
-    def prefill(self, kv: KVStore) -> None:
+    def prefill(self, kv: KVStore, prompt: torch.Tensor | None = None, *,
+                rewrite: bool = False) -> None:
         """Run the prompt at t = 0 as one causal block and commit its K/V (P tokens) as
-        ``kv``'s pinned prefix; the store must be at position 0."""
+        ``kv``'s pinned prefix; the store must be at position 0. ``prompt``: [P, text_dim]
+        tokens instead of the model's own. ``rewrite``: write them over the pinned
+        region of a rollout under way instead (a prompt change; the store must support
+        it: `PagedKV.rewrite_prompt`)."""
         P = self.prompt_tokens
         if P == 0:
             return
         if not isinstance(kv, KVStore):
             raise ValueError(f"kv must be a framekv.engine.kv.KVStore, got {type(kv).__name__}")
-        attend = kv.prompt_forward(P)
-        x = kv.shard(self.text_embed(self.prompt.to(self.dtype))[None])   # [1, P(_l), hidden]
+        prompt = self.prompt if prompt is None else prompt
+        if not isinstance(prompt, torch.Tensor) or tuple(prompt.shape) != tuple(self.prompt.shape):
+            got = list(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
+            raise ValueError(f"prompt must be a {list(self.prompt.shape)} tensor, got {got}")
+        attend = kv.prompt_forward(P, rewrite=True) if rewrite else kv.prompt_forward(P)
+        x = self.text_embed(prompt.to(self.device, self.dtype))[None]      # [1, P, hidden]
+        x = kv.shard(x)                                                    # [1, P(_l), hidden]
         _, mod = self.time_conditioning(torch.zeros(1, device=self.device))
         self._blocks(x, mod, None, attend, P, P)
-        kv.commit_prompt()
+        kv.rewrite_prompt() if rewrite else kv.commit_prompt()
 
     def _blocks(self, x, mod, rope, attend: AttendFn, seq_len: int, b: int) -> torch.Tensor:
         attend = self._recording(attend, seq_len, b)

@@ -1,0 +1,263 @@
+"""`StreamScheduler`: streaming sessions on one batched pool, stepped together.
+
+A server keeps one session per client and one GPU for all of them. Here a session owns
+one sequence (a slot) of a `Rollout(preset, sequences=N, batch_sizes=...)` pool, and
+one loop steps every ready session at once::
+
+    ready = active, not paused, budget left, fewer than queue_chunks chunks undelivered
+    B     = the smallest captured batch size >= len(ready)   (1, 2, 4, ... max_sessions)
+    rows  = the ready sessions' slots, then B - len(ready) scratch sequences (idle rows:
+            computed, dropped; they belong to no session)
+    one `Rollout.step_rows` = one whole-chunk graph replay for all B rows
+
+Every graph is captured when the scheduler is built (the warm-up path, ``cache_dir``
+honoured); sessions join (a free slot is reset and prefilled) and leave between steps
+without a capture. A consumer that does not fetch its chunks fills its bounded queue
+and only its session pauses. A step that raises fails the sessions in it (each keeps
+the error message; their slots and the scratch rows are reset) and the loop goes on
+with the others.
+
+Chunk i of a session starts from `session_noise(seed, i)`, so a session's stream is a
+function of its seed and prompt alone: the same seed run alone gives the same latents.
+No web imports here: `framekv.tools.serve` puts HTTP and WebSockets around it.
+"""
+from __future__ import annotations
+
+import collections
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .rollout import Rollout
+
+
+class SchedulerFull(Exception):
+    """Every session slot is taken."""
+
+
+@dataclass
+class SessionChunk:
+    """One finished chunk of a session: index, first frame, latents [F, C, H, W] fp32
+    (host memory), seconds of the batched step that made it, its batch size, and how
+    many prompt changes the session had had when it was made."""
+
+    index: int
+    frame0: int
+    latents: torch.Tensor
+    seconds: float
+    batch: int
+    prompt_version: int = 0
+
+
+@dataclass
+class Session:
+    """A client's stream: its slot of the pool, its position, its undelivered chunks.
+
+    ``state``: "active", "done" (its chunk budget is spent), "failed" (``error`` says
+    why) or "closed". ``paused``: the client asked for a pause.
+    """
+
+    id: str
+    slot: int
+    seed: int
+    budget: int | None
+    chunks: int = 0
+    frames: int = 0
+    paused: bool = False
+    prompt_version: int = 0
+    state: str = "active"
+    error: str | None = None
+    queue: collections.deque = field(default_factory=collections.deque)
+
+    @property
+    def finished(self) -> bool:
+        """No chunk will come any more (done, failed or closed)."""
+        return self.state != "active"
+
+
+def session_noise(seed: int, index: int, shape) -> torch.Tensor:
+    """The starting noise of chunk ``index`` of a session of ``seed`` (CPU, fp32)."""
+    gen = torch.Generator().manual_seed((int(seed) << 24) + int(index))
+    return torch.randn(*shape, generator=gen)
+
+
+def default_batch_sizes(max_sessions: int) -> tuple[int, ...]:
+    """Powers of two below ``max_sessions``, and ``max_sessions``."""
+    sizes, b = [], 1
+    while b < max_sessions:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes) + (max_sessions,)
+
+
+class StreamScheduler:
+    """Sessions on one batched pool of the reference model (module doc).
+
+    Args:
+        preset: the rollout preset (a name, path or `Preset`).
+        max_sessions: session slots; beyond them `open_session` raises `SchedulerFull`.
+        device, backend, cache_dir, use_graphs: as for `Rollout`.
+        queue_chunks: undelivered chunks a session may hold before it pauses.
+        batch_sizes: the batch sizes captured (default `default_batch_sizes`).
+    """
+
+    def __init__(self, preset="tiny", *, max_sessions: int = 8, device=None, backend=None,
+                 cache_dir=None, use_graphs: bool = True, queue_chunks: int = 4,
+                 batch_sizes=None, progress: bool = False):
+        for name, v in (("max_sessions", max_sessions), ("queue_chunks", queue_chunks)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(max_sessions))))
+        if sizes[-1] < max_sessions or sizes[0] < 1:
+            raise ValueError(f"batch_sizes must reach max_sessions={max_sessions}, got {sizes}")
+        scratch = max(min(b for b in sizes if b >= k) - k for k in range(1, max_sessions + 1))
+        self.max_sessions, self.queue_chunks, self.batch_sizes = max_sessions, queue_chunks, sizes
+        self.rollout = Rollout(preset, device, backend=backend, cache_dir=cache_dir,
+                               use_graphs=use_graphs, sequences=max_sessions + scratch,
+                               batch_sizes=sizes)
+        self.report = self.rollout.capture(progress=progress) if use_graphs else None
+        self.rollout.prefill_rows(range(max_sessions + scratch))
+        self.rollout.prefilled = True
+        self._scratch = list(range(max_sessions, max_sessions + scratch))
+        self._free = list(range(max_sessions))
+        self.sessions: dict[str, Session] = {}
+        self.lock = threading.RLock()       # sessions and the rollout
+        self.ready = threading.Condition(self.lock)
+        self.metrics = {"steps": 0, "chunks": 0, "failed_steps": 0, "step_seconds": []}
+        spec = self.rollout.spec
+        self.chunk_shape = (spec.frames_per_chunk, self.rollout.model_spec.in_channels,
+                            self.rollout.model_spec.latent_height,
+                            self.rollout.model_spec.latent_width)
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self, *, seed: int, prompt: torch.Tensor | None = None,
+                     chunks: int | None = None) -> Session:
+        """A new session at position 0 (``prompt`` [prompt_tokens, text_dim], default
+        the model's; ``chunks``: a budget, None for open-ended). Raises `SchedulerFull`
+        when every slot is taken, ValueError for a bad argument."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+            raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
+        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                                   or chunks < 1):
+            raise ValueError(f"chunks must be None or an integer >= 1, got {chunks!r}")
+        with self.lock:
+            if not self._free:
+                raise SchedulerFull(f"all {self.max_sessions} session slots are taken")
+            slot = self._free.pop(0)
+            try:
+                self._restart([slot], prompt)
+            except BaseException:
+                self._free.insert(0, slot)
+                raise
+            s = Session(secrets.token_urlsafe(18), slot, seed, chunks)
+            self.sessions[s.id] = s
+            self.ready.notify_all()
+            return s
+
+    def close_session(self, session_id: str) -> None:
+        """End a session and free its slot (unknown ids: KeyError)."""
+        with self.lock:
+            s = self.sessions.pop(session_id)
+            if s.state == "active":
+                s.state = "closed"
+            self._free.append(s.slot)
+            self.ready.notify_all()
+
+    def set_prompt(self, session_id: str, prompt: torch.Tensor) -> None:
+        """Re-cache a session's history under a new prompt (its pinned prompt region
+        rewritten; the window's K/V stay) before its next chunk."""
+        with self.lock:
+            s = self.sessions[session_id]
+            self.rollout.prefill_rows([s.slot], prompt, rewrite=True)
+            s.prompt_version += 1
+
+    def pause(self, session_id: str, paused: bool = True) -> None:
+        """Stop (or, ``paused=False``, restart) stepping a session."""
+        with self.lock:
+            self.sessions[session_id].paused = paused
+            self.ready.notify_all()
+
+    def _restart(self, slots, prompt=None) -> None:
+        self.rollout.kv.reset_sequences(slots)
+        self.rollout.prefill_rows(slots, prompt)
+
+    # ------------------------------------------------------------------ steps
+    def _ready(self) -> list[Session]:
+        out = [s for s in self.sessions.values()
+               if s.state == "active" and not s.paused and len(s.queue) < self.queue_chunks]
+        return out[:self.max_sessions]
+
+    def step(self) -> int:
+        """One batched chunk of every ready session; returns how many sessions got one."""
+        with self.lock:
+            batch = self._ready()
+            if not batch:
+                return 0
+            B = min(b for b in self.batch_sizes if b >= len(batch))
+            rows = [s.slot for s in batch] + self._scratch[:B - len(batch)]
+            noise = torch.stack([session_noise(s.seed, s.chunks, self.chunk_shape) for s in batch]
+                                + [torch.zeros(self.chunk_shape)] * (B - len(batch)))
+            frame0 = torch.tensor([s.frames for s in batch] + [0] * (B - len(batch)))
+            t0 = time.perf_counter()
+            try:
+                out = self.rollout.step_rows(rows, noise, frame0).cpu()
+            except Exception as exc:  # the sessions of this step fail, the others go on
+                self._fail(batch, f"{type(exc).__name__}: {exc}")
+                return 0
+            seconds = time.perf_counter() - t0
+            for r, s in enumerate(batch):
+                s.queue.append(SessionChunk(s.chunks, s.frames, out[r], seconds, B,
+                                            s.prompt_version))
+                s.chunks += 1
+                s.frames += self.chunk_shape[0]
+                if s.budget is not None and s.chunks >= s.budget:
+                    s.state = "done"
+            self.metrics["steps"] += 1
+            self.metrics["chunks"] += len(batch)
+            self.metrics["step_seconds"].append(seconds)
+            self.ready.notify_all()
+            return len(batch)
+
+    def _fail(self, batch: list[Session], message: str) -> None:
+        self.metrics["failed_steps"] += 1
+        for s in batch:
+            s.state, s.error = "failed", message
+        # A step that failed part way may have moved these sequences: start them over.
+        self._restart([s.slot for s in batch] + self._scratch)
+        self.ready.notify_all()
+
+    def next_chunk(self, session_id: str, timeout: float | None = None) -> SessionChunk | None:
+        """The session's oldest undelivered chunk, waiting up to ``timeout`` seconds for
+        one; None when none came (then see the session's state) or the session is gone."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.ready:
+            s = self.sessions.get(session_id)
+            if s is None:  # closed meanwhile
+                return None
+            while not s.queue and not s.finished:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self.ready.wait(left)
+            if not s.queue:
+                return None
+            chunk = s.queue.popleft()
+            self.ready.notify_all()  # its session may be ready again
+            return chunk
+
+    # ------------------------------------------------------------------ loop
+    def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        """Step until ``stop`` is set (the GPU loop of a server, in its own thread)."""
+        while not stop.is_set():
+            if self.step() == 0:
+                with self.ready:
+                    if not self._ready() and not stop.is_set():
+                        self.ready.wait(idle_wait)
+
+    def close(self) -> None:
+        """Free the pool and the graphs."""
+        with self.lock:
+            self.rollout.close()

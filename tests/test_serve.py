@@ -1,0 +1,210 @@
+"""`framekv serve` on the CPU: a real server on 127.0.0.1, real HTTP and WebSocket clients.
+
+8 concurrent sessions stream their chunks in order, each equal to its seed run alone
+(fp32); a prompt change mid-stream equals the same re-cache offline; disconnects,
+overload, bad JSON, bad tokens, unknown ids, oversized uploads and a failing step are
+clear errors while the other sessions go on.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+ws_client = pytest.importorskip("websockets.sync.client")
+
+from framekv.engine.scheduler import StreamScheduler  # noqa: E402
+from framekv.tools.serve import MAX_BODY_BYTES, build_app  # noqa: E402
+from test_scheduler import alone_chunks  # noqa: E402
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    sched = StreamScheduler("tiny", max_sessions=8, device="cpu", queue_chunks=2)
+    srv = uvicorn.Server(uvicorn.Config(build_app(sched, token=TOKEN), host="127.0.0.1",
+                                        port=0, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=30) as http:
+        yield http, f"ws://127.0.0.1:{port}", sched
+    srv.should_exit = True
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the server did not drain and exit"
+
+
+def create(http, **body) -> str:
+    r = http.post("/v1/sessions", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def stream(ws_base, sid, *, on_chunk=None, limit=60.0):
+    """Every message of a session's socket until its end message: (chunks, end)."""
+    chunks = []
+    with ws_client.connect(f"{ws_base}/v1/sessions/{sid}/stream?token={TOKEN}",
+                           open_timeout=10, max_size=None) as ws:
+        deadline = time.monotonic() + limit
+        while True:
+            msg = ws.recv(timeout=max(0.1, deadline - time.monotonic()))
+            if isinstance(msg, str):
+                end = json.loads(msg)
+                if end["type"] == "end":
+                    return chunks, end
+                continue
+            (n,) = struct.unpack(">I", msg[:4])
+            header = json.loads(msg[4:4 + n])
+            lat = torch.frombuffer(bytearray(msg[4 + n:]), dtype=torch.float32)
+            chunks.append((header, lat.view(header["shape"])))
+            if on_chunk is not None:
+                on_chunk(ws, header)
+
+
+def wait_sessions(http, n, limit=10.0):
+    deadline = time.monotonic() + limit
+    while http.get("/health").json()["sessions"] != n:
+        assert time.monotonic() < deadline, http.get("/health").json()
+        time.sleep(0.05)
+
+
+def test_eight_concurrent_sessions_stream_in_order_and_equal_each_seed_alone(server):
+    http, ws, sched = server
+    ids = {create(http, seed=300 + i, chunks=6): 300 + i for i in range(8)}
+    results = {}
+
+    def client(sid):
+        results[sid] = stream(ws, sid)
+    threads = [threading.Thread(target=client, args=(sid,)) for sid in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for sid, seed in ids.items():
+        chunks, end = results[sid]
+        assert end["state"] == "done" and end["error"] is None
+        assert [h["index"] for h, _ in chunks] == list(range(6)), "lost, repeated or reordered"
+        want = alone_chunks(sched, seed, 6)
+        err = max(float((lat - w).abs().max()) for (_, lat), w in zip(chunks, want))
+        assert err <= 1e-5, (seed, err)
+    assert max(h["batch"] for sid in ids for h, _ in results[sid][0]) > 1  # batched steps
+    wait_sessions(http, 0)
+    text = http.get("/metrics").text
+    assert "framekv_chunks_total" in text and 'framekv_chunk_seconds_bucket{le="+Inf"}' in text
+
+
+def test_a_prompt_change_mid_stream_equals_the_same_recache_offline(server):
+    http, ws, sched = server
+    P, dim = sched.rollout.model.prompt.shape
+    sid = create(http, seed=77, chunks=6, prompt_seed=1)
+
+    def change(sock, header):
+        if header["index"] == 1:
+            sock.send(json.dumps({"type": "prompt", "prompt_seed": 2}))
+    chunks, end = stream(ws, sid, on_chunk=change)
+    assert end["state"] == "done" and [h["index"] for h, _ in chunks] == list(range(6))
+    first_new = next(h["index"] for h, _ in chunks if h["prompt_version"] == 1)
+    seeded = [torch.randn(P, dim, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    want = alone_chunks(sched, 77, 6, prompt=seeded[0], rewrite_at=first_new,
+                        new_prompt=seeded[1])
+    assert max(float((lat - w).abs().max()) for (_, lat), w in zip(chunks, want)) <= 1e-5
+
+
+def test_uploaded_embeddings_are_the_prompt(server):
+    http, ws, sched = server
+    P, dim = sched.rollout.model.prompt.shape
+    emb = torch.randn(P, dim, generator=torch.Generator().manual_seed(5))
+    data = base64.b64encode(emb.numpy().tobytes()).decode()
+    sid = create(http, seed=8, chunks=2, prompt={"shape": [P, dim], "data": data})
+    chunks, end = stream(ws, sid)
+    want = alone_chunks(sched, 8, 2, prompt=emb)
+    assert max(float((lat - w).abs().max()) for (_, lat), w in zip(chunks, want)) <= 1e-5
+
+
+def test_errors_are_clear_and_change_nothing(server):
+    http, ws, sched = server
+    wait_sessions(http, 0)
+    base = str(http.base_url).rstrip("/")
+    bad = [
+        (http.post("/v1/sessions", content=b"{not json", headers=AUTH), 400, "not JSON"),
+        (http.post("/v1/sessions", json={"chunks": 2}), 422, "seed"),
+        (http.post("/v1/sessions", json={"seed": 1, "bogus": 1}), 422, "bogus"),
+        (http.post("/v1/sessions", json={"seed": -4}), 422, "seed must be"),
+        (http.post("/v1/sessions", json={"seed": 1, "prompt": {"shape": [1, 1], "data": "x"}}),
+         422, "prompt must be"),
+        (http.post("/v1/sessions", content=b" " * (MAX_BODY_BYTES + 1)), 413, "bytes"),
+        (httpx.post(f"{base}/v1/sessions", json={"seed": 1}), 401, "token"),
+        (httpx.post(f"{base}/v1/sessions", json={"seed": 1},
+                    headers={"Authorization": "Bearer wrong"}), 401, "token"),
+        (httpx.get(f"{base}/metrics"), 401, "token"),
+        (http.delete("/v1/sessions/nope"), 404, "no such session"),
+    ]
+    for r, status, words in bad:
+        assert r.status_code == status and words in r.json()["error"], (status, r.text)
+    assert httpx.get(f"{base}/health").status_code == 200  # no token needed
+    with pytest.raises(Exception):
+        with ws_client.connect(f"{ws}/v1/sessions/nope/stream?token={TOKEN}") as sock:
+            sock.recv(timeout=5)
+    sid = create(http, seed=1)
+    with pytest.raises(Exception):
+        with ws_client.connect(f"{ws}/v1/sessions/{sid}/stream?token=wrong") as sock:
+            sock.recv(timeout=5)
+    assert http.get("/health").json()["sessions"] == 1
+    http.delete(f"/v1/sessions/{sid}")
+    wait_sessions(http, 0)
+
+
+def test_overload_is_a_503_and_a_disconnect_frees_its_slot(server):
+    http, ws, sched = server
+    wait_sessions(http, 0)
+    ids = [create(http, seed=i) for i in range(8)]
+    r = http.post("/v1/sessions", json={"seed": 99})
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    with ws_client.connect(f"{ws}/v1/sessions/{ids[0]}/stream?token={TOKEN}",
+                           max_size=None) as sock:
+        sock.recv(timeout=30)                        # one chunk, then the client goes
+    wait_sessions(http, 7)
+    create(http, seed=100)                           # the freed slot is taken again
+    for sid in ids[1:]:
+        assert http.delete(f"/v1/sessions/{sid}").status_code == 204
+    for sid in list(sched.sessions):
+        http.delete(f"/v1/sessions/{sid}")
+    wait_sessions(http, 0)
+
+
+def test_a_failing_step_ends_its_sessions_with_the_error_and_the_others_go_on(server,
+                                                                              monkeypatch):
+    http, ws, sched = server
+    wait_sessions(http, 0)
+    waiting = create(http, seed=11, chunks=3)
+    sched.pause(waiting, True)                       # not in the failing step
+    real, fired = sched.rollout.step_rows, []
+
+    def once(*args, **kwargs):
+        if not fired:
+            fired.append(True)
+            raise RuntimeError("injected device fault")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sched.rollout, "step_rows", once)
+    victim = create(http, seed=12, chunks=3)
+    chunks, end = stream(ws, victim)
+    assert end["state"] == "failed" and "injected device fault" in end["error"] and not chunks
+    sched.pause(waiting, False)
+    chunks, end = stream(ws, waiting)
+    assert end["state"] == "done" and [h["index"] for h, _ in chunks] == [0, 1, 2]
+    want = alone_chunks(sched, 11, 3)
+    assert max(float((lat - w).abs().max()) for (_, lat), w in zip(chunks, want)) <= 1e-5
