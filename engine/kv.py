@@ -88,9 +88,10 @@ class KVStore(abc.ABC):
         resets the store afterwards)."""
         return contextlib.nullcontext()
 
-    def key_splits(self, attn, tokens: int, block_sizes: tuple[int, ...]) -> tuple[int, ...]:
-        """Split-KV sub-rows of each forward of a chunk, for its graph key (empty when
-        the store's attention never splits)."""
+    def key_splits(self, attn, tokens: int, block_sizes: tuple[int, ...],
+                   batch: int | None = None) -> tuple[int, ...]:
+        """Split-KV sub-rows of each forward of a chunk over ``batch`` sequences (default
+        the store's), for its graph key (empty when the store's attention never splits)."""
         return ()
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:

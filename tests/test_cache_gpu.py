@@ -80,7 +80,7 @@ def _chunk_writes(cache, g, step, b=None):
 
 
 def _state_equal(a, b):
-    sa, sb = a._open, b._open
+    sa, sb = a._open.seqs[0], b._open.seqs[0]
     assert all(torch.equal(sa.flat[k], sb.flat[k]) for k in sa.flat), "layout tensors differ"
     assert torch.equal(a._pool, b._pool), "pools differ"
 

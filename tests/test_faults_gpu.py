@@ -59,7 +59,7 @@ def test_a_refused_replay_changes_nothing_and_later_chunks_replay_exactly():
     r, eager = _pair()
     for _ in range(3):
         assert torch.equal(r.step(), eager.step())
-    key = r._requests[32].key
+    key = r.chunk_key(32)
     static = r.graphs.get_static_inputs(key)
     before = {k: v.clone() for k, v in static.items()}
     with pytest.raises(ValueError, match="input 'noise'"):
@@ -74,7 +74,7 @@ def test_a_failed_replay_leaves_the_cache_as_before_and_the_chunk_runs_again():
     r, eager = _pair()
     for _ in range(3):
         assert torch.equal(r.step(), eager.step())
-    entry = r.graphs.get(r._requests[32].key)
+    entry = r.graphs.get(r.chunk_key(32))
 
     def refuse(_entry):
         raise InjectedFault("the launch failed")

@@ -11,6 +11,7 @@ import pathlib
 import socket
 import subprocess
 import threading
+import time
 
 import msgspec
 import pytest
@@ -205,17 +206,19 @@ def test_misuse_gets_named_errors():
 # 9 -------------------------------------------------------------------------- server inputs
 @pytest.fixture(scope="module")
 def server():
-    spec = importlib.util.spec_from_file_location("server_example", ROOT / "examples" / "server.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    engine = mod.Engine("tiny", "cpu")
-    handler = mod.handler_for(engine)
-    handler.timeout = 0.5                          # a stalled body: half a second, not ten
-    httpd = mod.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    httpd.verbose = False
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield httpd.server_address[1]
-    httpd.shutdown()
+    pytest.importorskip("fastapi")
+    uvicorn = pytest.importorskip("uvicorn")
+    from framekv.engine.scheduler import StreamScheduler
+    from framekv.tools.serve import build_app
+
+    sched = StreamScheduler("tiny", max_sessions=2, device="cpu")
+    srv = uvicorn.Server(uvicorn.Config(build_app(sched, body_timeout=0.5), host="127.0.0.1",
+                                        port=0, log_level="warning"))
+    threading.Thread(target=srv.run, daemon=True).start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield srv.servers[0].sockets[0].getsockname()[1], sched
+    srv.should_exit = True
 
 
 def _raw(port: int, head: str, body: bytes = b"") -> tuple[int, dict]:
@@ -229,33 +232,36 @@ def _raw(port: int, head: str, body: bytes = b"") -> tuple[int, dict]:
 
 
 def _post(length: str | None = None, extra: str = "") -> str:
-    head = "POST /generate HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + extra
+    head = "POST /v1/sessions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + extra
     return head + (f"Content-Length: {length}\r\n" if length is not None else "")
 
 
 @pytest.mark.parametrize("case, status, words", [
-    ("100k deep", 413, "Content-Length must be in [0, 4096] bytes, got 200000"),
+    ("100k deep", 400, "nested too deeply"),
     ("deep", 400, "nested too deeply"),
-    ("huge length", 413, "Content-Length must be in [0, 4096] bytes, got 1000000000000"),
+    ("huge length", 413, "Content-Length must be in [0, 1048576] bytes, got 1000000000000"),
     ("stalled", 408, "did not arrive within"),
     ("chunked", 411, "chunked request bodies are not accepted"),
     ("array", 400, "the body must be a JSON object, got a list"),
     ("not json", 400, "the body is not JSON"),
 ])
 def test_the_server_refuses_bad_bodies_with_a_json_error(server, case, status, words):
+    port, sched = server
     head, body = {
         "100k deep": (_post("200000"), b"[" * 100_000 + b"]" * 100_000),
         "deep": (_post("4000"), b"[" * 2000 + b"]" * 2000),
         "huge length": (_post(str(10**12)), b""),
         "stalled": (_post("10"), b"{"),
-        "chunked": (_post(None, "Transfer-Encoding: chunked\r\n"), b"5\r\n{}\r\n0\r\n\r\n"),
+        "chunked": (_post(None, "Transfer-Encoding: chunked\r\n"), b"2\r\n{}\r\n0\r\n\r\n"),
         "array": (_post("6"), b"[1, 2]"),
         "not json": (_post("5"), b"{oops"),
     }[case]
-    got, payload = _raw(server, head, body)
+    got, payload = _raw(port, head, body)
     assert got == status and words in payload["error"], (got, payload)
-    ok, payload = _raw(server, _post("13"), b'{"chunks": 1}')      # the server goes on
-    assert ok == 200 and payload["frames"] == 2
+    assert not sched.sessions
+    ok, payload = _raw(port, _post("11"), b'{"seed": 1}')          # the server goes on
+    assert ok == 201 and payload["id"] in sched.sessions
+    sched.close_session(payload["id"])
 
 
 # 10 ------------------------------------------------------------------------- GPU newcomers

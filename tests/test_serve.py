@@ -116,7 +116,7 @@ def test_a_prompt_change_mid_stream_equals_the_same_recache_offline(server):
         if header["index"] == 1:
             sock.send(json.dumps({"type": "prompt", "prompt_seed": 2}))
     chunks, end = stream(ws, sid, on_chunk=change)
-    assert end["state"] == "done" and [h["index"] for h, _ in chunks] == list(range(6))
+    assert end["state"] == "done" and [h["index"] for h, _ in chunks] == list(range(6)), (end, [h["index"] for h, _ in chunks])
     first_new = next(h["index"] for h, _ in chunks if h["prompt_version"] == 1)
     seeded = [torch.randn(P, dim, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     want = alone_chunks(sched, 77, 6, prompt=seeded[0], rewrite_at=first_new,

@@ -36,6 +36,7 @@ import threading
 from .args import nonnegative_int, positive_int
 
 MAX_BODY_BYTES = 1 << 20   # a request body or control message: JSON, at most 1 MiB
+BODY_TIMEOUT_S = 10.0      # seconds a client may take to send its body
 CHUNK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -105,11 +106,31 @@ def _json_body(raw: bytes) -> dict:
         raise _Error(413, f"body over {MAX_BODY_BYTES} bytes")
     try:
         body = json.loads(raw or b"{}")
+    except RecursionError:
+        raise _Error(400, "the body is nested too deeply") from None
     except ValueError as exc:
-        raise _Error(400, f"body is not JSON: {exc}") from None
+        raise _Error(400, f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise _Error(400, "body must be a JSON object")
+        raise _Error(400, f"the body must be a JSON object, got a {_json_kind(body)}")
     return body
+
+
+def _json_kind(x) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean",
+            type(None): "null"}.get(type(x), type(x).__name__)
+
+
+async def _read_body(request, timeout: float) -> bytes:
+    """The request body, after its Content-Length says it may be read."""
+    length = request.headers.get("content-length")
+    if length is None:
+        raise _Error(411, "a Content-Length is needed: chunked request bodies are not accepted")
+    if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+        raise _Error(413, f"Content-Length must be in [0, {MAX_BODY_BYTES}] bytes, got {length}")
+    try:
+        return await asyncio.wait_for(request.body(), timeout)
+    except asyncio.TimeoutError:
+        raise _Error(408, f"the body did not arrive within {timeout} s") from None
 
 
 def chunk_frame(chunk) -> bytes:
@@ -143,7 +164,7 @@ def metrics_text(sched) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_app(sched, *, token: str | None = None):
+def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIMEOUT_S):
     """The FastAPI app over ``sched``; its lifespan runs the GPU loop thread."""
     from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -189,9 +210,7 @@ def build_app(sched, *, token: str | None = None):
     @app.post("/v1/sessions", status_code=201)
     async def create(request: Request):
         check_token(request.headers.get("authorization"))
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            raise _Error(413, f"body over {MAX_BODY_BYTES} bytes")
-        body = _json_body(await request.body())
+        body = _json_body(await _read_body(request, body_timeout))
         unknown = set(body) - {"seed", "chunks", "prompt", "prompt_seed"}
         if unknown or "seed" not in body:
             raise _Error(422, f"body needs \"seed\" and takes chunks, prompt, prompt_seed; "
@@ -251,6 +270,8 @@ async def _serve_socket(ws, sched, sid: str, prompt_shape, disconnect) -> None:
             try:
                 msg = _json_body(text.encode())
                 await _control(sched, sid, msg, prompt_shape)
+            except KeyError:  # the session ended meanwhile: the sender says how
+                return await asyncio.Event().wait()
             except _Error as exc:
                 await ws.send_text(json.dumps({"type": "error", "error": exc.message}))
 

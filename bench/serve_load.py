@@ -1,0 +1,119 @@
+"""Load on `framekv serve`: N sessions streaming over real WebSockets for a while.
+
+    python -m framekv.bench.serve_load [--preset small-stream] [--sessions 8]
+        [--seconds 60] [--json FILE]
+
+Starts the server in this process on 127.0.0.1 (every graph captured before the socket
+opens), opens the sessions, and lets one client thread per session read its socket
+for ``--seconds``. Reports the aggregate latent frames/s received, p50/p99 of the
+batched step time of each chunk (the chunk latency a client sees at the head of its
+queue) and of the gap between a session's chunks, and the graph captures after start
+(which must be 0). Needs the ``serve`` extra.
+"""
+import argparse
+import json
+import struct
+import sys
+import threading
+import time
+
+from .timing import environment
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def _client(url: str, stop: threading.Event, out: list) -> None:
+    from websockets.sync.client import connect
+
+    from websockets.exceptions import ConnectionClosed
+
+    with connect(url, max_size=None, open_timeout=60) as ws:
+        while not stop.is_set():
+            try:
+                msg = ws.recv(timeout=60)
+            except ConnectionClosed:  # the server shutting down after the measurement
+                return
+            if isinstance(msg, str):
+                return
+            (n,) = struct.unpack(">I", msg[:4])
+            header = json.loads(msg[4:4 + n])
+            out.append((time.perf_counter(), header))
+
+
+def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: float = 60.0,
+                 device=None, progress=print) -> dict:
+    """Serve ``sessions`` open-ended sessions for ``seconds`` (module doc)."""
+    import httpx
+    import uvicorn
+
+    from framekv.engine.scheduler import StreamScheduler
+    from framekv.tools.serve import build_app
+
+    progress(f"serve_load {preset}: building and capturing ({sessions} slots)")
+    sched = StreamScheduler(preset, max_sessions=sessions, device=device)
+    captures0 = sched.rollout.graphs.stats().captures
+    srv = uvicorn.Server(uvicorn.Config(build_app(sched), host="127.0.0.1", port=0,
+                                        log_level="warning"))
+    threading.Thread(target=srv.run, daemon=True).start()
+    while not srv.started:
+        time.sleep(0.05)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    ids = [httpx.post(f"http://127.0.0.1:{port}/v1/sessions", json={"seed": i}).json()["id"]
+           for i in range(sessions)]
+    stop, received = threading.Event(), [[] for _ in ids]
+    clients = [threading.Thread(target=_client, args=(
+        f"ws://127.0.0.1:{port}/v1/sessions/{sid}/stream", stop, out), daemon=True)
+        for sid, out in zip(ids, received)]
+    progress(f"serve_load {preset}: {sessions} sessions streaming for {seconds:.0f} s")
+    for c in clients:
+        c.start()
+    time.sleep(min(10.0, seconds / 6))        # past the first chunks: steady state
+    t0, n0 = time.perf_counter(), [len(r) for r in received]
+    time.sleep(seconds)
+    t1, n1 = time.perf_counter(), [len(r) for r in received]
+    stop.set()
+    srv.should_exit = True
+    frames = sum((b - a) * received[i][0][1]["frames"] for i, (a, b) in enumerate(zip(n0, n1)))
+    steps = [h["seconds"] for r in received for _, h in r]
+    gaps = [b[0] - a[0] for r in received for a, b in zip(r, r[1:])]
+    res = {"preset": preset, "sessions": sessions, "seconds": t1 - t0,
+           "chunks": sum(b - a for a, b in zip(n0, n1)),
+           "frames_per_second": frames / (t1 - t0),
+           "step_seconds_p50": _percentile(steps, 0.5), "step_seconds_p99": _percentile(steps, 0.99),
+           "chunk_gap_p50": _percentile(gaps, 0.5), "chunk_gap_p99": _percentile(gaps, 0.99),
+           "batch_sizes_seen": sorted({h["batch"] for r in received for _, h in r}),
+           "captures_after_start": sched.rollout.graphs.stats().captures - captures0}
+    time.sleep(1.0)
+    sched.close()
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m framekv.bench.serve_load",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", action="append", default=None,
+                   help="preset (repeatable; default small-stream)")
+    p.add_argument("--sessions", type=int, action="append", default=None,
+                   help="sessions per preset, in order (default 8)")
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+    presets = args.preset or ["small-stream"]
+    counts = args.sessions or [8] * len(presets)
+    out = []
+    for preset, n in zip(presets, counts):
+        out.append(measure_load(preset, sessions=n, seconds=args.seconds,
+                                progress=lambda m: print(f"[load] {m}", file=sys.stderr,
+                                                         flush=True)))
+        print(json.dumps(out[-1]), flush=True)
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump({"environment": environment(), "load": out}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
