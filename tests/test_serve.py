@@ -208,3 +208,11 @@ def test_a_failing_step_ends_its_sessions_with_the_error_and_the_others_go_on(se
     assert end["state"] == "done" and [h["index"] for h, _ in chunks] == [0, 1, 2]
     want = alone_chunks(sched, 11, 3)
     assert max(float((lat - w).abs().max()) for (_, lat), w in zip(chunks, want)) <= 1e-5
+
+
+def test_the_load_script_streams_and_counts_no_capture():
+    from framekv.tools.serve_load import measure_load
+
+    res = measure_load("tiny", sessions=3, seconds=2.0, device="cpu", progress=lambda m: None)
+    assert res["chunks"] > 0 and res["frames_per_second"] > 0
+    assert res["captures_after_start"] == 0 and max(res["batch_sizes_seen"]) >= 2

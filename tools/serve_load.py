@@ -1,6 +1,6 @@
 """Load on `framekv serve`: N sessions streaming over real WebSockets for a while.
 
-    python -m framekv.bench.serve_load [--preset small-stream] [--sessions 8]
+    python -m framekv.tools.serve_load [--preset small-stream] [--sessions 8]
         [--seconds 60] [--json FILE]
 
 Starts the server in this process on 127.0.0.1 (every graph captured before the socket
@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from .timing import environment
+from framekv.bench.timing import environment
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -92,7 +92,7 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.serve_load",
+    p = argparse.ArgumentParser(prog="python -m framekv.tools.serve_load",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", action="append", default=None,
                    help="preset (repeatable; default small-stream)")
