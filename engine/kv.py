@@ -28,6 +28,7 @@ import torch
 from framekv.specs import Geometry
 
 from .cache import CausalKVCache, ExactWindowReference
+from .cache.sequences import check_id_values
 
 #: attend(attention_module, packed_qkv [1, S, H + 2*H_kv, D]) -> [1, S, H, D]
 AttendFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -136,17 +137,12 @@ class PagedKV(KVStore):
     def use_sequences(self, rows) -> None:
         """Make batch row r of the next forwards sequence ``rows[r]`` (host ints,
         distinct, in [0, N)). Copies them into the device buffer graphs read."""
-        N = self.cache.num_sequences
-        rows = tuple(rows)
-        if not rows or len(set(rows)) != len(rows) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < N for i in rows):
-            raise ValueError(f"rows must be distinct sequence ids in [0, {N}), got {list(rows)}")
-        self.rows = rows
+        rows = list(rows)
+        if not rows:
+            raise ValueError("rows must name at least one sequence")
+        self.rows = check_id_values(rows, self.cache.num_sequences)
         if self._ids is not None:
             self._ids[:len(rows)].copy_(torch.tensor(rows, dtype=torch.int64))
-            self.sequences = self._ids[:len(rows)]
-        else:
-            self.sequences = None
 
     def _ids_of(self, B: int):
         if B > self.cache.num_sequences:
