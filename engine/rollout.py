@@ -370,6 +370,21 @@ class Rollout:
         self.stream_frames = [f + frames for f in self.stream_frames]
         return out.clone()
 
+    @property
+    def chunk_shape(self) -> tuple[int, int, int, int]:
+        """(F, C, H, W) of one stream's full chunk of latents."""
+        m = self.model_spec
+        return (self.spec.frames_per_chunk, m.in_channels, m.latent_height, m.latent_width)
+
+    @property
+    def frames_per_chunk(self) -> int:
+        return self.spec.frames_per_chunk
+
+    @property
+    def prompt_shape(self) -> tuple[int, int]:
+        """(prompt_tokens, text_dim) of a prompt (`prefill_rows`)."""
+        return tuple(self.model.prompt.shape)
+
     def step_rows(self, rows, noise: torch.Tensor, frame0: torch.Tensor) -> torch.Tensor:
         """One chunk over the pool's sequences ``rows`` (host ints, as many as one of
         ``batch_sizes``): batch row r is sequence rows[r], starting from noise[r] at

@@ -1,8 +1,9 @@
 """`StreamScheduler`: streaming sessions on one batched pool, stepped together.
 
 A server keeps one session per client and one GPU for all of them. Here a session owns
-one sequence (a slot) of a `Rollout(preset, sequences=N, batch_sizes=...)` pool, and
-one loop steps every ready session at once::
+one sequence (a slot) of a `Rollout(preset, sequences=N, batch_sizes=...)` pool (or of
+a `WanRollout(..., sequences=N)`: ``rollout_factory``), and one loop steps every ready
+session at once::
 
     ready = active, not paused, budget left, fewer than queue_chunks chunks undelivered
     B     = the smallest captured batch size >= len(ready)   (1, 2, 4, ... max_sessions)
@@ -24,6 +25,7 @@ No web imports here: `framekv.tools.serve` puts HTTP and WebSockets around it.
 from __future__ import annotations
 
 import collections
+import functools
 import secrets
 import threading
 import time
@@ -40,9 +42,10 @@ class SchedulerFull(Exception):
 
 @dataclass
 class SessionChunk:
-    """One finished chunk of a session: index, first frame, latents [F, C, H, W] fp32
-    (host memory), seconds of the batched step that made it, its batch size, and how
-    many prompt changes the session had had when it was made."""
+    """One finished chunk of a session: index, first frame, latents fp32 (host memory,
+    the rollout's ``chunk_shape``: [F, C, H, W] for the reference model, [C, F, H, W]
+    for Wan), seconds of the batched step that made it, its batch size, how many prompt
+    changes the session had had when it was made, and its frames."""
 
     index: int
     frame0: int
@@ -50,6 +53,7 @@ class SessionChunk:
     seconds: float
     batch: int
     prompt_version: int = 0
+    frames: int = 0
 
 
 @dataclass
@@ -94,19 +98,24 @@ def default_batch_sizes(max_sessions: int) -> tuple[int, ...]:
 
 
 class StreamScheduler:
-    """Sessions on one batched pool of the reference model (module doc).
+    """Sessions on one batched pool (module doc).
 
     Args:
-        preset: the rollout preset (a name, path or `Preset`).
+        preset: the rollout preset of the reference model (a name, path or `Preset`).
         max_sessions: session slots; beyond them `open_session` raises `SchedulerFull`.
         device, backend, cache_dir, use_graphs: as for `Rollout`.
         queue_chunks: undelivered chunks a session may hold before it pauses.
         batch_sizes: the batch sizes captured (default `default_batch_sizes`).
+        rollout_factory: instead of the preset's `Rollout`, a callable
+            ``(sequences=N, batch_sizes=sizes) -> rollout`` (e.g. a `WanRollout`
+            partial): anything with `Rollout`'s ``step_rows``, ``prefill_rows``,
+            ``capture``, ``chunk_shape``, ``frames_per_chunk``, ``prompt_shape``,
+            ``kv``, ``graphs``, ``close``.
     """
 
     def __init__(self, preset="tiny", *, max_sessions: int = 8, device=None, backend=None,
                  cache_dir=None, use_graphs: bool = True, queue_chunks: int = 4,
-                 batch_sizes=None, progress: bool = False):
+                 batch_sizes=None, progress: bool = False, rollout_factory=None):
         for name, v in (("max_sessions", max_sessions), ("queue_chunks", queue_chunks)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -115,9 +124,10 @@ class StreamScheduler:
             raise ValueError(f"batch_sizes must reach max_sessions={max_sessions}, got {sizes}")
         scratch = max(min(b for b in sizes if b >= k) - k for k in range(1, max_sessions + 1))
         self.max_sessions, self.queue_chunks, self.batch_sizes = max_sessions, queue_chunks, sizes
-        self.rollout = Rollout(preset, device, backend=backend, cache_dir=cache_dir,
-                               use_graphs=use_graphs, sequences=max_sessions + scratch,
-                               batch_sizes=sizes)
+        make = rollout_factory or functools.partial(
+            Rollout, preset, device, backend=backend, cache_dir=cache_dir, use_graphs=use_graphs)
+        self.rollout = make(sequences=max_sessions + scratch, batch_sizes=sizes)
+        use_graphs = self.rollout.use_graphs
         self.report = self.rollout.capture(progress=progress) if use_graphs else None
         self.rollout.prefill_rows(range(max_sessions + scratch))
         self.rollout.prefilled = True
@@ -127,16 +137,16 @@ class StreamScheduler:
         self.lock = threading.RLock()       # sessions and the rollout
         self.ready = threading.Condition(self.lock)
         self.metrics = {"steps": 0, "chunks": 0, "failed_steps": 0, "step_seconds": []}
-        spec = self.rollout.spec
-        self.chunk_shape = (spec.frames_per_chunk, self.rollout.model_spec.in_channels,
-                            self.rollout.model_spec.latent_height,
-                            self.rollout.model_spec.latent_width)
+        #: one chunk of a session (the rollout's layout); prompt: [L, text_dim]
+        self.chunk_shape = tuple(self.rollout.chunk_shape)
+        self.frames_per_chunk = self.rollout.frames_per_chunk
+        self.prompt_shape = tuple(self.rollout.prompt_shape)
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, *, seed: int, prompt: torch.Tensor | None = None,
                      chunks: int | None = None) -> Session:
-        """A new session at position 0 (``prompt`` [prompt_tokens, text_dim], default
-        the model's; ``chunks``: a budget, None for open-ended). Raises `SchedulerFull`
+        """A new session at position 0 (``prompt``: `prompt_shape`, default the
+        rollout's; ``chunks``: a budget, None for open-ended). Raises `SchedulerFull`
         when every slot is taken, ValueError for a bad argument."""
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
             raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
@@ -167,8 +177,9 @@ class StreamScheduler:
             self.ready.notify_all()
 
     def set_prompt(self, session_id: str, prompt: torch.Tensor) -> None:
-        """Re-cache a session's history under a new prompt (its pinned prompt region
-        rewritten; the window's K/V stay) before its next chunk."""
+        """Re-cache a session's history under a new prompt before its next chunk (the
+        reference model: its pinned prompt region rewritten, the window's K/V stay;
+        Wan: the visible frames' K/V recomputed by clean passes)."""
         with self.lock:
             s = self.sessions[session_id]
             self.rollout.prefill_rows([s.slot], prompt, rewrite=True)
@@ -210,9 +221,9 @@ class StreamScheduler:
             seconds = time.perf_counter() - t0
             for r, s in enumerate(batch):
                 s.queue.append(SessionChunk(s.chunks, s.frames, out[r], seconds, B,
-                                            s.prompt_version))
+                                            s.prompt_version, self.frames_per_chunk))
                 s.chunks += 1
-                s.frames += self.chunk_shape[0]
+                s.frames += self.frames_per_chunk
                 if s.budget is not None and s.chunks >= s.budget:
                     s.state = "done"
             self.metrics["steps"] += 1

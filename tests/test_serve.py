@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 ws_client = pytest.importorskip("websockets.sync.client")
 
-from framekv.engine.scheduler import StreamScheduler  # noqa: E402
+from framekv.engine.scheduler import StreamScheduler, session_noise  # noqa: E402
 from framekv.tools.serve import MAX_BODY_BYTES, build_app  # noqa: E402
 from test_scheduler import alone_chunks  # noqa: E402
 
@@ -54,10 +54,11 @@ def create(http, **body) -> str:
     return r.json()["id"]
 
 
-def stream(ws_base, sid, *, on_chunk=None, limit=60.0):
+def stream(ws_base, sid, *, on_chunk=None, limit=60.0, token=TOKEN):
     """Every message of a session's socket until its end message: (chunks, end)."""
     chunks = []
-    with ws_client.connect(f"{ws_base}/v1/sessions/{sid}/stream?token={TOKEN}",
+    query = f"?token={token}" if token else ""
+    with ws_client.connect(f"{ws_base}/v1/sessions/{sid}/stream{query}",
                            open_timeout=10, max_size=None) as ws:
         deadline = time.monotonic() + limit
         while True:
@@ -216,3 +217,68 @@ def test_the_load_script_streams_and_counts_no_capture():
     res = measure_load("tiny", sessions=3, seconds=2.0, device="cpu", progress=lambda m: None)
     assert res["chunks"] > 0 and res["frames_per_second"] > 0
     assert res["captures_after_start"] == 0 and max(res["batch_sizes_seen"]) >= 2
+
+
+def test_wan_diffusers_mode_streams_sessions_and_recaches_a_prompt_change():
+    """``--model wan-diffusers --config tiny``: the CLI's rollout factory behind a real
+    server; two sessions stream, one changes its prompt mid-stream, each equals its seed
+    run alone (the change re-cached offline the same way)."""
+    import argparse
+
+    from framekv.engine import WanRollout
+    from framekv.tools.serve import WAN_SIZES, wan_factory
+
+    args = argparse.Namespace(config="tiny", weights=None, device="cpu", cache_dir=None)
+    factory = wan_factory(args, use_graphs=False)
+    sched = StreamScheduler(max_sessions=2, device="cpu", queue_chunks=2, rollout_factory=factory)
+    srv = uvicorn.Server(uvicorn.Config(build_app(sched), host="127.0.0.1", port=0,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        while not srv.started:
+            time.sleep(0.05)
+        port = srv.servers[0].sockets[0].getsockname()[1]
+        L, dim = sched.prompt_shape
+        new = torch.randn(L, dim, generator=torch.Generator().manual_seed(5))
+        data = base64.b64encode(new.numpy().tobytes()).decode()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            ids = [http.post("/v1/sessions", json={"seed": s, "chunks": 6}).json()["id"]
+                   for s in (11, 12)]
+            got = {}
+
+            def change(ws, header):
+                if header["index"] == 1:
+                    ws.send(json.dumps({"type": "prompt",
+                                        "prompt": {"shape": [L, dim], "data": data}}))
+
+            def client(sid, hook):
+                got[sid] = stream(f"ws://127.0.0.1:{port}", sid, on_chunk=hook, token=None)
+            threads = [threading.Thread(target=client, args=(sid, h))
+                       for sid, h in zip(ids, (None, change))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+        (latent, frames, sink, window, _) = WAN_SIZES["tiny"]
+        for sid, seed in zip(ids, (11, 12)):
+            chunks, end = got[sid]
+            assert end["state"] == "done" and [h["index"] for h, _ in chunks] == list(range(6))
+            assert all(h["frames"] == frames and h["shape"] == list(sched.chunk_shape)
+                       for h, _ in chunks)
+            r = WanRollout(sched.rollout.model, latent_size=latent, frames_per_chunk=frames,
+                           sink_frames=sink, window_frames=window, use_graphs=False)
+            r.set_prompt(sched.rollout.default_prompt()[None])
+            versions = [h["prompt_version"] for h, _ in chunks]
+            for h, lat in chunks:
+                if h["prompt_version"] and h["index"] == versions.index(1):
+                    r.set_prompt(new[None], recache=True)
+                want = r.step(session_noise(seed, h["index"], sched.chunk_shape)[None])[0]
+                assert float((lat - want).abs().max()) <= 1e-5, (seed, h["index"])
+        versions = [h["prompt_version"] for h, _ in got[ids[1]][0]]
+        assert versions == sorted(versions) and versions[1] == 0 and versions[-1] == 1
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+        sched.close()
+

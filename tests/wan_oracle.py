@@ -129,14 +129,13 @@ def guidance_pair(build, text, negative, *, g: float, chunks: int, latent_size, 
 def _lockstep(cond, unc, noise, g: float) -> torch.Tensor:
     frame0 = torch.tensor([cond.frames_done], device=cond.device)
     for r in (cond, unc):
-        r._frame0.copy_(frame0)
+        r.ctx.frame0 = frame0
     T, sig = cond.shape.chunk_tokens, cond.sigmas
     x = noise.to(cond.device, torch.float32)
     for i in range(len(cond._t)):
         v_c, v_u = (r._forward(x, r._t[i], T, "") for r in (cond, unc))
         x = x + (sig[i + 1] - sig[i]) * (v_u + g * (v_c - v_u))
     for r in (cond, unc):
-        r._forward(x, r._t0, T, "clean")
-        r.kv.commit(T)
+        r.clean_pass(x)
         r.frames_done += r.shape.frames_per_chunk
     return x

@@ -19,6 +19,10 @@ Routes (JSON errors name the problem; with ``--token`` every route but /health n
                                          Control (text): {"type": "prompt", "prompt_seed"
                                          | "prompt"}, {"type": "pause"}, {"type": "resume"}
 
+``--model wan-diffusers`` serves diffusers' Wan transformer (``--config``, random weights,
+or ``--weights DIR``) at the sizes of `WAN_SIZES`; a prompt is then [L, text_dim] text
+embeddings, and a prompt change re-caches the session's visible frames by clean passes.
+
 One thread runs the GPU loop (`StreamScheduler.run`); every graph is captured before
 the socket opens. A client that disconnects frees its slot; SIGTERM drains (uvicorn's
 graceful shutdown, then the loop stops and the pool is freed).
@@ -38,12 +42,27 @@ from .args import nonnegative_int, positive_int
 MAX_BODY_BYTES = 1 << 20   # a request body or control message: JSON, at most 1 MiB
 BODY_TIMEOUT_S = 10.0      # seconds a client may take to send its body
 CHUNK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: --model wan-diffusers per --config: latent (H, W), frames per chunk, sink and window
+#: frames, prompt tokens (1.3b: the small-stream geometry, 390 tokens per frame).
+WAN_SIZES = {"tiny": ((8, 8), 2, 1, 3, 7), "1.3b": ((30, 52), 3, 1, 18, 512)}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="streaming sessions over HTTP/WebSockets",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help="rollout preset (default tiny)")
+    p.add_argument("--preset", default="tiny", help="rollout preset of the reference model "
+                   "(default tiny)")
+    p.add_argument("--model", choices=("reference", "wan-diffusers"), default="reference",
+                   help="the reference DiT of --preset (default), or diffusers' Wan "
+                        "transformer (needs the wan extra)")
+    p.add_argument("--config", choices=sorted(WAN_SIZES), default="tiny",
+                   help="with --model wan-diffusers: the shipped config (random weights "
+                        "unless --weights); sizes: " + "; ".join(
+                            f"{k}: latent {v[0][0]}x{v[0][1]}, {v[1]}-frame chunks, sink "
+                            f"{v[2]}, window {v[3]}, prompt {v[4]} tokens"
+                            for k, v in WAN_SIZES.items()))
+    p.add_argument("--weights", metavar="DIR", default=None,
+                   help="with --model wan-diffusers: a local diffusers folder")
     p.add_argument("--max-sessions", type=positive_int, default=8,
                    help="session slots (default 8)")
     p.add_argument("--host", default="127.0.0.1")
@@ -60,11 +79,28 @@ def run(args) -> int:
 
     from framekv.engine.scheduler import StreamScheduler
 
+    factory = wan_factory(args) if args.model == "wan-diffusers" else None
     sched = StreamScheduler(args.preset, max_sessions=args.max_sessions, device=args.device,
-                            cache_dir=args.cache_dir, progress=True)
+                            cache_dir=args.cache_dir, progress=True, rollout_factory=factory)
     uvicorn.run(build_app(sched, token=args.token), host=args.host, port=args.port,
                 log_level="info")
     return 0
+
+
+def wan_factory(args, *, use_graphs: bool = True):
+    """The scheduler's rollout for ``--model wan-diffusers``: a `WanRollout` of
+    ``--config`` (random weights) or ``--weights``, at that config's `WAN_SIZES`."""
+    import functools
+
+    from framekv.engine import WanRollout
+    from framekv.engine.wan import build_model, load_model
+
+    latent, frames, sink, window, tokens = WAN_SIZES[args.config]
+    model = (load_model(args.weights, device=args.device) if args.weights
+             else build_model(args.config, device=args.device))
+    return functools.partial(WanRollout, model, latent_size=latent, frames_per_chunk=frames,
+                             sink_frames=sink, window_frames=window, prompt_tokens=tokens,
+                             cache_dir=args.cache_dir, use_graphs=use_graphs)
 
 
 class _Error(Exception):
@@ -137,7 +173,7 @@ def chunk_frame(chunk) -> bytes:
     """A chunk as one binary WebSocket message (module doc)."""
     lat = chunk.latents.contiguous()
     header = json.dumps({"type": "chunk", "index": chunk.index, "frame0": chunk.frame0,
-                         "frames": lat.shape[0], "dtype": "float32", "shape": list(lat.shape),
+                         "frames": chunk.frames, "dtype": "float32", "shape": list(lat.shape),
                          "seconds": chunk.seconds, "batch": chunk.batch,
                          "prompt_version": chunk.prompt_version}).encode()
     return struct.pack(">I", len(header)) + header + lat.numpy().tobytes()
@@ -182,7 +218,7 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
             sched.close_session(sid)
 
     app = FastAPI(title="framekv", lifespan=lifespan)
-    prompt_shape = tuple(sched.rollout.model.prompt.shape)
+    prompt_shape = sched.prompt_shape
 
     def check_token(auth: str | None) -> None:
         if token is not None and not (auth and secrets.compare_digest(auth, f"Bearer {token}")):

@@ -3,6 +3,9 @@
     python -m framekv.tools.serve_load [--preset small-stream] [--sessions 8]
         [--seconds 60] [--json FILE]
 
+A preset ``wan-diffusers:CONFIG`` serves diffusers' Wan transformer instead (the
+server's ``--model wan-diffusers --config CONFIG``, random weights).
+
 Starts the server in this process on 127.0.0.1 (every graph captured before the socket
 opens), opens the sessions, and lets one client thread per session read its socket
 for ``--seconds``. Reports the aggregate latent frames/s received, p50/p99 of the
@@ -50,10 +53,15 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
     import uvicorn
 
     from framekv.engine.scheduler import StreamScheduler
-    from framekv.tools.serve import build_app
+    from framekv.tools.serve import build_app, wan_factory
 
     progress(f"serve_load {preset}: building and capturing ({sessions} slots)")
-    sched = StreamScheduler(preset, max_sessions=sessions, device=device)
+    factory = None
+    if preset.startswith("wan-diffusers:"):
+        factory = wan_factory(argparse.Namespace(config=preset.split(":", 1)[1], weights=None,
+                                                 device=device, cache_dir=None))
+    sched = StreamScheduler(preset, max_sessions=sessions, device=device,
+                            rollout_factory=factory)
     captures0 = sched.rollout.graphs.stats().captures
     srv = uvicorn.Server(uvicorn.Config(build_app(sched), host="127.0.0.1", port=0,
                                         log_level="warning"))
@@ -76,7 +84,7 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
     t1, n1 = time.perf_counter(), [len(r) for r in received]
     stop.set()
     srv.should_exit = True
-    frames = sum((b - a) * received[i][0][1]["frames"] for i, (a, b) in enumerate(zip(n0, n1)))
+    frames = sum((b - a) * sched.frames_per_chunk for a, b in zip(n0, n1))
     steps = [h["seconds"] for r in received for _, h in r]
     gaps = [b[0] - a[0] for r in received for a, b in zip(r, r[1:])]
     res = {"preset": preset, "sessions": sessions, "seconds": t1 - t0,

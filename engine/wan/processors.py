@@ -31,12 +31,16 @@ class WanContext:
 
     Attributes:
         kv: the rollout's `KVStore`.
-        frame0: int64 [1] device tensor, the rope frame of the forward's first frame.
+        frame0: int64 [1] or [B] device tensor, the rope frame of the forward's first
+            frame (of each batch row).
+        rows: None, or int64 [B] device tensor: the pool sequence of each batch row,
+            whose prompt the cross-attention reads (a fixed buffer graphs read).
         attend: the store's attention function of the forward under way (`begin`).
     """
 
     def __init__(self, kv, frame0: torch.Tensor):
         self.kv, self.frame0 = kv, frame0
+        self.rows: torch.Tensor | None = None
         self.attend: AttendFn | None = None
 
     def begin(self, seq_len: int, block_size: int) -> None:
@@ -91,44 +95,60 @@ class WanSelfAttention:
 
 class WanCrossAttention:
     """``attn2``'s processor: the stock text attention, with the prompt's K/V projected
-    once per prompt into fixed buffers (a captured chunk reads the new prompt's)."""
+    once per prompt into fixed buffers (a captured chunk reads the new prompt's).
 
-    def __init__(self):
-        self.k = self.v = None  # [1, L, H, D], fixed once the first prompt is set
+    The buffers hold one prompt per pool sequence ([N, L, H, D]); a forward of B rows
+    reads the rows ``ctx.rows`` names (all N in order when it is None and B = N).
+    """
+
+    def __init__(self, ctx: WanContext | None = None, sequences: int = 1):
+        self.ctx, self.sequences = ctx, sequences
+        self.k = self.v = None  # [N, L, H, D], fixed once the first prompt is set
 
     @torch.no_grad()
-    def set_text(self, attn, text: torch.Tensor) -> None:
-        """Project and norm ``text`` [1, L, dim] (the model's embedded prompt) into the
-        buffers; L must stay what the first prompt had (the buffers do not move)."""
+    def set_text(self, attn, text: torch.Tensor, rows=None) -> None:
+        """Project and norm ``text`` [R, L, dim] (the model's embedded prompts) into the
+        buffers of sequences ``rows`` (host ints; default 0 .. R-1); L must stay what
+        the first prompt had (the buffers do not move)."""
         if getattr(attn, "fused_projections", False):
             k, v = attn.to_kv(text).chunk(2, dim=-1)
         else:
             k, v = attn.to_k(text), attn.to_v(text)
-        k = attn.norm_k(k).unflatten(2, (attn.heads, -1))                    # [1, L, H, D]
+        k = attn.norm_k(k).unflatten(2, (attn.heads, -1))                    # [R, L, H, D]
         v = v.unflatten(2, (attn.heads, -1))
+        rows = list(range(k.shape[0])) if rows is None else list(rows)
         if self.k is None:
-            self.k, self.v = k.clone(), v.clone()
-            return
-        if self.k.shape != k.shape:
+            self.k = k.new_zeros(self.sequences, *k.shape[1:])
+            self.v = v.new_zeros(self.sequences, *v.shape[1:])
+        elif self.k.shape[1:] != k.shape[1:]:
             raise ValueError(f"text must keep the prompt length of the first set_prompt "
                              f"({self.k.shape[1]} tokens), got {k.shape[1]}")
-        self.k.copy_(k)
-        self.v.copy_(v)
+        self.k[rows] = k
+        self.v[rows] = v
+
+    def _text(self, B: int):
+        """The K/V [B, L, H, D] of the forward's rows."""
+        rows = None if self.ctx is None else self.ctx.rows
+        if rows is None:
+            return self.k[:B], self.v[:B]
+        return self.k.index_select(0, rows[:B]), self.v.index_select(0, rows[:B])
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  rotary_emb=None, **kwargs):
         if self.k is None:
             raise ValueError("no prompt: call set_prompt(text_embeds) before a step")
         q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), self.k.transpose(1, 2),
-                                             self.v.transpose(1, 2))          # [1, H, S, D]
+        k, v = self._text(q.shape[0])
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2))              # [B, H, S, D]
         out = out.transpose(1, 2).flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
 
 class WanRope(torch.nn.Module):
-    """The model's ``rope``, at absolute frames: frame f of a forward sits at rope frame
-    ``ctx.frame0 + f`` (a device tensor, so one captured graph serves every chunk).
+    """The model's ``rope``, at absolute frames: frame f of a forward's batch row r sits
+    at rope frame ``ctx.frame0[r] + f`` (a device tensor, so one captured graph serves
+    every chunk; one entry serves every row).
 
     Args:
         ctx: the `WanContext`.
@@ -151,12 +171,16 @@ class WanRope(torch.nn.Module):
         pt, ph, pw = self.patch_size
         f, h, w = frames // pt, height // ph, width // pw
         dev = hidden_states.device
-        pos = (self.ctx.frame0.to(torch.float64) + torch.arange(f, device=dev, dtype=torch.float64),
-               torch.arange(h, device=dev, dtype=torch.float64),
-               torch.arange(w, device=dev, dtype=torch.float64))
-        parts = [torch.outer(p, self._inv_freq(d, dev)) for p, d in zip(pos, self.dims)]
-        angles = torch.cat([parts[0][:, None, None].expand(f, h, w, -1),      # [f, h, w, D/2]
-                            parts[1][None, :, None].expand(f, h, w, -1),
-                            parts[2][None, None, :].expand(f, h, w, -1)], dim=-1)
-        angles = angles.reshape(1, f * h * w, 1, -1).repeat_interleave(2, dim=-1)  # [1, S, 1, D]
+        frame0 = self.ctx.frame0.to(torch.float64)                           # [R]
+        R = frame0.shape[0]
+        frames = frame0[:, None] + torch.arange(f, device=dev, dtype=torch.float64)  # [R, f]
+        rows = torch.outer(torch.arange(h, device=dev, dtype=torch.float64),
+                           self._inv_freq(self.dims[1], dev))                # [h, Dh/2]
+        cols = torch.outer(torch.arange(w, device=dev, dtype=torch.float64),
+                           self._inv_freq(self.dims[2], dev))                # [w, Dw/2]
+        fa = frames[..., None] * self._inv_freq(self.dims[0], dev)           # [R, f, Df/2]
+        angles = torch.cat([fa[:, :, None, None].expand(R, f, h, w, -1),     # [R, f, h, w, D/2]
+                            rows[None, None, :, None].expand(R, f, h, w, -1),
+                            cols[None, None, None, :].expand(R, f, h, w, -1)], dim=-1)
+        angles = angles.reshape(R, f * h * w, 1, -1).repeat_interleave(2, dim=-1)  # [R, S, 1, D]
         return angles.cos().float(), angles.sin().float()

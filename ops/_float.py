@@ -1,0 +1,107 @@
+"""Float loads and stores for kernels that compute on bf16 or fp32 tensors.
+
+numba has no bfloat16 array type and torch exports none, so the ops pass every
+float tensor as raw bits (`_launch.array_arg`: bf16 as int16, fp32 as int32) and
+convert at the access: ``load_f32(ary, idx)`` reads one element as float32 and
+``store_f32(ary, idx, value)`` writes a float32 rounded to the array's format
+(bf16: round to nearest even on the bits, as torch does, NaN -> 0x7FC0). The
+element type picks the conversion when the kernel is compiled, so one kernel body
+serves both formats (one compiled specialisation each).
+
+Under numba's CUDA simulator the same names are numpy bit views.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ._launch import SIMULATOR
+
+__all__ = ["load_f32", "store_f32", "FLOAT_DTYPES", "check_float_dtype"]
+
+#: The tensor dtypes these accessors handle (as int16 and int32 bits).
+FLOAT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def check_float_dtype(name: str, t: torch.Tensor) -> None:
+    """ValueError unless ``t`` is bf16 or fp32 (the formats the float kernels read)."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must have dtype bfloat16 or float32, got {t.dtype}")
+
+
+if SIMULATOR:
+
+    def load_f32(ary, idx):
+        """``ary[idx]`` (bf16 or fp32 bits) as float32."""
+        bits = ary[idx]
+        if bits.dtype == np.int16:
+            return (np.array([bits]).view(np.uint16).astype(np.uint32) << 16).view(np.float32)[0]
+        return np.array([bits]).view(np.float32)[0]
+
+    def store_f32(ary, idx, value):
+        """Store float32 ``value`` to ``ary[idx]``, rounded to the array's format."""
+        f = np.array([value], dtype=np.float32)
+        if ary[idx].dtype == np.int16:
+            b = f.view(np.uint32).astype(np.uint64)
+            h = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+            if np.isnan(f[0]):
+                h[0] = 0x7FC0
+            ary[idx] = h.view(np.int16)[0]
+        else:
+            ary[idx] = f.view(np.int32)[0]
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _I16, _I32, _F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+    def _pointer(context, builder, aryty, ary, idxty, idx):
+        arr = context.make_array(aryty)(context, builder, value=ary)
+        indices = cgutils.unpack_tuple(builder, idx, count=len(idxty))
+        indices = [context.cast(builder, i, t, types.intp) for i, t in zip(indices, idxty)]
+        return cgutils.get_item_pointer(context, builder, aryty, arr, indices, wraparound=False)
+
+    def _check(ary, idx):
+        if not isinstance(ary, types.Array) or ary.dtype not in (types.int16, types.int32):
+            raise TypeError(f"float access needs int16 (bf16) or int32 (fp32) bits, got {ary}")
+        if not isinstance(idx, types.UniTuple) or idx.count != ary.ndim:
+            raise TypeError(f"float access needs {ary.ndim} indices, got {idx}")
+
+    def _to_bf16(builder, value):
+        # Round to nearest even on the bits; NaN becomes 0x7FC0.
+        bits = builder.bitcast(value, _I32)
+        odd = builder.and_(builder.lshr(bits, ir.Constant(_I32, 16)), ir.Constant(_I32, 1))
+        bias = builder.add(ir.Constant(_I32, 0x7FFF), odd)
+        rounded = builder.trunc(builder.lshr(builder.add(bits, bias), ir.Constant(_I32, 16)), _I16)
+        nan = builder.fcmp_unordered("uno", value, value)
+        return builder.select(nan, ir.Constant(_I16, 0x7FC0), rounded)
+
+    @intrinsic
+    def load_f32(typingctx, ary, idx):
+        """``ary[idx]`` (bf16 or fp32 bits) as float32."""
+        _check(ary, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            bits = builder.load(ptr)
+            if sig.args[0].dtype == types.int16:
+                bits = builder.shl(builder.zext(bits, _I32), ir.Constant(_I32, 16))
+            return builder.bitcast(bits, _F32)
+
+        return types.float32(ary, idx), codegen
+
+    @intrinsic
+    def store_f32(typingctx, ary, idx, value):
+        """Store float32 ``value`` to ``ary[idx]``, rounded to the array's format."""
+        _check(ary, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            v = context.cast(builder, args[2], sig.args[2], types.float32)
+            bits = _to_bf16(builder, v) if sig.args[0].dtype == types.int16 else builder.bitcast(v, _I32)
+            builder.store(bits, ptr)
+
+        return types.void(ary, idx, value), codegen
