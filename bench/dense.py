@@ -348,6 +348,7 @@ class DenseRollout(Rollout):
         kv = DenseRollingKV(r.geometry(), num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                             head_dim=m.head_dim, dtype=model_dtype(m, dev), device=dev,
                             backend=sdpa)
+        # The baseline's glue is torch ops, as Self-Forcing-style code runs it.
         super().__init__(preset, dev, backend="reference", use_graphs=use_graphs, debug=debug,
-                         model=model, kv=kv)
+                         model=model, kv=kv, glue="torch")
         self.backend = f"sdpa-{kv.kernel}"

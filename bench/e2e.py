@@ -3,7 +3,9 @@
 Variants, all on the same model weights and the same chunk inputs:
 
     framekv-graphs   `Rollout` over the paged cache, each chunk one graph replay
-    framekv-eager    the same, every kernel launched from Python
+    framekv-fused-graphs  the same with the model's glue through framekv's fused ops
+                     (``glue="fused"``)
+    framekv-eager    the same as framekv-graphs, every kernel launched from Python
     dense-eager      `DenseRollout`: contiguous per-layer K/V rolled by copying, torch
                      SDPA (cuDNN) over it; what Self-Forcing-style code runs
     dense-graphs     the same under CUDA graphs, where it captures (once the window
@@ -24,7 +26,8 @@ from framekv.engine.rollout import Rollout, resolve_specs
 
 from .timing import summary
 
-VARIANTS = ("framekv-graphs", "framekv-eager", "dense-eager", "dense-graphs")
+VARIANTS = ("framekv-graphs", "framekv-fused-graphs", "framekv-eager", "dense-eager",
+            "dense-graphs")
 
 
 def with_window(preset: str, window_frames: int | None):
@@ -37,7 +40,8 @@ def with_window(preset: str, window_frames: int | None):
 
 def _make(variant: str, pair, model):
     if variant.startswith("framekv"):
-        return Rollout(pair, "cuda", use_graphs=variant.endswith("graphs"), model=model)
+        return Rollout(pair, "cuda", use_graphs=variant.endswith("graphs"), model=model,
+                       glue="fused" if "fused" in variant else "torch")
     from .dense import DenseRollout
 
     return DenseRollout(pair, "cuda", use_graphs=variant.endswith("graphs"), model=model)

@@ -93,16 +93,21 @@ def _between_events(call: Callable[[], object], flush: Flusher | None):
 
 
 def interleaved_device_times(calls: dict[str, Callable[[], object]], iters: int,
-                             flush: Flusher | None = None, warmup: int = 2) -> dict[str, list[float]]:
+                             flush: Flusher | None = None, warmup: int = 2,
+                             rotate: bool = False) -> dict[str, list[float]]:
     """`device_times` of several callables taken in turn (A B C A B C ...), so that slow
-    drifts of the clock (a GPU heating up over seconds of work) hit each alike."""
+    drifts of the clock (a GPU heating up over seconds of work) hit each alike; with
+    ``rotate`` each round starts one variant later (A B C, B C A, C A B, ...), so no
+    variant is always the first after the host's sync."""
     for call in calls.values():
         for _ in range(warmup):
             call()
+    names = list(calls)
     pairs = {name: [] for name in calls}
-    for _ in range(iters):
-        for name, call in calls.items():
-            pairs[name].append(_between_events(call, flush))
+    for r in range(iters):
+        k = r % len(names) if rotate else 0
+        for name in names[k:] + names[:k]:
+            pairs[name].append(_between_events(calls[name], flush))
         torch.cuda.synchronize()
     return {name: [s.elapsed_time(e) * 1e3 for s, e in ps] for name, ps in pairs.items()}
 

@@ -4,6 +4,8 @@ One model (a shipped config, random weights, bf16 as ``torch_dtype`` would load 
 the same prompt and the same chunk noise for every variant:
 
     framekv-graphs   `WanRollout` over the paged cache, each chunk one graph replay
+    framekv-fused-graphs  the same with the blocks' glue, QK norm and rope through
+                     framekv's fused ops (``glue="fused"``)
     framekv-eager    the same, every kernel launched from Python
     dense-eager      `WanRollout` over `DenseRollingKV`: per-layer dense K/V rolled by
                      copying, torch SDPA (cuDNN) over it: what Self-Forcing runs
@@ -28,7 +30,8 @@ import torch
 
 from .timing import environment, summary
 
-VARIANTS = ("stock-recompute", "framekv-graphs", "framekv-eager", "dense-eager", "dense-graphs")
+VARIANTS = ("stock-recompute", "framekv-graphs", "framekv-fused-graphs", "framekv-eager",
+            "dense-eager", "dense-graphs")
 
 
 def _sync(device: torch.device) -> None:
@@ -44,7 +47,8 @@ def _rollout(variant: str, model, kw: dict):
 
     graphs = variant.endswith("graphs")
     if variant.startswith("framekv"):
-        return WanRollout(model, use_graphs=graphs, **kw)
+        return WanRollout(model, use_graphs=graphs, glue="fused" if "fused" in variant else "torch",
+                          **kw)
     shape = WanShape.of(model, kw["latent_size"], kw["frames_per_chunk"], kw["sink_frames"],
                         kw["window_frames"])
     device = next(model.parameters()).device
@@ -52,7 +56,8 @@ def _rollout(variant: str, model, kw: dict):
                            num_kv_heads=shape.heads, head_dim=shape.head_dim,
                            dtype=model.patch_embedding.weight.dtype, device=device,
                            backend="cudnn" if device.type == "cuda" else "math")
-    return WanRollout(model, use_graphs=graphs, kv=dense, **kw)
+    # The baseline's glue is the stock blocks' torch ops, as Self-Forcing runs it.
+    return WanRollout(model, use_graphs=graphs, kv=dense, glue="torch", **kw)
 
 
 def _timed(step, noises, fill: int, device) -> tuple[list[float], list[torch.Tensor]]:
@@ -154,10 +159,13 @@ def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk
 
 
 def _restore(model, stock: dict) -> None:
+    from framekv.engine.wan import blocks
+
     model.rope = stock["rope"]
     for block, (p1, p2) in zip(model.blocks, stock["processors"]):
         block.attn1.set_processor(p1)
         block.attn2.set_processor(p2)
+        blocks.uninstall(block)
 
 
 def _compare(results: dict, latents: dict) -> None:

@@ -10,7 +10,14 @@ each layer calls it with its attention module and its packed QKV::
 
 The prompt goes in once, as a forward whose K/V the store keeps
 (``prompt_forward(P)``), then ``commit_prompt()``. A store whose forwards span ranks
-also cuts the tokens (``shard`` / ``gather``); the others leave them whole.
+also cuts the tokens (``shard`` / ``gather``, its first row at ``token_offset``); the
+others leave them whole.
+
+A store with ``stages_prologue`` takes the QK norm and rope too: ``attend(attn, qkv,
+prologue)`` with qkv as projected (q and k neither normed nor rotated) and ``prologue``
+the fused `framekv.ops.qk_norm_rope_stage_` bound to the layer's weights and the
+forward's rope; the store runs it as its staging (Q normed and rotated in place, K/V
+written straight to the cache: no separate scatter). Other stores get qkv ready.
 
 Stores: `PagedKV` (framekv's paged `CausalKVCache`), `ReferenceKV` (the fp32
 `ExactWindowReference`, the oracle; not capturable), `UlyssesKV`
@@ -44,6 +51,7 @@ class KVStore(abc.ABC):
     """
 
     graph_safe: bool = True
+    stages_prologue: bool = False
     geometry: Geometry
 
     @abc.abstractmethod
@@ -99,6 +107,11 @@ class KVStore(abc.ABC):
         """This process's share of a forward's token rows [1, S, ...] (all of them)."""
         return x
 
+    def token_offset(self, length: int) -> int:
+        """The forward index of this process's first row of a forward of ``length``
+        tokens (0: it has them all)."""
+        return 0
+
     def gather(self, x: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
         """Every process's rows back, cut to ``length`` (``x`` itself here)."""
         return x
@@ -117,6 +130,8 @@ class PagedKV(KVStore):
     the ids are the first B entries of a fixed device buffer, so a chunk captured for B
     rows serves any choice of B sequences (set them, then replay).
     """
+
+    stages_prologue = True
 
     def __init__(self, cache: CausalKVCache, geometry: Geometry):
         self.cache, self.geometry = cache, geometry
@@ -153,7 +168,7 @@ class PagedKV(KVStore):
     def forward(self, seq_len: int, block_size: int) -> AttendFn:
         cache, plans = self.cache, {}
 
-        def attend(attn, qkv):
+        def attend(attn, qkv, prologue=None):
             B = qkv.shape[0]
             ids = self._ids_of(B)
             self._forward_batch = B
@@ -163,7 +178,7 @@ class PagedKV(KVStore):
                 plan = plans[id(attn.backend)] = attn.plan_for(cache, seq_len, block_size, B)
                 plan.prepare(ids)
             return attn(qkv, kv_cache=cache, seq_len=seq_len, causal_block_size=block_size,
-                        plan=plan)
+                        plan=plan, prologue=prologue)
         return attend
 
     def prompt_forward(self, prompt_tokens: int, *, rewrite: bool = False) -> AttendFn:

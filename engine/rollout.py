@@ -110,6 +110,8 @@ class Rollout:
         batch_sizes: with ``sequences``, the batch sizes to capture graphs for (each
             <= B; default (B,)): `step_rows` replays a chunk over any that many of the
             pool's sequences (a scheduler's rounded-up batches).
+        glue: the model's glue for this rollout's forwards (`CausalVideoDiT.glue`):
+            "torch" (torch ops, default) or "fused" (framekv's ops; the same math).
 
     Usage::
 
@@ -121,7 +123,10 @@ class Rollout:
     def __init__(self, preset="tiny", device=None, *, backend=None, use_graphs: bool = True,
                  debug: bool = False, model: CausalVideoDiT | None = None,
                  process_group=None, resident: bool = False, kv="paged", cache_dir=None,
-                 sequences: int | None = None, batch_sizes=None):
+                 sequences: int | None = None, batch_sizes=None, glue: str = "torch"):
+        if glue not in ("fused", "torch"):
+            raise ValueError(f"glue must be 'fused' or 'torch', got {glue!r}")
+        self.glue = glue
         if resident and not use_graphs:
             raise ValueError("resident=True runs captured graphs: it needs use_graphs=True, "
                              "got use_graphs=False")
@@ -233,6 +238,7 @@ class Rollout:
         pass, the commit. noise fp32 [F, C, H, W] (or [B, F, C, H, W]); frame0 int64 [1]
         (or [B]) -> clean latents fp32 in the shape of noise."""
         T = noise.shape[-4] * self.spec.tokens_per_frame
+        self.model.glue = self.glue  # a shared model runs each rollout's own glue
         x = noise.clone()                                                  # fp32 [F, C, H, W]
         for i, dt in enumerate(self._dts):
             v = self.model(x, self.timesteps[i:i + 1], frame0, kv=self.kv, seq_len=T,
@@ -341,7 +347,7 @@ class Rollout:
             raise ValueError("the prompt is already prefilled; reset() first")
         if self.use_graphs and not self._requests:
             self.capture()
-        self.model.prefill(self.kv)
+        self._prefill(self.kv)
         self.prefilled = True
 
     def step(self) -> torch.Tensor:
@@ -422,9 +428,13 @@ class Rollout:
         self._check_open()
         self.kv.use_sequences(rows)
         try:
-            self.model.prefill(self.kv, prompt=prompt, rewrite=rewrite)
+            self._prefill(self.kv, prompt=prompt, rewrite=rewrite)
         finally:
             self.kv.use_sequences(range(self.streams or 1))
+
+    def _prefill(self, kv, **kw) -> None:
+        self.model.glue = self.glue
+        self.model.prefill(kv, **kw)
 
     def reset_streams(self, streams) -> None:
         """Restart streams ``streams`` (host ints) at position 0 with the prompt
@@ -440,7 +450,7 @@ class Rollout:
         self.kv.reset_sequences(streams)
         self.kv.use_sequences(streams)
         try:
-            self.model.prefill(self.kv)
+            self._prefill(self.kv)
         finally:
             self.kv.use_sequences(range(self.streams))
         for i in streams:

@@ -21,6 +21,10 @@ from .copy_kv_slots import CopyKVSlots, bind_copy_kv_slots, copy_kv_slots_, copy
 from .fill_pattern import fill_node_params, fill_pattern_, fill_pattern_reference
 from .merge_split_kv import (MergeSplitKV, bind_merge_split_kv, merge_split_kv_,
                              merge_split_kv_reference)
+from .adaln import (AdaLN, GatedResidual, adaln_, adaln_reference, bind_adaln,
+                    bind_gated_residual, gated_residual_, gated_residual_reference)
+from .qk_norm_rope import (QKNormRopeStage, RopeGrid, bind_qk_norm_rope_stage,
+                           qk_norm_rope_stage_, qk_norm_rope_stage_reference)
 from .rotate_rows import RotateRows, bind_rotate_rows, rotate_rows_, rotate_rows_reference
 from .scatter_kv_slots import (ScatterKVSlots, bind_scatter_kv_slots, scatter_kv_slots_,
                                scatter_kv_slots_reference)
@@ -35,4 +39,8 @@ __all__ = [
     "ScatterKVSlots",
     "copy_kv_slots_", "copy_kv_slots_reference", "bind_copy_kv_slots", "CopyKVSlots",
     "merge_split_kv_", "merge_split_kv_reference", "bind_merge_split_kv", "MergeSplitKV",
+    "adaln_", "adaln_reference", "bind_adaln", "AdaLN",
+    "gated_residual_", "gated_residual_reference", "bind_gated_residual", "GatedResidual",
+    "qk_norm_rope_stage_", "qk_norm_rope_stage_reference", "bind_qk_norm_rope_stage",
+    "QKNormRopeStage", "RopeGrid",
 ]

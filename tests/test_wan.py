@@ -54,6 +54,17 @@ def test_every_step_equals_the_models_own_math(sink, window, frames, clean_block
     assert err <= 1e-5, err
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["qkv", "fused-qkv"])
+@pytest.mark.parametrize("clean_block", ["chunk", "frame"])
+@pytest.mark.parametrize("sink, window, frames", [(1, 3, 2), (0, 4, 3)])
+def test_the_fused_glue_is_the_same_math(sink, window, frames, clean_block, fused):
+    """``glue="fused"``: the blocks' glue, QK norm and rope through framekv's ops (their
+    references here), the QK prologue staged by the paged store."""
+    err = run_pair(model(fused), sink=sink, window=window, frames=frames,
+                   clean_block=clean_block, rollout_kw={"glue": "fused"})
+    assert err <= 1e-5, err
+
+
 @pytest.mark.parametrize("sink, window, frames", [(1, 3, 2), (3, 2, 1), (0, 4, 3)])
 def test_the_dense_rolling_baseline_is_the_same_math(sink, window, frames):
     """The Self-Forcing-style store (dense per-layer K/V rolled by copying) under the
@@ -88,12 +99,12 @@ def _with_frozen_rope(m, kw) -> float:
     real = processors.WanRope.forward
 
     def frame_zero(self, hidden_states):
-        saved = self.ctx.frame0.clone()
-        self.ctx.frame0.zero_()
+        saved = self.ctx.frame0
+        self.ctx.frame0 = torch.zeros_like(saved)  # the rope (tables or grid) keeps it
         try:
             return real(self, hidden_states)
         finally:
-            self.ctx.frame0.copy_(saved)
+            self.ctx.frame0 = saved
 
     processors.WanRope.forward = frame_zero
     try:
@@ -112,8 +123,16 @@ def test_the_rope_equals_the_stock_table_at_frame_zero_and_shifts_after():
     assert all(torch.equal(a, b) for a, b in zip(got, want))   # bit for bit at frame 0
     r.ctx.frame0.fill_(5)
     cos, _ = m.rope(x)
-    big = stock.__class__(12, (1, 2, 2), 1024)(torch.zeros(1, 4, 8, 4, 4))[0]
-    assert torch.equal(cos, big[:, 5 * 4:8 * 4])                  # frames 5-7 of the table
+    big = stock.__class__(12, (1, 2, 2), 1024)(torch.zeros(1, 4, 8, 4, 4))
+    assert torch.equal(cos, big[0][:, 5 * 4:8 * 4])               # frames 5-7 of the table
+    # The fused glue's rope: positions for the kernel, the same angles as the table.
+    from framekv.ops.qk_norm_rope import _rope_cos_sin
+
+    r.ctx.glue = "fused"
+    grid = m.rope(x)
+    fcos, fsin = _rope_cos_sin(grid, 1, 12)                       # [1, S, 1, D/2]
+    assert torch.equal(fcos[0, :, 0], big[0][0, 5 * 4:8 * 4, 0, 0::2])
+    assert torch.equal(fsin[0, :, 0], big[1][0, 5 * 4:8 * 4, 0, 1::2])
 
 
 def test_prompt_changes_are_the_stock_cross_attention_of_the_new_prompt():
@@ -206,10 +225,10 @@ def test_the_wan_bench_and_demo_run_on_the_cpu(capsys):
     res = measure_wan("tiny", latent_size=(4, 4), frames_per_chunk=2, window_frames=3, chunks=2,
                       recompute_chunks=1, device="cpu", progress=lambda m: None)
     v = res["variants"]
-    assert set(v) == {"stock-recompute", "framekv-graphs", "framekv-eager", "dense-eager",
-                      "dense-graphs"}
+    assert set(v) == {"stock-recompute", "framekv-graphs", "framekv-fused-graphs",
+                      "framekv-eager", "dense-eager", "dense-graphs"}
     assert v["dense-graphs"]["path"] == "graphs" and v["framekv-eager"]["path"] == "eager"
-    for name in ("framekv-graphs", "dense-eager", "dense-graphs"):
+    for name in ("framekv-graphs", "framekv-fused-graphs", "dense-eager", "dense-graphs"):
         assert v[name]["max_abs_diff_vs_framekv_eager"] <= 1e-5, name  # the same math
     assert "framekv-graphs / dense-eager frames per second" in format_wan(res)
     assert main(["demo", "--model", "wan-diffusers", "--chunks", "3"]) == 0

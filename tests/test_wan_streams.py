@@ -63,9 +63,11 @@ def test_history_keeps_the_sink_and_the_last_window_frames():
     assert h.visible(1) == []
 
 
-def test_streams_in_one_batch_equal_each_stream_alone(model):
-    """Three streams at different frames and prompts, batched, equal each run alone."""
-    r = WanRollout(model, sequences=3, prompt_tokens=5, **KW)
+@pytest.mark.parametrize("glue", ["torch", "fused"])
+def test_streams_in_one_batch_equal_each_stream_alone(model, glue):
+    """Three streams at different frames and prompts, batched, equal each run alone
+    (and, fused, the torch glue's streams: each row's rope from its own frame)."""
+    r = WanRollout(model, sequences=3, prompt_tokens=5, glue=glue, **KW)
     prompts = [text(10 + i)[0] for i in range(3)]
     for i, p in enumerate(prompts):
         r.prefill_rows([i], p)
@@ -85,7 +87,7 @@ def test_streams_in_one_batch_equal_each_stream_alone(model):
                 r.kv.reset_sequences([i])
                 r.prefill_rows([i], prompts[i])
     for i in range(3):
-        want = alone(model, seeds[i], len(got[i]), prompts[i][None])
+        want = alone(model, seeds[i], len(got[i]), prompts[i][None])   # torch glue
         err = max(float((a - b).abs().max()) for a, b in zip(got[i], want))
         assert err <= 1e-5, (i, err)
 

@@ -189,7 +189,7 @@ def test_numba_disk_cache_reaches_every_kernel(tmp_path):
         "from framekv.ops import _launch\n"
         f"d = {str(tmp_path / 'numba')!r}\n"
         "assert _launch.enable_disk_cache(d)\n"
-        "assert os.environ['NUMBA_CACHE_DIR'] == d and len(_launch._KERNELS) == 7\n"
+        "assert os.environ['NUMBA_CACHE_DIR'] == d and len(_launch._KERNELS) == 9\n"
         "for k in _launch._KERNELS:\n"
         "    c = k._dispatcher._cache\n"
         "    assert type(c).__name__ == 'CUDACache', c\n"

@@ -18,6 +18,11 @@ Sections (``--sections``, default all):
     streams     concurrent streams: B = 1, 2, 4, 8 streams of the small-stream preset
                 as one batched rollout against B one-stream rollouts in turn, and
                 B = 1, 2 at wan-1.3b (`framekv.bench.streams`)
+    breakdown   one chunk's kernel time by category (attention, GEMM, framekv, other)
+                and its fraction of its roofline, for the ``--e2e-preset`` model and
+                `WanRollout` at the Wan 1.3B config (21-frame windows), and one block's
+                glue as torch ops, under torch.compile (inductor) and through framekv's
+                fused ops (`framekv.bench.breakdown`, `framekv.bench.glue`)
 
 Prints a table per section; ``--json FILE`` writes every number with the environment;
 ``--png FILE`` draws a chart (needs matplotlib, the ``plot`` extra). ``--chart-from
@@ -28,12 +33,13 @@ Importing this module imports neither torch nor the engine.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
 from .args import writable_file
 
-SECTIONS = ("attention", "chunk", "e2e", "wan", "streams")
+SECTIONS = ("attention", "chunk", "e2e", "wan", "streams", "breakdown")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -165,6 +171,8 @@ def _run_sections(args, preset, splits, results, save) -> None:
                                      progress=progress)
         save()
         print(wan.format_wan(out["wan"]), flush=True)
+    if "breakdown" in args.sections:
+        _breakdown(args, out, save, progress)
     if "streams" in args.sections:
         from framekv.bench import streams
 
@@ -174,6 +182,28 @@ def _run_sections(args, preset, splits, results, save) -> None:
                 preset_name, batches=batches, chunks=args.chunks, progress=progress))
             save()
             print(streams.format_streams(out["streams"][-1]), flush=True)
+
+
+def _breakdown(args, out: dict, save, progress) -> None:
+    """One chunk per category and against its roofline (the reference model at the e2e
+    preset and diffusers' Wan 1.3B, a 21-frame window), and one block's glue: torch,
+    inductor, framekv."""
+    from framekv.bench import breakdown, glue
+    from framekv.bench.timing import matmul_ceiling
+
+    ceiling = matmul_ceiling()
+    out["breakdown"] = {"ceiling_tflops": ceiling, "chunks": []}
+    runs = [functools.partial(breakdown.measure_reference, args.e2e_preset, glue=g)
+            for g in ("torch", "fused")]
+    runs += [functools.partial(breakdown.measure_wan, "1.3b", glue=g) for g in ("torch", "fused")]
+    for measure in runs:
+        r = measure(window_frames=21, ceiling=ceiling, progress=progress)
+        out["breakdown"]["chunks"].append(r)
+        save()
+        print(breakdown.format_breakdown(r["model"], r), flush=True)
+    out["breakdown"]["glue"] = glue.measure_glue(args.e2e_preset, progress=progress)
+    save()
+    print(glue.format_glue(out["breakdown"]["glue"]), flush=True)
 
 
 def _chart(results: dict, path: str) -> int:

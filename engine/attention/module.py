@@ -17,6 +17,7 @@ prepares for itself, a one-layer forward.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -65,7 +66,7 @@ class CachedAttention(torch.nn.Module):
 
     def forward(self, q, k=None, v=None, *, kv_cache=None, seq_len=None,
                 causal_block_size=None, plan: AttentionPlan | None = None, sequences=None,
-                **unsupported):
+                prologue=None, **unsupported):
         """Attention output [B, S, H, D].
 
         Args:
@@ -84,6 +85,12 @@ class CachedAttention(torch.nn.Module):
             sequences: int tensor [B] on the cache's device, the sequence of each
                 batch row (distinct, < the cache's num_sequences); default the first
                 B. With a plan, the tensor it was prepared with (or None).
+            prologue: None, or the fused QK norm and rope of a packed q whose q and
+                k are as projected: ``prologue(qkv, k_pool=, v_pool=, dst=, dst2=,
+                src_rows=, tokens=)`` (`framekv.ops.qk_norm_rope_stage_` with the
+                layer's weights and rope bound). With a cache it is the staging (Q
+                normed and rotated in place, K/V straight into the cache's slots);
+                without one it runs in place first.
         Raises:
             ValueError: masks or other unsupported arguments, bad shapes or dtypes,
                 a cache on a backend without cache support, seq_len missing.
@@ -91,12 +98,18 @@ class CachedAttention(torch.nn.Module):
         if unsupported:
             raise ValueError(f"unsupported arguments {sorted(unsupported)}: masks are not taken; "
                              "causality comes from causal_block_size and the cache")
+        packed = q
         q, k, v = self._split(q, k, v)
+        if prologue is not None and packed is q:
+            raise ValueError("prologue needs a packed q [B, S, H + 2*H_kv, D] (k = v = None)")
         if kv_cache is None:
             if seq_len is not None or causal_block_size is not None or sequences is not None:
                 raise ValueError("seq_len, causal_block_size and sequences need a kv_cache")
             if q.shape[0] != 1:
                 raise ValueError(f"q must have batch 1 without a kv_cache, got {q.shape[0]}")
+            if prologue is not None:
+                with torch.no_grad():
+                    prologue(packed)
             return self.backend.dense(q, k, v, self.scale)
         if not self.backend.supports_kv_cache:
             raise ValueError(f"backend {self.backend.name!r} does not support a kv_cache")
@@ -104,8 +117,10 @@ class CachedAttention(torch.nn.Module):
         plan = self._plan(plan, kv_cache, T, b, q.shape[0], sequences)
         B, S, H, D = q.shape
         # Inference only: the cache never records autograd history, nor does the output.
+        stage = None if prologue is None else functools.partial(prologue, packed, tokens=T)
         with torch.no_grad():
-            kv_cache.write_staged(self.layer_idx, k[:, :T], v[:, :T], b, batch=plan.selected)
+            kv_cache.write_staged(self.layer_idx, k[:, :T], v[:, :T], b, batch=plan.selected,
+                                  stage=stage)
             out = torch.empty_like(q)  # [B, S, H, D]
             out[:, T:].zero_()  # padding rows come back zero
             whole = B == 1 or S == T  # out[:, :T] is then one [B * T] row list

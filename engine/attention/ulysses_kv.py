@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..cache import CausalKVCache
 from ..kv import AttendFn, KVStore, PagedKV, check_prompt, stage_prompt
 from .ulysses import (UlyssesAttention, check_world_rank, gather_sequence, resolve_world_size,
-                      shard_sequence)
+                      shard_length, shard_sequence)
 
 
 class UlyssesKV(KVStore):
@@ -52,6 +52,10 @@ class UlyssesKV(KVStore):
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's rows of [1, S, ...] -> [1, S_l, ...] (zero-padded)."""
         return shard_sequence(x, self.world_size, self.rank, dim)
+
+    def token_offset(self, length: int) -> int:
+        """This rank's first row of a forward of ``length`` tokens."""
+        return self.rank * shard_length(length, self.world_size)
 
     def gather(self, x: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
         """Every rank's rows, cut to ``length``: [1, S_l, ...] -> [1, length, ...]."""

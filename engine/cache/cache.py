@@ -265,7 +265,7 @@ class CausalKVCache:
     # ------------------------------------------------------------------ forwards
     def write_staged(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                      causal_block_size: int, *, sequences=None,
-                     batch: SequenceBatch | None = None) -> None:
+                     batch: SequenceBatch | None = None, stage=None) -> None:
         """Write this forward's T tokens of one layer at positions [C, C + T) of each
         sequence it covers.
 
@@ -283,6 +283,10 @@ class CausalKVCache:
             sequences: int tensor [B] on the cache's device naming each row's sequence
                 (default the first B).
             batch: the forward's `select` result (then ``sequences`` is not given).
+            stage: None, or a callable ``stage(k_pool=, v_pool=, dst=, dst2=,
+                src_rows=)`` that writes the K/V itself (a fused kernel computing them
+                on the way, `framekv.ops.qk_norm_rope_stage_`) with the slot lists the
+                scatter would use over the [B * T] rows; k and v are then only checked.
         """
         pool = self._require_open()
         self._check_layer(layer)
@@ -298,17 +302,28 @@ class CausalKVCache:
         elif sequences is not None:
             raise ValueError("pass sequences or batch, not both")
         batch.check(self, causal_block_size, T, 1 if B is None else B)
-        key = ("scatter", layer, causal_block_size, B)
+        with torch.no_grad():  # a cache write never records autograd history
+            if stage is not None:
+                bt = batch.blocks
+                stage(k_pool=self.k_pool[layer], v_pool=self.v_pool[layer],
+                      dst=bt.staged_dst, dst2=bt.staged_dst2, src_rows=bt.staged_src)
+            else:
+                self._scatter(layer, causal_block_size, B, batch)(flat_rows(k.detach()),
+                                                                 flat_rows(v.detach()))
+        for i in batch.host or ():  # capturing: the replay hook notes the replays
+            pool.seqs[i].host.note_staged(T, layer)
+
+    def _scatter(self, layer: int, b: int, B, batch: SequenceBatch):
+        """The bound scatter of one layer's staged K/V (made once per layer, b, B)."""
+        pool = self._open
+        key = ("scatter", layer, b, B)
         launch = pool.launchers.get(key)
         if launch is None:
             bt = batch.blocks
             launch = ops.bind_scatter_kv_slots(self.k_pool[layer], self.v_pool[layer],
                                                bt.staged_dst, bt.staged_dst2, bt.staged_src)
             pool.launchers[key] = launch
-        with torch.no_grad():  # a cache write never records autograd history
-            launch(flat_rows(k.detach()), flat_rows(v.detach()))
-        for i in batch.host or ():  # capturing: the replay hook notes the replays
-            pool.seqs[i].host.note_staged(T, layer)
+        return launch
 
     def note_staged(self, tokens: int, *, sequences=None) -> None:
         """Advance the host mirror's staged count as a forward of ``tokens`` would, for

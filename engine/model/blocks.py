@@ -1,16 +1,25 @@
 """Building blocks of the reference causal video DiT: embeddings, 3-axis rotary
 positions, norms and one transformer block.
 
-Shapes follow the engine's convention: a forward holds one sequence of S tokens,
-activations are [1, S, hidden], attention heads are [1, S, heads, D].
+Shapes follow the engine's convention: a forward holds B sequences of S tokens,
+activations are [B, S, hidden], attention heads are [B, S, heads, D].
+
+A block runs its glue (the norms, modulation, rope, gates and the GELU around its
+GEMMs and attention) one of two ways, the same math: ``fused`` through framekv's ops
+(`adaln_` for norm + modulation with the gated residual before it, `gated_residual_`,
+`qk_norm_rope_stage_` for the QK norm and rope from device positions, staged into the
+cache by the store when it can, and the MLP's bias + GELU as a cuBLASLt epilogue on
+CUDA), or as torch ops (the unfused reference and what a baseline runs).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
+from framekv import ops
 from framekv.specs import ModelSpec
 
 from ..attention import CachedAttention
@@ -57,6 +66,8 @@ class Rope3D:
         spatial = torch.cat([rows[:, None] * self.inv_freq[1][None],
                              cols[:, None] * self.inv_freq[2][None]], dim=-1)
         self._spatial = spatial                                            # [h*w, (Dr+Dc)/2]
+        self._inv_all = torch.cat(self.inv_freq)                           # [D/2] fp64
+        self.hw = (h, w)
 
     def angles(self, frame0: torch.Tensor, frames: int) -> torch.Tensor:
         """Angles of a chunk's tokens: frame0 int64 [B] (rope frame of each sequence's
@@ -68,6 +79,14 @@ class Rope3D:
         fa = fa.repeat_interleave(tpf, dim=1)                              # [B, S, Df/2]
         spatial = self._spatial.repeat(frames, 1).expand(fa.shape[0], -1, -1)
         return torch.cat([fa, spatial], dim=-1)                            # [B, S, D/2]
+
+    def grid(self, frame0: torch.Tensor, token_offset: int = 0) -> ops.RopeGrid:
+        """The same rotation for the fused kernel: positions from ``frame0`` int64 [B]
+        (rope frame of each sequence's first frame) and the token index, angles in fp64
+        on the device (`framekv.ops.RopeGrid`)."""
+        return ops.RopeGrid(inv_freq=self._inv_all, axes=tuple(d // 2 for d in self.dims),
+                            grid=self.hw, frame0=frame0, style="interleaved",
+                            token_offset=token_offset)
 
     @staticmethod
     def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +127,17 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return layer_norm(x) * (1 + scale) + shift
 
 
+def linear_gelu(fc: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """GELU-tanh(fc(x)): on CUDA one cuBLASLt GEMM with the bias and GELU-tanh in its
+    epilogue (``torch._addmm_activation``); elsewhere the torch ops (the CPU kernel's
+    GELU there is the erf form)."""
+    if x.device.type != "cuda":
+        return F.gelu(fc(x), approximate="tanh")
+    y = torch._addmm_activation(fc.bias, x.reshape(-1, x.shape[-1]), fc.weight.t(),
+                                use_gelu=True)                             # [B*S, ffn]
+    return y.view(*x.shape[:-1], -1)
+
+
 class DiTBlock(torch.nn.Module):
     """One block: adaptive-norm self-attention (fused QKV, QK RMSNorm, 3-axis rope)
     and an adaptive-norm GELU-tanh MLP, each added through a gate.
@@ -139,13 +169,33 @@ class DiTBlock(torch.nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return torch.cat([q, k, v], dim=2)
 
-    def forward(self, x: torch.Tensor, time_mod: torch.Tensor, rope: tuple | None,
-                attend: AttendFn) -> torch.Tensor:
-        """x [B, S, hidden]; time_mod [B, 6, 1, hidden]; rope (cos, sin) or None."""
+    def forward(self, x: torch.Tensor, time_mod: torch.Tensor, rope, attend: AttendFn,
+                fused: bool = False) -> torch.Tensor:
+        """x [B, S, hidden]; time_mod [B, 6, 1, hidden]; rope (cos, sin), a `RopeGrid`
+        (fused) or None. ``fused``: the glue through framekv's ops (module doc; x is
+        then updated in place); ``attend(attn, qkv, prologue)`` takes the QK prologue."""
         mods = (time_mod + self.modulation[:, None]).unbind(1)             # [B, 1, hidden] each
+        if fused:
+            return self._fused(x, mods, rope, attend)
         shift1, scale1, gate1, shift2, scale2, gate2 = mods
         packed = self.qkv_packed(modulate(x, shift1, scale1), rope)
         out = attend(self.attn, packed)                                    # [B, S, H, D]
         x = x + gate1 * self.proj(out.flatten(2))
         h = modulate(x, shift2, scale2)
         return x + gate2 * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+
+    def _fused(self, x, mods, rope, attend: AttendFn) -> torch.Tensor:
+        # A prompt forward of several sequences has one time row: broadcast it (views).
+        mods = [m.expand(x.shape[0], -1, -1) for m in mods]              # [B, 1, hidden]
+        shift1, scale1, gate1, shift2, scale2, gate2 = mods
+        H, Hkv, D = self.heads
+        h = ops.adaln_(x, shift=shift1, scale=scale1, eps=1e-6)            # [B, S, hidden]
+        qkv = self.qkv(h).unflatten(-1, (H + 2 * Hkv, D))                 # [B, S, H+2Hkv, D]
+        prologue = functools.partial(
+            ops.qk_norm_rope_stage_, q_weight=self.q_norm.weight, k_weight=self.k_norm.weight,
+            num_heads=H, num_kv_heads=Hkv, norm="head", eps=self.q_norm.eps, rope=rope)
+        out = attend(self.attn, qkv, prologue)                             # [B, S, H, D]
+        h = ops.adaln_(x, residual=self.proj(out.flatten(2)), gate=gate1, shift=shift2,
+                       scale=scale2, eps=1e-6)                             # x += gate1 * proj
+        ops.gated_residual_(x, self.fc2(linear_gelu(self.fc1, h)), gate2)
+        return x

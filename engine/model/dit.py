@@ -81,6 +81,8 @@ class CausalVideoDiT(torch.nn.Module):
     Attributes:
         recorder: None, or a `Recorder` called after every attention with the packed
             QKV and the output (eager use only: a graph replay runs no Python).
+        glue: "torch" (default: the blocks' glue as torch ops) or "fused" (through
+            framekv's ops, the QK norm and rope staged by stores that can; the same math).
     """
 
     def __init__(self, spec: ModelSpec, *, prompt_tokens: int, device=None, dtype=None,
@@ -103,6 +105,7 @@ class CausalVideoDiT(torch.nn.Module):
         self.grid = (spec.latent_height // ph, spec.latent_width // pw)
         self.rope = Rope3D(spec.head_dim, self.grid, device)
         self.recorder: Recorder | None = None
+        self.glue = "torch"
 
     @property
     def device(self) -> torch.device:
@@ -155,12 +158,13 @@ class CausalVideoDiT(torch.nn.Module):
         seq_len = S if seq_len is None else seq_len
         b = seq_len if causal_block_size is None else causal_block_size
         e, mod = self.time_conditioning(t)
-        rope = Rope3D.cos_sin(self.rope.angles(frame0 + 1, frames))        # video at frame f + 1
+        rope = self._rope(frame0 + 1, frames, B, kv)                       # video at frame f + 1
         if kv is None:
             x = self._blocks(x, mod, rope, _self_attention, seq_len, b)
         else:                                                              # [B, S(_l), ...]
-            x, rope = kv.shard(x), tuple(kv.shard(c) for c in rope)
-            x = self._blocks(x, mod, rope, kv.forward(seq_len, b), seq_len, b)
+            x = kv.shard(x)
+            x = self._blocks(x, mod, rope, kv.forward(seq_len, b), seq_len, b,
+                             stages=kv.stages_prologue)
         shift, scale = (self.head_modulation + e[:, None]).unbind(1)      # [B, hidden] each
         y = self.head(modulate(x, shift[:, None], scale[:, None]))        # [B, S(_l), patch_dim]
         if kv is not None:
@@ -191,22 +195,41 @@ class CausalVideoDiT(torch.nn.Module):
         self._blocks(x, mod, None, attend, P, P)
         kv.rewrite_prompt() if rewrite else kv.commit_prompt()
 
-    def _blocks(self, x, mod, rope, attend: AttendFn, seq_len: int, b: int) -> torch.Tensor:
-        attend = self._recording(attend, seq_len, b)
+    def _rope(self, frame0: torch.Tensor, frames: int, B: int, kv: KVStore | None):
+        """The blocks' rope: cos/sin tables (torch glue, sharded like the tokens) or the
+        fused kernel's `RopeGrid` (positions from frame0 [B] and the token index)."""
+        if self.glue == "fused":
+            S = frames * self.grid[0] * self.grid[1]
+            frame0 = frame0 if frame0.shape[0] == B else frame0.expand(B).contiguous()
+            return self.rope.grid(frame0, 0 if kv is None else kv.token_offset(S))
+        rope = Rope3D.cos_sin(self.rope.angles(frame0, frames))
+        return rope if kv is None else tuple(kv.shard(c) for c in rope)
+
+    def _blocks(self, x, mod, rope, attend: AttendFn, seq_len: int, b: int, *,
+                stages: bool = False) -> torch.Tensor:
+        fused = self.glue == "fused"
+        attend = self._attending(attend, seq_len, b, stages)
         for blk in self.blocks:
-            x = blk(x, mod, rope, attend)
+            x = blk(x, mod, rope, attend, fused)
         return x
 
-    def _recording(self, attend: AttendFn, seq_len: int, b: int) -> AttendFn:
+    def _attending(self, attend: AttendFn, seq_len: int, b: int, stages: bool) -> AttendFn:
+        """The blocks' ``attend(attn, qkv, prologue=None)``: the QK prologue goes to a
+        store that ``stages`` it, or runs in place first (and always with a recorder,
+        which reads the packed K); the recorder is called after each attention."""
         recorder = self.recorder
-        if recorder is None:
-            return attend
+        stages = stages and recorder is None
 
-        def recorded(attn, qkv):
-            out = attend(attn, qkv)
-            recorder(attn.layer_idx, qkv, out, seq_len, b)
+        def call(attn, qkv, prologue=None):
+            if prologue is not None and not stages:
+                with torch.no_grad():
+                    prologue(qkv)
+                prologue = None
+            out = attend(attn, qkv) if prologue is None else attend(attn, qkv, prologue)
+            if recorder is not None:
+                recorder(attn.layer_idx, qkv, out, seq_len, b)
             return out
-        return recorded
+        return call
 
 
 def _self_attention(attn, qkv: torch.Tensor) -> torch.Tensor:

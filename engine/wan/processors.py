@@ -17,11 +17,20 @@ on diffusers at import time; the math is the stock processors' (``WanAttnProcess
                      fp32 tables, each angle repeated for its pair, as the stock table
                      (`get_1d_rotary_pos_embed(..., repeat_interleave_real=True)`) but
                      from a device frame index (graph-replayable) and without a length cap
+
+With ``ctx.glue == "fused"`` the self-attention hands q and k as projected to one
+`framekv.ops.qk_norm_rope_stage_` (the norm over all heads, the rope from the same
+positions, computed in the kernel from a `RopeGrid` the rope returns instead of tables),
+which a store that stages it (`PagedKV`) runs as its K/V staging.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from framekv import ops
 
 from ..kv import AttendFn
 
@@ -36,10 +45,11 @@ class WanContext:
         rows: None, or int64 [B] device tensor: the pool sequence of each batch row,
             whose prompt the cross-attention reads (a fixed buffer graphs read).
         attend: the store's attention function of the forward under way (`begin`).
+        glue: "fused" (QK norm and rope through framekv's kernel) or "torch".
     """
 
-    def __init__(self, kv, frame0: torch.Tensor):
-        self.kv, self.frame0 = kv, frame0
+    def __init__(self, kv, frame0: torch.Tensor, glue: str = "torch"):
+        self.kv, self.frame0, self.glue = kv, frame0, glue
         self.rows: torch.Tensor | None = None
         self.attend: AttendFn | None = None
 
@@ -82,6 +92,8 @@ class WanSelfAttention:
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError("framekv's Wan self-attention takes no encoder states or mask: "
                              "causality comes from the rollout's blocks")
+        if self.ctx.glue == "fused":
+            return self._fused(attn, hidden_states, rotary_emb)
         q, k, v = qkv_projections(attn, hidden_states)
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # [1, S, H, D]
@@ -91,6 +103,23 @@ class WanSelfAttention:
         out = self.ctx.attend(self.cached, packed)                           # [1, S, H, D]
         out = out.flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
+
+    def _fused(self, attn, hidden_states, rope):
+        if getattr(attn, "fused_projections", False):
+            qkv = attn.to_qkv(hidden_states)                                 # [B, S, 3*H*D]
+        else:
+            qkv = torch.cat(qkv_projections(attn, hidden_states), dim=-1)
+        qkv = qkv.unflatten(2, (3 * attn.heads, -1))                         # [B, S, 3H, D]
+        prologue = functools.partial(
+            ops.qk_norm_rope_stage_, q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight,
+            num_heads=attn.heads, num_kv_heads=attn.heads, norm="all", eps=attn.norm_q.eps,
+            rope=rope)
+        if self.ctx.kv.stages_prologue:
+            out = self.ctx.attend(self.cached, qkv, prologue)                # [B, S, H, D]
+        else:
+            prologue(qkv)
+            out = self.ctx.attend(self.cached, qkv)
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3)))
 
 
 class WanCrossAttention:
@@ -161,16 +190,24 @@ class WanRope(torch.nn.Module):
         hw = 2 * (head_dim // 6)
         self.dims = (head_dim - 2 * hw, hw, hw)
         self.theta = theta
+        self._inv: torch.Tensor | None = None  # the fused rope's [D/2] fp64 frequencies
 
     def _inv_freq(self, dim: int, device) -> torch.Tensor:
         return 1.0 / self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64,
                                                  device=device)[: dim // 2] / dim)
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _, _, frames, height, width = hidden_states.shape
+    def forward(self, hidden_states: torch.Tensor):
+        B, _, frames, height, width = hidden_states.shape
         pt, ph, pw = self.patch_size
         f, h, w = frames // pt, height // ph, width // pw
         dev = hidden_states.device
+        if self.ctx.glue == "fused":  # positions for the kernel, no tables
+            frame0 = self.ctx.frame0
+            frame0 = frame0 if frame0.shape[0] == B else frame0.expand(B).contiguous()
+            if self._inv is None or self._inv.device != dev:
+                self._inv = torch.cat([self._inv_freq(d, dev) for d in self.dims])  # [D/2] fp64
+            return ops.RopeGrid(inv_freq=self._inv, axes=tuple(d // 2 for d in self.dims),
+                                grid=(h, w), frame0=frame0, style="interleaved")
         frame0 = self.ctx.frame0.to(torch.float64)                           # [R]
         R = frame0.shape[0]
         frames = frame0[:, None] + torch.arange(f, device=dev, dtype=torch.float64)  # [R, f]

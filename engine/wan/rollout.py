@@ -31,6 +31,9 @@ prompt (one row of every cross-attention buffer), position and history; `step_ro
 runs any B of them (B one of ``batch_sizes``) as one graph replay. A prompt change
 can re-cache a stream's history (`recache`): its visible frames' K/V recomputed by
 clean passes under the new prompt (`framekv.engine.wan.recache`).
+
+One file: the rollout is one object (prompts, streams, chunks, capture, steps), as
+`framekv.engine.Rollout` is for the reference model.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from ..cache import CausalKVCache
 from ..cache_dir import use_cache_dir
 from ..kv import KVStore, PagedKV
 from ..rollout import _check_batch_sizes
+from . import blocks
 from .processors import WanContext, WanCrossAttention, WanRope, WanSelfAttention
 from .recache import History, recache
 from .setup import WanShape, build_model, check_model, load_model, model_device_dtype
@@ -75,6 +79,9 @@ class WanRollout:
             `step_rows` (not with guidance); batch_sizes: the batch sizes captured
             (each in [1, N], default (N,)); prompt_tokens: L of every prompt (default:
             what the first prompt has).
+        glue: "torch" (default: the stock blocks and the processors' torch QK norm and
+            rope) or "fused" (the blocks' glue, QK norm and rope through framekv's ops,
+            `framekv.engine.wan.blocks`; the same math).
 
     Attributes:
         frames_done: frames generated since the last reset; ``geometry``, ``cache``.
@@ -86,8 +93,10 @@ class WanRollout:
                  window_frames: int, timesteps=(1000, 750, 500, 250), sampler: str = "euler",
                  clean_block: str = "chunk", device=None, backend=None, use_graphs: bool = True,
                  cache_dir=None, kv: KVStore | None = None, guidance_scale: float | None = None,
-                 sequences: int | None = None, batch_sizes=None, prompt_tokens: int | None = None):
+                 sequences: int | None = None, batch_sizes=None, prompt_tokens: int | None = None,
+                 glue: str = "torch"):
         check_model(model)
+        self.glue = _choice("glue", glue, ("fused", "torch"))
         self.guidance = _guidance(guidance_scale)
         self.streams = _streams(sequences, self.guidance, kv)
         self.batch = 1 if self.guidance is None else 2  # rows: conditional, unconditional
@@ -108,7 +117,8 @@ class WanRollout:
         if getattr(self.kv, "batch", 1) != self.pool:
             raise ValueError(f"kv must run {self.pool} sequences per forward, got "
                              f"{getattr(self.kv, 'batch', 1)}")
-        self.ctx = WanContext(self.kv, torch.zeros(1, dtype=torch.int64, device=self.device))
+        self.ctx = WanContext(self.kv, torch.zeros(1, dtype=torch.int64, device=self.device),
+                              glue=self.glue)
         self.ctx.rows = getattr(self.kv, "_ids", None) if self.streams else None
         self._install()
         self.graphs = GraphCache(self.device)
@@ -149,6 +159,7 @@ class WanRollout:
         s = self.shape
         self._cross = []
         for i, block in enumerate(self.model.blocks):
+            (blocks.install if self.glue == "fused" else blocks.uninstall)(block)
             cached = CachedAttention(s.heads, s.heads, s.head_dim, backend=self.backend,
                                      layer_idx=i)
             block.attn1.set_processor(WanSelfAttention(self.ctx, cached))

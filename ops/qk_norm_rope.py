@@ -1,0 +1,692 @@
+"""``qk_norm_rope_stage_``: QK RMSNorm and 3-axis rope of a packed QKV tensor, in place,
+optionally staging normed K and raw V into pool slots, in one kernel.
+
+Contract. ``qkv`` is ``[B, S, H + 2*H_kv, D]`` (q heads, k heads, v heads), bf16 or
+fp32, D even and contiguous, other strides free. Each q and k vector is RMS-normed,
+``x * rsqrt(mean(x^2) + eps) * w``, then rotated:
+
+- ``norm="head"``: the mean is over D of each head, weights ``[D]`` (per-head QK norm);
+  ``norm="all"``: over all heads of q (H*D) and of k (H_kv*D), weights ``[H*D]`` and
+  ``[H_kv*D]`` (the norm over the projection, as Wan's).
+- rope (`RopeGrid`; None: no rotation): token s of sequence b, with
+  ``t = s + token_offset``, sits at frame ``frame0[b] + t // (h*w)``, row
+  ``(t % (h*w)) // w``, col ``t % w``; pair i turns by ``position * inv_freq[i]``, its
+  position the one of its axis (the first ``axes[0]`` pairs the frame, the next
+  ``axes[1]`` the row, the rest the col). ``style="interleaved"`` pairs dims
+  (2i, 2i+1), ``"half"`` pairs (i, i + D/2); ``(x0, x1) -> (x0 c - x1 s, x0 s + x1 c)``.
+
+Precision: statistics, norm and rotation in fp32 with one rounding, at the store (no
+rounding between norm and rope); angles in fp64 and cos/sin of fp64 rounded to fp32,
+exactly as the torch paths build their tables (positions grow over a long rollout).
+``frame0`` is a device tensor, so a captured CUDA graph replays for every chunk.
+
+Staging (``k_pool, v_pool`` ``[slots, H_kv, D]`` with ``dst``, ``dst2``, ``src_rows``, the
+semantics of `scatter_kv_slots_`): rows are ``qkv[:, :tokens]`` flattened to
+``[B*tokens]`` (row r = sequence ``r // tokens``, token ``r % tokens``). Q is normed and
+rotated in place for all S tokens; for every entry e the normed, rotated K row and the
+raw V row of source row ``src_rows[e]`` (or e) go to slots ``dst[e]`` and ``dst2[e]``
+(negative slots skipped, rows outside ``[0, B*tokens)`` skip the entry). K in ``qkv`` is
+NOT written: attention reads K from the pool, and leaving packed K raw lets the entries
+of one launch recompute norm and rope from it while no block of the launch writes it.
+Without pools, Q and K are normed and rotated in place; V is never touched.
+
+Kernel: one launch, one block per work item (grid-stride): items [0, B*S) are the Q
+rows of the tokens, the next ones the K rows (tokens in place, or pool entries). A
+block first computes its token's cos/sin for the D/2 pairs into shared memory (each
+angle once, reused over heads), then splits its threads over the norm groups (a head,
+or all heads) so that each group has a set of lanes: lanes sum squares in fp32, a tree
+in shared memory reduces each group in a fixed order (no atomics: bit-identical
+results on every run, graph replay included), and the same lanes scale, rotate and
+store their pairs. Floats move through `_float.load_f32`/`store_f32` on raw bits.
+Blocks are small (at most 64 threads, 40 registers): a block holds one row at a time
+between barriers, so per-row latency, not bandwidth, bounds the kernel, and more
+blocks per SM hide it (measurements at `_BLOCK_CAP`).
+
+One file: one op, as every op of this package is (kernel, torch reference, validating
+wrapper, custom op, bound launcher); its length is the kernel's five device functions
+and the checks of thirteen arguments, the rope grid's six fields among them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+from typing import Optional
+
+import numpy as np
+import torch
+from numba import cuda, float32, float64
+
+from ._float import FLOAT_DTYPES, load_f32, store_f32
+from ._launch import SIMULATOR, Kernel, array_arg, blocks_for, int_arg, threads_for, use_kernel
+from ._validate import check_last_dim_contiguous, check_no_overlap, check_tensor
+from .advance_commit import check_int
+from .scatter_kv_slots import _check_pools, _check_slots, scatter_kv_slots_reference
+
+__all__ = ["RopeGrid", "qk_norm_rope_stage_", "qk_norm_rope_stage_reference",
+           "bind_qk_norm_rope_stage", "QKNormRopeStage"]
+
+_MAX_PAIRS = 256    # D <= 512: one token's cos/sin tables live in shared memory
+_MAX_BLOCK = 1024   # one fp32 partial sum per thread of the block
+# Threads per block. A block holds one token row at a time and its phases are separated
+# by barriers, so the kernel is bound by per-row latency, not by bandwidth: more, smaller
+# blocks per SM hide it better (on the H200 at 2 x 4680 tokens, 12 heads, D = 128: 64
+# threads 173 us, 128 threads 220 us, 256 threads 338 us, all at 40 registers).
+_BLOCK_CAP = 64
+_MAX_REGISTERS = 40  # unbounded it takes 68, and fewer blocks fit an SM (458 us at 256)
+_NORMS = ("head", "all")
+_STYLES = ("interleaved", "half")
+
+if SIMULATOR:
+    _device = cuda.jit(device=True)
+    _KOPTS = {}  # the simulator takes no register bound
+
+    def _as_f64(bits):
+        """int64 bits as float64."""
+        return np.int64(bits).view(np.float64)
+else:
+    from numba.cuda import libdevice
+
+    _device = cuda.jit(device=True, forceinline=True)
+    _KOPTS = {"max_registers": _MAX_REGISTERS}
+
+    # No fp64 array argument exists (tensors arrive as raw words): reinterpret the bits.
+    _as_f64 = libdevice.longlong_as_double
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RopeGrid:
+    """The rope of a chunk of video tokens (see the module docstring).
+
+    Attributes:
+        inv_freq: fp64 [D/2] inverse frequency of each pair, the axis parts concatenated.
+        axes: pairs per axis (frame, row, col), summing to D/2.
+        grid: (h, w) the latent patch grid of a frame.
+        frame0: int64 [B] device tensor, rope frame of each sequence's first token's frame.
+        style: "interleaved" (pairs 2i, 2i+1) or "half" (pairs i, i + D/2).
+        token_offset: index of the first token within the chunk (sharded sequences).
+    """
+
+    inv_freq: torch.Tensor
+    axes: tuple
+    grid: tuple
+    frame0: torch.Tensor
+    style: str = "interleaved"
+    token_offset: int = 0
+
+
+# --- kernel -----------------------------------------------------------------------------
+
+@_device
+def _rope_table(cos_t, sin_t, inv_freq, frame0, b, s, offset, gh, gw, n_f, n_fh):
+    """cos/sin of token s of sequence b for every pair, into shared memory."""
+    t = s + offset
+    hw = gh * gw
+    frame = t // hw
+    rem = t - frame * hw
+    row = rem // gw
+    col = rem - row * gw
+    frame += frame0[b]
+    for i in range(cuda.threadIdx.x, inv_freq.shape[0], cuda.blockDim.x):
+        pos = frame if i < n_f else (row if i < n_fh else col)
+        a = float64(pos) * _as_f64(inv_freq[i])
+        cos_t[i] = float32(math.cos(a))
+        sin_t[i] = float32(math.sin(a))
+
+
+@_device
+def _sum_squares(src, h0, seg, n, lane, tph):
+    """fp32 sum of squares of this lane's share of elements [seg*n, (seg+1)*n) of the
+    flat heads h0.. of ``src`` [heads, D]."""
+    D = src.shape[1]
+    f = seg * n + lane
+    head = f // D
+    col = f - head * D
+    acc = float32(0.0)
+    for _ in range(lane, n, tph):
+        x = load_f32(src, (h0 + head, col))
+        acc += x * x
+        col += tph
+        while col >= D:  # step without a division per element
+            col -= D
+            head += 1
+    return acc
+
+
+@_device
+def _segment_sums(part, t, lane, tph, active):
+    """Tree-reduce each segment part[t - lane : t - lane + tph] into its first entry,
+    in a fixed order. Every thread of the block takes the same barriers."""
+    step = 1
+    while step * 2 < tph:
+        step *= 2
+    if tph == 1:
+        step = 0
+    while step > 0:
+        if active and lane < step and lane + step < tph:
+            part[t] += part[t + step]
+        cuda.syncthreads()
+        step //= 2
+
+
+@_device
+def _apply(src, h0, w, per_head, half, has_rope, rs, cos_t, sin_t, seg, G, lane, tph,
+           out1, o0, put1, out2, put2):
+    """Scale, weigh and rotate this lane's pairs of group ``seg`` (G pairs) and store."""
+    D = src.shape[1]
+    P = D // 2
+    q = seg * G + lane
+    head = q // P
+    i = q - head * P
+    for _ in range(lane, G, tph):
+        c0 = i if half else 2 * i
+        c1 = c0 + P if half else c0 + 1
+        wb = 0 if per_head else head * D
+        x0 = load_f32(src, (h0 + head, c0)) * rs * load_f32(w, (wb + c0,))
+        x1 = load_f32(src, (h0 + head, c1)) * rs * load_f32(w, (wb + c1,))
+        if has_rope:
+            c = cos_t[i]
+            sn = sin_t[i]
+            x0, x1 = x0 * c - x1 * sn, x0 * sn + x1 * c
+        if put1:
+            store_f32(out1, (o0 + head, c0), x0)
+            store_f32(out1, (o0 + head, c1), x1)
+        if put2:
+            store_f32(out2, (o0 + head, c0), x0)
+            store_f32(out2, (o0 + head, c1), x1)
+        i += tph
+        while i >= P:
+            i -= P
+            head += 1
+
+
+@_device
+def _norm_rope(src, h0, nh, w, per_head, half, has_rope, eps, cos_t, sin_t, part,
+               out1, o0, put1, out2, put2):
+    """Norm + rope of heads [h0, h0+nh) of one token row ``src`` [heads, D] by the block,
+    written to heads o0.. of out1 / out2 (where put1 / put2)."""
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    P = src.shape[1] // 2
+    ns = nh if per_head else 1            # norm groups
+    G = P if per_head else nh * P         # pairs per group
+    tph = min(G, max(1, nt // ns))        # lanes per group
+    spr = nt // tph                       # groups per round
+    lane = t % tph
+    n = float32(2 * G)
+    for first in range(0, ns, spr):
+        seg = first + t // tph
+        active = t < spr * tph and seg < ns
+        acc = float32(0.0)
+        if active:
+            acc = _sum_squares(src, h0, seg, 2 * G, lane, tph)
+        part[t] = acc
+        cuda.syncthreads()
+        _segment_sums(part, t, lane, tph, active)
+        if active:
+            rs = float32(1.0) / float32(math.sqrt(part[t - lane] / n + eps))
+            _apply(src, h0, w, per_head, half, has_rope, rs, cos_t, sin_t, seg, G, lane,
+                   tph, out1, o0, put1, out2, put2)
+        cuda.syncthreads()  # part and the rope tables are reused next
+
+
+@_device
+def _copy_v(src, h0, v_pool, d1, d2):
+    """Raw V heads h0.. of one token row to slots d1 / d2 (skipped when negative)."""
+    D = src.shape[1]
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    head = t // D
+    col = t - head * D
+    for _ in range(t, v_pool.shape[1] * D, nt):
+        bits = src[h0 + head, col]
+        if d1 >= 0:
+            v_pool[d1, head, col] = bits
+        if d2 >= 0:
+            v_pool[d2, head, col] = bits
+        col += nt
+        while col >= D:
+            col -= D
+            head += 1
+
+
+@cuda.jit(**_KOPTS)
+def _qk_norm_rope_kernel(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2,
+                         src_rows, H, Hkv, per_head, half, has_rope, has_pools, has_dst2,
+                         has_src_rows, gh, gw, n_f, n_fh, offset, eps_bits, T):
+    # qkv: [B, S, H + 2 Hkv, D] float bits; q_w, k_w: [D] or [heads*D] float bits;
+    # inv_freq: [D/2] fp64 bits; frame0: [B] int64; pools [slots, Hkv, D]; lists [E]
+    # int64. Absent tensors are stand-ins the flags keep unread.
+    cos_t = cuda.shared.array(_MAX_PAIRS, float32)
+    sin_t = cuda.shared.array(_MAX_PAIRS, float32)
+    part = cuda.shared.array(_MAX_BLOCK, float32)
+    eps = float32(_as_f64(eps_bits))
+    S = qkv.shape[1]
+    n_q = qkv.shape[0] * S
+    n_k = dst.shape[0] if has_pools else n_q
+    for item in range(cuda.blockIdx.x, n_q + n_k, cuda.gridDim.x):
+        e = item - n_q
+        d1 = -1
+        d2 = -1
+        r = item if e < 0 else e
+        if e >= 0 and has_pools:
+            r = src_rows[e] if has_src_rows else e
+            d1 = dst[e]
+            d2 = dst2[e] if has_dst2 else -1
+            if r < 0 or r >= qkv.shape[0] * T or (d1 < 0 and d2 < 0):
+                continue  # block-uniform: no barrier is skipped by part of a block
+        L = T if (e >= 0 and has_pools) else S
+        b = r // L
+        s = r - b * L
+        if has_rope:
+            _rope_table(cos_t, sin_t, inv_freq, frame0, b, s, offset, gh, gw, n_f, n_fh)
+            cuda.syncthreads()
+        row = qkv[b, s]
+        if e < 0:
+            _norm_rope(row, 0, H, q_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
+                       row, 0, True, row, False)
+        elif has_pools:
+            _norm_rope(row, H, Hkv, k_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
+                       k_pool[max(d1, 0)], 0, d1 >= 0, k_pool[max(d2, 0)], d2 >= 0)
+            _copy_v(row, H + Hkv, v_pool, d1, d2)
+        else:
+            _norm_rope(row, H, Hkv, k_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
+                       row, H, True, row, False)
+
+
+_KERNEL = Kernel(_qk_norm_rope_kernel)
+
+
+# --- torch reference ----------------------------------------------------------------------
+
+def _rope_cos_sin(rope: RopeGrid, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos, sin [B, S, 1, D/2] of every (token, pair): fp64 angles."""
+    dev = rope.inv_freq.device
+    gh, gw = rope.grid
+    t = torch.arange(S, device=dev, dtype=torch.int64) + rope.token_offset       # [S]
+    frame = rope.frame0.to(torch.int64)[:, None] + t // (gh * gw)                # [B, S]
+    row, col = (t % (gh * gw)) // gw, t % gw                                     # [S]
+    n_f, n_h, n_w = rope.axes
+    pos = torch.cat([frame[..., None].expand(B, S, n_f),
+                     row[None, :, None].expand(B, S, n_h),
+                     col[None, :, None].expand(B, S, n_w)], dim=-1)               # [B, S, D/2]
+    angles = pos.to(torch.float64) * rope.inv_freq
+    return angles.cos().float()[:, :, None], angles.sin().float()[:, :, None]
+
+
+def _norm_rope_reference(x, weight, norm, eps, cos_sin, style) -> torch.Tensor:
+    """fp32 norm + rope of x [B, S, heads, D]."""
+    B, S, nh, D = x.shape
+    xf = x.float()
+    if norm == "head":
+        ms = xf.pow(2).mean(-1, keepdim=True)                                    # [B, S, h, 1]
+        w = weight.float()
+    else:
+        ms = xf.flatten(2).pow(2).mean(-1)[:, :, None, None]                     # [B, S, 1, 1]
+        w = weight.float().view(nh, D)
+    y = xf * torch.rsqrt(ms + eps) * w
+    if cos_sin is None:
+        return y
+    c, s = cos_sin
+    x0, x1 = (y[..., 0::2], y[..., 1::2]) if style == "interleaved" else y.chunk(2, dim=-1)
+    r0, r1 = x0 * c - x1 * s, x0 * s + x1 * c
+    if style == "interleaved":
+        return torch.stack([r0, r1], dim=-1).flatten(-2)
+    return torch.cat([r0, r1], dim=-1)
+
+
+def qk_norm_rope_stage_reference(qkv, q_weight, k_weight, *, num_heads, num_kv_heads,
+                                 norm="head", eps=1e-6, rope=None, k_pool=None, v_pool=None,
+                                 dst=None, dst2=None, src_rows=None, tokens=None) -> None:
+    """Torch reference of :func:`qk_norm_rope_stage_` (same arguments, in place, fp32
+    math). Used on CPU and by tests; it synchronises on CUDA (boolean masks)."""
+    H, Hkv = num_heads, num_kv_heads
+    B, S, _, D = qkv.shape
+    cs = _rope_cos_sin(rope, B, S) if rope is not None else None
+    style = rope.style if rope is not None else "interleaved"
+    q = _norm_rope_reference(qkv[:, :, :H], q_weight, norm, eps, cs, style)
+    k = _norm_rope_reference(qkv[:, :, H:H + Hkv], k_weight, norm, eps, cs, style)
+    qkv[:, :, :H] = q.to(qkv.dtype)
+    if k_pool is None:
+        qkv[:, :, H:H + Hkv] = k.to(qkv.dtype)
+        return
+    T = S if tokens is None else tokens
+    k_rows = k[:, :T].to(qkv.dtype).reshape(B * T, Hkv, D)
+    v_rows = qkv[:, :T, H + Hkv:].reshape(B * T, Hkv, D)
+    scatter_kv_slots_reference(k_pool, v_pool, k_rows, v_rows, dst, dst2, src_rows)
+
+
+# --- validation ---------------------------------------------------------------------------
+
+def _check_head_dim(name: str, D: int) -> None:
+    if D < 2 or D % 2 or D > 2 * _MAX_PAIRS:
+        raise ValueError(f"{name}: expected an even head dim D in [2, {2 * _MAX_PAIRS}], "
+                         f"got {D}")
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected dtype torch.bfloat16 or torch.float32, "
+                         f"got {t.dtype}")
+
+
+def _check_device(name: str, t: torch.Tensor, device, ref_name: str) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of {ref_name}), "
+                         f"got {t.device}")
+
+
+def _check_qkv(qkv, H: int, Hkv: int) -> int:
+    """Validate the packed tensor; return D."""
+    check_tensor("qkv", qkv, ndims=(4,), layout="[B, S, H + 2*H_kv, D]")
+    _check_float("qkv", qkv)
+    if qkv.shape[2] != H + 2 * Hkv:
+        raise ValueError(f"qkv: expected {H + 2 * Hkv} heads in dim 2 (num_heads + 2 * "
+                         f"num_kv_heads), got shape {tuple(qkv.shape)}")
+    _check_head_dim("qkv", qkv.shape[3])
+    check_last_dim_contiguous("qkv", qkv)
+    check_no_overlap("qkv", qkv)
+    return qkv.shape[3]
+
+
+def _check_norm(norm) -> None:
+    if norm not in _NORMS:
+        raise ValueError(f"norm: expected one of {_NORMS}, got {norm!r}")
+
+
+def _check_weights(q_weight, k_weight, norm, H, Hkv, D, device, ref_name) -> None:
+    for name, w, heads in (("q_weight", q_weight, H), ("k_weight", k_weight, Hkv)):
+        n = D if norm == "head" else heads * D
+        check_tensor(name, w, ndims=(1,), layout=f"[{n}]")
+        _check_float(name, w)
+        if w.shape[0] != n:
+            raise ValueError(f"{name}: expected length {n} (D for norm='head', heads * D "
+                             f"for norm='all'), got {w.shape[0]}")
+        _check_device(name, w, device, ref_name)
+
+
+def _weights_dim(q_weight, norm, H: int) -> int:
+    """D as the bound weights give it (no qkv at bind time)."""
+    check_tensor("q_weight", q_weight, ndims=(1,), layout="[D] or [H*D]")
+    n = q_weight.shape[0]
+    if norm == "all" and n % H:
+        raise ValueError(f"q_weight: expected a length divisible by num_heads={H} "
+                         f"(norm='all': [H*D]), got {n}")
+    D = n if norm == "head" else n // H
+    _check_head_dim("q_weight", D)
+    return D
+
+
+def _check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
+            math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def _check_ints(name: str, value, count: int, lo: int) -> tuple:
+    if not isinstance(value, (tuple, list)) or len(value) != count:
+        raise ValueError(f"{name}: expected {count} integers >= {lo}, got {value!r}")
+    return tuple(check_int(name, v, lo) for v in value)
+
+
+def _check_rope(rope, D: int, device, ref_name: str) -> None:
+    if rope is None:
+        return
+    if not isinstance(rope, RopeGrid):
+        raise ValueError(f"rope: expected a RopeGrid or None, got {type(rope).__name__}")
+    check_tensor("rope.inv_freq", rope.inv_freq, ndims=(1,), layout="[D/2]")
+    if rope.inv_freq.dtype != torch.float64 or rope.inv_freq.shape[0] != D // 2:
+        raise ValueError(f"rope.inv_freq: expected torch.float64 [{D // 2}] (D/2), got "
+                         f"{rope.inv_freq.dtype} {list(rope.inv_freq.shape)}")
+    _check_device("rope.inv_freq", rope.inv_freq, device, ref_name)
+    if sum(_check_ints("rope.axes", rope.axes, 3, 0)) != D // 2:
+        raise ValueError(f"rope.axes: expected pairs per axis summing to {D // 2} (D/2), "
+                         f"got {tuple(rope.axes)}")
+    _check_ints("rope.grid", rope.grid, 2, 1)
+    check_tensor("rope.frame0", rope.frame0, ndims=(1,), layout="[B]")
+    if rope.frame0.dtype != torch.int64:
+        raise ValueError(f"rope.frame0: expected dtype torch.int64, got {rope.frame0.dtype}")
+    _check_device("rope.frame0", rope.frame0, device, ref_name)
+    if rope.style not in _STYLES:
+        raise ValueError(f"rope.style: expected one of {_STYLES}, got {rope.style!r}")
+    check_int("rope.token_offset", rope.token_offset, 0)
+
+
+def _check_staging(k_pool, v_pool, dst, dst2, src_rows, Hkv, D, dtype, device,
+                   ref_name) -> bool:
+    """Validate the pools and slot lists (all or nothing); True when staging."""
+    trio = (("k_pool", k_pool), ("v_pool", v_pool), ("dst", dst))
+    given = [name for name, t in trio if t is not None]
+    if not given:
+        for name, t in (("dst2", dst2), ("src_rows", src_rows)):
+            if t is not None:
+                raise ValueError(f"{name}: expected None (no k_pool, v_pool, dst: no "
+                                 f"staging), got a {type(t).__name__}")
+        return False
+    if len(given) < 3:
+        missing = next(name for name, t in trio if t is None)
+        raise ValueError(f"{missing}: expected a tensor (staging takes k_pool, v_pool and "
+                         f"dst together; given: {', '.join(given)}), got None")
+    _check_pools(k_pool, v_pool)
+    _check_float("k_pool", k_pool)
+    if dtype is not None and k_pool.dtype != dtype:
+        raise ValueError(f"k_pool: expected dtype {dtype} (the dtype of qkv), "
+                         f"got {k_pool.dtype}")
+    if tuple(k_pool.shape[1:]) != (Hkv, D):
+        raise ValueError(f"k_pool: expected shape [slots, {Hkv}, {D}] (num_kv_heads, D), "
+                         f"got {tuple(k_pool.shape)}")
+    _check_device("k_pool", k_pool, device, ref_name)
+    _check_slots(k_pool, dst, dst2, src_rows)
+    return True
+
+
+def _check_fit(qkv, rope, dst, src_rows, tokens, staging: bool) -> int:
+    """Checks that pair qkv's B and S with the rest; returns tokens (T)."""
+    B, S = qkv.shape[0], qkv.shape[1]
+    if rope is not None and rope.frame0.shape[0] != B:
+        raise ValueError(f"rope.frame0: expected length {B} (B, the sequences of qkv), "
+                         f"got {rope.frame0.shape[0]}")
+    T = S if tokens is None else check_int("tokens", tokens, 1)
+    if T > S:
+        raise ValueError(f"tokens: expected an integer in [1, {S}] (S of qkv), got {T}")
+    if staging and src_rows is None and dst.shape[0] != B * T:
+        raise ValueError(f"dst: expected length {B * T} (B * tokens, the rows, since "
+                         f"src_rows is not given), got {dst.shape[0]}")
+    return T
+
+
+# --- launch -------------------------------------------------------------------------------
+
+def _array_args(q_weight, k_weight, rope, pools, lists, filler) -> list:
+    """Kernel arrays after qkv; absent tensors become stand-ins the kernel never reads
+    (``pools``: a 3-D tensor of qkv's dtype; ``filler``: an int64 tensor)."""
+    inv_freq, frame0 = (rope.inv_freq, rope.frame0) if rope is not None else (filler, filler)
+    dst, dst2, src_rows = lists
+    dst = dst if dst is not None else filler
+    return [array_arg(q_weight), array_arg(k_weight), array_arg(inv_freq), array_arg(frame0),
+            array_arg(pools[0]), array_arg(pools[1]), array_arg(dst),
+            array_arg(dst2 if dst2 is not None else dst),
+            array_arg(src_rows if src_rows is not None else dst)]
+
+
+def _flag_args(H, Hkv, norm, eps, rope, staging, lists) -> list:
+    """The kernel's integer arguments between the arrays and T."""
+    gh, gw = rope.grid if rope is not None else (1, 1)
+    n_f, n_h, _ = rope.axes if rope is not None else (0, 0, 0)
+    eps_bits = struct.unpack("<q", struct.pack("<d", eps))[0]  # fp64 bits in an int64
+    values = (H, Hkv, norm == "head", rope is not None and rope.style == "half",
+              rope is not None, staging, lists[1] is not None, lists[2] is not None, gh, gw,
+              n_f, n_f + n_h, rope.token_offset if rope is not None else 0, eps_bits)
+    return [int_arg(int(v)) for v in values]
+
+
+def _block(H: int, Hkv: int, D: int) -> int:
+    return min(threads_for(max(H, Hkv) * (D // 2)), _BLOCK_CAP)
+
+
+def _launch(qkv, arrays, flags, T: int, n_entries: int, block: int) -> None:
+    items = qkv.shape[0] * qkv.shape[1] + n_entries
+    _KERNEL.launch(blocks_for(items), block, [array_arg(qkv), *arrays, *flags, int_arg(T)],
+                   qkv.device)
+
+
+def _run(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T) -> None:
+    if qkv.numel() == 0:
+        return
+    staging = pools[0] is not None
+    if not use_kernel(qkv):
+        qk_norm_rope_stage_reference(qkv, q_weight, k_weight, num_heads=H, num_kv_heads=Hkv,
+                                     norm=norm, eps=eps, rope=rope, k_pool=pools[0],
+                                     v_pool=pools[1], dst=lists[0], dst2=lists[1],
+                                     src_rows=lists[2], tokens=T)
+        return
+    filler = torch.empty(0, dtype=torch.int64, device=qkv.device)
+    arrays = _array_args(q_weight, k_weight, rope, pools if staging else (qkv[0], qkv[0]),
+                         lists, filler)
+    n_entries = lists[0].shape[0] if staging else qkv.shape[0] * qkv.shape[1]
+    _launch(qkv, arrays, _flag_args(H, Hkv, norm, eps, rope, staging, lists), T, n_entries,
+            _block(H, Hkv, qkv.shape[3]))
+
+
+@torch.library.custom_op("framekv::qk_norm_rope_stage_",
+                         mutates_args=("qkv", "k_pool", "v_pool"))
+def _qk_norm_rope_op(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     num_heads: int, num_kv_heads: int, norm: str, eps: float,
+                     inv_freq: Optional[torch.Tensor], frame0: Optional[torch.Tensor],
+                     axes: list[int], grid: list[int], style: str, token_offset: int,
+                     k_pool: Optional[torch.Tensor], v_pool: Optional[torch.Tensor],
+                     dst: Optional[torch.Tensor], dst2: Optional[torch.Tensor],
+                     src_rows: Optional[torch.Tensor], tokens: int) -> None:
+    # A RopeGrid is no schema type: the op takes its fields and rebuilds it.
+    rope = None if inv_freq is None else RopeGrid(inv_freq, tuple(axes), tuple(grid), frame0,
+                                                  style, token_offset)
+    _run(qkv, q_weight, k_weight, num_heads, num_kv_heads, norm, eps, rope,
+         (k_pool, v_pool), (dst, dst2, src_rows), tokens)
+
+
+@_qk_norm_rope_op.register_fake
+def _(qkv, q_weight, k_weight, num_heads, num_kv_heads, norm, eps, inv_freq, frame0, axes,
+      grid, style, token_offset, k_pool, v_pool, dst, dst2, src_rows, tokens) -> None:
+    return None
+
+
+def _rope_fields(rope) -> tuple:
+    """The custom op's rope arguments (inv_freq None: no rope)."""
+    if rope is None:
+        return None, None, [0, 0, 0], [1, 1], "interleaved", 0
+    return (rope.inv_freq, rope.frame0, [int(a) for a in rope.axes],
+            [int(g) for g in rope.grid], rope.style, int(rope.token_offset))
+
+
+# --- public API -----------------------------------------------------------------------------
+
+def qk_norm_rope_stage_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, *,
+                        num_heads: int, num_kv_heads: int, norm: str = "head",
+                        eps: float = 1e-6, rope: Optional[RopeGrid] = None,
+                        k_pool: Optional[torch.Tensor] = None,
+                        v_pool: Optional[torch.Tensor] = None,
+                        dst: Optional[torch.Tensor] = None, dst2: Optional[torch.Tensor] = None,
+                        src_rows: Optional[torch.Tensor] = None,
+                        tokens: Optional[int] = None) -> None:
+    """RMS-norm and rotate the q and k heads of packed ``qkv`` in place, or (with pools)
+    Q in place and normed K plus raw V into pool slots; see the module docstring.
+
+    Args:
+        qkv: [B, S, num_heads + 2*num_kv_heads, D] bf16 or fp32, D even (<= 512) and
+            contiguous, other strides free.
+        q_weight, k_weight: bf16 or fp32 norm weights, [D] (norm="head") or [H*D] and
+            [H_kv*D] (norm="all").
+        norm: "head" (mean over each head) or "all" (over all heads of q, of k).
+        eps: added to the mean square.
+        rope: a `RopeGrid`, or None for no rotation.
+        k_pool, v_pool: [slots, num_kv_heads, D] of qkv's dtype (given with dst, or none).
+        dst, dst2, src_rows: int64 [E] slot lists, as `scatter_kv_slots_` takes them,
+            over the B*tokens rows of ``qkv[:, :tokens]``; without src_rows, E = B*tokens.
+        tokens: tokens per sequence that are rows (default S), in [1, S].
+
+    Slot ids are not range-checked on the device (as `scatter_kv_slots_`). Raises
+    ValueError naming the bad argument, before anything is written. One kernel on
+    torch's current stream for CUDA tensors; the torch reference on CPU.
+    """
+    H, Hkv = check_int("num_heads", num_heads, 1), check_int("num_kv_heads", num_kv_heads, 1)
+    D = _check_qkv(qkv, H, Hkv)
+    _check_norm(norm)
+    _check_weights(q_weight, k_weight, norm, H, Hkv, D, qkv.device, "qkv")
+    eps = _check_eps(eps)
+    _check_rope(rope, D, qkv.device, "qkv")
+    staging = _check_staging(k_pool, v_pool, dst, dst2, src_rows, Hkv, D, qkv.dtype,
+                             qkv.device, "qkv")
+    T = _check_fit(qkv, rope, dst, src_rows, tokens, staging)
+    _qk_norm_rope_op(qkv, q_weight, k_weight, H, Hkv, norm, eps, *_rope_fields(rope),
+                     k_pool, v_pool, dst, dst2, src_rows, T)
+
+
+class QKNormRopeStage:
+    """:func:`qk_norm_rope_stage_` bound to its weights, rope, pools and lists; a call
+    ``(qkv)`` checks only qkv (metadata) and launches with the bound arguments converted
+    once: no allocation, no host sync. Keep the bound tensors alive and in place (their
+    contents, e.g. ``rope.frame0`` and the lists, may change freely)."""
+
+    def __init__(self, q_weight, k_weight, *, num_heads, num_kv_heads, norm="head", eps=1e-6,
+                 rope=None, k_pool=None, v_pool=None, dst=None, dst2=None, src_rows=None,
+                 tokens=None):
+        H, Hkv = check_int("num_heads", num_heads, 1), check_int("num_kv_heads", num_kv_heads, 1)
+        _check_norm(norm)
+        D, dev = _weights_dim(q_weight, norm, H), q_weight.device
+        _check_weights(q_weight, k_weight, norm, H, Hkv, D, dev, "q_weight")
+        eps = _check_eps(eps)
+        _check_rope(rope, D, dev, "q_weight")
+        staging = _check_staging(k_pool, v_pool, dst, dst2, src_rows, Hkv, D, None, dev,
+                                 "q_weight")
+        if tokens is not None:
+            check_int("tokens", tokens, 1)
+        self._geo = (H, Hkv, D, dev, k_pool.dtype if staging else None)
+        self._bound = (q_weight, k_weight, H, Hkv, norm, eps, rope, (k_pool, v_pool),
+                       (dst, dst2, src_rows))
+        self._tokens, self._staging = tokens, staging
+        self._kernel = use_kernel(q_weight)
+        if self._kernel:
+            self._convert(staging)
+
+    def _convert(self, staging: bool) -> None:
+        q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists = self._bound
+        dev = self._geo[3]
+        filler = torch.empty(0, dtype=torch.int64, device=dev)
+        # Pool stand-ins per float dtype of qkv, so a call converts nothing but qkv.
+        stand = {dt: (torch.empty(1, 1, 1, dtype=dt, device=dev),) * 2 for dt in FLOAT_DTYPES}
+        self._keep = (filler, stand)
+        self._arrays = {dt: _array_args(q_weight, k_weight, rope, pools if staging else p,
+                                        lists, filler) for dt, p in stand.items()}
+        self._flags = _flag_args(H, Hkv, norm, eps, rope, staging, lists)
+        self._block = _block(H, Hkv, self._geo[2])
+
+    def __call__(self, qkv: torch.Tensor) -> None:
+        """Norm, rope (and stage) this forward's packed qkv [B, S, H + 2*H_kv, D]."""
+        H, Hkv, D, dev, pool_dtype = self._geo
+        if _check_qkv(qkv, H, Hkv) != D:
+            raise ValueError(f"qkv: expected head dim {D} (the bound weights'), "
+                             f"got shape {tuple(qkv.shape)}")
+        _check_device("qkv", qkv, dev, "the bound weights")
+        if pool_dtype is not None and qkv.dtype != pool_dtype:
+            raise ValueError(f"qkv: expected dtype {pool_dtype} (the bound pools'), "
+                             f"got {qkv.dtype}")
+        rope, pools, lists = self._bound[6:]
+        T = _check_fit(qkv, rope, lists[0], lists[2], self._tokens, self._staging)
+        if not self._kernel:
+            _run(qkv, *self._bound, T)
+            return
+        if qkv.numel() == 0:
+            return
+        n_entries = lists[0].shape[0] if self._staging else qkv.shape[0] * qkv.shape[1]
+        _launch(qkv, self._arrays[qkv.dtype], self._flags, T, n_entries, self._block)
+
+
+def bind_qk_norm_rope_stage(q_weight, k_weight, *, num_heads, num_kv_heads, norm="head",
+                            eps=1e-6, rope=None, k_pool=None, v_pool=None, dst=None,
+                            dst2=None, src_rows=None, tokens=None) -> QKNormRopeStage:
+    """Bind :func:`qk_norm_rope_stage_` to everything but qkv (validated here); returns a
+    callable ``(qkv) -> None`` for the hot path."""
+    return QKNormRopeStage(q_weight, k_weight, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           norm=norm, eps=eps, rope=rope, k_pool=k_pool, v_pool=v_pool,
+                           dst=dst, dst2=dst2, src_rows=src_rows, tokens=tokens)

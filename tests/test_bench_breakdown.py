@@ -1,0 +1,52 @@
+"""The chunk breakdown's arithmetic on the CPU: kernel categories, the FLOP counts
+against a brute-force count over every (query, key) pair, the roofline fraction."""
+from __future__ import annotations
+
+import pytest
+
+from framekv.bench.breakdown import (CATEGORIES, attention_flops, category, chunk_flops,
+                                     roofline, summarise)
+
+
+@pytest.mark.parametrize("name, want", [
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "attention"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
+    ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_NNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("cutlass3x_sm90_tensorop_h16816gemm_bf16", "gemm"),
+    ("_ZN6cudapy7framekv3ops5adaln14_adaln_kernel", "framekv"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>", "other"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy", "other"),
+    ("Memcpy DtoD (Device -> Device)", "other"),
+])
+def test_kernel_categories(name, want):
+    assert category(name) == want and want in CATEGORIES
+
+
+def _brute(pin, window, tokens, block, heads, head_dim):
+    """4 H D per visible (query, key) pair, the visible set enumerated key by key."""
+    total = 0
+    for q in range(tokens):
+        j = q // block
+        total += pin + window + (j + 1) * block
+    return 4 * heads * head_dim * total
+
+
+@pytest.mark.parametrize("pin, window, tokens, block", [(5, 12, 6, 6), (5, 12, 6, 2), (0, 7, 9, 3)])
+def test_attention_flops_equal_the_brute_force_count(pin, window, tokens, block):
+    got = attention_flops(heads=3, head_dim=8, pin=pin, window=window, tokens=tokens, block=block)
+    assert got == _brute(pin, window, tokens, block, 3, 8)
+
+
+def test_chunk_flops_and_roofline():
+    f = chunk_flops(layers=2, heads=3, head_dim=8, pin=5, window=12, tokens=6, blocks=[6, 6, 2],
+                    linear_per_token=100, cross_keys=4)
+    assert f["gemm"] == 2 * 6 * 100 * 3
+    attn = 2 * (2 * _brute(5, 12, 6, 6, 3, 8) + _brute(5, 12, 6, 2, 3, 8))
+    assert f["attention"] == attn + 4 * 3 * 8 * 6 * 4 * 2 * 3
+    r = roofline({"gemm": 4e12, "attention": 6e12}, 500.0, 40_000.0)  # 10 TFLOP at 500
+    assert r["roofline_us"] == pytest.approx(20_000.0) and r["fraction"] == pytest.approx(0.5)
+    s = summarise({"us": {"attention": 30.0, "gemm": 50.0, "framekv": 5.0, "other": 15.0},
+                   "kernels": 9, "top_other": []}, {"gemm": 4e12, "attention": 6e12}, 500.0,
+                  [40_000.0, 39_000.0, 41_000.0])
+    assert s["share"]["gemm"] == pytest.approx(0.5) and s["chunk_us"] == 40_000.0
