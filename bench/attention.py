@@ -14,7 +14,8 @@ The window is full (steady state): a chunk of T queries attends P + W + T keys.
 Every variant includes its K/V write, is captured in a CUDA graph, and is checked
 against the fp32 exact-window reference before it is timed. The variants are timed
 in turn, one replay of each per round (L2 flushed before each), so that clock changes
-over the run hit them alike.
+over the run hit them alike, and each round starts one variant later than the last (the
+first replay after the host's sync runs slower, and would always hit one variant).
 """
 from __future__ import annotations
 
@@ -163,10 +164,11 @@ def measure_attention(preset: specs.Preset, *, iters: int = 50, flush: bool = Tr
         errors[name] = (fn().float() - want[b]).abs().max().item()
         graphs[name] = captured_graph(fn)
     progress(f"attention: timing the {len(graphs)} variants in turn, {iters} rounds")
-    # In turn (A B C ... A B C ...): the GPU's clock moves between two levels over
+    # In turn (A B C, B C A, ...): the GPU's clock moves between two levels over
     # seconds of full load, and variants timed one after another would each catch a
-    # different mix of them.
-    times = interleaved_device_times({n: g.replay for n, g in graphs.items()}, iters, flusher)
+    # different mix of them; rotating who goes first spreads the slower first replay.
+    times = interleaved_device_times({n: g.replay for n, g in graphs.items()}, iters, flusher,
+                                     rotate=True)
     del graphs
     rows = {}
     for name, (_, b) in variants.items():

@@ -92,6 +92,12 @@ def _between_events(call: Callable[[], object], flush: Flusher | None):
     return start, end
 
 
+def round_order(names: list[str], r: int, rotate: bool) -> list[str]:
+    """The order of round ``r``: ``names`` as given, or rotated to start r places on."""
+    k = r % len(names) if rotate and names else 0
+    return names[k:] + names[:k]
+
+
 def interleaved_device_times(calls: dict[str, Callable[[], object]], iters: int,
                              flush: Flusher | None = None, warmup: int = 2,
                              rotate: bool = False) -> dict[str, list[float]]:
@@ -102,11 +108,9 @@ def interleaved_device_times(calls: dict[str, Callable[[], object]], iters: int,
     for call in calls.values():
         for _ in range(warmup):
             call()
-    names = list(calls)
     pairs = {name: [] for name in calls}
     for r in range(iters):
-        k = r % len(names) if rotate else 0
-        for name in names[k:] + names[:k]:
+        for name in round_order(list(calls), r, rotate):
             pairs[name].append(_between_events(calls[name], flush))
         torch.cuda.synchronize()
     return {name: [s.elapsed_time(e) * 1e3 for s, e in ps] for name, ps in pairs.items()}

@@ -130,3 +130,14 @@ def test_resident_timing_loops_run_an_eager_resident():
     out = timing.resident_submit_times(r, 3)
     assert len(out["after_wait"]) == 3 and r.completed == r.submitted == 8 == len(calls) - warmups
     r.close()
+
+
+def test_rotated_rounds_start_each_variant_first_equally_often():
+    from framekv.bench.timing import round_order
+
+    names = ["a", "b", "c"]
+    rounds = [round_order(names, r, True) for r in range(6)]
+    assert rounds[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert sorted(o[0] for o in rounds) == ["a", "a", "b", "b", "c", "c"]
+    assert all(sorted(o) == names for o in rounds)
+    assert round_order(names, 4, False) == names and round_order([], 3, True) == []

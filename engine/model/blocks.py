@@ -131,7 +131,7 @@ def linear_gelu(fc: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """GELU-tanh(fc(x)): on CUDA one cuBLASLt GEMM with the bias and GELU-tanh in its
     epilogue (``torch._addmm_activation``); elsewhere the torch ops (the CPU kernel's
     GELU there is the erf form)."""
-    if x.device.type != "cuda":
+    if x.device.type != "cuda" or fc.bias is None:
         return F.gelu(fc(x), approximate="tanh")
     y = torch._addmm_activation(fc.bias, x.reshape(-1, x.shape[-1]), fc.weight.t(),
                                 use_gelu=True)                             # [B*S, ffn]
