@@ -282,3 +282,45 @@ def test_wan_diffusers_mode_streams_sessions_and_recaches_a_prompt_change():
         thread.join(timeout=30)
         sched.close()
 
+
+
+def test_the_cli_serves_wan_and_drains_on_sigterm():
+    """``framekv serve --model wan-diffusers --config tiny`` as its own process: it
+    answers, streams a session's chunks, and exits 0 on SIGTERM with the session open."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "framekv.tools.cli", "serve", "--model",
+                             "wan-diffusers", "--config", "tiny", "--device", "cpu", "--port",
+                             str(port), "--max-sessions", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        sid = httpx.post(f"{base}/v1/sessions", json={"seed": 3}).json()["id"]
+        with ws_client.connect(f"ws://127.0.0.1:{port}/v1/sessions/{sid}/stream",
+                               open_timeout=10, max_size=None) as ws:
+            msg = ws.recv(timeout=60)
+            (n,) = struct.unpack(">I", msg[:4])
+            assert json.loads(msg[4:4 + n])["index"] == 0
+            os.kill(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Application shutdown complete" in proc.stdout.read()

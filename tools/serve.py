@@ -34,6 +34,7 @@ import base64
 import contextlib
 import json
 import secrets
+import signal
 import struct
 import threading
 
@@ -82,6 +83,9 @@ def run(args) -> int:
     factory = wan_factory(args) if args.model == "wan-diffusers" else None
     sched = StreamScheduler(args.preset, max_sessions=args.max_sessions, device=args.device,
                             cache_dir=args.cache_dir, progress=True, rollout_factory=factory)
+    # uvicorn drains on SIGTERM, then puts back the handler it found and raises the
+    # signal again; with this one in place that ends here, and the exit status is 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.run(build_app(sched, token=args.token), host=args.host, port=args.port,
                 log_level="info")
     return 0
