@@ -50,3 +50,30 @@ def test_chunk_flops_and_roofline():
                    "kernels": 9, "top_other": []}, {"gemm": 4e12, "attention": 6e12}, 500.0,
                   [40_000.0, 39_000.0, 41_000.0])
     assert s["share"]["gemm"] == pytest.approx(0.5) and s["chunk_us"] == 40_000.0
+
+
+def test_the_glue_benchmark_compares_the_same_work():
+    """`bench.glue`'s torch and framekv glue compute the same tensors (fp32, CPU), so
+    their times compare like for like (the inductor variant compiles the torch one)."""
+    import torch
+
+    from framekv.bench.glue import fused_glue, torch_glue
+    from framekv.engine.model.blocks import Rope3D
+
+    g = torch.Generator().manual_seed(0)
+    B, S, H, Hkv, D, hid, ffn = 1, 24, 4, 2, 16, 32, 48
+
+    def r(*shape, s=1.0):
+        return torch.randn(*shape, generator=g) * s
+    x, mods = r(B, S, hid), [r(B, 1, hid, s=0.1) for _ in range(6)]
+    qkv, proj, fc2 = r(B, S, H + 2 * Hkv, D), r(B, S, hid), r(B, S, hid)
+    qn, kn, fc1 = 1 + r(D, s=0.1), 1 + r(D, s=0.1), torch.nn.Linear(hid, ffn).requires_grad_(False)
+    rope = Rope3D(D, (2, 4), torch.device("cpu"))
+    f0 = torch.tensor([5])
+    cos, sin = Rope3D.cos_sin(rope.angles(f0, S // 8))
+    h1, packed, mlp, x_out = torch_glue(x, mods, qkv, proj, fc2, cos, sin, qn, kn, fc1, H, Hkv)
+    fx, fqkv = x.clone(), qkv.clone()
+    fh1, fmlp = fused_glue(fx, mods, fqkv, proj, fc2, rope.grid(f0), qn, kn, fc1, H, Hkv)
+    for want, got in ((h1, fh1), (packed, fqkv), (mlp, fmlp), (x_out, fx)):
+        assert float((want - got).abs().max()) <= 1e-5
+    assert float((x_out - x).abs().max()) > 1e-3  # the residuals did something
