@@ -56,7 +56,7 @@ class VerifyReport:
     """What `verify_rollout` measured.
 
     Attributes:
-        preset, device, backend, dtype, chunks: what ran.
+        preset, device, backend, dtype, chunks, glue: what ran.
         tolerance: the max abs error allowed.
         graphs_eager: True where the graph side ran eagerly (CPU).
         attention_errors: step label ("prefill", "denoise 0", ..., "clean") -> max abs
@@ -71,6 +71,7 @@ class VerifyReport:
     chunks: int
     tolerance: float
     graphs_eager: bool
+    glue: str = "torch"
     attention_errors: dict[str, list[float]] = field(default_factory=dict)
     replay_errors: list[float] = field(default_factory=list)
 
@@ -98,8 +99,8 @@ class VerifyReport:
         layers = len(next(iter(self.attention_errors.values()), []))
         head = f"{'step':<10}" + "".join(f"{'layer ' + str(i):>10}" for i in range(layers))
         lines = [f"framekv verify: preset {self.preset}, {self.chunks} chunks, device "
-                 f"{self.device}, backend {self.backend}, {self.dtype}, tolerance "
-                 f"{self.tolerance:.1e}",
+                 f"{self.device}, backend {self.backend}, {self.dtype}, {self.glue} glue, "
+                 f"tolerance {self.tolerance:.1e}",
                  "attention vs fp32 exact-window reference (max abs error over chunks):",
                  "  " + head]
         for label, row in self.attention_errors.items():
@@ -144,7 +145,7 @@ class _AttentionRecorder:
 
 
 def verify_rollout(preset="tiny", *, chunks: int | None = None, device=None, backend=None,
-                   tolerance: float | None = None) -> VerifyReport:
+                   tolerance: float | None = None, glue: str = "torch") -> VerifyReport:
     """Run a rollout eagerly, through graph replay, and against the fp32 reference.
 
     Args:
@@ -153,6 +154,10 @@ def verify_rollout(preset="tiny", *, chunks: int | None = None, device=None, bac
         device: "cpu", "cuda[:N]" or None (cuda if available).
         backend: attention backend of the rollouts (default: cudnn on CUDA, reference on CPU).
         tolerance: max abs error allowed (default by dtype, `DEFAULT_TOLERANCE`).
+        glue: the model's glue, "torch" or "fused" (`Rollout`'s ``glue``); with "fused"
+            the eager side runs the QK prologue in place (its recorder reads the packed
+            K) and the graph side stages it into the cache, so the replay errors also
+            compare the two.
     Returns a `VerifyReport`; ``report.assert_ok()`` for tests.
     """
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(
@@ -161,10 +166,10 @@ def verify_rollout(preset="tiny", *, chunks: int | None = None, device=None, bac
     name, mspec, rspec = resolve_specs(preset)
     if chunks is not None:
         rspec = with_chunks(rspec, chunks)
-    eager = Rollout((mspec, rspec), device, backend=backend, use_graphs=False)
+    eager = Rollout((mspec, rspec), device, backend=backend, use_graphs=False, glue=glue)
     tol = DEFAULT_TOLERANCE[eager.dtype] if tolerance is None else float(tolerance)
     report = VerifyReport(name, str(eager.device), eager.backend, str(eager.dtype).removeprefix("torch."),
-                          rspec.chunks, tol, graphs_eager=eager.device.type != "cuda")
+                          rspec.chunks, tol, graphs_eager=eager.device.type != "cuda", glue=glue)
     reference = ExactWindowReference(eager.geometry, mspec.num_layers)
     recorder = _AttentionRecorder(reference, mspec.num_layers, rspec.denoising_steps)
     eager.model.recorder = recorder
@@ -182,7 +187,8 @@ def verify_rollout(preset="tiny", *, chunks: int | None = None, device=None, bac
     report.attention_errors = {k: recorder.errors[k]
                                for k in ["prefill", *recorder.labels] if k in recorder.errors}
     eager.close()
-    graphed = Rollout((mspec, rspec), device, backend=backend, use_graphs=True, model=eager.model)
+    graphed = Rollout((mspec, rspec), device, backend=backend, use_graphs=True, model=eager.model,
+                      glue=glue)
     graphed.prefill()
     for want in expected:
         got = graphed.step()

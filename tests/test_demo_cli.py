@@ -52,11 +52,12 @@ def test_demo_short_run_without_progress(capsys):
     assert "demo [" not in captured.err
 
 
-def test_verify_passes_and_prints_the_table(capsys):
-    assert main(["verify", "--chunks", "3", "--device", "cpu"]) == 0
+@pytest.mark.parametrize("glue", ["torch", "fused"])
+def test_verify_passes_and_prints_the_table(capsys, glue):
+    assert main(["verify", "--chunks", "3", "--device", "cpu", "--glue", glue]) == 0
     out = capsys.readouterr().out
     for text in ("layer 0", "layer 1", "prefill", "denoise 0", "denoise 1", "clean",
-                 "graph replay vs eager", "result: OK"):
+                 "graph replay vs eager", "result: OK", f"{glue} glue"):
         assert text in out, text
 
 

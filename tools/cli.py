@@ -49,7 +49,7 @@ def _cmd_verify(args) -> int:
 
     try:
         report = run_verify(args.preset, chunks=args.chunks, device=args.device,
-                            backend=args.backend, tolerance=args.tolerance)
+                            backend=args.backend, tolerance=args.tolerance, glue=args.glue)
     except (ValueError, FileNotFoundError) as exc:
         return _fail("verify", exc)
     return 0 if report.ok else 1
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     _rollout_args(verify)
     verify.add_argument("--tolerance", type=tolerance, default=None,
                         help="max abs error allowed (default: 1e-4 in fp32, 2e-2 in bf16)")
+    verify.add_argument("--glue", choices=("torch", "fused"), default="torch",
+                        help="the model's glue: torch ops (default) or framekv's fused ops")
     verify.set_defaults(func=_cmd_verify)
     warmup.add_parser(sub)
     bench.add_parser(sub)

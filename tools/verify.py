@@ -12,9 +12,9 @@ from framekv.engine.verify import VerifyReport, verify_rollout
 
 
 def run_verify(preset="tiny", *, chunks: int | None = None, device=None, backend=None,
-               tolerance: float | None = None, stream=None) -> VerifyReport:
+               tolerance: float | None = None, glue: str = "torch", stream=None) -> VerifyReport:
     """Run the harness and print its table to ``stream`` (default stdout)."""
     report = verify_rollout(preset, chunks=chunks, device=device, backend=backend,
-                            tolerance=tolerance)
+                            tolerance=tolerance, glue=glue)
     print(report.format(), file=stream or sys.stdout)
     return report
