@@ -101,7 +101,8 @@ class WanRollout:
         self.streams = _streams(sequences, self.guidance, kv)
         self.batch = 1 if self.guidance is None else 2  # rows: conditional, unconditional
         self.pool = self.streams or self.batch          # sequences of the pool
-        self.batch_sizes = _check_batch_sizes(batch_sizes, self.pool) if self.streams else (self.batch,)
+        self.batch_sizes = (_check_batch_sizes(batch_sizes, self.pool) if self.streams
+                            else (self.batch,))
         self.prompt_tokens = _positive("prompt_tokens", prompt_tokens)
         self.shape = WanShape.of(model, latent_size, frames_per_chunk, sink_frames, window_frames)
         self.sampler = _choice("sampler", sampler, SAMPLERS)
