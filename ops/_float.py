@@ -8,6 +8,11 @@ convert at the access: ``load_f32(ary, idx)`` reads one element as float32 and
 element type picks the conversion when the kernel is compiled, so one kernel body
 serves both formats (one compiled specialisation each).
 
+``load_f32x4(ary, idx)`` / ``store_f32x4(ary, idx, values)`` move the four consecutive
+elements ``idx[-1] .. idx[-1] + 3`` of the last dimension as one access (8 bytes of bf16,
+16 of fp32): the caller guarantees that the four are in bounds and that their address
+is a multiple of the access size (`vector_aligned`).
+
 Under numba's CUDA simulator the same names are numpy bit views.
 """
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 
 from ._launch import SIMULATOR
 
-__all__ = ["load_f32", "store_f32", "FLOAT_DTYPES", "check_float_dtype"]
+__all__ = ["load_f32", "store_f32", "load_f32x4", "store_f32x4", "FLOAT_DTYPES",
+           "check_float_dtype", "vector_aligned"]
 
 #: The tensor dtypes these accessors handle (as int16 and int32 bits).
 FLOAT_DTYPES = (torch.bfloat16, torch.float32)
@@ -29,7 +35,29 @@ def check_float_dtype(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must have dtype bfloat16 or float32, got {t.dtype}")
 
 
+def vector_aligned(t: torch.Tensor) -> bool:
+    """Whether every group of four elements ``[..., 4k : 4k + 4]`` of ``t`` may be moved
+    by `load_f32x4` / `store_f32x4`: last dimension contiguous and a multiple of 4, every
+    other stride a multiple of 4 elements (0 included), the address 4-element aligned."""
+    if t.dim() == 0 or t.shape[-1] % 4 or (t.shape[-1] > 1 and t.stride(-1) != 1):
+        return False
+    return (all(st % 4 == 0 for st in t.stride()[:-1])
+            and t.data_ptr() % (4 * t.element_size()) == 0)
+
+
 if SIMULATOR:
+
+    def _last(idx, k):
+        return tuple(idx[:-1]) + (idx[-1] + k,)
+
+    def load_f32x4(ary, idx):
+        """The four floats ``ary[..., j : j + 4]`` (idx names j) as float32."""
+        return tuple(load_f32(ary, _last(idx, k)) for k in range(4))
+
+    def store_f32x4(ary, idx, values):
+        """Store four float32 to ``ary[..., j : j + 4]``, rounded to the array's format."""
+        for k in range(4):
+            store_f32(ary, _last(idx, k), values[k])
 
     def load_f32(ary, idx):
         """``ary[idx]`` (bf16 or fp32 bits) as float32."""
@@ -92,6 +120,52 @@ else:
             return builder.bitcast(bits, _F32)
 
         return types.float32(ary, idx), codegen
+
+    _F32X4 = types.UniTuple(types.float32, 4)
+
+    def _vector_pointer(context, builder, sig, args):
+        """Pointer to ary[idx] as a <4 x i16> / <4 x i32> vector, and its alignment."""
+        ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        bits = _I16 if sig.args[0].dtype == types.int16 else _I32
+        vec = ir.VectorType(bits, 4)
+        return builder.bitcast(ptr, vec.as_pointer()), 4 * (bits.width // 8), bits
+
+    @intrinsic
+    def load_f32x4(typingctx, ary, idx):
+        """The four floats ``ary[..., j : j + 4]`` (idx names j) as float32, one load."""
+        _check(ary, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr, align, bits = _vector_pointer(context, builder, sig, args)
+            word = builder.load(ptr, align=align)
+            out = []
+            for k in range(4):
+                lane = builder.extract_element(word, ir.Constant(_I32, k))
+                if bits is _I16:
+                    lane = builder.shl(builder.zext(lane, _I32), ir.Constant(_I32, 16))
+                out.append(builder.bitcast(lane, _F32))
+            return context.make_tuple(builder, _F32X4, out)
+
+        return _F32X4(ary, idx), codegen
+
+    @intrinsic
+    def store_f32x4(typingctx, ary, idx, values):
+        """Store four float32 to ``ary[..., j : j + 4]``, rounded, with one store."""
+        _check(ary, idx)
+        if not isinstance(values, types.BaseTuple) or len(values) != 4:
+            raise TypeError(f"store_f32x4 needs a tuple of 4 numbers, got {values}")
+
+        def codegen(context, builder, sig, args):
+            ptr, align, bits = _vector_pointer(context, builder, sig, args[:2])
+            vals = cgutils.unpack_tuple(builder, args[2], 4)
+            word = ir.Constant(ir.VectorType(bits, 4), None)
+            for k, (v, ty) in enumerate(zip(vals, sig.args[2])):
+                v = context.cast(builder, v, ty, types.float32)
+                lane = _to_bf16(builder, v) if bits is _I16 else builder.bitcast(v, _I32)
+                word = builder.insert_element(word, lane, ir.Constant(_I32, k))
+            builder.store(word, ptr, align=align)
+
+        return types.void(ary, idx, values), codegen
 
     @intrinsic
     def store_f32(typingctx, ary, idx, value):

@@ -20,24 +20,20 @@ are bf16 or fp32, each free to differ from the others. The device may contract a
 ``a * b + c`` into one FMA, so a GPU result can differ from torch's by an fp32 ulp
 before that last rounding.
 
-Kernel: one CTA per row (grid-stride over rows), its threads striding over N four
-elements at a time (all loads of a group issued before any store, so a thread waits for
-memory once per group, not once per element). Pass 1 adds the gated residual (storing
-and re-reading the rounded values) and sums the row; pass 2 sums the squared deviations
-from the mean (two passes: fp32 accuracy for rows with a large mean); pass 3 writes the
-modulated output. Passes 2 and 3 re-read the row: it is at most 20 KiB (N = 5120,
-fp32), so those reads hit L1/L2 and DRAM sees each byte once. The row sums are block
-reductions in shared memory with two barriers each. With the norm switched off the
-same kernel is the gated residual (pass 1 alone). Every stride loop is correct for any
-block and grid size; nothing syncs with the host or allocates on the bound path, so
-launches are graph-capturable.
-
-Speed (H200, B = 2, S = 4680, bf16 x, fp32 modulation, CUDA graphs): residual + norm
-about 185 us at N = 1536 and 440 us at 5120, 2.2x and 2.9x faster than torch's unfused
-glue; about 0.6 to 0.9 TB/s, far from the 4 TB/s a copy reaches, because each access
-is one 2-byte value (``load_f32``): too few bytes are in flight per thread. Holding the
-row in registers (more values in flight) gained at most 20% at N = 1536 and lost at
-5120 (registers cut occupancy); the step that pays is 16-byte vector accesses.
+Kernel: one CTA per row (grid-stride over rows), its threads taking four values at a
+time: four consecutive ones in one 8-byte (bf16) or 16-byte (fp32) access when every
+tensor is `vector_aligned` (N a multiple of 4 and 4-value aligned rows, the usual case:
+a warp then moves 256 or 512 contiguous bytes per access), else four values a block
+width apart, one 2- or 4-byte access each. All loads of a group are issued before any
+store, so a thread waits for memory once per group. Pass 1 adds the gated residual
+(storing and re-reading the rounded values) and sums the row; pass 2 sums the squared
+deviations from the mean (two passes: fp32 accuracy for rows with a large mean); pass 3
+writes the modulated output. Passes 2 and 3 re-read the row: it is at most 20 KiB
+(N = 5120, fp32), so those reads hit L1/L2 and DRAM sees each byte once. The row sums
+are block reductions in shared memory with two barriers each. With the norm switched
+off the same kernel is the gated residual (pass 1 alone). Every stride loop is correct
+for any block and grid size; nothing syncs with the host or allocates on the bound
+path, so launches are graph-capturable.
 
 One file: one op pair, as every op of this package is (kernel, references, validating
 wrappers, custom ops, bound launchers); its length is the checks of eight optional
@@ -55,7 +51,8 @@ import torch.nn.functional as F
 from numba import cuda
 from numba import float32 as _f32
 
-from ._float import check_float_dtype, load_f32, store_f32
+from ._float import (check_float_dtype, load_f32, load_f32x4, store_f32, store_f32x4,
+                     vector_aligned)
 from ._launch import SIMULATOR, Kernel, array_arg, blocks_for, int_arg, threads_for, use_kernel
 from ._validate import check_last_dim_contiguous, check_no_overlap, check_same_device, check_tensor
 
@@ -65,6 +62,7 @@ __all__ = ["adaln_", "adaln_reference", "bind_adaln", "AdaLN",
 
 # Kernel flags: which optional tensors are real (the others are stand-ins never read).
 _RES, _GATE, _SHIFT, _SCALE, _WEIGHT, _BIAS, _NORM = 1, 2, 4, 8, 16, 32, 64
+_VEC = 128  # every tensor `vector_aligned`: groups of 4 consecutive values, one access each
 _SHARED = 1024  # one partial sum per thread: any legal block size
 _PARTS = 32     # second level of the block sum (a fixed count, so its loop unrolls)
 
@@ -101,20 +99,27 @@ def _ld(ary, b, i, j, n):
 
 
 @_device
-def _ld4(ary, b, i, j, step, n):
+def _ld4(ary, b, i, j, step, n, vec):
+    """Values j, j + step, j + 2 step, j + 3 step of row (b, i); ``vec`` (step 1, all
+    four in bounds, aligned): one access."""
+    if vec:
+        return load_f32x4(ary, (b, i, j))
     return (_ld(ary, b, i, j, n), _ld(ary, b, i, j + step, n),
             _ld(ary, b, i, j + 2 * step, n), _ld(ary, b, i, j + 3 * step, n))
 
 
 @_device
-def _ld4_or(ary, b, i, j, step, n, have, default):
+def _ld4_or(ary, b, i, j, step, n, vec, have, default):
     if have:
-        return _ld4(ary, b, i, j, step, n)
+        return _ld4(ary, b, i, j, step, n, vec)
     return (default, default, default, default)
 
 
 @_device
-def _st4(ary, b, i, j, step, n, v):
+def _st4(ary, b, i, j, step, n, vec, v):
+    if vec:
+        store_f32x4(ary, (b, i, j), v)
+        return
     if j < n:
         store_f32(ary, (b, i, j), v[0])
     if j + step < n:
@@ -144,19 +149,30 @@ def _block_sum(v, sh, parts, t, nt):
 
 
 @_device
+def _lanes(t, nt, flags):
+    """(first value, step between a group's four values) of thread t: on the vector
+    path four consecutive values (one 8- or 16-byte access; a warp reads 256 or 512
+    contiguous bytes), else four values nt apart (each access 2-4 bytes, coalesced)."""
+    if flags & _VEC:
+        return 4 * t, 1, True
+    return t, nt, False
+
+
+@_device
 def _residual_pass(x, res, gate, b, s, mg, n, t, nt, flags):
     """With a residual, x[b, s] <- x + gate * res (rounded to x's format and read
     back); returns this thread's sum of the row's (updated) values."""
     one = _f32(1)
     acc = _f32(0)
-    for j in range(t, n, 4 * nt):
-        xs = _ld4(x, b, s, j, nt, n)
+    j0, st, vec = _lanes(t, nt, flags)
+    for j in range(j0, n, 4 * nt):
+        xs = _ld4(x, b, s, j, st, n, vec)
         if flags & _RES:
-            rs = _ld4(res, b, s, j, nt, n)
-            gs = _ld4_or(gate, b, mg, j, nt, n, flags & _GATE, one)
-            _st4(x, b, s, j, nt, n, (xs[0] + gs[0] * rs[0], xs[1] + gs[1] * rs[1],
+            rs = _ld4(res, b, s, j, st, n, vec)
+            gs = _ld4_or(gate, b, mg, j, st, n, vec, flags & _GATE, one)
+            _st4(x, b, s, j, st, n, vec, (xs[0] + gs[0] * rs[0], xs[1] + gs[1] * rs[1],
                                      xs[2] + gs[2] * rs[2], xs[3] + gs[3] * rs[3]))
-            xs = _ld4(x, b, s, j, nt, n)  # the stored values, as the norm must see them
+            xs = _ld4(x, b, s, j, st, n, vec)  # the stored values, as the norm must see them
         acc += xs[0]
         acc += xs[1]
         acc += xs[2]
@@ -170,15 +186,16 @@ def _sq(d, j, n):
 
 
 @_device
-def _deviation_pass(x, b, s, n, t, nt, mean):
+def _deviation_pass(x, b, s, n, t, nt, mean, flags):
     """This thread's sum of (x - mean)^2 over the row."""
     acc = _f32(0)
-    for j in range(t, n, 4 * nt):
-        xs = _ld4(x, b, s, j, nt, n)
+    j0, st, vec = _lanes(t, nt, flags)
+    for j in range(j0, n, 4 * nt):
+        xs = _ld4(x, b, s, j, st, n, vec)
         acc += _sq(xs[0] - mean, j, n)
-        acc += _sq(xs[1] - mean, j + nt, n)
-        acc += _sq(xs[2] - mean, j + 2 * nt, n)
-        acc += _sq(xs[3] - mean, j + 3 * nt, n)
+        acc += _sq(xs[1] - mean, j + st, n)
+        acc += _sq(xs[2] - mean, j + 2 * st, n)
+        acc += _sq(xs[3] - mean, j + 3 * st, n)
     return acc
 
 
@@ -193,13 +210,14 @@ def _out_pass(x, out, mods, b, s, rows, n, t, nt, mean, rstd, flags):
     row of each (weight and bias are [B, 1, N] with zero strides: row 0)."""
     shift, scale, weight, bias = mods
     one, zero = _f32(1), _f32(0)
-    for j in range(t, n, 4 * nt):
-        xs = _ld4(x, b, s, j, nt, n)
-        hs = _ld4_or(shift, b, rows[0], j, nt, n, flags & _SHIFT, zero)
-        cs = _ld4_or(scale, b, rows[1], j, nt, n, flags & _SCALE, zero)
-        ws = _ld4_or(weight, b, rows[2], j, nt, n, flags & _WEIGHT, one)
-        bs = _ld4_or(bias, b, rows[3], j, nt, n, flags & _BIAS, zero)
-        _st4(out, b, s, j, nt, n, (_mod(xs[0], ws[0], bs[0], cs[0], hs[0], mean, rstd),
+    j0, st, vec = _lanes(t, nt, flags)
+    for j in range(j0, n, 4 * nt):
+        xs = _ld4(x, b, s, j, st, n, vec)
+        hs = _ld4_or(shift, b, rows[0], j, st, n, vec, flags & _SHIFT, zero)
+        cs = _ld4_or(scale, b, rows[1], j, st, n, vec, flags & _SCALE, zero)
+        ws = _ld4_or(weight, b, rows[2], j, st, n, vec, flags & _WEIGHT, one)
+        bs = _ld4_or(bias, b, rows[3], j, st, n, vec, flags & _BIAS, zero)
+        _st4(out, b, s, j, st, n, vec, (_mod(xs[0], ws[0], bs[0], cs[0], hs[0], mean, rstd),
                                    _mod(xs[1], ws[1], bs[1], cs[1], hs[1], mean, rstd),
                                    _mod(xs[2], ws[2], bs[2], cs[2], hs[2], mean, rstd),
                                    _mod(xs[3], ws[3], bs[3], cs[3], hs[3], mean, rstd)))
@@ -227,7 +245,7 @@ def _adaln_kernel(x, out, res, gate, shift, scale, weight, bias, flags, eps_bits
         acc = _residual_pass(x, res, gate, b, s, s // per[0], n, t, nt, flags)
         if flags & _NORM:  # the same for the whole block: every thread meets the barriers
             mean = _block_sum(acc, sh, parts, t, nt) / _f32(n)
-            var = _block_sum(_deviation_pass(x, b, s, n, t, nt, mean), sh, parts, t, nt)
+            var = _block_sum(_deviation_pass(x, b, s, n, t, nt, mean, flags), sh, parts, t, nt)
             rstd = _f32(1) / _f32(math.sqrt(var / _f32(n) + eps))
             rows = (s // per[1], s // per[2], s // per[3], s // per[4])
             _out_pass(x, out, (shift, scale, weight, bias), b, s, rows, n, t, nt, mean, rstd,
@@ -413,10 +431,11 @@ def _execute(x, out, residual, mods, eps: float, fixed=None, res_name="residual"
         return
     xa = array_arg(x)
     fixed = _bound_args(x.shape[0], *mods) if fixed is None else fixed
+    vec = all(t is None or vector_aligned(t) for t in (x, out, residual, *mods))
     args = [xa, xa if out is None else array_arg(out),
             xa if residual is None else array_arg(residual),
             *[xa if a is None else a for a in fixed],
-            int_arg(_flags(residual, *mods, norm=out is not None)),
+            int_arg(_flags(residual, *mods, norm=out is not None) | (_VEC if vec else 0)),
             int_arg(struct.unpack("<i", struct.pack("<f", eps))[0])]
     _KERNEL.launch(blocks_for(x.shape[0] * x.shape[1]), _threads(x.shape[2]), args, x.device)
 

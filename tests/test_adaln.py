@@ -370,3 +370,15 @@ def test_bound_launchers_check_their_arguments():
     with pytest.raises(ValueError, match="^x: expected device meta \\(the device of the bound"):
         add(x, torch.ones(2, 6, 7))
     assert x.eq(0).all() and out.eq(0).all()
+
+
+def test_vector_aligned_says_when_four_consecutive_values_move_as_one():
+    from framekv.ops._float import vector_aligned
+
+    x = torch.zeros(2, 3, 16, dtype=torch.bfloat16)
+    assert vector_aligned(x) and vector_aligned(x[:, 1:]) and vector_aligned(x[..., 4:12])
+    assert not vector_aligned(x[..., 1:13])             # the address is one value off
+    assert not vector_aligned(x[..., :6])               # a row of 6: no groups of 4
+    assert not vector_aligned(x[..., ::2])              # the values are not consecutive
+    assert not vector_aligned(torch.zeros(3, 6)[:, :4])  # rows 6 values apart
+    assert vector_aligned(torch.zeros(8).expand(3, 8))  # stride 0: every row the same

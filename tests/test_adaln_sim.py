@@ -148,3 +148,29 @@ def test_block_and_grid_sizes(monkeypatch):
         monkeypatch.setattr(_launch, "MAX_BLOCKS", blocks)
         for N in (96, 7):
             _compare(B=2, S=2, N=N, M=2, weight=True, residual=True, gate=True, seed=N + threads)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+def test_vector_path_and_scalar_path_both_match_the_reference(dtype, offset):
+    """Aligned tensors (N a multiple of 4, 4-element aligned rows) take the vector path
+    (four consecutive values per access); x one element off takes the scalar one."""
+    from framekv.ops._float import vector_aligned
+
+    g = torch.Generator().manual_seed(11)
+    B, S, N = 2, 3, 96
+    base = torch.randn(B * S * N + 4, generator=g).to(dtype)
+    x = base[offset:offset + B * S * N].view(B, S, N)
+    mods = {k: torch.randn(B, 1, N, generator=g) for k in ("shift", "scale", "gate")}
+    res = torch.randn(B, S, N, generator=g).to(dtype)
+    assert vector_aligned(x) == (offset == 0) and vector_aligned(res)
+    xr = x.clone()
+    out = adaln_(x, residual=res, **mods)
+    want = adaln_reference(xr, residual=res, **mods)
+    assert torch.equal(x, xr)
+    assert_out_close(out, want)
+    y = torch.randn(B, S, N, generator=g).to(dtype)
+    xr = x.clone()
+    gated_residual_(x, y, mods["gate"])
+    gated_residual_reference(xr, y, mods["gate"])
+    assert torch.equal(x, xr)
