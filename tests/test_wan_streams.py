@@ -92,11 +92,12 @@ def test_streams_in_one_batch_equal_each_stream_alone(model, glue):
         assert err <= 1e-5, (i, err)
 
 
-def test_recache_under_the_same_prompt_changes_nothing_before_the_window_slides(model):
+@pytest.mark.parametrize("glue", ["torch", "fused"])
+def test_recache_under_the_same_prompt_changes_nothing_before_the_window_slides(model, glue):
     """With the sink one chunk and nothing slid out yet, the re-cache's clean passes
     are the ones the stream ran: the next chunks are the same."""
-    base = alone(model, 4, 4, text(1))
-    again = alone(model, 4, 4, text(1), change_at=3, new_prompt=text(1))  # 6 frames visible
+    base = alone(model, 4, 4, text(1), glue=glue)
+    again = alone(model, 4, 4, text(1), change_at=3, new_prompt=text(1), glue=glue)  # 6 frames
     assert max(float((a - b).abs().max()) for a, b in zip(base, again)) <= 1e-5
 
 
