@@ -122,8 +122,10 @@ def _linear_reference(m) -> int:
 
 
 def measure_reference(preset: str = "wan-1.3b", *, window_frames: int = 21, chunks: int = 5,
-                      ceiling: float | None = None, glue: str = "torch", progress=print) -> dict:
-    """The breakdown of one chunk of the reference model's rollout (module doc)."""
+                      ceiling: float | None = None, glues=("torch", "fused"),
+                      progress=print) -> list[dict]:
+    """The breakdown of one chunk of the reference model's rollout, one record per glue
+    (one model for all; module doc)."""
     from framekv.engine.rollout import Rollout
 
     from .e2e import time_rollout, with_window
@@ -131,37 +133,41 @@ def measure_reference(preset: str = "wan-1.3b", *, window_frames: int = 21, chun
 
     pair = with_window(preset, window_frames)
     m, r = pair
-    progress(f"breakdown {preset} window {r.window_frames}, {glue} glue: an eager chunk, profiled")
-    eager = Rollout(pair, "cuda", use_graphs=False, glue=glue)
-    time_rollout(eager, 1)
-    prof = profile_kernels(eager.step)
-    eager.close()
-    progress(f"breakdown {preset}: chunks as graph replays")
-    graphs = Rollout(pair, "cuda", model=eager.model, glue=glue)
-    times, _, _ = time_rollout(graphs, chunks)
-    graphs.close()
     T, tpf = r.frames_per_chunk * r.tokens_per_frame, r.tokens_per_frame
     flops = chunk_flops(layers=m.num_layers, heads=m.num_heads, head_dim=m.head_dim,
                         pin=r.prompt_tokens, window=r.window_frames * tpf, tokens=T,
                         blocks=[T] * r.denoising_steps + [tpf],
                         linear_per_token=_linear_reference(m))
     ceiling = ceiling or matmul_ceiling()
-    return {"model": f"reference {preset}, {glue} glue", "window_frames": r.window_frames,
-            **summarise(prof, flops, ceiling, times)}
+    model, out = None, []
+    for glue in glues:
+        progress(f"breakdown {preset} window {r.window_frames}, {glue} glue: an eager chunk")
+        eager = Rollout(pair, "cuda", use_graphs=False, glue=glue, model=model)
+        model = eager.model
+        time_rollout(eager, 1)
+        prof = profile_kernels(eager.step)
+        eager.close()
+        graphs = Rollout(pair, "cuda", model=model, glue=glue)
+        times, _, _ = time_rollout(graphs, chunks)
+        graphs.close()
+        out.append({"model": f"reference {preset}, {glue} glue", "window_frames": r.window_frames,
+                    **summarise(prof, flops, ceiling, times)})
+    return out
 
 
 def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk: int = 3,
                 sink_frames: int = 1, window_frames: int = 21, chunks: int = 5,
-                ceiling: float | None = None, glue: str = "torch", model=None,
-                progress=print) -> dict:
-    """The breakdown of one chunk of `WanRollout` over diffusers' Wan (module doc)."""
+                ceiling: float | None = None, glues=("torch", "fused"),
+                progress=print) -> list[dict]:
+    """The breakdown of one chunk of `WanRollout` over diffusers' Wan, one record per
+    glue (one model for all; module doc)."""
     from framekv.engine import WanRollout
-    from framekv.engine.wan import build_model
+    from framekv.engine.wan import WanShape, build_model
 
     from .timing import matmul_ceiling
     from .wan import _timed
 
-    model = model or build_model(config, device="cuda")
+    model = build_model(config, device="cuda")
     cfg = model.config
     kw = dict(latent_size=tuple(latent_size), frames_per_chunk=frames_per_chunk,
               sink_frames=sink_frames, window_frames=window_frames)
@@ -170,28 +176,27 @@ def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk
     C, (H, W) = cfg.in_channels, latent_size
     fill = -(-(sink_frames + window_frames) // frames_per_chunk) + 1
     noises = [torch.randn(1, C, frames_per_chunk, H, W, generator=gen) for _ in range(fill + chunks)]
-    progress(f"breakdown wan {config} window {window_frames}, {glue} glue: an eager chunk, profiled")
-    eager = WanRollout(model, use_graphs=False, glue=glue, **kw)
-    eager.set_prompt(text)
-    _timed(eager.step, noises[:fill], fill, eager.device)
-    prof = profile_kernels(lambda: eager.step(noises[fill]))
-    eager.close()
-    progress(f"breakdown wan {config}: chunks as graph replays")
-    r = WanRollout(model, glue=glue, **kw)
-    r.set_prompt(text)
-    r.capture()
-    times, _ = _timed(r.step, noises, fill, r.device)
-    r.close()
-    s = r.shape
-    hid, tpf = s.heads * s.head_dim, s.tokens_per_frame
-    T = s.chunk_tokens
-    linear = s.num_layers * (6 * hid * hid + 2 * hid * cfg.ffn_dim) + 2 * C * 4 * hid
-    clean = T if r.clean_block == "chunk" else tpf
+    s = WanShape.of(model, latent_size, frames_per_chunk, sink_frames, window_frames)
+    hid, tpf, T = s.heads * s.head_dim, s.tokens_per_frame, s.chunk_tokens
     flops = chunk_flops(layers=s.num_layers, heads=s.heads, head_dim=s.head_dim,
                         pin=sink_frames * tpf, window=window_frames * tpf, tokens=T,
-                        blocks=[T] * len(r.sigmas[:-1]) + [clean], linear_per_token=linear,
-                        cross_keys=text.shape[1])
+                        blocks=[T] * 5,  # 4 steps and a one-block clean pass (the defaults)
+                        linear_per_token=s.num_layers * (6 * hid * hid + 2 * hid * cfg.ffn_dim)
+                        + 2 * C * 4 * hid, cross_keys=text.shape[1])
     ceiling = ceiling or matmul_ceiling()
-    return {"model": f"diffusers Wan {config} (WanRollout), {glue} glue",
-            "window_frames": window_frames,
-            **summarise(prof, flops, ceiling, times)}
+    out = []
+    for glue in glues:
+        progress(f"breakdown wan {config} window {window_frames}, {glue} glue: an eager chunk")
+        eager = WanRollout(model, use_graphs=False, glue=glue, **kw)
+        eager.set_prompt(text)
+        _timed(eager.step, noises[:fill], fill, eager.device)
+        prof = profile_kernels(lambda: eager.step(noises[fill]))
+        eager.close()
+        r = WanRollout(model, glue=glue, **kw)
+        r.set_prompt(text)
+        r.capture()
+        times, _ = _timed(r.step, noises, fill, r.device)
+        r.close()
+        out.append({"model": f"diffusers Wan {config} (WanRollout), {glue} glue",
+                    "window_frames": window_frames, **summarise(prof, flops, ceiling, times)})
+    return out

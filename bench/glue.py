@@ -37,22 +37,28 @@ def _inputs(m, S: int, device) -> dict:
         return (torch.randn(*shape, generator=g, device=device) * scale).to(torch.bfloat16)
     return {"x": r(1, S, hid), "mods": [r(1, 1, hid, scale=0.1) for _ in range(6)],
             "qkv": r(1, S, H + 2 * Hkv, D), "proj": r(1, S, hid), "fc2": r(1, S, hid),
-            "qn": r(D, scale=0.1) + 1, "kn": r(D, scale=0.1) + 1,
+            "qn": _rms_norm(r(D, scale=0.1) + 1), "kn": _rms_norm(r(D, scale=0.1) + 1),
             "fc1": torch.nn.Linear(hid, m.ffn_size, device=device, dtype=torch.bfloat16)}
 
 
+def _rms_norm(weight: torch.Tensor):
+    """The model's per-head QK norm (`blocks.RMSNorm`) with this weight."""
+    from framekv.engine.model.blocks import RMSNorm
+
+    norm = RMSNorm(weight.shape[0]).to(weight.device).requires_grad_(False)
+    norm.weight.copy_(weight)
+    return norm
+
+
 def torch_glue(x, mods, qkv, proj, fc2, cos, sin, qn, kn, fc1, H: int, Hkv: int):
-    """The reference block's glue as torch ops (returns what the GEMMs would read)."""
+    """The reference block's glue as torch ops (returns what the GEMMs would read);
+    qn, kn: the QK norms (`blocks.RMSNorm`)."""
     from framekv.engine.model.blocks import apply_rope, modulate
 
     shift1, scale1, gate1, shift2, scale2, gate2 = mods
     h1 = modulate(x, shift1, scale1)
-
-    def norm(t, w):
-        tf = t.float()
-        return (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(t.dtype)
     q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
-    packed = torch.cat([apply_rope(norm(q, qn), cos, sin), apply_rope(norm(k, kn), cos, sin), v], 2)
+    packed = torch.cat([apply_rope(qn(q), cos, sin), apply_rope(kn(k), cos, sin), v], 2)
     x = x + gate1 * proj
     h2 = modulate(x, shift2, scale2)
     mlp = F.gelu(fc1(h2), approximate="tanh")
@@ -65,7 +71,8 @@ def fused_glue(x, mods, qkv, proj, fc2, rope, qn, kn, fc1, H: int, Hkv: int):
 
     shift1, scale1, gate1, shift2, scale2, gate2 = mods
     h1 = ops.adaln_(x, shift=shift1, scale=scale1)
-    ops.qk_norm_rope_stage_(qkv, qn, kn, num_heads=H, num_kv_heads=Hkv, norm="head", rope=rope)
+    ops.qk_norm_rope_stage_(qkv, qn.weight, kn.weight, num_heads=H, num_kv_heads=Hkv,
+                            norm="head", eps=qn.eps, rope=rope)
     h2 = ops.adaln_(x, residual=proj, gate=gate1, shift=shift2, scale=scale2)
     mlp = linear_gelu(fc1, h2)
     ops.gated_residual_(x, fc2, gate2)

@@ -98,8 +98,14 @@ else:
         if not isinstance(idx, types.UniTuple) or idx.count != ary.ndim:
             raise TypeError(f"float access needs {ary.ndim} indices, got {idx}")
 
-    def _to_bf16(builder, value):
-        # Round to nearest even on the bits; NaN becomes 0x7FC0.
+    def bf16_to_f32_ir(builder, lane):
+        """LLVM IR: an i16 of bf16 bits as a float (the kernels' word unpackers too)."""
+        return builder.bitcast(builder.shl(builder.zext(lane, _I32), ir.Constant(_I32, 16)),
+                               _F32)
+
+    def f32_to_bf16_ir(builder, value):
+        """LLVM IR: a float rounded to bf16 bits (i16), nearest even as torch rounds;
+        NaN becomes 0x7FC0."""
         bits = builder.bitcast(value, _I32)
         odd = builder.and_(builder.lshr(bits, ir.Constant(_I32, 16)), ir.Constant(_I32, 1))
         bias = builder.add(ir.Constant(_I32, 0x7FFF), odd)
@@ -116,7 +122,7 @@ else:
             ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             bits = builder.load(ptr)
             if sig.args[0].dtype == types.int16:
-                bits = builder.shl(builder.zext(bits, _I32), ir.Constant(_I32, 16))
+                return bf16_to_f32_ir(builder, bits)
             return builder.bitcast(bits, _F32)
 
         return types.float32(ary, idx), codegen
@@ -141,9 +147,8 @@ else:
             out = []
             for k in range(4):
                 lane = builder.extract_element(word, ir.Constant(_I32, k))
-                if bits is _I16:
-                    lane = builder.shl(builder.zext(lane, _I32), ir.Constant(_I32, 16))
-                out.append(builder.bitcast(lane, _F32))
+                out.append(bf16_to_f32_ir(builder, lane) if bits is _I16
+                           else builder.bitcast(lane, _F32))
             return context.make_tuple(builder, _F32X4, out)
 
         return _F32X4(ary, idx), codegen
@@ -161,7 +166,7 @@ else:
             word = ir.Constant(ir.VectorType(bits, 4), None)
             for k, (v, ty) in enumerate(zip(vals, sig.args[2])):
                 v = context.cast(builder, v, ty, types.float32)
-                lane = _to_bf16(builder, v) if bits is _I16 else builder.bitcast(v, _I32)
+                lane = f32_to_bf16_ir(builder, v) if bits is _I16 else builder.bitcast(v, _I32)
                 word = builder.insert_element(word, lane, ir.Constant(_I32, k))
             builder.store(word, ptr, align=align)
 
@@ -175,7 +180,7 @@ else:
         def codegen(context, builder, sig, args):
             ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             v = context.cast(builder, args[2], sig.args[2], types.float32)
-            bits = _to_bf16(builder, v) if sig.args[0].dtype == types.int16 else builder.bitcast(v, _I32)
+            bits = f32_to_bf16_ir(builder, v) if sig.args[0].dtype == types.int16 else builder.bitcast(v, _I32)
             builder.store(bits, ptr)
 
         return types.void(ary, idx, value), codegen

@@ -88,6 +88,9 @@ else:
     from numba.cuda import cgutils, libdevice
     from numba.cuda.extending import intrinsic
 
+    from ._float import bf16_to_f32_ir as _bf16_to_f32
+    from ._float import f32_to_bf16_ir as _f32_to_bf16
+
     def _device(fn):
         return cuda.jit(device=True, forceinline=True)(fn)
 
@@ -116,22 +119,9 @@ else:
             word = builder.insert_value(word, builder.bitcast(bits, ir.DoubleType()), part)
         return word
 
-    def _bf16_to_f32(builder, lane):
-        wide = builder.shl(builder.zext(lane, _I32), ir.Constant(_I32, 16))
-        return builder.bitcast(wide, _F32)
-
     def _fp16_to_f32(builder, lane):
         cvt = ir.InlineAsm(ir.FunctionType(_F32, [_I16]), "cvt.f32.f16 $0, $1;", "=f,h")
         return builder.call(cvt, [lane])
-
-    def _f32_to_bf16(builder, value):
-        # Round to nearest even on the bits (as torch does); NaN becomes 0x7FC0.
-        bits = builder.bitcast(value, _I32)
-        odd = builder.and_(builder.lshr(bits, ir.Constant(_I32, 16)), ir.Constant(_I32, 1))
-        bias = builder.add(ir.Constant(_I32, 0x7FFF), odd)
-        rounded = builder.trunc(builder.lshr(builder.add(bits, bias), ir.Constant(_I32, 16)), _I16)
-        nan = builder.fcmp_unordered("uno", value, value)
-        return builder.select(nan, ir.Constant(_I16, 0x7FC0), rounded)
 
     def _f32_to_fp16(builder, value):
         cvt = ir.InlineAsm(ir.FunctionType(_I16, [_F32]), "cvt.rn.f16.f32 $0, $1;", "=h,f")

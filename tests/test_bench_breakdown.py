@@ -57,7 +57,7 @@ def test_the_glue_benchmark_compares_the_same_work():
     their times compare like for like (the inductor variant compiles the torch one)."""
     import torch
 
-    from framekv.bench.glue import fused_glue, torch_glue
+    from framekv.bench.glue import _rms_norm, fused_glue, torch_glue
     from framekv.engine.model.blocks import Rope3D
 
     g = torch.Generator().manual_seed(0)
@@ -67,7 +67,8 @@ def test_the_glue_benchmark_compares_the_same_work():
         return torch.randn(*shape, generator=g) * s
     x, mods = r(B, S, hid), [r(B, 1, hid, s=0.1) for _ in range(6)]
     qkv, proj, fc2 = r(B, S, H + 2 * Hkv, D), r(B, S, hid), r(B, S, hid)
-    qn, kn, fc1 = 1 + r(D, s=0.1), 1 + r(D, s=0.1), torch.nn.Linear(hid, ffn).requires_grad_(False)
+    qn, kn = _rms_norm(1 + r(D, s=0.1)), _rms_norm(1 + r(D, s=0.1))
+    fc1 = torch.nn.Linear(hid, ffn).requires_grad_(False)
     rope = Rope3D(D, (2, 4), torch.device("cpu"))
     f0 = torch.tensor([5])
     cos, sin = Rope3D.cos_sin(rope.angles(f0, S // 8))

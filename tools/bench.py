@@ -193,14 +193,12 @@ def _breakdown(args, out: dict, save, progress) -> None:
 
     ceiling = matmul_ceiling()
     out["breakdown"] = {"ceiling_tflops": ceiling, "chunks": []}
-    runs = [functools.partial(breakdown.measure_reference, args.e2e_preset, glue=g)
-            for g in ("torch", "fused")]
-    runs += [functools.partial(breakdown.measure_wan, "1.3b", glue=g) for g in ("torch", "fused")]
-    for measure in runs:
-        r = measure(window_frames=21, ceiling=ceiling, progress=progress)
-        out["breakdown"]["chunks"].append(r)
+    for measure in (functools.partial(breakdown.measure_reference, args.e2e_preset),
+                    functools.partial(breakdown.measure_wan, "1.3b")):
+        for r in measure(window_frames=21, ceiling=ceiling, progress=progress):
+            out["breakdown"]["chunks"].append(r)
+            print(breakdown.format_breakdown(r["model"], r), flush=True)
         save()
-        print(breakdown.format_breakdown(r["model"], r), flush=True)
     out["breakdown"]["glue"] = glue.measure_glue(args.e2e_preset, progress=progress)
     save()
     print(glue.format_glue(out["breakdown"]["glue"]), flush=True)

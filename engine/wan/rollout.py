@@ -408,14 +408,15 @@ class WanRollout:
             raise ValueError(f"noise must be a {list(want)} tensor, got {got}")
         self._require_prompt()
         self.kv.use_sequences(rows)
+        frames = torch.as_tensor(frame0).tolist()  # the history's frame indices, read once
         inputs = {"noise": noise.to(self.device, torch.float32),
-                  "frame0": torch.as_tensor(frame0).to(self.device, torch.int64)}
+                  "frame0": torch.tensor(frames, dtype=torch.int64, device=self.device)}
         key = self._keys.get(len(rows))
         if self.use_graphs and key is not None and self.kv.replayable:
             out = self.graphs.replay(key, inputs).clone()
         else:
             out = self.chunk_fn(**inputs).clone()
-        for i, (r, f0) in enumerate(zip(rows, torch.as_tensor(frame0).tolist())):
+        for i, (r, f0) in enumerate(zip(rows, frames)):
             self.history.add(r, f0, out[i])
         return out
 
