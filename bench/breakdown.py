@@ -6,7 +6,8 @@ name (`category`):
 
     attention   cuDNN / flash SDPA kernels (framekv's paged SDPA, the cross-attention)
     gemm        cuBLAS / cuBLASLt / CUTLASS matmuls (nvjet, xmma, cutlass, gemm)
-    framekv     framekv's numba-cuda kernels (their symbols carry numba's ``cudapy``)
+    framekv     framekv's numba-cuda kernels (mangled symbols carry numba's ``cudapy``;
+                the profiler shows them demangled, ``framekv::ops::...``)
     other       everything else: torch elementwise, reductions, copies, cat, norms
 
 The useful work of the chunk is its GEMM and attention FLOPs, counted from the shapes
@@ -34,7 +35,7 @@ _GEMM = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "gemv", "matmul")
 def category(kernel: str) -> str:
     """The category of a CUDA kernel, from its (mangled or demangled) name."""
     n = kernel.lower()
-    if "cudapy" in n:
+    if "cudapy" in n or n.startswith("framekv::"):
         return "framekv"
     if any(k in n for k in _ATTENTION):
         return "attention"

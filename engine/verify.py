@@ -71,7 +71,7 @@ class VerifyReport:
     chunks: int
     tolerance: float
     graphs_eager: bool
-    glue: str = "torch"
+    glue: str = "fused"
     attention_errors: dict[str, list[float]] = field(default_factory=dict)
     replay_errors: list[float] = field(default_factory=list)
 
@@ -145,7 +145,7 @@ class _AttentionRecorder:
 
 
 def verify_rollout(preset="tiny", *, chunks: int | None = None, device=None, backend=None,
-                   tolerance: float | None = None, glue: str = "torch") -> VerifyReport:
+                   tolerance: float | None = None, glue: str = "fused") -> VerifyReport:
     """Run a rollout eagerly, through graph replay, and against the fp32 reference.
 
     Args:
@@ -154,7 +154,7 @@ def verify_rollout(preset="tiny", *, chunks: int | None = None, device=None, bac
         device: "cpu", "cuda[:N]" or None (cuda if available).
         backend: attention backend of the rollouts (default: cudnn on CUDA, reference on CPU).
         tolerance: max abs error allowed (default by dtype, `DEFAULT_TOLERANCE`).
-        glue: the model's glue, "torch" or "fused" (`Rollout`'s ``glue``); with "fused"
+        glue: the model's glue, "fused" (default) or "torch" (`Rollout`'s ``glue``); with "fused"
             the eager side runs the QK prologue in place (its recorder reads the packed
             K) and the graph side stages it into the cache, so the replay errors also
             compare the two.

@@ -13,6 +13,9 @@ elements ``idx[-1] .. idx[-1] + 3`` of the last dimension as one access (8 bytes
 16 of fp32): the caller guarantees that the four are in bounds and that their address
 is a multiple of the access size (`vector_aligned`).
 
+``round_f32(ary, value)`` is a float32 rounded to the array's format and widened back:
+what `store_f32` then `load_f32` would give, without the round trip through memory.
+
 Under numba's CUDA simulator the same names are numpy bit views.
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from ._launch import SIMULATOR
 
-__all__ = ["load_f32", "store_f32", "load_f32x4", "store_f32x4", "FLOAT_DTYPES",
+__all__ = ["load_f32", "store_f32", "load_f32x4", "store_f32x4", "round_f32", "FLOAT_DTYPES",
            "check_float_dtype", "vector_aligned"]
 
 #: The tensor dtypes these accessors handle (as int16 and int32 bits).
@@ -58,6 +61,12 @@ if SIMULATOR:
         """Store four float32 to ``ary[..., j : j + 4]``, rounded to the array's format."""
         for k in range(4):
             store_f32(ary, _last(idx, k), values[k])
+
+    def round_f32(ary, value):
+        """float32 ``value`` rounded to ary's format (bf16 or fp32 bits), as float32."""
+        tmp = np.zeros(1, dtype=ary.dtype)
+        store_f32(tmp, (0,), value)
+        return load_f32(tmp, (0,))
 
     def load_f32(ary, idx):
         """``ary[idx]`` (bf16 or fp32 bits) as float32."""
@@ -171,6 +180,20 @@ else:
             builder.store(word, ptr, align=align)
 
         return types.void(ary, idx, values), codegen
+
+    @intrinsic
+    def round_f32(typingctx, ary, value):
+        """float32 ``value`` rounded to ary's format (bf16 or fp32 bits), as float32."""
+        if not isinstance(ary, types.Array) or ary.dtype not in (types.int16, types.int32):
+            raise TypeError(f"float access needs int16 (bf16) or int32 (fp32) bits, got {ary}")
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[1], sig.args[1], types.float32)
+            if sig.args[0].dtype == types.int16:
+                return bf16_to_f32_ir(builder, f32_to_bf16_ir(builder, v))
+            return v
+
+        return types.float32(ary, value), codegen
 
     @intrinsic
     def store_f32(typingctx, ary, idx, value):

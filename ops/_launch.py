@@ -36,7 +36,8 @@ from ._compile import (_KERNELS, CompileStats, compile_stats,  # noqa: F401
 from .driver import check, driver
 
 __all__ = ["SIMULATOR", "MAX_THREADS", "MAX_BLOCKS", "use_kernel", "pick_word_size",
-           "array_arg", "pointer_arg", "int_arg", "kernel_arguments", "threads_for",
+           "array_arg", "pointer_arg", "int_arg", "kernel_arguments", "threads_for", "threads_holding",
+           "HARD_MAX_THREADS",
            "blocks_for", "Kernel", "enable_disk_cache", "CompileStats", "compile_stats"]
 
 #: True when numba runs CUDA kernels in its simulator (decided when numba is imported).
@@ -53,6 +54,7 @@ if not SIMULATOR:
 THREAD_STEP: int = 4 if SIMULATOR else 32  # block sizes are multiples of this (a warp)
 MAX_THREADS: int = 8 if SIMULATOR else 256
 MAX_BLOCKS: int = 3 if SIMULATOR else 32768
+HARD_MAX_THREADS = 1024  # threads a CUDA block may have
 
 #: Force launches through numba's dispatcher (slower host path) instead of the lean one.
 USE_DISPATCHER: bool = False
@@ -92,6 +94,16 @@ def _aligned(t: torch.Tensor, w: int) -> bool:
 def threads_for(work: int) -> int:
     """Threads per block for ``work`` independent items: whole warps, at most MAX_THREADS."""
     return max(THREAD_STEP, min(MAX_THREADS, -(-work // THREAD_STEP) * THREAD_STEP))
+
+
+def threads_holding(lanes: int) -> int:
+    """Threads per block when all ``lanes`` must run at once (a kernel that keeps a row
+    in registers): whole warps (THREAD_STEP), not capped by MAX_THREADS; ValueError past
+    the hardware's 1024 (the ops check their shapes first, naming the argument)."""
+    n = max(THREAD_STEP, -(-lanes // THREAD_STEP) * THREAD_STEP)
+    if n > HARD_MAX_THREADS:
+        raise ValueError(f"lanes: expected at most {HARD_MAX_THREADS} threads, got {lanes}")
+    return n
 
 
 def blocks_for(work: int) -> int:

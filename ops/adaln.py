@@ -20,20 +20,24 @@ are bf16 or fp32, each free to differ from the others. The device may contract a
 ``a * b + c`` into one FMA, so a GPU result can differ from torch's by an fp32 ulp
 before that last rounding.
 
-Kernel: one CTA per row (grid-stride over rows), its threads taking four values at a
-time: four consecutive ones in one 8-byte (bf16) or 16-byte (fp32) access when every
-tensor is `vector_aligned` (N a multiple of 4 and 4-value aligned rows, the usual case:
-a warp then moves 256 or 512 contiguous bytes per access), else four values a block
-width apart, one 2- or 4-byte access each. All loads of a group are issued before any
-store, so a thread waits for memory once per group. Pass 1 adds the gated residual
-(storing and re-reading the rounded values) and sums the row; pass 2 sums the squared
-deviations from the mean (two passes: fp32 accuracy for rows with a large mean); pass 3
-writes the modulated output. Passes 2 and 3 re-read the row: it is at most 20 KiB
-(N = 5120, fp32), so those reads hit L1/L2 and DRAM sees each byte once. The row sums
-are block reductions in shared memory with two barriers each. With the norm switched
-off the same kernel is the gated residual (pass 1 alone). Every stride loop is correct
-for any block and grid size; nothing syncs with the host or allocates on the bound
-path, so launches are graph-capturable.
+Kernel: one CTA per row holding the whole row in registers:
+at least N / 8 threads (whole warps), each with eight values in two groups of four
+(N <= `MAX_N` = 8192). A group is four consecutive values in one 8-byte (bf16) or
+16-byte (fp32) access when every tensor is `vector_aligned` (N a multiple of 4,
+4-value aligned rows: the usual case), else four values a block width apart, one 2- or
+4-byte access each. x is read from memory once: the gated residual is added, rounded
+to x's format and stored in registers (the norm sees the stored values); the mean and
+then the sum of squared deviations from it (two passes over registers: fp32 accuracy
+for rows with a large mean) are block sums of one barrier each: warp shuffles, then
+the warps' sums in a fixed order (bit-identical on every run; `_reduce`); the
+modulated output is written from registers. With
+the norm switched off the same kernel is the gated residual. The grid has one CTA per
+row and no grid-stride loop: around such a loop the compiler keeps every hoisted
+address live (255 registers and spills, against 54 without it at bf16: one 192-thread
+CTA per SM instead of six). Nothing syncs with the host or allocates on the bound path,
+so launches are graph-capturable. (The previous kernel, a grid-stride loop streaming
+the row three times through L1, took 92 us per call at N = 1536, S = 4680 inside the
+reference model on the H200.)
 
 One file: one op pair, as every op of this package is (kernel, references, validating
 wrappers, custom ops, bound launchers); its length is the checks of eight optional
@@ -50,21 +54,25 @@ import torch
 import torch.nn.functional as F
 from numba import cuda
 from numba import float32 as _f32
+from numba import float64, int64
 
-from ._float import (check_float_dtype, load_f32, load_f32x4, store_f32, store_f32x4,
-                     vector_aligned)
-from ._launch import SIMULATOR, Kernel, array_arg, blocks_for, int_arg, threads_for, use_kernel
+from ._float import (check_float_dtype, load_f32, load_f32x4, round_f32, store_f32,
+                     store_f32x4, vector_aligned)
+from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, threads_holding,
+                      use_kernel)
+from ._reduce import WARP, segment_total
 from ._validate import check_last_dim_contiguous, check_no_overlap, check_same_device, check_tensor
 
 __all__ = ["adaln_", "adaln_reference", "bind_adaln", "AdaLN",
            "gated_residual_", "gated_residual_reference", "bind_gated_residual",
-           "GatedResidual"]
+           "GatedResidual", "MAX_N"]
 
 # Kernel flags: which optional tensors are real (the others are stand-ins never read).
 _RES, _GATE, _SHIFT, _SCALE, _WEIGHT, _BIAS, _NORM = 1, 2, 4, 8, 16, 32, 64
 _VEC = 128  # every tensor `vector_aligned`: groups of 4 consecutive values, one access each
-_SHARED = 1024  # one partial sum per thread: any legal block size
-_PARTS = 32     # second level of the block sum (a fixed count, so its loop unrolls)
+_VALUES = 8  # values a thread holds in registers: two groups of four
+MAX_N = _VALUES * HARD_MAX_THREADS  # a CTA holds a whole row
+_WARPS = HARD_MAX_THREADS // WARP  # (a module constant: shared array sizes must be literals)
 
 if SIMULATOR:
 
@@ -74,6 +82,12 @@ if SIMULATOR:
     def _bits_f32(bits):
         """float32 from its bits (an int)."""
         return np.array([bits], dtype=np.int64).astype(np.int32).view(np.float32)[0]
+
+    def _bits_f64(bits):
+        """float64 from its bits (an int)."""
+        return np.int64(bits).view(np.float64)
+
+    _KOPTS = {}  # the simulator takes no register bound
 
 else:
     from numba import int32 as _i32
@@ -85,6 +99,10 @@ else:
     @_device
     def _bits_f32(bits):
         return libdevice.int_as_float(_i32(bits))
+
+    _bits_f64 = libdevice.longlong_as_double
+    # 54 registers unbounded (6 CTAs of 192 threads per SM); 40 spill nothing (8 CTAs).
+    _KOPTS = {"max_registers": 40}
 
 
 # --------------------------------------------------------------------------- kernel
@@ -100,10 +118,12 @@ def _ld(ary, b, i, j, n):
 
 @_device
 def _ld4(ary, b, i, j, step, n, vec):
-    """Values j, j + step, j + 2 step, j + 3 step of row (b, i); ``vec`` (step 1, all
-    four in bounds, aligned): one access."""
+    """Values j, j + step, j + 2 step, j + 3 step of row (b, i), 0 past n; ``vec``
+    (step 1, n a multiple of 4, aligned): one access, all four in or all out."""
     if vec:
-        return load_f32x4(ary, (b, i, j))
+        if j < n:
+            return load_f32x4(ary, (b, i, j))
+        return (_f32(0), _f32(0), _f32(0), _f32(0))
     return (_ld(ary, b, i, j, n), _ld(ary, b, i, j + step, n),
             _ld(ary, b, i, j + 2 * step, n), _ld(ary, b, i, j + 3 * step, n))
 
@@ -118,7 +138,8 @@ def _ld4_or(ary, b, i, j, step, n, vec, have, default):
 @_device
 def _st4(ary, b, i, j, step, n, vec, v):
     if vec:
-        store_f32x4(ary, (b, i, j), v)
+        if j < n:
+            store_f32x4(ary, (b, i, j), v)
         return
     if j < n:
         store_f32(ary, (b, i, j), v[0])
@@ -131,53 +152,40 @@ def _st4(ary, b, i, j, step, n, vec, v):
 
 
 @_device
-def _block_sum(v, sh, parts, t, nt):
-    """Sum of v over the block's threads, returned to every thread (fixed order, so
-    the same bits on every run). Two barriers; sh and parts may be reused right after."""
-    sh[t] = v
-    cuda.syncthreads()
-    for p in range(t, _PARTS, nt):  # every part is written, also when nt < _PARTS
-        acc = _f32(0)
-        for k in range(p, nt, _PARTS):
-            acc += sh[k]
-        parts[p] = acc
+def _block_sum(v, part, runs, t, nt):
+    """Sum of v over the block's threads, returned to every thread, in a fixed order
+    (the same bits on every run): warp sums (`segment_total`), then the warps' sums in
+    order. One barrier; each sum of a row takes its own ``runs``."""
+    w = segment_total(v, part, t, nt, WARP)
+    if t % WARP == 0:
+        runs[t // WARP] = w
     cuda.syncthreads()
     total = _f32(0)
-    for p in range(_PARTS):
-        total += parts[p]
+    for r in range((nt + WARP - 1) // WARP):
+        total += runs[r]
     return total
 
 
 @_device
-def _lanes(t, nt, flags):
-    """(first value, step between a group's four values) of thread t: on the vector
-    path four consecutive values (one 8- or 16-byte access; a warp reads 256 or 512
-    contiguous bytes), else four values nt apart (each access 2-4 bytes, coalesced)."""
-    if flags & _VEC:
-        return 4 * t, 1, True
-    return t, nt, False
+def _slots(t, nt, vec):
+    """(first value of this thread's first group, of its second, step in a group): four
+    consecutive values per group on the vector path (a warp moves 256 or 512 contiguous
+    bytes per access), else values nt apart (each access coalesced)."""
+    if vec:
+        return 4 * t, 4 * (t + nt), 1
+    return t, t + 4 * nt, nt
 
 
 @_device
-def _residual_pass(x, res, gate, b, s, mg, n, t, nt, flags):
-    """With a residual, x[b, s] <- x + gate * res (rounded to x's format and read
-    back); returns this thread's sum of the row's (updated) values."""
-    one = _f32(1)
-    acc = _f32(0)
-    j0, st, vec = _lanes(t, nt, flags)
-    for j in range(j0, n, 4 * nt):
-        xs = _ld4(x, b, s, j, st, n, vec)
-        if flags & _RES:
-            rs = _ld4(res, b, s, j, st, n, vec)
-            gs = _ld4_or(gate, b, mg, j, st, n, vec, flags & _GATE, one)
-            _st4(x, b, s, j, st, n, vec, (xs[0] + gs[0] * rs[0], xs[1] + gs[1] * rs[1],
-                                     xs[2] + gs[2] * rs[2], xs[3] + gs[3] * rs[3]))
-            xs = _ld4(x, b, s, j, st, n, vec)  # the stored values, as the norm must see them
-        acc += xs[0]
-        acc += xs[1]
-        acc += xs[2]
-        acc += xs[3]
-    return acc
+def _add_gated(x, res, gate, b, s, mg, j, st, n, vec, xs, flags):
+    """One group of x[b, s] + gate * res, rounded to x's format: stored, and returned
+    as the norm must see it (the stored values)."""
+    rs = _ld4(res, b, s, j, st, n, vec)
+    gs = _ld4_or(gate, b, mg, j, st, n, vec, flags & _GATE, _f32(1))
+    v = (round_f32(x, xs[0] + gs[0] * rs[0]), round_f32(x, xs[1] + gs[1] * rs[1]),
+         round_f32(x, xs[2] + gs[2] * rs[2]), round_f32(x, xs[3] + gs[3] * rs[3]))
+    _st4(x, b, s, j, st, n, vec, v)
+    return v
 
 
 @_device
@@ -186,17 +194,10 @@ def _sq(d, j, n):
 
 
 @_device
-def _deviation_pass(x, b, s, n, t, nt, mean, flags):
-    """This thread's sum of (x - mean)^2 over the row."""
-    acc = _f32(0)
-    j0, st, vec = _lanes(t, nt, flags)
-    for j in range(j0, n, 4 * nt):
-        xs = _ld4(x, b, s, j, st, n, vec)
-        acc += _sq(xs[0] - mean, j, n)
-        acc += _sq(xs[1] - mean, j + st, n)
-        acc += _sq(xs[2] - mean, j + 2 * st, n)
-        acc += _sq(xs[3] - mean, j + 3 * st, n)
-    return acc
+def _deviation(xs, j, st, n, mean):
+    """Sum of (x - mean)^2 over one group's values that are in the row."""
+    return (_sq(xs[0] - mean, j, n) + _sq(xs[1] - mean, j + st, n)
+            + _sq(xs[2] - mean, j + 2 * st, n) + _sq(xs[3] - mean, j + 3 * st, n))
 
 
 @_device
@@ -205,51 +206,68 @@ def _mod(v, w, bb, c, h, mean, rstd):
 
 
 @_device
-def _out_pass(x, out, mods, b, s, rows, n, t, nt, mean, rstd, flags):
-    """out[b, s] = the modulated norm; mods: (shift, scale, weight, bias), rows: the
-    row of each (weight and bias are [B, 1, N] with zero strides: row 0)."""
+def _out4(out, mods, rows, b, s, j, st, n, vec, xs, mean, rstd, flags):
+    """One group of out[b, s] = the modulated norm; mods: (shift, scale, weight, bias),
+    rows: the row of each (weight and bias are [B, 1, N] with zero strides: row 0)."""
     shift, scale, weight, bias = mods
     one, zero = _f32(1), _f32(0)
-    j0, st, vec = _lanes(t, nt, flags)
-    for j in range(j0, n, 4 * nt):
-        xs = _ld4(x, b, s, j, st, n, vec)
-        hs = _ld4_or(shift, b, rows[0], j, st, n, vec, flags & _SHIFT, zero)
-        cs = _ld4_or(scale, b, rows[1], j, st, n, vec, flags & _SCALE, zero)
-        ws = _ld4_or(weight, b, rows[2], j, st, n, vec, flags & _WEIGHT, one)
-        bs = _ld4_or(bias, b, rows[3], j, st, n, vec, flags & _BIAS, zero)
-        _st4(out, b, s, j, st, n, vec, (_mod(xs[0], ws[0], bs[0], cs[0], hs[0], mean, rstd),
-                                   _mod(xs[1], ws[1], bs[1], cs[1], hs[1], mean, rstd),
-                                   _mod(xs[2], ws[2], bs[2], cs[2], hs[2], mean, rstd),
-                                   _mod(xs[3], ws[3], bs[3], cs[3], hs[3], mean, rstd)))
+    hs = _ld4_or(shift, b, rows[0], j, st, n, vec, flags & _SHIFT, zero)
+    cs = _ld4_or(scale, b, rows[1], j, st, n, vec, flags & _SCALE, zero)
+    ws = _ld4_or(weight, b, rows[2], j, st, n, vec, flags & _WEIGHT, one)
+    bs = _ld4_or(bias, b, rows[3], j, st, n, vec, flags & _BIAS, zero)
+    _st4(out, b, s, j, st, n, vec, (_mod(xs[0], ws[0], bs[0], cs[0], hs[0], mean, rstd),
+                               _mod(xs[1], ws[1], bs[1], cs[1], hs[1], mean, rstd),
+                               _mod(xs[2], ws[2], bs[2], cs[2], hs[2], mean, rstd),
+                               _mod(xs[3], ws[3], bs[3], cs[3], hs[3], mean, rstd)))
 
 
-@cuda.jit
-def _adaln_kernel(x, out, res, gate, shift, scale, weight, bias, flags, eps_bits):
+@_device
+def _quot(a, inv_bits):
+    """a // d for an int a >= 0, given the fp64 bits of 1 / d: floor((a + 1/2) / d) is
+    exact in fp64 for a < 2^50 (the quotient is at least 1 / (2d) from an integer),
+    and it spares the dozens of instructions of an integer division."""
+    return int64((float64(a) + 0.5) * _bits_f64(inv_bits))
+
+
+@cuda.jit(**_KOPTS)
+def _adaln_kernel(x, out, res, gate, shift, scale, weight, bias, flags, eps_bits, inv_s,
+                  inv_gate, inv_shift, inv_scale):
     # x, out, res: [B, S, N]; gate, shift, scale: [B, M, N] (M may differ per tensor);
     # weight, bias: [B, 1, N] (zero strides); all float bits (int16 = bf16, int32 =
-    # fp32). A tensor whose flag is off is a stand-in (x) that is never read.
-    sh = cuda.shared.array(_SHARED, _f32)
-    parts = cuda.shared.array(_PARTS, _f32)
+    # fp32). A tensor whose flag is off is a stand-in (x) that is never read. The block
+    # has at least N / 8 threads: each holds its 8 values in registers for the row.
+    part = cuda.shared.array(HARD_MAX_THREADS, _f32)  # used by the simulator's sums only
+    runs_mean = cuda.shared.array(_WARPS, _f32)
+    runs_var = cuda.shared.array(_WARPS, _f32)
     S = x.shape[1]
     n = x.shape[2]
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
     eps = _bits_f32(eps_bits)
-    # Tokens per row of each [B, M, N] tensor (token s uses row s // (S // M)); divided
-    # once here, since a 64-bit division costs dozens of instructions.
-    per = (S // gate.shape[1], S // shift.shape[1], S // scale.shape[1],
-           S // weight.shape[1], S // bias.shape[1])
-    for row in range(cuda.blockIdx.x, x.shape[0] * S, cuda.gridDim.x):
-        b = row // S
+    vec = (flags & _VEC) != 0
+    j1, j2, st = _slots(t, nt, vec)
+    # inv_*: fp64 bits of 1 / S and of 1 / (S // M) for each [B, M, N] modulation
+    # (token s uses row s // (S // M)); weight and bias have one row.
+    row = cuda.blockIdx.x  # one CTA per row, no grid-stride loop (module doc: registers)
+    if row < x.shape[0] * S:
+        b = _quot(row, inv_s)
         s = row - b * S
-        acc = _residual_pass(x, res, gate, b, s, s // per[0], n, t, nt, flags)
+        xa = _ld4(x, b, s, j1, st, n, vec)
+        xc = _ld4(x, b, s, j2, st, n, vec)
+        if flags & _RES:
+            mg = _quot(s, inv_gate)
+            xa = _add_gated(x, res, gate, b, s, mg, j1, st, n, vec, xa, flags)
+            xc = _add_gated(x, res, gate, b, s, mg, j2, st, n, vec, xc, flags)
         if flags & _NORM:  # the same for the whole block: every thread meets the barriers
-            mean = _block_sum(acc, sh, parts, t, nt) / _f32(n)
-            var = _block_sum(_deviation_pass(x, b, s, n, t, nt, mean, flags), sh, parts, t, nt)
+            acc = xa[0] + xa[1] + xa[2] + xa[3] + xc[0] + xc[1] + xc[2] + xc[3]
+            mean = _block_sum(acc, part, runs_mean, t, nt) / _f32(n)
+            var = _block_sum(_deviation(xa, j1, st, n, mean) + _deviation(xc, j2, st, n, mean),
+                             part, runs_var, t, nt)
             rstd = _f32(1) / _f32(math.sqrt(var / _f32(n) + eps))
-            rows = (s // per[1], s // per[2], s // per[3], s // per[4])
-            _out_pass(x, out, (shift, scale, weight, bias), b, s, rows, n, t, nt, mean, rstd,
-                      flags)
+            rows = (_quot(s, inv_shift), _quot(s, inv_scale), 0, 0)
+            mods = (shift, scale, weight, bias)
+            _out4(out, mods, rows, b, s, j1, st, n, vec, xa, mean, rstd, flags)
+            _out4(out, mods, rows, b, s, j2, st, n, vec, xc, mean, rstd, flags)
 
 
 _KERNEL = Kernel(_adaln_kernel)
@@ -302,6 +320,12 @@ def _check_rows(name: str, t, ref_name: str, ref, written: bool = False) -> None
     check_last_dim_contiguous(name, t)
     if written:
         check_no_overlap(name, t)
+
+
+def _check_width(N: int) -> None:
+    if N > MAX_N:
+        raise ValueError(f"x: expected N <= {MAX_N} (a CTA holds a row: 8 values in each "
+                         f"of at most 1024 threads), got N = {N}")
 
 
 def _check_device(name: str, t, device, device_name: str) -> None:
@@ -360,6 +384,7 @@ def _check_call(x, out, residual, gate, bound=None) -> None:
     """The per-call tensors: x (of the bound (shape, device), if any), out (may be
     None) and residual (required with a gate)."""
     _check_rows("x", x, "", None, written=residual is not None)
+    _check_width(x.shape[2])
     _check_bound_x(x, bound)
     if out is not None:
         _check_rows("out", out, "x", x, written=True)
@@ -430,19 +455,27 @@ def _execute(x, out, residual, mods, eps: float, fixed=None, res_name="residual"
                             residual=residual, gate=gate, out=out)
         return
     xa = array_arg(x)
+    S = x.shape[1]
     fixed = _bound_args(x.shape[0], *mods) if fixed is None else fixed
     vec = all(t is None or vector_aligned(t) for t in (x, out, residual, *mods))
     args = [xa, xa if out is None else array_arg(out),
             xa if residual is None else array_arg(residual),
             *[xa if a is None else a for a in fixed],
             int_arg(_flags(residual, *mods, norm=out is not None) | (_VEC if vec else 0)),
-            int_arg(struct.unpack("<i", struct.pack("<f", eps))[0])]
-    _KERNEL.launch(blocks_for(x.shape[0] * x.shape[1]), _threads(x.shape[2]), args, x.device)
+            int_arg(struct.unpack("<i", struct.pack("<f", eps))[0]),
+            *[int_arg(_inv_bits(S, M)) for M in (1, *(1 if t is None else t.shape[1]
+                                                     for t in (gate, shift, scale)))]]
+    _KERNEL.launch(x.shape[0] * x.shape[1], _threads(x.shape[2]), args, x.device)
+
+
+def _inv_bits(S: int, M: int) -> int:
+    """fp64 bits of 1 / (S // M) as an int (the kernel's `_quot` divisor)."""
+    return struct.unpack("<q", struct.pack("<d", 1.0 / (S // M)))[0]
 
 
 def _threads(N: int) -> int:
-    # About 8 values a thread (two groups of 4): 192 threads at N = 1536, 256 at 5120.
-    return threads_for(-(-N // 8))
+    # Every value of a row in some thread's registers: 192 threads at N = 1536, 640 at 5120.
+    return threads_holding(-(-N // _VALUES))
 
 
 # --------------------------------------------------------------------------- ops
@@ -513,6 +546,7 @@ def gated_residual_(x: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Tenso
     does not overlap y or gate. gate: None (= 1) or [B, M, N] as in :func:`adaln_`.
     """
     _check_rows("x", x, "", None, written=True)
+    _check_width(x.shape[2])
     _check_rows("y", y, "x", x)
     _check_mod("gate", gate, tuple(x.shape), x.device, "x")
     _gated_residual_op(x, y, gate)
@@ -526,6 +560,7 @@ def _check_shape(x_shape) -> tuple[int, int, int]:
     if (shape is None or len(shape) != 3
             or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
         raise ValueError(f"x_shape: expected (B, S, N), three integers >= 0, got {x_shape!r}")
+    _check_width(shape[2])
     return shape
 
 

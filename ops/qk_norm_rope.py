@@ -30,17 +30,24 @@ NOT written: attention reads K from the pool, and leaving packed K raw lets the 
 of one launch recompute norm and rope from it while no block of the launch writes it.
 Without pools, Q and K are normed and rotated in place; V is never touched.
 
-Kernel: one launch, one block per work item (grid-stride): items [0, B*S) are the Q
-rows of the tokens, the next ones the K rows (tokens in place, or pool entries). A
-block first computes its token's cos/sin for the D/2 pairs into shared memory (each
-angle once, reused over heads), then splits its threads over the norm groups (a head,
-or all heads) so that each group has a set of lanes: lanes sum squares in fp32, a tree
-in shared memory reduces each group in a fixed order (no atomics: bit-identical
-results on every run, graph replay included), and the same lanes scale, rotate and
-store their pairs. Floats move through `_float.load_f32`/`store_f32` on raw bits.
-Blocks are small (at most 64 threads, 40 registers): a block holds one row at a time
-between barriers, so per-row latency, not bandwidth, bounds the kernel, and more
-blocks per SM hide it (measurements at `_BLOCK_CAP`).
+Kernel: one launch, one CTA per work item (no grid-stride loop: around one the
+compiler keeps every hoisted address live, and registers bound the CTAs per SM): items [0, B*S) are the Q rows
+of the tokens, the next ones the K rows (tokens in place, or pool entries), then (with
+pools) the V entries. A CTA holds one section of one token in registers: a thread
+takes 8 values of one head (columns 8j .. 8j + 7 interleaved, 4j .. 4j + 3 and
+D/2 + 4j .. + 3 half-split: its pairs are whole either way), in two 4-value accesses
+when D % 8 == 0 and every tensor is `vector_aligned`, else masked scalar ones; so
+``max(H, H_kv) * D <= MAX_HEAD_VALUES`` (8192). A Q or K CTA first has its threads
+compute the token's cos/sin of the D/2 pairs into shared memory (each angle once,
+reused over the heads), sums the squares of each norm group (a head, or all heads)
+in a fixed order (warp shuffles within a head of at most 32 lanes, else warp sums
+then the group's warps; `_reduce`; one barrier, which also publishes the tables; no
+atomics, so bit-identical results on every run, graph replay included), then scales,
+weighs, rotates and stores from registers: every byte of
+qkv is read once. A V CTA copies its entry's raw V heads. Floats move through
+`_float`'s accessors on raw bits. (The previous kernel looped over scalar elements in
+64-thread blocks and read q and k twice: 173 us at B = 2, S = 4680, 12 heads of 128
+on the H200, about 0.4 TB/s.)
 
 One file: one op, as every op of this package is (kernel, torch reference, validating
 wrapper, custom op, bound launcher); its length is the kernel's five device functions
@@ -55,43 +62,43 @@ from typing import Optional
 
 import numpy as np
 import torch
-from numba import cuda, float32, float64
+from numba import cuda, float32, float64, int64
 
-from ._float import FLOAT_DTYPES, load_f32, store_f32
-from ._launch import SIMULATOR, Kernel, array_arg, blocks_for, int_arg, threads_for, use_kernel
+from ._float import FLOAT_DTYPES, load_f32, load_f32x4, store_f32, store_f32x4, vector_aligned
+from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, threads_holding,
+                      use_kernel)
+from ._reduce import WARP, segment_total
 from ._validate import check_last_dim_contiguous, check_no_overlap, check_tensor
 from .advance_commit import check_int
 from .scatter_kv_slots import _check_pools, _check_slots, scatter_kv_slots_reference
 
-__all__ = ["RopeGrid", "qk_norm_rope_stage_", "qk_norm_rope_stage_reference",
+__all__ = ["RopeGrid", "MAX_HEAD_VALUES", "qk_norm_rope_stage_", "qk_norm_rope_stage_reference",
            "bind_qk_norm_rope_stage", "QKNormRopeStage"]
 
 _MAX_PAIRS = 256    # D <= 512: one token's cos/sin tables live in shared memory
-_MAX_BLOCK = 1024   # one fp32 partial sum per thread of the block
-# Threads per block. A block holds one token row at a time and its phases are separated
-# by barriers, so the kernel is bound by per-row latency, not by bandwidth: more, smaller
-# blocks per SM hide it better (on the H200 at 2 x 4680 tokens, 12 heads, D = 128: 64
-# threads 173 us, 128 threads 220 us, 256 threads 338 us, all at 40 registers).
-_BLOCK_CAP = 64
-_MAX_REGISTERS = 40  # unbounded it takes 68, and fewer blocks fit an SM (458 us at 256)
+_VALUES = 8         # values of one head a thread holds in registers (two groups of four)
+MAX_HEAD_VALUES = _VALUES * HARD_MAX_THREADS  # max(H, H_kv) * D: a CTA holds a token's q
+_WARPS = HARD_MAX_THREADS // WARP
 _NORMS = ("head", "all")
 _STYLES = ("interleaved", "half")
 
 if SIMULATOR:
     _device = cuda.jit(device=True)
-    _KOPTS = {}  # the simulator takes no register bound
 
     def _as_f64(bits):
         """int64 bits as float64."""
         return np.int64(bits).view(np.float64)
+
+    _KOPTS = {}  # the simulator takes no register bound
 else:
     from numba.cuda import libdevice
 
     _device = cuda.jit(device=True, forceinline=True)
-    _KOPTS = {"max_registers": _MAX_REGISTERS}
 
     # No fp64 array argument exists (tensors arrive as raw words): reinterpret the bits.
     _as_f64 = libdevice.longlong_as_double
+    # 62 registers unbounded (5 CTAs of 192 threads per SM); 48 spill 20 bytes (7 CTAs).
+    _KOPTS = {"max_registers": 48}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -135,163 +142,226 @@ def _rope_table(cos_t, sin_t, inv_freq, frame0, b, s, offset, gh, gw, n_f, n_fh)
 
 
 @_device
-def _sum_squares(src, h0, seg, n, lane, tph):
-    """fp32 sum of squares of this lane's share of elements [seg*n, (seg+1)*n) of the
-    flat heads h0.. of ``src`` [heads, D]."""
-    D = src.shape[1]
-    f = seg * n + lane
-    head = f // D
-    col = f - head * D
-    acc = float32(0.0)
-    for _ in range(lane, n, tph):
-        x = load_f32(src, (h0 + head, col))
-        acc += x * x
-        col += tph
-        while col >= D:  # step without a division per element
-            col -= D
-            head += 1
-    return acc
+def _ld4(ary, h, c, lim, vec):
+    """Columns c .. c + 3 of head h of ``ary`` [heads, D] as float32, 0 from column lim
+    on; ``vec``: one access, all four in or all out."""
+    z = float32(0.0)
+    if vec:
+        if c < lim:
+            return load_f32x4(ary, (h, c))
+        return (z, z, z, z)
+    return (load_f32(ary, (h, c)) if c < lim else z,
+            load_f32(ary, (h, c + 1)) if c + 1 < lim else z,
+            load_f32(ary, (h, c + 2)) if c + 2 < lim else z,
+            load_f32(ary, (h, c + 3)) if c + 3 < lim else z)
 
 
 @_device
-def _segment_sums(part, t, lane, tph, active):
-    """Tree-reduce each segment part[t - lane : t - lane + tph] into its first entry,
-    in a fixed order. Every thread of the block takes the same barriers."""
-    step = 1
-    while step * 2 < tph:
-        step *= 2
-    if tph == 1:
-        step = 0
-    while step > 0:
-        if active and lane < step and lane + step < tph:
-            part[t] += part[t + step]
+def _w4(w, i, lim, vec):
+    """Weights i .. i + 3 of the 1-D ``w`` as float32, 0 from index lim on."""
+    z = float32(0.0)
+    if vec:
+        if i < lim:
+            return load_f32x4(w, (i,))
+        return (z, z, z, z)
+    return (load_f32(w, (i,)) if i < lim else z, load_f32(w, (i + 1,)) if i + 1 < lim else z,
+            load_f32(w, (i + 2,)) if i + 2 < lim else z,
+            load_f32(w, (i + 3,)) if i + 3 < lim else z)
+
+
+@_device
+def _st4(ary, h, c, lim, vec, v):
+    if vec:
+        if c < lim:
+            store_f32x4(ary, (h, c), v)
+        return
+    for k in range(4):
+        if c + k < lim:
+            store_f32(ary, (h, c + k), v[k])
+
+
+@_device
+def _group_sum(v, part, runs, t, nt, size):
+    """Sum of v over t's group, the aligned ``size`` threads ``t // size`` (size uniform
+    over the block), in a fixed order. Every thread of the block calls it, and it
+    publishes what the block wrote to shared memory before (a barrier on every path)."""
+    if size <= WARP and WARP % size == 0:  # a head within a warp: shuffles alone
+        total = segment_total(v, part, t, nt, size)
         cuda.syncthreads()
-        step //= 2
-
-
-@_device
-def _apply(src, h0, w, per_head, half, has_rope, rs, cos_t, sin_t, seg, G, lane, tph,
-           out1, o0, put1, out2, put2):
-    """Scale, weigh and rotate this lane's pairs of group ``seg`` (G pairs) and store."""
-    D = src.shape[1]
-    P = D // 2
-    q = seg * G + lane
-    head = q // P
-    i = q - head * P
-    for _ in range(lane, G, tph):
-        c0 = i if half else 2 * i
-        c1 = c0 + P if half else c0 + 1
-        wb = 0 if per_head else head * D
-        x0 = load_f32(src, (h0 + head, c0)) * rs * load_f32(w, (wb + c0,))
-        x1 = load_f32(src, (h0 + head, c1)) * rs * load_f32(w, (wb + c1,))
-        if has_rope:
-            c = cos_t[i]
-            sn = sin_t[i]
-            x0, x1 = x0 * c - x1 * sn, x0 * sn + x1 * c
-        if put1:
-            store_f32(out1, (o0 + head, c0), x0)
-            store_f32(out1, (o0 + head, c1), x1)
-        if put2:
-            store_f32(out2, (o0 + head, c0), x0)
-            store_f32(out2, (o0 + head, c1), x1)
-        i += tph
-        while i >= P:
-            i -= P
-            head += 1
-
-
-@_device
-def _norm_rope(src, h0, nh, w, per_head, half, has_rope, eps, cos_t, sin_t, part,
-               out1, o0, put1, out2, put2):
-    """Norm + rope of heads [h0, h0+nh) of one token row ``src`` [heads, D] by the block,
-    written to heads o0.. of out1 / out2 (where put1 / put2)."""
-    t = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    P = src.shape[1] // 2
-    ns = nh if per_head else 1            # norm groups
-    G = P if per_head else nh * P         # pairs per group
-    tph = min(G, max(1, nt // ns))        # lanes per group
-    spr = nt // tph                       # groups per round
-    lane = t % tph
-    n = float32(2 * G)
-    for first in range(0, ns, spr):
-        seg = first + t // tph
-        active = t < spr * tph and seg < ns
-        acc = float32(0.0)
-        if active:
-            acc = _sum_squares(src, h0, seg, 2 * G, lane, tph)
-        part[t] = acc
+        return total
+    g0 = t - t % size
+    end = min(g0 + size, nt)
+    total = float32(0.0)
+    if size % WARP == 0:  # whole warps: their sums, then the group's warps in order
+        w = segment_total(v, part, t, nt, WARP)
+        if t % WARP == 0:
+            runs[t // WARP] = w
         cuda.syncthreads()
-        _segment_sums(part, t, lane, tph, active)
-        if active:
-            rs = float32(1.0) / float32(math.sqrt(part[t - lane] / n + eps))
-            _apply(src, h0, w, per_head, half, has_rope, rs, cos_t, sin_t, seg, G, lane,
-                   tph, out1, o0, put1, out2, put2)
-        cuda.syncthreads()  # part and the rope tables are reused next
+        for r in range(g0 // WARP, (end + WARP - 1) // WARP):
+            total += runs[r]
+        return total
+    part[t] = v  # any other size (a head dim not a multiple of 64): through shared memory
+    cuda.syncthreads()
+    for k in range(g0, end):
+        total += part[k]
+    return total
 
 
 @_device
-def _copy_v(src, h0, v_pool, d1, d2):
-    """Raw V heads h0.. of one token row to slots d1 / d2 (skipped when negative)."""
-    D = src.shape[1]
+def _sq4(a):
+    return a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3]
+
+
+@_device
+def _scale4(a, rs, w):
+    return (a[0] * rs * w[0], a[1] * rs * w[1], a[2] * rs * w[2], a[3] * rs * w[3])
+
+
+@_device
+def _turn(x0, x1, c, s):
+    return x0 * c - x1 * s, x0 * s + x1 * c
+
+
+@_device
+def _rotate(a, c, i, half, cos_t, sin_t):
+    """Rotate this thread's pairs 4i' .. 4i' + 3 (i = 4j): (a0, a1), (a2, a3), (c0, c1),
+    (c2, c3) interleaved, or (a_m, c_m) half-split. Pairs past D/2 read table entries
+    that are never stored (their values are not either)."""
+    if half:
+        r0 = _turn(a[0], c[0], cos_t[i], sin_t[i])
+        r1 = _turn(a[1], c[1], cos_t[i + 1], sin_t[i + 1])
+        r2 = _turn(a[2], c[2], cos_t[i + 2], sin_t[i + 2])
+        r3 = _turn(a[3], c[3], cos_t[i + 3], sin_t[i + 3])
+        return (r0[0], r1[0], r2[0], r3[0]), (r0[1], r1[1], r2[1], r3[1])
+    r0 = _turn(a[0], a[1], cos_t[i], sin_t[i])
+    r1 = _turn(a[2], a[3], cos_t[i + 1], sin_t[i + 1])
+    r2 = _turn(c[0], c[1], cos_t[i + 2], sin_t[i + 2])
+    r3 = _turn(c[2], c[3], cos_t[i + 3], sin_t[i + 3])
+    return (r0[0], r0[1], r1[0], r1[1]), (r2[0], r2[1], r3[0], r3[1])
+
+
+@_device
+def _slots(j, D, half):
+    """(first column of this thread's first group, its bound, of its second group):
+    columns 8j .. 8j + 7 interleaved; 4j .. 4j + 3 and D/2 + 4j .. + 3 half-split."""
+    if half:
+        return 4 * j, D // 2, D // 2 + 4 * j
+    return 8 * j, D, 8 * j + 4
+
+
+@_device
+def _norm_rope(src, h0, nh, w, per_head, half, has_rope, eps, cos_t, sin_t, part, runs,
+               vec, out1, put1, out2, put2, o0):
+    """RMS-norm and rotate head ``h0 + head`` of token row ``src`` [heads, D] (this
+    thread's 8 values; the block covers heads h0 .. h0 + nh) into head ``o0 + head``
+    of out1 / out2 (where put1 / put2). Every thread takes the two barriers."""
     t = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    head = t // D
-    col = t - head * D
-    for _ in range(t, v_pool.shape[1] * D, nt):
-        bits = src[h0 + head, col]
-        if d1 >= 0:
-            v_pool[d1, head, col] = bits
-        if d2 >= 0:
-            v_pool[d2, head, col] = bits
-        col += nt
-        while col >= D:
-            col -= D
-            head += 1
+    D = src.shape[1]
+    tph = (D + _VALUES - 1) // _VALUES
+    head = t // tph
+    j = t - head * tph
+    c1, lim1, c2 = _slots(j, D, half)
+    active = head < nh
+    z = float32(0.0)
+    a = _ld4(src, h0 + head, c1, lim1, vec) if active else (z, z, z, z)
+    c = _ld4(src, h0 + head, c2, D, vec) if active else (z, z, z, z)
+    total = _group_sum(_sq4(a) + _sq4(c), part, runs, t, cuda.blockDim.x,
+                       tph if per_head else nh * tph)
+    if not active:
+        return
+    rs = float32(1.0) / float32(math.sqrt(total / float32(D if per_head else nh * D) + eps))
+    wb = 0 if per_head else head * D
+    a = _scale4(a, rs, _w4(w, wb + c1, wb + lim1, vec))
+    c = _scale4(c, rs, _w4(w, wb + c2, wb + D, vec))
+    if has_rope:
+        a, c = _rotate(a, c, 4 * j, half, cos_t, sin_t)
+    if put1:
+        _st4(out1, o0 + head, c1, lim1, vec, a)
+        _st4(out1, o0 + head, c2, D, vec, c)
+    if put2:
+        _st4(out2, o0 + head, c1, lim1, vec, a)
+        _st4(out2, o0 + head, c2, D, vec, c)
+
+
+@_device
+def _copy_v(src, h0, nh, v_pool, d1, d2, half, vec):
+    """Raw V heads h0 .. h0 + nh of one token row to slots d1 / d2 (skipped when
+    negative); same lanes as the norm (8 values a thread)."""
+    t = cuda.threadIdx.x
+    D = src.shape[1]
+    tph = (D + _VALUES - 1) // _VALUES
+    head = t // tph
+    if head >= nh:
+        return
+    c1, lim1, c2 = _slots(t - head * tph, D, half)
+    a = _ld4(src, h0 + head, c1, lim1, vec)
+    c = _ld4(src, h0 + head, c2, D, vec)
+    if d1 >= 0:
+        _st4(v_pool[d1], head, c1, lim1, vec, a)
+        _st4(v_pool[d1], head, c2, D, vec, c)
+    if d2 >= 0:
+        _st4(v_pool[d2], head, c1, lim1, vec, a)
+        _st4(v_pool[d2], head, c2, D, vec, c)
+
+
+@_device
+def _entry(e, has_pools, has_src_rows, has_dst2, dst, dst2, src_rows, rows):
+    """(source row, slot 1, slot 2, skip) of pool entry e."""
+    r = src_rows[e] if has_src_rows else e
+    d1 = dst[e]
+    d2 = dst2[e] if has_dst2 else -1
+    return r, d1, d2, r < 0 or r >= rows or (d1 < 0 and d2 < 0)
 
 
 @cuda.jit(**_KOPTS)
 def _qk_norm_rope_kernel(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2,
                          src_rows, H, Hkv, per_head, half, has_rope, has_pools, has_dst2,
-                         has_src_rows, gh, gw, n_f, n_fh, offset, eps_bits, T):
+                         has_src_rows, gh, gw, n_f, n_fh, offset, eps_bits, T, vec, inv_s,
+                         inv_t):
     # qkv: [B, S, H + 2 Hkv, D] float bits; q_w, k_w: [D] or [heads*D] float bits;
     # inv_freq: [D/2] fp64 bits; frame0: [B] int64; pools [slots, Hkv, D]; lists [E]
-    # int64. Absent tensors are stand-ins the flags keep unread.
+    # int64. Absent tensors are stand-ins the flags keep unread. Items: the B*S Q rows,
+    # then the K rows (pool entries, or tokens in place), then (pools) the V entries.
     cos_t = cuda.shared.array(_MAX_PAIRS, float32)
     sin_t = cuda.shared.array(_MAX_PAIRS, float32)
-    part = cuda.shared.array(_MAX_BLOCK, float32)
+    part = cuda.shared.array(HARD_MAX_THREADS, float32)
+    runs = cuda.shared.array(_WARPS, float32)
     eps = float32(_as_f64(eps_bits))
     S = qkv.shape[1]
     n_q = qkv.shape[0] * S
     n_k = dst.shape[0] if has_pools else n_q
-    for item in range(cuda.blockIdx.x, n_q + n_k, cuda.gridDim.x):
-        e = item - n_q
+    n_items = n_q + (2 * n_k if has_pools else n_k)
+    item = cuda.blockIdx.x  # one CTA per item, no grid-stride loop (module doc: registers)
+    if item < n_items:
+        kind = 0 if item < n_q else (1 if item < n_q + n_k else 2)  # Q, K, V
+        r = item - n_q if kind == 1 else (item - n_q - n_k if kind == 2 else item)
         d1 = -1
         d2 = -1
-        r = item if e < 0 else e
-        if e >= 0 and has_pools:
-            r = src_rows[e] if has_src_rows else e
-            d1 = dst[e]
-            d2 = dst2[e] if has_dst2 else -1
-            if r < 0 or r >= qkv.shape[0] * T or (d1 < 0 and d2 < 0):
-                continue  # block-uniform: no barrier is skipped by part of a block
-        L = T if (e >= 0 and has_pools) else S
-        b = r // L
+        if kind > 0 and has_pools:
+            r, d1, d2, skip = _entry(r, has_pools, has_src_rows, has_dst2, dst, dst2,
+                                     src_rows, qkv.shape[0] * T)
+            if skip:
+                return  # block-uniform: no barrier is skipped by part of a block
+        pooled = kind > 0 and has_pools
+        L = T if pooled else S
+        # b = r // L through fp64 bits of 1 / L: exact (r < 2^50), no integer division
+        b = int64((float64(r) + 0.5) * _as_f64(inv_t if pooled else inv_s))
         s = r - b * L
-        if has_rope:
-            _rope_table(cos_t, sin_t, inv_freq, frame0, b, s, offset, gh, gw, n_f, n_fh)
-            cuda.syncthreads()
         row = qkv[b, s]
-        if e < 0:
+        if kind == 2:
+            _copy_v(row, H + Hkv, Hkv, v_pool, d1, d2, half, vec)
+            return
+        if has_rope:  # made visible by the first barrier of the group sum
+            _rope_table(cos_t, sin_t, inv_freq, frame0, b, s, offset, gh, gw, n_f, n_fh)
+        if kind == 0:
             _norm_rope(row, 0, H, q_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
-                       row, 0, True, row, False)
+                       runs, vec, row, True, row, False, 0)
         elif has_pools:
             _norm_rope(row, H, Hkv, k_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
-                       k_pool[max(d1, 0)], 0, d1 >= 0, k_pool[max(d2, 0)], d2 >= 0)
-            _copy_v(row, H + Hkv, v_pool, d1, d2)
+                       runs, vec, k_pool[max(d1, 0)], d1 >= 0, k_pool[max(d2, 0)], d2 >= 0, 0)
         else:
             _norm_rope(row, H, Hkv, k_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
-                       row, H, True, row, False)
+                       runs, vec, row, True, row, False, H)
 
 
 _KERNEL = Kernel(_qk_norm_rope_kernel)
@@ -364,6 +434,13 @@ def _check_head_dim(name: str, D: int) -> None:
                          f"got {D}")
 
 
+def _check_width(H: int, Hkv: int, D: int, name: str) -> None:
+    if max(H, Hkv) * (-(-D // _VALUES) * _VALUES) > MAX_HEAD_VALUES:
+        raise ValueError(f"{name}: expected max(num_heads, num_kv_heads) * D <= "
+                         f"{MAX_HEAD_VALUES} (a CTA holds a token's q or k: 8 values in each "
+                         f"of at most 1024 threads), got {max(H, Hkv)} * {D}")
+
+
 def _check_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: expected dtype torch.bfloat16 or torch.float32, "
@@ -384,6 +461,7 @@ def _check_qkv(qkv, H: int, Hkv: int) -> int:
         raise ValueError(f"qkv: expected {H + 2 * Hkv} heads in dim 2 (num_heads + 2 * "
                          f"num_kv_heads), got shape {tuple(qkv.shape)}")
     _check_head_dim("qkv", qkv.shape[3])
+    _check_width(H, Hkv, qkv.shape[3], "qkv")
     check_last_dim_contiguous("qkv", qkv)
     check_no_overlap("qkv", qkv)
     return qkv.shape[3]
@@ -522,13 +600,28 @@ def _flag_args(H, Hkv, norm, eps, rope, staging, lists) -> list:
 
 
 def _block(H: int, Hkv: int, D: int) -> int:
-    return min(threads_for(max(H, Hkv) * (D // 2)), _BLOCK_CAP)
+    """Threads of a CTA: 8 values of a head each, the most heads of a section at once."""
+    return threads_holding(max(H, Hkv) * -(-D // _VALUES))
 
 
-def _launch(qkv, arrays, flags, T: int, n_entries: int, block: int) -> None:
-    items = qkv.shape[0] * qkv.shape[1] + n_entries
-    _KERNEL.launch(blocks_for(items), block, [array_arg(qkv), *arrays, *flags, int_arg(T)],
-                   qkv.device)
+def _fixed_vector(D: int, tensors) -> bool:
+    """Whether the bound tensors allow the vector path (the call adds qkv's own check)."""
+    return D % _VALUES == 0 and all(t is None or vector_aligned(t) for t in tensors)
+
+
+def _launch(qkv, arrays, flags, T: int, n_entries: int, block: int, vec: bool,
+            staging: bool) -> None:
+    # Items: Q rows, K rows or entries, and (staging) V entries.
+    items = qkv.shape[0] * qkv.shape[1] + n_entries * (2 if staging else 1)
+    _KERNEL.launch(items, block,
+                   [array_arg(qkv), *arrays, *flags, int_arg(T),
+                    int_arg(int(vec and vector_aligned(qkv))), int_arg(_inv_bits(qkv.shape[1])),
+                    int_arg(_inv_bits(T))], qkv.device)
+
+
+def _inv_bits(d: int) -> int:
+    """fp64 bits of 1 / d as an int."""
+    return struct.unpack("<q", struct.pack("<d", 1.0 / d))[0]
 
 
 def _run(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T) -> None:
@@ -545,8 +638,10 @@ def _run(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T) -> N
     arrays = _array_args(q_weight, k_weight, rope, pools if staging else (qkv[0], qkv[0]),
                          lists, filler)
     n_entries = lists[0].shape[0] if staging else qkv.shape[0] * qkv.shape[1]
+    D = qkv.shape[3]
+    vec = _fixed_vector(D, (q_weight, k_weight, *(pools if staging else ())))
     _launch(qkv, arrays, _flag_args(H, Hkv, norm, eps, rope, staging, lists), T, n_entries,
-            _block(H, Hkv, qkv.shape[3]))
+            _block(H, Hkv, D), vec, staging)
 
 
 @torch.library.custom_op("framekv::qk_norm_rope_stage_",
@@ -634,6 +729,7 @@ class QKNormRopeStage:
         H, Hkv = check_int("num_heads", num_heads, 1), check_int("num_kv_heads", num_kv_heads, 1)
         _check_norm(norm)
         D, dev = _weights_dim(q_weight, norm, H), q_weight.device
+        _check_width(H, Hkv, D, "q_weight")
         _check_weights(q_weight, k_weight, norm, H, Hkv, D, dev, "q_weight")
         eps = _check_eps(eps)
         _check_rope(rope, D, dev, "q_weight")
@@ -660,6 +756,8 @@ class QKNormRopeStage:
                                         lists, filler) for dt, p in stand.items()}
         self._flags = _flag_args(H, Hkv, norm, eps, rope, staging, lists)
         self._block = _block(H, Hkv, self._geo[2])
+        self._vec = _fixed_vector(self._geo[2], (q_weight, k_weight,
+                                                 *(pools if staging else ())))
 
     def __call__(self, qkv: torch.Tensor) -> None:
         """Norm, rope (and stage) this forward's packed qkv [B, S, H + 2*H_kv, D]."""
@@ -679,7 +777,8 @@ class QKNormRopeStage:
         if qkv.numel() == 0:
             return
         n_entries = lists[0].shape[0] if self._staging else qkv.shape[0] * qkv.shape[1]
-        _launch(qkv, self._arrays[qkv.dtype], self._flags, T, n_entries, self._block)
+        _launch(qkv, self._arrays[qkv.dtype], self._flags, T, n_entries, self._block,
+                self._vec, self._staging)
 
 
 def bind_qk_norm_rope_stage(q_weight, k_weight, *, num_heads, num_kv_heads, norm="head",

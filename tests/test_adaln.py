@@ -77,12 +77,14 @@ def float64_adaln(x, *, shift=None, scale=None, weight=None, bias=None, residual
     return xd, (y + per_token(shift) if shift is not None else y)
 
 
-def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, what: str = "",
+                      atol=1e-6) -> None:
     """got within one bf16 rounding step of want (two roundings of nearly equal fp32
-    values may land one ulp apart; ulp(v) <= 2^-7 |v|)."""
+    values may land one ulp apart; ulp(v) <= 2^-7 |v|), plus ``atol`` (a number or a
+    tensor like got: the fp32 error of the terms a value was summed from)."""
     g, w = got.float(), want.float()
     assert torch.isfinite(g).all(), what
-    bound = 2.0 ** -7 * torch.maximum(g.abs(), w.abs()) + 1e-6
+    bound = 2.0 ** -7 * torch.maximum(g.abs(), w.abs()) + atol
     bad = (g - w).abs() > bound
     assert not bad.any(), (f"{what}: {int(bad.sum())} elements off, "
                            f"e.g. {g[bad][:4]} vs {w[bad][:4]}")
@@ -335,6 +337,19 @@ def test_bad_arguments_are_refused_and_change_nothing(change, match):
         adaln_(**kw)
     for k, v in before.items():
         assert same_bits(kw[k], v), k
+
+
+def test_rows_wider_than_a_cta_holds_are_refused():
+    from framekv.ops.adaln import MAX_N
+
+    wide = torch.zeros(1, 2, MAX_N + 4)
+    with pytest.raises(ValueError, match=f"^x: expected N <= {MAX_N} .* got N = {MAX_N + 4}"):
+        adaln_(wide)
+    with pytest.raises(ValueError, match=f"^x: expected N <= {MAX_N}"):
+        gated_residual_(wide, wide.clone())
+    with pytest.raises(ValueError, match=f"^x: expected N <= {MAX_N}"):
+        bind_adaln((1, 2, MAX_N + 4))
+    adaln_(torch.zeros(1, 2, MAX_N))  # the widest row is taken
 
 
 def test_gated_residual_refuses_bad_arguments():

@@ -40,7 +40,19 @@ def _check(case: dict, x_before: torch.Tensor, out: torch.Tensor) -> None:
     if out.dtype == FP32:
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     else:
-        assert_bf16_close(out, want, "out")
+        assert_bf16_close(out, want, "out", atol=_term_error(case, out.shape))
+
+
+def _term_error(case: dict, shape) -> torch.Tensor:
+    """A few fp32 ulps of |norm * (1 + scale)| + |shift|: where the two terms cancel, an
+    output near zero carries their rounding (and the device's FMA contraction) error."""
+    mods = {k: case[k] for k in MODS if k != "shift"}
+    scaled = adaln_reference(case["x"].clone(), **mods,
+                             out=torch.empty(shape, dtype=FP32, device=CUDA)).abs()
+    if case["shift"] is not None:
+        S, M = shape[1], case["shift"].shape[1]
+        scaled += case["shift"].float().repeat_interleave(S // M, dim=1).abs()
+    return 2.0 ** -20 * scaled + 1e-6
 
 
 def assert_close_but_for_fma_ties(got, want, what) -> None:

@@ -140,8 +140,9 @@ def test_bound_launcher_without_bound_tensors():
 
 
 def test_block_and_grid_sizes(monkeypatch):
-    # One thread a CTA (the block sum's parts all from one thread), then 32 threads with
-    # a single CTA walking every row, at N = 96 (three groups a thread) and N = 7.
+    # Blocks of exactly N / 8 threads (THREAD_STEP 1: 12 at N = 96, one at N = 7, whose
+    # block sum is one run), then whole warps of 32 (most lanes past the row's end).
+    # MAX_THREADS and MAX_BLOCKS bind neither: one CTA per row, holding the whole row.
     for threads, blocks in ((1, 3), (32, 1)):
         monkeypatch.setattr(_launch, "MAX_THREADS", threads)
         monkeypatch.setattr(_launch, "THREAD_STEP", threads)

@@ -15,6 +15,9 @@ from framekv.bench.breakdown import (CATEGORIES, attention_flops, category, chun
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
     ("cutlass3x_sm90_tensorop_h16816gemm_bf16", "gemm"),
     ("_ZN6cudapy7framekv3ops5adaln14_adaln_kernel", "framekv"),
+    # demangled, as the profiler names numba kernels (no "cudapy" left in the name)
+    ("framekv::ops::qk_norm_rope::_qk_norm_rope_kernel[abi:v40][abi:cw51cXTLSUw]", "framekv"),
+    ("framekv::ops::merge_split_kv::_merge_split_kv_kernel[abi:v19]", "framekv"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>", "other"),
     ("void at::native::(anonymous namespace)::CatArrayBatchedCopy", "other"),
     ("Memcpy DtoD (Device -> Device)", "other"),

@@ -476,6 +476,21 @@ def test_bad_arguments_are_refused_and_change_nothing(name, change, message):
         assert torch.equal(args[k], v), k
 
 
+def test_sections_wider_than_a_cta_holds_are_refused():
+    from framekv.ops.qk_norm_rope import MAX_HEAD_VALUES
+
+    H, D = MAX_HEAD_VALUES // 128 + 1, 128   # one head of 128 too many for the q section
+    qkv = torch.zeros(1, 2, H + 2, D)
+    w = torch.ones(D)
+    with pytest.raises(ValueError, match=r"^qkv: expected max\(num_heads, num_kv_heads\) \* D "
+                                         f"<= {MAX_HEAD_VALUES} .* got {H} \\* {D}"):
+        qk_norm_rope_stage_(qkv, w, w, num_heads=H, num_kv_heads=1)
+    with pytest.raises(ValueError, match=r"^q_weight: expected max\(num_heads, num_kv_heads\)"):
+        bind_qk_norm_rope_stage(w, w, num_heads=H, num_kv_heads=1)
+    assert not qkv.any()
+    qk_norm_rope_stage_(qkv[:, :, 1:], w, w, num_heads=H - 1, num_kv_heads=1)  # the widest
+
+
 def test_bound_launcher_checks_each_qkv():
     args = _bad_case()
     qkv = args.pop("qkv")

@@ -31,8 +31,9 @@ def test_kernel_runs_in_the_simulator():
 SIM_CASES = [  # (B, S, H, Hkv, D, grid, offset, strided)
     (1, 3, 2, 2, 8, (3, 5), 0, False),
     (2, 5, 3, 1, 12, (2, 3), 4, True),
-    (3, 2, 9, 3, 4, (1, 2), 1, False),    # 9 per-head groups on 8 threads: two rounds
-    (1, 2, 2, 1, 128, (3, 5), 7, False),  # 64 pairs: 8 pairs a lane
+    (3, 2, 9, 3, 4, (1, 2), 1, False),    # D = 4: a head in one thread's 8 slots, half masked
+    (1, 2, 2, 1, 128, (3, 5), 7, False),  # 16 threads a head, 4 pairs each
+    (1, 2, 4, 2, 128, (2, 3), 3, False),  # q over all heads: 64 lanes, two warps' sums
 ]
 VARIANTS = [  # (norm, style or None for no rope, dtype)
     ("head", "interleaved", torch.float32),

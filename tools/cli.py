@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     _rollout_args(verify)
     verify.add_argument("--tolerance", type=tolerance, default=None,
                         help="max abs error allowed (default: 1e-4 in fp32, 2e-2 in bf16)")
-    verify.add_argument("--glue", choices=("torch", "fused"), default="torch",
-                        help="the model's glue: torch ops (default) or framekv's fused ops")
+    verify.add_argument("--glue", choices=("fused", "torch"), default="fused",
+                        help="the model's glue: framekv's fused ops (default) or torch ops")
     verify.set_defaults(func=_cmd_verify)
     warmup.add_parser(sub)
     bench.add_parser(sub)

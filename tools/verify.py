@@ -12,7 +12,7 @@ from framekv.engine.verify import VerifyReport, verify_rollout
 
 
 def run_verify(preset="tiny", *, chunks: int | None = None, device=None, backend=None,
-               tolerance: float | None = None, glue: str = "torch", stream=None) -> VerifyReport:
+               tolerance: float | None = None, glue: str = "fused", stream=None) -> VerifyReport:
     """Run the harness and print its table to ``stream`` (default stdout)."""
     report = verify_rollout(preset, chunks=chunks, device=device, backend=backend,
                             tolerance=tolerance, glue=glue)

@@ -79,9 +79,10 @@ class WanRollout:
             `step_rows` (not with guidance); batch_sizes: the batch sizes captured
             (each in [1, N], default (N,)); prompt_tokens: L of every prompt (default:
             what the first prompt has).
-        glue: "torch" (default: the stock blocks and the processors' torch QK norm and
-            rope) or "fused" (the blocks' glue, QK norm and rope through framekv's ops,
-            `framekv.engine.wan.blocks`; the same math).
+        glue: "fused" (default: the blocks' glue, QK norm and rope through framekv's
+            ops, `framekv.engine.wan.blocks`; the same math, 1.15x faster a chunk on
+            the H200, docs/benchmarks.md) or "torch" (the stock blocks and the
+            processors' torch QK norm and rope).
 
     Attributes:
         frames_done: frames generated since the last reset; ``geometry``, ``cache``.
@@ -94,7 +95,7 @@ class WanRollout:
                  clean_block: str = "chunk", device=None, backend=None, use_graphs: bool = True,
                  cache_dir=None, kv: KVStore | None = None, guidance_scale: float | None = None,
                  sequences: int | None = None, batch_sizes=None, prompt_tokens: int | None = None,
-                 glue: str = "torch"):
+                 glue: str = "fused"):
         check_model(model)
         self.glue = _choice("glue", glue, ("fused", "torch"))
         self.guidance = _guidance(guidance_scale)

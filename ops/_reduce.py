@@ -1,0 +1,50 @@
+"""Sums across the threads of a CUDA block, for kernels that hold a row in registers.
+
+``segment_total(v, part, t, nt, size)``: the sum of ``v`` over the aligned segment of
+``size`` lanes (a power of two <= 32) that holds thread ``t``, returned to every lane
+of the segment. On the GPU it is a butterfly of warp shuffles (``size`` dividing the
+warp, so every lane of a warp takes the same shuffles: the caller passes a size that
+is uniform over the block); every lane ends with the same bits (each step adds the
+same two values in either order). A serial loop over shared memory here cost 85 us
+of a 130 us LayerNorm at 9360 rows of 1536 on the H200; the shuffles 0.
+
+Under numba's CUDA simulator, which has no shuffles, the same sum goes through
+``part`` (a shared array of one float per thread) between two barriers, in a fixed
+order; every thread of the block must call it (it does on the GPU too, by contract).
+Sums may differ from the GPU's in the last bit (another order), never run to run.
+"""
+from __future__ import annotations
+
+from numba import cuda
+from numba import float32 as _f32
+
+from ._launch import SIMULATOR
+
+__all__ = ["segment_total", "WARP"]
+
+WARP = 32
+
+if SIMULATOR:
+
+    @cuda.jit(device=True)
+    def segment_total(v, part, t, nt, size):
+        """Sum of v over t's aligned segment of ``size`` lanes (see the module doc)."""
+        part[t] = v
+        cuda.syncthreads()
+        first = t - t % size
+        acc = _f32(0)
+        for k in range(first, min(first + size, nt)):
+            acc += part[k]
+        cuda.syncthreads()
+        return acc
+
+else:
+
+    @cuda.jit(device=True, forceinline=True)
+    def segment_total(v, part, t, nt, size):
+        """Sum of v over t's aligned segment of ``size`` lanes (see the module doc)."""
+        m = size // 2
+        while m > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, m)
+            m //= 2
+        return v
