@@ -16,17 +16,25 @@ is a multiple of the access size (`vector_aligned`).
 ``round_f32(ary, value)`` is a float32 rounded to the array's format and widened back:
 what `store_f32` then `load_f32` would give, without the round trip through memory.
 
+``quotient(a, reciprocal_bits(d))`` is ``a // d`` for an int ``0 <= a < 2^50`` and a
+divisor fixed at launch: ``floor((a + 1/2) * (1/d))`` in fp64 is exact there (the exact
+quotient is at least ``1/(2d)`` from an integer, far beyond the rounding), and it spares
+the dozens of instructions of a 64-bit integer division in a kernel's index math.
+
 Under numba's CUDA simulator the same names are numpy bit views.
 """
 from __future__ import annotations
+
+import functools
+import struct
 
 import numpy as np
 import torch
 
 from ._launch import SIMULATOR
 
-__all__ = ["load_f32", "store_f32", "load_f32x4", "store_f32x4", "round_f32", "FLOAT_DTYPES",
-           "check_float_dtype", "vector_aligned"]
+__all__ = ["load_f32", "store_f32", "load_f32x4", "store_f32x4", "round_f32", "quotient",
+           "reciprocal_bits", "FLOAT_DTYPES", "check_float_dtype", "vector_aligned"]
 
 #: The tensor dtypes these accessors handle (as int16 and int32 bits).
 FLOAT_DTYPES = (torch.bfloat16, torch.float32)
@@ -48,7 +56,17 @@ def vector_aligned(t: torch.Tensor) -> bool:
             and t.data_ptr() % (4 * t.element_size()) == 0)
 
 
+@functools.lru_cache(maxsize=256)
+def reciprocal_bits(d: int) -> int:
+    """The fp64 bits of ``1 / d`` as an int (a kernel argument for `quotient`)."""
+    return struct.unpack("<q", struct.pack("<d", 1.0 / d))[0]
+
+
 if SIMULATOR:
+
+    def quotient(a, inv_bits):
+        """``a // d`` from ``inv_bits = reciprocal_bits(d)`` (module doc)."""
+        return int((np.float64(a) + 0.5) * np.int64(inv_bits).view(np.float64))
 
     def _last(idx, k):
         return tuple(idx[:-1]) + (idx[-1] + k,)
@@ -89,8 +107,8 @@ if SIMULATOR:
 
 else:
     from llvmlite import ir
-    from numba import types
-    from numba.cuda import cgutils
+    from numba import cuda, float64, int64, types
+    from numba.cuda import cgutils, libdevice
     from numba.cuda.extending import intrinsic
 
     _I16, _I32, _F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -101,9 +119,17 @@ else:
         indices = [context.cast(builder, i, t, types.intp) for i, t in zip(indices, idxty)]
         return cgutils.get_item_pointer(context, builder, aryty, arr, indices, wraparound=False)
 
-    def _check(ary, idx):
+    @cuda.jit(device=True, forceinline=True)
+    def quotient(a, inv_bits):
+        """``a // d`` from ``inv_bits = reciprocal_bits(d)`` (module doc)."""
+        return int64((float64(a) + 0.5) * libdevice.longlong_as_double(inv_bits))
+
+    def _check_bits(ary):
         if not isinstance(ary, types.Array) or ary.dtype not in (types.int16, types.int32):
             raise TypeError(f"float access needs int16 (bf16) or int32 (fp32) bits, got {ary}")
+
+    def _check(ary, idx):
+        _check_bits(ary)
         if not isinstance(idx, types.UniTuple) or idx.count != ary.ndim:
             raise TypeError(f"float access needs {ary.ndim} indices, got {idx}")
 
@@ -184,8 +210,7 @@ else:
     @intrinsic
     def round_f32(typingctx, ary, value):
         """float32 ``value`` rounded to ary's format (bf16 or fp32 bits), as float32."""
-        if not isinstance(ary, types.Array) or ary.dtype not in (types.int16, types.int32):
-            raise TypeError(f"float access needs int16 (bf16) or int32 (fp32) bits, got {ary}")
+        _check_bits(ary)
 
         def codegen(context, builder, sig, args):
             v = context.cast(builder, args[1], sig.args[1], types.float32)

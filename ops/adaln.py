@@ -33,11 +33,12 @@ the warps' sums in a fixed order (bit-identical on every run; `_reduce`); the
 modulated output is written from registers. With
 the norm switched off the same kernel is the gated residual. The grid has one CTA per
 row and no grid-stride loop: around such a loop the compiler keeps every hoisted
-address live (255 registers and spills, against 54 without it at bf16: one 192-thread
-CTA per SM instead of six). Nothing syncs with the host or allocates on the bound path,
-so launches are graph-capturable. (The previous kernel, a grid-stride loop streaming
-the row three times through L1, took 92 us per call at N = 1536, S = 4680 inside the
-reference model on the H200.)
+address live (255 registers and spills; 40 without it, with the row's index math done
+by `_float.quotient`, so eight 192-thread CTAs fit an SM). Nothing syncs with the host
+or allocates on the bound path, so launches are graph-capturable. On the H200 at
+B = 2, S = 4680, N = 1536 (bf16) it takes 82 us with the gated residual (1.4 TB/s) and
+37 us as the gated residual alone; the first kernel, a grid-stride loop streaming the
+row three times through L1, took 92 us a call inside the reference model.
 
 One file: one op pair, as every op of this package is (kernel, references, validating
 wrappers, custom ops, bound launchers); its length is the checks of eight optional
@@ -54,10 +55,9 @@ import torch
 import torch.nn.functional as F
 from numba import cuda
 from numba import float32 as _f32
-from numba import float64, int64
 
-from ._float import (check_float_dtype, load_f32, load_f32x4, round_f32, store_f32,
-                     store_f32x4, vector_aligned)
+from ._float import (check_float_dtype, load_f32, load_f32x4, quotient, reciprocal_bits,
+                     round_f32, store_f32, store_f32x4, vector_aligned)
 from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, threads_holding,
                       use_kernel)
 from ._reduce import WARP, segment_total
@@ -83,10 +83,6 @@ if SIMULATOR:
         """float32 from its bits (an int)."""
         return np.array([bits], dtype=np.int64).astype(np.int32).view(np.float32)[0]
 
-    def _bits_f64(bits):
-        """float64 from its bits (an int)."""
-        return np.int64(bits).view(np.float64)
-
     _KOPTS = {}  # the simulator takes no register bound
 
 else:
@@ -100,7 +96,6 @@ else:
     def _bits_f32(bits):
         return libdevice.int_as_float(_i32(bits))
 
-    _bits_f64 = libdevice.longlong_as_double
     # 54 registers unbounded (6 CTAs of 192 threads per SM); 40 spill nothing (8 CTAs).
     _KOPTS = {"max_registers": 40}
 
@@ -221,14 +216,6 @@ def _out4(out, mods, rows, b, s, j, st, n, vec, xs, mean, rstd, flags):
                                _mod(xs[3], ws[3], bs[3], cs[3], hs[3], mean, rstd)))
 
 
-@_device
-def _quot(a, inv_bits):
-    """a // d for an int a >= 0, given the fp64 bits of 1 / d: floor((a + 1/2) / d) is
-    exact in fp64 for a < 2^50 (the quotient is at least 1 / (2d) from an integer),
-    and it spares the dozens of instructions of an integer division."""
-    return int64((float64(a) + 0.5) * _bits_f64(inv_bits))
-
-
 @cuda.jit(**_KOPTS)
 def _adaln_kernel(x, out, res, gate, shift, scale, weight, bias, flags, eps_bits, inv_s,
                   inv_gate, inv_shift, inv_scale):
@@ -250,12 +237,12 @@ def _adaln_kernel(x, out, res, gate, shift, scale, weight, bias, flags, eps_bits
     # (token s uses row s // (S // M)); weight and bias have one row.
     row = cuda.blockIdx.x  # one CTA per row, no grid-stride loop (module doc: registers)
     if row < x.shape[0] * S:
-        b = _quot(row, inv_s)
+        b = quotient(row, inv_s)
         s = row - b * S
         xa = _ld4(x, b, s, j1, st, n, vec)
         xc = _ld4(x, b, s, j2, st, n, vec)
         if flags & _RES:
-            mg = _quot(s, inv_gate)
+            mg = quotient(s, inv_gate)
             xa = _add_gated(x, res, gate, b, s, mg, j1, st, n, vec, xa, flags)
             xc = _add_gated(x, res, gate, b, s, mg, j2, st, n, vec, xc, flags)
         if flags & _NORM:  # the same for the whole block: every thread meets the barriers
@@ -264,7 +251,7 @@ def _adaln_kernel(x, out, res, gate, shift, scale, weight, bias, flags, eps_bits
             var = _block_sum(_deviation(xa, j1, st, n, mean) + _deviation(xc, j2, st, n, mean),
                              part, runs_var, t, nt)
             rstd = _f32(1) / _f32(math.sqrt(var / _f32(n) + eps))
-            rows = (_quot(s, inv_shift), _quot(s, inv_scale), 0, 0)
+            rows = (quotient(s, inv_shift), quotient(s, inv_scale), 0, 0)
             mods = (shift, scale, weight, bias)
             _out4(out, mods, rows, b, s, j1, st, n, vec, xa, mean, rstd, flags)
             _out4(out, mods, rows, b, s, j2, st, n, vec, xc, mean, rstd, flags)
@@ -463,14 +450,9 @@ def _execute(x, out, residual, mods, eps: float, fixed=None, res_name="residual"
             *[xa if a is None else a for a in fixed],
             int_arg(_flags(residual, *mods, norm=out is not None) | (_VEC if vec else 0)),
             int_arg(struct.unpack("<i", struct.pack("<f", eps))[0]),
-            *[int_arg(_inv_bits(S, M)) for M in (1, *(1 if t is None else t.shape[1]
-                                                     for t in (gate, shift, scale)))]]
+            *[int_arg(reciprocal_bits(S // M)) for M in (1, *(1 if t is None else t.shape[1]
+                                                             for t in (gate, shift, scale)))]]
     _KERNEL.launch(x.shape[0] * x.shape[1], _threads(x.shape[2]), args, x.device)
-
-
-def _inv_bits(S: int, M: int) -> int:
-    """fp64 bits of 1 / (S // M) as an int (the kernel's `_quot` divisor)."""
-    return struct.unpack("<q", struct.pack("<d", 1.0 / (S // M)))[0]
 
 
 def _threads(N: int) -> int:

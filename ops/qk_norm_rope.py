@@ -31,23 +31,23 @@ of one launch recompute norm and rope from it while no block of the launch write
 Without pools, Q and K are normed and rotated in place; V is never touched.
 
 Kernel: one launch, one CTA per work item (no grid-stride loop: around one the
-compiler keeps every hoisted address live, and registers bound the CTAs per SM): items [0, B*S) are the Q rows
-of the tokens, the next ones the K rows (tokens in place, or pool entries), then (with
-pools) the V entries. A CTA holds one section of one token in registers: a thread
-takes 8 values of one head (columns 8j .. 8j + 7 interleaved, 4j .. 4j + 3 and
-D/2 + 4j .. + 3 half-split: its pairs are whole either way), in two 4-value accesses
-when D % 8 == 0 and every tensor is `vector_aligned`, else masked scalar ones; so
-``max(H, H_kv) * D <= MAX_HEAD_VALUES`` (8192). A Q or K CTA first has its threads
-compute the token's cos/sin of the D/2 pairs into shared memory (each angle once,
-reused over the heads), sums the squares of each norm group (a head, or all heads)
-in a fixed order (warp shuffles within a head of at most 32 lanes, else warp sums
-then the group's warps; `_reduce`; one barrier, which also publishes the tables; no
-atomics, so bit-identical results on every run, graph replay included), then scales,
-weighs, rotates and stores from registers: every byte of
-qkv is read once. A V CTA copies its entry's raw V heads. Floats move through
-`_float`'s accessors on raw bits. (The previous kernel looped over scalar elements in
-64-thread blocks and read q and k twice: 173 us at B = 2, S = 4680, 12 heads of 128
-on the H200, about 0.4 TB/s.)
+compiler keeps every hoisted address live, and registers bound the CTAs per SM):
+items [0, B*S) are the Q rows of the tokens, the next ones the K rows (tokens in
+place, or pool entries), then (with pools) the V entries. A CTA holds one section of
+one token in registers: a thread takes 8 values of one head (columns 8j .. 8j + 7
+interleaved, 4j .. 4j + 3 and D/2 + 4j .. + 3 half-split: its pairs are whole either
+way), in two 4-value accesses when D % 8 == 0 and every tensor is `vector_aligned`,
+else masked scalar ones; so ``max(H, H_kv) * D <= MAX_HEAD_VALUES`` (8192). A Q or K
+CTA first has its threads compute the token's cos/sin of the D/2 pairs into shared
+memory (each angle once, reused over the heads), sums the squares of each norm group
+(a head, or all heads) in a fixed order (warp shuffles within a head of at most 32
+lanes, else warp sums then the group's warps; `_reduce`; one barrier, which also
+publishes the tables; no atomics, so bit-identical results on every run, graph replay
+included), then scales, weighs, rotates and stores from registers: every byte of qkv
+is read once. A V CTA copies its entry's raw V heads. Floats move through `_float`'s
+accessors on raw bits. On the H200 at B = 2, S = 4680, 12 heads of 128 with staging
+it takes 173 us (1.0 TB/s), no less than the first kernel (scalar loops in 64-thread
+blocks): one token per CTA, its fp64 table and the barrier before any store bound it.
 
 One file: one op, as every op of this package is (kernel, torch reference, validating
 wrapper, custom op, bound launcher); its length is the kernel's five device functions
@@ -62,9 +62,10 @@ from typing import Optional
 
 import numpy as np
 import torch
-from numba import cuda, float32, float64, int64
+from numba import cuda, float32, float64
 
-from ._float import FLOAT_DTYPES, load_f32, load_f32x4, store_f32, store_f32x4, vector_aligned
+from ._float import (FLOAT_DTYPES, load_f32, load_f32x4, quotient, reciprocal_bits, store_f32,
+                     store_f32x4, vector_aligned)
 from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, threads_holding,
                       use_kernel)
 from ._reduce import WARP, segment_total
@@ -224,7 +225,7 @@ def _turn(x0, x1, c, s):
 
 @_device
 def _rotate(a, c, i, half, cos_t, sin_t):
-    """Rotate this thread's pairs 4i' .. 4i' + 3 (i = 4j): (a0, a1), (a2, a3), (c0, c1),
+    """Rotate this thread's pairs i .. i + 3 (i = 4j): (a0, a1), (a2, a3), (c0, c1),
     (c2, c3) interleaved, or (a_m, c_m) half-split. Pairs past D/2 read table entries
     that are never stored (their values are not either)."""
     if half:
@@ -254,7 +255,7 @@ def _norm_rope(src, h0, nh, w, per_head, half, has_rope, eps, cos_t, sin_t, part
                vec, out1, put1, out2, put2, o0):
     """RMS-norm and rotate head ``h0 + head`` of token row ``src`` [heads, D] (this
     thread's 8 values; the block covers heads h0 .. h0 + nh) into head ``o0 + head``
-    of out1 / out2 (where put1 / put2). Every thread takes the two barriers."""
+    of out1 / out2 (where put1 / put2). Every thread takes the group sum's barrier."""
     t = cuda.threadIdx.x
     D = src.shape[1]
     tph = (D + _VALUES - 1) // _VALUES
@@ -305,7 +306,7 @@ def _copy_v(src, h0, nh, v_pool, d1, d2, half, vec):
 
 
 @_device
-def _entry(e, has_pools, has_src_rows, has_dst2, dst, dst2, src_rows, rows):
+def _entry(e, has_src_rows, has_dst2, dst, dst2, src_rows, rows):
     """(source row, slot 1, slot 2, skip) of pool entry e."""
     r = src_rows[e] if has_src_rows else e
     d1 = dst[e]
@@ -338,14 +339,13 @@ def _qk_norm_rope_kernel(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, d
         d1 = -1
         d2 = -1
         if kind > 0 and has_pools:
-            r, d1, d2, skip = _entry(r, has_pools, has_src_rows, has_dst2, dst, dst2,
-                                     src_rows, qkv.shape[0] * T)
+            r, d1, d2, skip = _entry(r, has_src_rows, has_dst2, dst, dst2, src_rows,
+                                     qkv.shape[0] * T)
             if skip:
                 return  # block-uniform: no barrier is skipped by part of a block
         pooled = kind > 0 and has_pools
         L = T if pooled else S
-        # b = r // L through fp64 bits of 1 / L: exact (r < 2^50), no integer division
-        b = int64((float64(r) + 0.5) * _as_f64(inv_t if pooled else inv_s))
+        b = quotient(r, inv_t if pooled else inv_s)  # r // L
         s = r - b * L
         row = qkv[b, s]
         if kind == 2:
@@ -615,13 +615,9 @@ def _launch(qkv, arrays, flags, T: int, n_entries: int, block: int, vec: bool,
     items = qkv.shape[0] * qkv.shape[1] + n_entries * (2 if staging else 1)
     _KERNEL.launch(items, block,
                    [array_arg(qkv), *arrays, *flags, int_arg(T),
-                    int_arg(int(vec and vector_aligned(qkv))), int_arg(_inv_bits(qkv.shape[1])),
-                    int_arg(_inv_bits(T))], qkv.device)
-
-
-def _inv_bits(d: int) -> int:
-    """fp64 bits of 1 / d as an int."""
-    return struct.unpack("<q", struct.pack("<d", 1.0 / d))[0]
+                    int_arg(int(vec and vector_aligned(qkv))),
+                    int_arg(reciprocal_bits(qkv.shape[1])), int_arg(reciprocal_bits(T))],
+                   qkv.device)
 
 
 def _run(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T) -> None:
