@@ -2,25 +2,43 @@
 
 The window is full (steady state): a chunk of T queries attends P + W + T keys.
 
-    framekv-denoise   `CachedAttention` (cuDNN paged backend), the chunk one block
-    framekv-clean     the same call with one-frame blocks (the clean pass), one launch
-    sdpa-cudnn        torch SDPA, cuDNN backend, over a contiguous buffer holding exactly
-                      the visible keys (write: the chunk's K/V copied into its tail)
-    concat-sdpa       history kept contiguous, each forward concatenates the chunk's
-                      K/V to it (the write) and runs SDPA cuDNN over the result
-    sdpa-flash        torch SDPA, flash backend, over the contiguous buffer (K/V heads
-                      expanded outside the timing when flash refuses GQA)
+    framekv-denoise    `CachedAttention` (cuDNN paged backend), the chunk one block
+    framekv-clean      the same call with one-frame blocks (the clean pass), one launch
+    sdpa-cudnn         torch SDPA, cuDNN backend, over a contiguous buffer holding exactly
+                       the visible keys (write: the chunk's K/V copied into its tail)
+    concat-sdpa        history kept contiguous, each forward concatenates the chunk's
+                       K/V to it (the write) and runs SDPA cuDNN over the result
+    sdpa-flash         torch SDPA, flash backend, over the contiguous buffer (K/V heads
+                       expanded outside the timing when flash refuses GQA)
+    sdpa-clean-blocks  the clean pass dense, one SDPA cuDNN call per one-frame block, each
+                       over a contiguous buffer of exactly that block's visible keys
+                       (write: the chunk's K/V up to the block's end copied into each
+                       buffer's tail); the blocks' outputs land in one [T, H, D]
+    sdpa-clean-masked  the clean pass dense in one call: all T queries over the
+                       sdpa-cudnn buffer with a mask giving each block's rows exactly its
+                       visible keys (cuDNN; where torch refuses the mask there, efficient,
+                       then math: the note names the backend that ran)
+
+The two auto rows (framekv-denoise, framekv-clean) record the layout their backend
+chose: ``splits`` (split-KV S) and ``packed`` (the query heads of a K/V head stacked
+along the query axis); the split rows (`framekv.bench.split`) pin both.
 
 Every variant includes its K/V write, is captured in a CUDA graph, and is checked
-against the fp32 exact-window reference before it is timed. The variants are timed
-in turn, one replay of each per round (L2 flushed before each), so that clock changes
-over the run hit them alike, and each round starts one variant later than the last (the
-first replay after the host's sync runs slower, and would always hit one variant).
+against the fp32 exact-window reference of its block size before it is timed (the
+clean-pass variants against the clean pass, whose FLOPs they are credited with). The
+variants are timed in turn, one replay of each per round (L2 flushed before each), so
+that clock changes over the run hit them alike, and each round starts one variant later
+than the last (the first replay after the host's sync runs slower, and would always hit
+one variant).
+
+The dense rows are built in `framekv.bench.dense_sdpa`, the pinned split rows in
+`framekv.bench.split`.
 """
 from __future__ import annotations
 
 import statistics
 
+import numpy as np
 import torch
 
 from framekv import specs
@@ -28,8 +46,8 @@ from framekv.engine import CachedAttention, CausalKVCache
 from framekv.engine.attention.backend import attend_fp32
 from framekv.engine.cache.reference import ExactWindowReference, visible_positions
 
+from .dense_sdpa import clean_variants, dense_variants
 from .timing import Flusher, captured_graph, interleaved_device_times, matmul_ceiling, summary
-
 
 class Setup:
     """A one-layer cache of a preset's geometry with a full window, its fp32 record, and a
@@ -67,18 +85,25 @@ class Setup:
 
     def reference(self, b: int) -> torch.Tensor:
         """fp32 exact-window attention of the chunk's queries in blocks of ``b``: [T, H, D]."""
-        out = torch.empty(self.T, self.H, self.D, device="cuda")
+        dev = self.q.device
+        out = torch.empty(self.T, self.H, self.D, device=dev)
         for j in range(self.T // b):
             pos = visible_positions(self.g, self.ref.committed, self.ref.committed + j * b, b)
             k, v = self.ref.kv(0, pos)
-            out[j * b:(j + 1) * b] = attend_fp32(self.q[j * b:(j + 1) * b], k.cuda(), v.cuda(),
+            out[j * b:(j + 1) * b] = attend_fp32(self.q[j * b:(j + 1) * b], k.to(dev), v.to(dev),
                                                  self.scale)
         return out
 
-    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous [1, H_kv, keys, D] K and V of exactly the chunk's visible keys."""
-        pos = visible_positions(self.g, self.ref.committed, self.ref.committed, self.T)
-        return tuple(x.cuda().to(torch.bfloat16).transpose(0, 1)[None].contiguous()
+    def visible_keys(self) -> np.ndarray:
+        """Positions of every key the chunk sees (the union of its blocks' V(j)), sorted:
+        the columns of `dense_kv`'s buffer."""
+        return visible_positions(self.g, self.ref.committed, self.ref.committed, self.T)
+
+    def dense_kv(self, positions: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous [1, H_kv, keys, D] K and V of ``positions`` (default: exactly the
+        chunk's visible keys, `visible_keys`)."""
+        pos = self.visible_keys() if positions is None else positions
+        return tuple(x.to(self.qkv.device, self.qkv.dtype).transpose(0, 1)[None].contiguous()
                      for x in self.ref.kv(0, pos))
 
     def flops(self, b: int) -> int:
@@ -90,57 +115,21 @@ class Setup:
         return total
 
 
-def framekv_variants(st: Setup) -> dict:
-    """name -> (callable, block size) of framekv's paged path."""
+def framekv_variants(st: Setup) -> tuple[dict, dict]:
+    """name -> (callable, block size) of framekv's paged path, and name -> the layout its
+    backend chose ({"splits": S, "packed": bool})."""
     mod = CachedAttention(st.H, st.HKV, st.D, backend="cudnn", layer_idx=0)
 
     def call(b):
         return lambda: mod(st.qkv, kv_cache=st.cache, seq_len=st.T, causal_block_size=b)[0]
-    return {"framekv-denoise": (call(st.T), st.T), "framekv-clean": (call(st.frame), st.frame)}
-
-
-def dense_variants(st: Setup) -> tuple[dict, dict]:
-    """name -> (callable, block size) of the dense baselines, and notes."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    kd, vd = st.dense_kv()
-    qd = st.q.transpose(0, 1)[None]                                   # [1, H, T, D]
-    tail = slice(st.keys - st.T, st.keys)
-    hist_k, hist_v = kd[:, :, :tail.start].clone(), vd[:, :, :tail.start].clone()
-    new_k, new_v = (x.transpose(0, 1)[None] for x in (st.k_new, st.v_new))  # [1, H_kv, T, D]
-
-    def sdpa(backend, k, v):
-        with sdpa_kernel([backend]):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                qd, k, v, scale=st.scale, enable_gqa=k.shape[1] != st.H)
-        return out[0].transpose(0, 1)                                 # [T, H, D]
-
-    def in_place(backend, k, v):
-        group = k.shape[1] // st.HKV  # 1, or H / H_kv when K/V were expanded
-
-        def run():
-            k[0, :, tail].copy_(new_k[0].repeat_interleave(group, 0))
-            v[0, :, tail].copy_(new_v[0].repeat_interleave(group, 0))
-            return sdpa(backend, k, v)
-        return run
-
-    def concat():
-        return sdpa(SDPBackend.CUDNN_ATTENTION, torch.cat([hist_k, new_k], 2),
-                    torch.cat([hist_v, new_v], 2))
-
-    out, notes = {"sdpa-cudnn": (in_place(SDPBackend.CUDNN_ATTENTION, kd, vd), st.T),
-                  "concat-sdpa": (concat, st.T)}, {}
-    flash = in_place(SDPBackend.FLASH_ATTENTION, kd.clone(), vd.clone())
-    try:
-        flash()
-    except RuntimeError as e:
-        notes["sdpa-flash"] = (f"GQA refused ({str(e).splitlines()[0][:80]}); K/V expanded to "
-                               f"{st.H} heads outside the timing")
-        group = st.H // st.HKV
-        flash = in_place(SDPBackend.FLASH_ATTENTION, kd.repeat_interleave(group, 1),
-                         vd.repeat_interleave(group, 1))
-    out["sdpa-flash"] = (flash, st.T)
-    return out, notes
+    out, layouts = {}, {}
+    for name, b in (("framekv-denoise", st.T), ("framekv-clean", st.frame)):
+        # The backend keeps one plan per forward shape: this is the plan the call runs.
+        plan = mod.plan_for(st.cache, st.T, b)
+        out[name] = (call(b), b)
+        # getattr: backends without query-head packing have no such attribute
+        layouts[name] = {"splits": int(plan.splits), "packed": bool(getattr(plan, "packed", False))}
+    return out, layouts
 
 
 def measure_attention(preset: specs.Preset, *, iters: int = 50, flush: bool = True,
@@ -152,9 +141,12 @@ def measure_attention(preset: specs.Preset, *, iters: int = 50, flush: bool = Tr
     """
     st = Setup(preset)
     flusher = Flusher(flush)
-    variants = framekv_variants(st)
-    dense, notes = dense_variants(st)
-    variants.update(dense)
+    variants, layouts = framekv_variants(st)
+    notes = {}
+    for build in (dense_variants, clean_variants):
+        more, more_notes = build(st)
+        variants.update(more)
+        notes.update(more_notes)
     if extra is not None:
         variants.update(extra(st))
     want = {b: st.reference(b) for b in {b for _, b in variants.values()}}
@@ -173,13 +165,14 @@ def measure_attention(preset: specs.Preset, *, iters: int = 50, flush: bool = Tr
     rows = {}
     for name, (_, b) in variants.items():
         rows[name] = {"block_size": b, "max_error": errors[name], "us": summary(times[name]),
-                      "tflops": st.flops(b) / statistics.median(times[name]) / 1e6}
+                      "tflops": st.flops(b) / statistics.median(times[name]) / 1e6,
+                      **layouts.get(name, {})}
     ceiling = matmul_ceiling(flusher)
     for r in rows.values():
         r["fraction_of_ceiling"] = r["tflops"] / ceiling
     res = {"heads": st.H, "kv_heads": st.HKV, "head_dim": st.D, "tokens": st.T, "keys": st.keys,
            "frame": st.frame, "matmul_tflops": ceiling, "notes": notes, "variants": rows}
-    res["ratios"] = ratios(rows)
+    res["ratios"] = ratios(rows)  # reads denoise's fraction of the ceiling, set just above
     # Per round (the two timed next to each other), then the median over rounds.
     res["ratios"]["denoise_over_sdpa_cudnn_paired"] = statistics.median(
         a / b for a, b in zip(times["framekv-denoise"], times["sdpa-cudnn"]))
@@ -188,50 +181,101 @@ def measure_attention(preset: specs.Preset, *, iters: int = 50, flush: bool = Tr
 
 
 def ratios(rows: dict) -> dict:
-    """The comparisons the project's targets are stated in."""
+    """The comparisons the project's targets are stated in (rows that a result lacks,
+    such as the clean-pass or pinned rows of an older run, leave their ratios out)."""
     med = {k: v["us"]["median"] for k, v in rows.items()}
     out = {"denoise_over_sdpa_cudnn": med["framekv-denoise"] / med["sdpa-cudnn"],
            "sdpa_flash_over_denoise": med["sdpa-flash"] / med["framekv-denoise"],
            "concat_over_denoise": med["concat-sdpa"] / med["framekv-denoise"]}
+    if "fraction_of_ceiling" in rows["framekv-denoise"]:
+        out["denoise_fraction_of_ceiling"] = rows["framekv-denoise"]["fraction_of_ceiling"]
     if "framekv-denoise-S1" in med:  # the unsplit paged forward
         out["denoise_s1_over_sdpa_cudnn"] = med["framekv-denoise-S1"] / med["sdpa-cudnn"]
         out["sdpa_flash_over_denoise_s1"] = med["sdpa-flash"] / med["framekv-denoise-S1"]
-    for name in ("denoise", "clean"):
-        pinned = [k for k in med if k.startswith(f"framekv-{name}-S")]
-        if pinned:
-            best = min(pinned, key=med.get)
-            out[f"best_{name}"] = best
-            out[f"best_{name}_over_s1"] = med[best] / med[f"framekv-{name}-S1"]
+    out.update(_clean_ratios(rows, med))
+    out.update(_best_pinned(med))
     if "best_denoise" in out:
         out["best_denoise_over_sdpa_cudnn"] = med[out["best_denoise"]] / med["sdpa-cudnn"]
     return out
 
 
+def _clean_ratios(rows: dict, med: dict) -> dict:
+    """framekv's clean pass against the denoising forward per FLOP (time per FLOP is
+    1 / TFLOP/s, so the ratio is denoise's TFLOP/s over clean's) and against its dense
+    equivalents."""
+    if "framekv-clean" not in rows:
+        return {}
+    out = {"clean_over_denoise_per_flop":
+           rows["framekv-denoise"]["tflops"] / rows["framekv-clean"]["tflops"]}
+    for dense in ("sdpa-clean-blocks", "sdpa-clean-masked"):
+        if dense in med:
+            out["clean_over_" + dense.replace("-", "_")] = med["framekv-clean"] / med[dense]
+    return out
+
+
+def _best_pinned(med: dict) -> dict:
+    """The fastest pinned row of each forward (``framekv-{name}-S<k>`` and its
+    ``-packed`` twin), and the fastest packed one, each over the unpacked S=1 row."""
+    out = {}
+    for name in ("denoise", "clean"):
+        pinned = [k for k in med if k.startswith(f"framekv-{name}-S")]
+        if not pinned:
+            continue
+        s1 = med[f"framekv-{name}-S1"]
+        best = min(pinned, key=med.get)
+        out[f"best_{name}"], out[f"best_{name}_over_s1"] = best, med[best] / s1
+        packed = [k for k in pinned if k.endswith("-packed")]
+        if packed:
+            best = min(packed, key=med.get)
+            out[f"best_{name}_packed"], out[f"best_{name}_packed_over_s1"] = best, med[best] / s1
+    return out
+
+
 def format_attention(res: dict) -> str:
+    """The attention section as text: the variant table, notes and ratios."""
     lines = [f"attention, one layer: {res['heads']}/{res['kv_heads']} heads of {res['head_dim']}, "
              f"{res['tokens']} queries over {res['keys']} keys; matmul ceiling "
              f"{res['matmul_tflops']:.0f} TFLOP/s (bf16 8192^3, same run)",
-             f"  {'variant':<26}{'block':>6}{'median µs':>11}{'p10-p90 µs':>18}{'TFLOP/s':>9}"
-             f"{'of ceil':>8}{'max err':>10}"]
+             f"  {'variant':<28}{'block':>6}{'S/pack':>7}{'median µs':>11}{'p10-p90 µs':>18}"
+             f"{'TFLOP/s':>9}{'of ceil':>8}{'max err':>10}"]
     for name, r in res["variants"].items():
         u = r["us"]
-        lines.append(f"  {name:<26}{r['block_size']:>6}{u['median']:>11.1f}"
+        # the layout the backend chose, on the auto rows: "S/p" packed, "S/-" not
+        layout = f"{r['splits']}/{'p' if r.get('packed') else '-'}" if "splits" in r else ""
+        lines.append(f"  {name:<28}{r['block_size']:>6}{layout:>7}{u['median']:>11.1f}"
                      f"{u['p10']:>9.1f}-{u['p90']:<8.1f}{r['tflops']:>9.0f}"
                      f"{r['fraction_of_ceiling']:>8.2f}{r['max_error']:>10.1e}")
     for name, note in res["notes"].items():
         lines.append(f"  note: {name}: {note}")
-    rt = res["ratios"]
-    lines.append(f"  framekv denoise (auto S) / sdpa-cudnn = {rt['denoise_over_sdpa_cudnn']:.3f}; "
-                 f"sdpa-flash / framekv denoise = {rt['sdpa_flash_over_denoise']:.2f}; "
-                 f"concat-sdpa / framekv denoise = {rt['concat_over_denoise']:.2f}")
+    return "\n".join(lines + _ratio_lines(res["ratios"]))
+
+
+def _ratio_lines(rt: dict) -> list[str]:
+    lines = [f"  framekv denoise (auto S) / sdpa-cudnn = {rt['denoise_over_sdpa_cudnn']:.3f}; "
+             f"sdpa-flash / framekv denoise = {rt['sdpa_flash_over_denoise']:.2f}; "
+             f"concat-sdpa / framekv denoise = {rt['concat_over_denoise']:.2f}"]
     if "denoise_over_sdpa_cudnn_paired" in rt:
         lines.append(f"  framekv denoise / sdpa-cudnn, per round then median = "
                      f"{rt['denoise_over_sdpa_cudnn_paired']:.3f}")
+    if "denoise_fraction_of_ceiling" in rt:
+        lines.append(f"  framekv denoise at {rt['denoise_fraction_of_ceiling']:.2f} "
+                     f"of the matmul ceiling")
     if "denoise_s1_over_sdpa_cudnn" in rt:
         lines.append(f"  unsplit (S=1) denoise / sdpa-cudnn = {rt['denoise_s1_over_sdpa_cudnn']:.3f}; "
                      f"sdpa-flash / unsplit denoise = {rt['sdpa_flash_over_denoise_s1']:.2f}")
+    clean = [f"framekv clean / {d} = {rt[k]:.3f}" for d, k in (
+        ("sdpa-clean-blocks", "clean_over_sdpa_clean_blocks"),
+        ("sdpa-clean-masked", "clean_over_sdpa_clean_masked")) if k in rt]
+    if clean:
+        lines.append("  " + "; ".join(clean))
+    if "clean_over_denoise_per_flop" in rt:
+        lines.append(f"  framekv clean / framekv denoise, time per FLOP = "
+                     f"{rt['clean_over_denoise_per_flop']:.3f}")
     for name in ("denoise", "clean"):
         if f"best_{name}" in rt:
             lines.append(f"  best {name}: {rt[f'best_{name}']}, {rt[f'best_{name}_over_s1']:.3f} "
                          f"of its S=1 time")
-    return "\n".join(lines)
+        if f"best_{name}_packed" in rt:
+            lines.append(f"  best packed {name}: {rt[f'best_{name}_packed']}, "
+                         f"{rt[f'best_{name}_packed_over_s1']:.3f} of the unpacked S=1 time")
+    return lines

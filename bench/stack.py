@@ -108,16 +108,26 @@ class AttentionStack:
     def split_of(self, geometry: Geometry, tokens: int, block_size: int) -> int | None:
         """The split-KV S of a forward's plan (``geometry`` opened first, if it is not
         the open one), or None for a backend that never splits."""
+        plan = self._plan_of(geometry, tokens, block_size)
+        return None if plan is None else plan.splits
+
+    def packed_of(self, geometry: Geometry, tokens: int, block_size: int) -> bool | None:
+        """Whether a forward's plan packs GQA query heads (as `split_of`)."""
+        plan = self._plan_of(geometry, tokens, block_size)
+        return None if plan is None else plan.packed
+
+    def _plan_of(self, geometry: Geometry, tokens: int, block_size: int):
         if not hasattr(self.backend, "split_for"):
             return None
         self.ensure_open(geometry)
-        return self.layers[0].plan_for(self.cache, tokens, block_size).splits
+        return self.layers[0].plan_for(self.cache, tokens, block_size)
 
     def forward_key(self, geometry: Geometry, tokens: int, block_size: int) -> G.GraphKey:
         """Key of the forward graph of one plan item."""
         return G.forward_key(self.owner, geometry, tokens, block_size,
                              inputs=_layout_only(self.qkv_shape(tokens), self.dtype, self.device),
-                             split=self.split_of(geometry, tokens, block_size))
+                             split=self.split_of(geometry, tokens, block_size),
+                             packed=self.packed_of(geometry, tokens, block_size))
 
     def commit_key(self, geometry: Geometry, tokens: int) -> G.GraphKey:
         """Key of the ``commit(tokens)`` graph of a geometry."""
@@ -199,11 +209,13 @@ class AttentionStack:
         name = "chunk-chained" if chain else "chunk"
         blocks = (tokens,) * denoise_steps + (clean_block,)
         splits = [self.split_of(geometry, tokens, b) for b in blocks]
+        packed = [self.packed_of(geometry, tokens, b) for b in blocks]
         return G.GraphKey.build(
             owner=self.owner, geometry=geometry, tokens=tokens, block_sizes=blocks,
             program=G.program_string(name, labels),
             inputs=_layout_only(self.qkv_shape(tokens), self.dtype, self.device),
-            splits=() if None in splits else tuple(splits))
+            splits=() if None in splits else tuple(splits),
+            packed=() if None in packed else tuple(packed))
 
     def chunk_request(self, geometry: Geometry, tokens: int, *, denoise_steps: int,
                       clean_block: int, chain: bool = False) -> G.CaptureRequest:

@@ -192,7 +192,10 @@ def format_wan(res: dict) -> str:
                      f"{r['peak_bytes'] / 2**30:>10.2f}"
                      f"{r.get('max_abs_diff_vs_framekv_eager', float('nan')):>15.2e}  {r['path']}")
     v = res["variants"]
-    for a, b in (("framekv-graphs", "dense-eager"), ("framekv-graphs", "dense-graphs"),
+    # framekv-fused-graphs is `WanRollout`'s default (glue="fused"); framekv-graphs keeps
+    # the stock blocks' torch glue, as the dense baselines do.
+    for a, b in (("framekv-fused-graphs", "dense-eager"), ("framekv-fused-graphs", "dense-graphs"),
+                 ("framekv-graphs", "dense-eager"), ("framekv-graphs", "dense-graphs"),
                  ("framekv-graphs", "stock-recompute")):
         if a in v and b in v:
             lines.append(f"  {a} / {b} frames per second = "

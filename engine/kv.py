@@ -103,6 +103,12 @@ class KVStore(abc.ABC):
         the store's), for its graph key (empty when the store's attention never splits)."""
         return ()
 
+    def key_packed(self, attn, tokens: int, block_sizes: tuple[int, ...],
+                   batch: int | None = None) -> tuple[bool, ...]:
+        """GQA query packing of each forward of such a chunk, for its graph key (empty
+        when the store's attention never packs)."""
+        return ()
+
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This process's share of a forward's token rows [1, S, ...] (all of them)."""
         return x
@@ -239,6 +245,10 @@ class PagedKV(KVStore):
     def key_splits(self, attn, tokens, block_sizes, batch: int | None = None):
         B = self.batch if batch is None else batch
         return tuple(attn.plan_for(self.cache, tokens, b, B).splits for b in block_sizes)
+
+    def key_packed(self, attn, tokens, block_sizes, batch: int | None = None):
+        B = self.batch if batch is None else batch
+        return tuple(attn.plan_for(self.cache, tokens, b, B).packed for b in block_sizes)
 
 
 def stage_prompt(cache: CausalKVCache, kvs: list[torch.Tensor], num_kv_heads: int, *,

@@ -295,7 +295,8 @@ class Rollout:
                         denoise_steps=self.spec.denoising_steps,
                         clean_block=self.spec.tokens_per_frame, inputs=inputs,
                         splits=self.kv.key_splits(self.model.blocks[0].attn, tokens, blocks,
-                                                  batch), batch=batch)
+                                                  batch), batch=batch,
+                        packed=self.kv.key_packed(self.model.blocks[0].attn, tokens, blocks, batch))
         return CaptureRequest(key, self.chunk_fn, inputs,
                               functools.partial(self.kv.after_replay, tokens))
 

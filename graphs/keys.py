@@ -126,6 +126,9 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         splits: split-KV sub-rows S of each forward (``block_sizes`` order), or empty
             when the attention does not split; a different S launches a different
             cuDNN graph, a different grid and a merge.
+        packed: whether each forward (``block_sizes`` order) stacks the query heads of
+            a K/V head into one row (GQA packing), or empty when it never does; packed
+            launches run another cuDNN graph over copies of Q.
         batch: B, the sequences of a pool each forward runs (1: one). The cuDNN batch
             rows (B x blocks), the gathered per-block tensors and every launch grid
             over tokens scale with it; which sequences is a device input, not baked.
@@ -142,6 +145,7 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     inputs: tuple[TensorSpec, ...] = ()
     splits: tuple[int, ...] = ()
     batch: int = 1
+    packed: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("GraphKey.owner", self.owner, 0)
@@ -152,6 +156,13 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              f"({len(self.block_sizes)}), got {self.splits}")
         for i, sp in enumerate(self.splits):
             _check_int(f"GraphKey.splits[{i}]", sp, 1)
+        msgspec.structs.force_setattr(self, "packed", tuple(self.packed))
+        if self.packed and len(self.packed) != len(self.block_sizes):
+            raise ValueError(f"GraphKey.packed must give one flag per block size "
+                             f"({len(self.block_sizes)}), got {self.packed}")
+        for i, p in enumerate(self.packed):
+            if not isinstance(p, bool):
+                raise ValueError(f"GraphKey.packed[{i}] must be a bool, got {p!r}")
         msgspec.structs.force_setattr(self, "block_sizes", tuple(self.block_sizes))
         msgspec.structs.force_setattr(self, "inputs", tuple(self.inputs))
         _check_int("GraphKey.tokens", self.tokens, 0)
@@ -191,11 +202,11 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def build(cls, *, owner: int, program: str, inputs: Mapping[str, torch.Tensor] | None = None,
               geometry: Geometry | None = None, tokens: int = 0,
               block_sizes: tuple[int, ...] = (), splits: tuple[int, ...] = (),
-              batch: int = 1) -> "GraphKey":
+              batch: int = 1, packed: tuple[bool, ...] = ()) -> "GraphKey":
         """A key from live input tensors (their layouts are taken, not their addresses)."""
         return cls(owner=owner, geometry=geometry, tokens=tokens,
                    block_sizes=tuple(block_sizes), program=program, inputs=input_specs(inputs),
-                   splits=tuple(splits), batch=batch)
+                   splits=tuple(splits), batch=batch, packed=tuple(packed))
 
     def summary(self) -> str:
         """One line for logs and reports."""
@@ -205,6 +216,8 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         blocks = "/".join(map(str, self.block_sizes)) or "-"
         if self.splits:
             blocks += " splits=" + "/".join(map(str, self.splits))
+        if any(self.packed):
+            blocks += " packed=" + "/".join("y" if p else "n" for p in self.packed)
         ins = " ".join(s.summary() for s in self.inputs)
         batch = f" B={self.batch}" if self.batch > 1 else ""
         return (f"{self.program} T={self.tokens}{batch} blocks={blocks}{geom} owner={self.owner}"

@@ -102,12 +102,15 @@ class SequenceProgram:
 
 # ------------------------------------------------------------------ standard keys
 def forward_key(owner: int, geometry: Geometry | None, tokens: int, block_size: int,
-                inputs: Mapping[str, torch.Tensor] | None = None, split: int | None = None) -> GraphKey:
+                inputs: Mapping[str, torch.Tensor] | None = None, split: int | None = None,
+                packed: bool | None = None) -> GraphKey:
     """Key of one forward of ``tokens`` real tokens cut into ``block_size`` blocks
-    (``split``: its split-KV S, None when the attention does not split)."""
+    (``split``: its split-KV S, ``packed``: its GQA query packing; None when the
+    attention does neither)."""
     return GraphKey.build(owner=owner, geometry=geometry, tokens=tokens,
                           block_sizes=(block_size,), program="forward", inputs=inputs,
-                          splits=() if split is None else (split,))
+                          splits=() if split is None else (split,),
+                          packed=() if packed is None else (packed,))
 
 
 def commit_key(owner: int, geometry: Geometry | None, n: int,
@@ -135,7 +138,8 @@ def chunk_key(owner: int, geometry: Geometry | None, tokens: int, *, denoise_ste
               denoise_block: int | None = None, clean_block: int | None = None,
               commit: bool | int = True,
               inputs: Mapping[str, torch.Tensor] | None = None,
-              splits: tuple[int, ...] = (), batch: int = 1) -> GraphKey:
+              splits: tuple[int, ...] = (), batch: int = 1,
+              packed: tuple[bool, ...] = ()) -> GraphKey:
     """Key of a whole chunk: ``denoise_steps`` forwards, a clean forward, a commit.
 
     Args:
@@ -145,6 +149,7 @@ def chunk_key(owner: int, geometry: Geometry | None, tokens: int, *, denoise_ste
             or 0 commits nothing.
         splits: split-KV S of each forward (``block_sizes`` order), or empty.
         batch: B, the sequences each forward runs.
+        packed: GQA query packing of each forward (``block_sizes`` order), or empty.
     Example: ``chunk_key(o, g, 1576, denoise_steps=4, clean_block=394)`` has program
     ``"chunk:4x1576+clean394+commit"`` and block sizes ``(1576,) * 4 + (394,)``.
     """
@@ -154,4 +159,4 @@ def chunk_key(owner: int, geometry: Geometry | None, tokens: int, *, denoise_ste
     blocks += (clean_block,) if clean_block is not None else ()
     return GraphKey.build(owner=owner, geometry=geometry, tokens=tokens, block_sizes=blocks,
                           program=program_string("chunk", labels), inputs=inputs, splits=splits,
-                          batch=batch)
+                          batch=batch, packed=packed)

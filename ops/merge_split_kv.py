@@ -176,10 +176,10 @@ def _stat(lse, kv_lens, s, S, nb, blk, h, tt):
 
 
 @_device
-def _word_at(partial, s, S, t, h, w):
+def _word_at(partial, s, S, blk, h, tt, w):
     """Word w of split s (read whether or not it counts: its weight decides), or 0."""
     if s < S:
-        return load_word(partial, (s, t, h, w))
+        return load_word(partial, (s, blk, h, tt, w))
     return 0j
 
 
@@ -202,7 +202,7 @@ def _scaled(acc, r):
 
 
 @_device
-def _merge_word(partial, lse, kv_lens, nb, t, h, w, blk, tt, fp16):
+def _merge_word(partial, lse, kv_lens, nb, h, w, blk, tt, fp16):
     """Merged, normalised fp32 values of word w of row (t, h)."""
     z = _f32(0)
     acc = (z, z, z, z, z, z, z, z)
@@ -213,10 +213,10 @@ def _merge_word(partial, lse, kv_lens, nb, t, h, w, blk, tt, fp16):
         l1 = _stat(lse, kv_lens, s + 1, S, nb, blk, h, tt)
         l2 = _stat(lse, kv_lens, s + 2, S, nb, blk, h, tt)
         l3 = _stat(lse, kv_lens, s + 3, S, nb, blk, h, tt)
-        x0 = _word_at(partial, s, S, t, h, w)
-        x1 = _word_at(partial, s + 1, S, t, h, w)
-        x2 = _word_at(partial, s + 2, S, t, h, w)
-        x3 = _word_at(partial, s + 3, S, t, h, w)
+        x0 = _word_at(partial, s, S, blk, h, tt, w)
+        x1 = _word_at(partial, s + 1, S, blk, h, tt, w)
+        x2 = _word_at(partial, s + 2, S, blk, h, tt, w)
+        x3 = _word_at(partial, s + 3, S, blk, h, tt, w)
         top = max(max(m, l0), max(max(l1, l2), l3))
         if top > _NEG_INF:
             if m > _NEG_INF and top > m:  # an earlier round's sums, onto the new maximum
@@ -238,12 +238,13 @@ def _store(out, t, h, w, vals, fp16):
 
 @cuda.jit
 def _merge_split_kv_kernel(out, partial, lse, kv_lens, block_size, seq_len, fp16):
-    # out: [T, H, W] words; partial: [S, T, H, W] words; lse: [S * nb, H, b] float32 bits
-    # (int32); kv_lens: [S * nb] int32; fp16: values are fp16 (else bf16).
-    T = partial.shape[1]
-    H = partial.shape[2]
-    W = partial.shape[3]
-    nb = T // block_size
+    # out: [T, H, W] words; partial: [S, nb, H, b, W] words (a view of token-major or
+    # packed partials); lse: [S * nb, H, b] float32 bits (int32); kv_lens: [S * nb]
+    # int32; fp16: values are fp16 (else bf16).
+    T = out.shape[0]
+    H = out.shape[1]
+    W = out.shape[2]
+    nb = partial.shape[1]
     z = _f32(0)
     for i in range(cuda.grid(1), T * H * W, cuda.gridsize(1)):
         row = i // W
@@ -253,7 +254,7 @@ def _merge_split_kv_kernel(out, partial, lse, kv_lens, block_size, seq_len, fp16
         blk = t // block_size
         vals = (z, z, z, z, z, z, z, z)
         if t < seq_len:
-            vals = _merge_word(partial, lse, kv_lens, nb, t, h, w, blk,
+            vals = _merge_word(partial, lse, kv_lens, nb, h, w, blk,
                                t - blk * block_size, fp16)
         _store(out, t, h, w, vals, fp16)
 
@@ -279,6 +280,7 @@ def merge_split_kv_reference(out, partial, lse, kv_lens, *, block_size: int,
     no host-to-device copy, so it can also be captured in a CUDA graph (benchmarks do).
     Accepts any floating ``partial``/``out`` dtype, so tests can merge fp32 partials.
     """
+    partial = _token_major(partial, block_size)
     S, T, H, _ = partial.shape
     nb = T // block_size
     stats, keep = _flat_stats(lse, kv_lens, S, nb, block_size)         # [S, T, H]
@@ -291,6 +293,16 @@ def merge_split_kv_reference(out, partial, lse, kv_lens, *, block_size: int,
     res = acc / e.sum(0).clamp_min(1)[..., None]   # the sum is >= 1, or 0 with acc = 0
     res[seq_len:] = 0
     out.copy_(res)
+
+
+def _blocked(partial, b):
+    """partial as the kernel reads it, [S, nb, H, b, D] (a view of [S, T, H, D])."""
+    return partial if partial.dim() == 5 else partial.unflatten(1, (-1, b)).transpose(2, 3)
+
+
+def _token_major(partial, b):
+    """partial as [S, T, H, D] (a copy when it is the blocked [S, nb, H, b, D])."""
+    return partial if partial.dim() == 4 else partial.transpose(2, 3).flatten(1, 2)
 
 
 # --------------------------------------------------------------------------- checks
@@ -324,15 +336,17 @@ def _check_out(out) -> None:
     _check_strides("out", out)
 
 
-def _check_partial(partial, out) -> None:
-    check_tensor("partial", partial, ndims=(4,), layout="[S, T, H, D]")
+def _check_partial(partial, out, b) -> None:
+    check_tensor("partial", partial, ndims=(4, 5), layout="[S, T, H, D] or [S, nb, H, b, D]")
     if partial.dtype != out.dtype:
         raise ValueError(f"partial: expected dtype {out.dtype} (the dtype of out), "
                          f"got {partial.dtype}")
     T, H, D = out.shape
-    if partial.shape[0] < 1 or tuple(partial.shape[1:]) != (T, H, D):
-        raise ValueError(f"partial: expected shape [S >= 1, {T}, {H}, {D}] (T, H, D of out), "
-                         f"got {tuple(partial.shape)}")
+    want = (T, H, D) if partial.dim() == 4 else (T // b, H, b, D)
+    if partial.shape[0] < 1 or tuple(partial.shape[1:]) != want:
+        layout = "T, H, D of out" if partial.dim() == 4 else "nb, H, b, D of out and block_size"
+        raise ValueError(f"partial: expected shape [S >= 1, {', '.join(map(str, want))}] "
+                         f"({layout}), got {tuple(partial.shape)}")
     check_same_device("partial", partial, "out", out)
     check_last_dim_contiguous("partial", partial)
     _check_strides("partial", partial)
@@ -372,8 +386,8 @@ def _check_kv_lens(kv_lens, out, S, nb) -> None:
 
 def _check(out, partial, lse, kv_lens, block_size, seq_len) -> None:
     _check_out(out)
-    _check_partial(partial, out)
     _check_sizes(out, block_size, seq_len)
+    _check_partial(partial, out, block_size)
     S, nb = partial.shape[0], out.shape[0] // block_size
     _check_lse(lse, out, S, nb, block_size)
     _check_kv_lens(kv_lens, out, S, nb)
@@ -391,7 +405,8 @@ def _kernel_args(out, partial, lse, kv_lens, block_size, seq_len):
     words = T * H * (D // _LANES)
     threads = _launch.threads_for(words)
     lse3 = lse if lse.dim() == 3 else lse[..., 0]  # [S * nb, H, b]
-    args = [array_arg(out, _WORD), array_arg(partial, _WORD), array_arg(lse3),
+    args = [array_arg(out, _WORD), array_arg(_blocked(partial, block_size), _WORD),
+            array_arg(lse3),
             array_arg(kv_lens.reshape(-1)), int_arg(block_size), int_arg(seq_len),
             int_arg(out.dtype == torch.float16)]
     return args, blocks_for(-(-words // threads)), threads
@@ -437,6 +452,9 @@ def merge_split_kv_(out: torch.Tensor, partial: torch.Tensor, lse: torch.Tensor,
             of a packed output), D contiguous and a multiple of 8, rows 16-byte aligned.
         partial: [S, T, H, D] the dtype of out, S >= 1 (split s of block i at tokens
             i*b .. i*b+b-1); contiguous from cuDNN, any 16-byte aligned strides work.
+            Or [S, nb, H, b, D], block by block (cuDNN's layout of packed GQA rows,
+            `framekv.engine.attention.packing`): ``partial[s, i, h, t]`` is token
+            i*b + t.
         lse: float32 [S * nb, H, b] or [S * nb, H, b, 1] (cuDNN's stats layout),
             natural-log logsumexp of each sub-row's scaled scores; any strides.
         kv_lens: int32 [S * nb] or [S * nb, 1, 1, 1], the key count of each sub-row.

@@ -18,8 +18,13 @@ def _cache(g, tpp, *, layers=2, heads=2, dim=16, dtype=torch.bfloat16, pool_toke
 
 
 def _free() -> int:
+    """Free device bytes, after earlier tests' garbage (arenas unmapped when collected)
+    is gone: a collection during the measured rollout would read as a change."""
+    import gc
+
     from framekv.ops import driver
 
+    gc.collect()
     torch.cuda.synchronize()
     return driver.mem_get_info(torch.cuda.current_device())[0]
 
@@ -49,7 +54,9 @@ def test_ten_thousand_commits_constant_memory():
     final = run_rollout(cache, g, commits=10_000, seed=6, check_every=97, steps_per_chunk=1,
                         history=history)
     assert final > 10_000
-    assert (_free(), cache.pool_bytes) == (free0, mapped0), "device memory grew"
+    free1 = _free()
+    assert (free1, cache.pool_bytes) == (free0, mapped0), (
+        f"device memory changed: free {free0} -> {free1}, pool {mapped0} -> {cache.pool_bytes}")
     assert torch.cuda.memory_allocated() <= torch0 + (1 << 20)
     cache.shutdown()
 

@@ -83,7 +83,17 @@ def test_every_baked_field_changes_the_key(change):
 
 def test_key_fields_are_exactly_what_a_graph_bakes():
     assert GraphKey.__struct_fields__ == ("owner", "geometry", "tokens", "block_sizes",
-                                          "program", "inputs", "splits", "batch")
+                                          "program", "inputs", "splits", "batch", "packed")
+
+
+def test_key_packing_flags_are_checked_and_distinguish_keys():
+    base = dict(owner=1, geometry=G, tokens=8, block_sizes=(8, 4), program="chunk")
+    assert GraphKey(**base, packed=(False, True)) != GraphKey(**base, packed=(False, False))
+    assert "packed=n/y" in GraphKey(**base, packed=[False, True]).summary()
+    with pytest.raises(ValueError, match=r"GraphKey.packed must give one flag per block size \(2\)"):
+        GraphKey(**base, packed=(True,))
+    with pytest.raises(ValueError, match=r"GraphKey.packed\[1\] must be a bool, got 1"):
+        GraphKey(**base, packed=(False, 1))
 
 
 def test_key_never_includes_the_commit_count():

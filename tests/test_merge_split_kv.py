@@ -144,11 +144,12 @@ def make_out(T, H, D, dtype, layout, device, g):
 
 
 def merge_case(device, dtype, *, S, nb, b, H, D, seq_len=None, layout="contiguous",
-               empty_every=3, garbage=True, stats_4d=False, seed=0):
+               empty_every=3, garbage=True, stats_4d=False, blocked=False, seed=0):
     """Random arguments for ``merge_split_kv_``: partial ~ N(0, 1), lse ~ 3 N(0, 1),
     sub-rows n = k * empty_every - 1 empty (block 1, if any, has no keys at all), with
     NaN/inf garbage in the empty sub-rows when ``garbage``. Deterministic in seed;
-    ``out`` starts as garbage."""
+    ``out`` starts as garbage. ``blocked``: the same partials stored block by block,
+    [S, nb, H, b, D] (the packed-GQA layout), instead of [S, T, H, D]."""
     g = torch.Generator().manual_seed(seed)
     T = nb * b
     partial = torch.randn(S, T, H, D, generator=g)
@@ -166,6 +167,8 @@ def merge_case(device, dtype, *, S, nb, b, H, D, seq_len=None, layout="contiguou
     out, base = make_out(T, H, D, dtype, layout, device, g)
     if stats_4d:
         lse = lse[..., None]
+    if blocked:
+        partial = partial.unflatten(1, (nb, b)).transpose(2, 3).contiguous()  # [S, nb, H, b, D]
     return {"out": out, "partial": partial.to(device, dtype), "lse": lse.to(device),
             "kv_lens": kv_lens.to(device), "block_size": b,
             "seq_len": T if seq_len is None else seq_len}, base
@@ -192,6 +195,20 @@ def test_op_on_cpu_is_the_reference(layout):
     assert torch.equal(base.view(torch.int16), want_base.view(torch.int16))
     assert args["out"][5:].eq(0).all() and args["out"][3:6].eq(0).all()  # padding; block 1 empty
     assert torch.isfinite(args["out"].float()).all()
+
+
+@pytest.mark.parametrize("S,nb,b,H", [(1, 1, 4, 2), (3, 2, 3, 3), (2, 4, 2, 4)])
+def test_blocked_partials_merge_as_token_major(S, nb, b, H):
+    """[S, nb, H, b, D] (packed GQA rows) merges to the same output as [S, T, H, D]."""
+    kw = dict(S=S, nb=nb, b=b, H=H, D=64, seq_len=nb * b - 1, seed=S + nb)
+    args, _ = merge_case(CPU, torch.bfloat16, blocked=True, **kw)
+    want, _ = merge_case(CPU, torch.bfloat16, **kw)
+    assert args["partial"].shape == (S, nb, H, b, 64)
+    merge_split_kv_(**args)
+    merge_split_kv_(**want)
+    assert torch.equal(args["out"].view(torch.int16), want["out"].view(torch.int16))
+    with pytest.raises(ValueError, match=rf"partial: expected shape \[S >= 1, {nb}, {H}, {b}, 64\]"):
+        merge_split_kv_(**{**args, "partial": args["partial"][:, :, :, 1:]})
 
 
 def test_packed_output_leaves_the_rest_alone():

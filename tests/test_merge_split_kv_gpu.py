@@ -47,6 +47,19 @@ def test_kernel_matches_reference(S, nb, b, H, D, seq_len, layout, dtype, launch
              seed=S * 10 + nb)
 
 
+@pytest.mark.parametrize("S,nb,b,H", [(5, 1, 1576, 32), (5, 4, 394, 32), (3, 2, 29, 6)])
+def test_blocked_partials_match_token_major(S, nb, b, H):
+    """The kernel reads [S, nb, H, b, D] partials (packed GQA rows, cuDNN's layout)
+    bit for bit like the same values stored [S, T, H, D]."""
+    kw = dict(S=S, nb=nb, b=b, H=H, D=128, seq_len=nb * b - 3, seed=S + nb)
+    args, base = merge_case(CUDA, torch.bfloat16, blocked=True, **kw)
+    want, want_base = merge_case(CUDA, torch.bfloat16, **kw)
+    merge_split_kv_(**args)
+    merge_split_kv_(**want)
+    torch.cuda.synchronize()
+    assert torch.equal(base.view(torch.int16), want_base.view(torch.int16))
+
+
 def test_kernel_is_exact_split_attention():
     partial, lse, kv_lens, want = split_attention_case(S=3, nb=4, b=16, H=3, D=128, seed=4,
                                                        empty_block=2, max_keys=200)

@@ -58,6 +58,17 @@ def test_kernel_matches_reference(S, nb, b, H, D, seq_len, layout, dtype):
         assert args["out"][b:2 * b].eq(0).all()
 
 
+@pytest.mark.parametrize("S,nb,b,H,layout", [(2, 1, 4, 3, "contiguous"), (5, 3, 2, 2, "packed")])
+def test_blocked_partials_match_reference(S, nb, b, H, layout):
+    """The kernel reads [S, nb, H, b, D] partials (packed GQA rows) like [S, T, H, D]."""
+    kw = dict(S=S, nb=nb, b=b, H=H, D=64, seq_len=nb * b - 1, layout=layout, seed=3)
+    args, base = merge_case(CPU, torch.bfloat16, blocked=True, **kw)
+    want, want_base = merge_case(CPU, torch.bfloat16, **kw)
+    merge_split_kv_(**args)
+    merge_split_kv_reference(**want)
+    assert_merged_close(base, want_base)
+
+
 def test_nan_in_empty_sub_rows_does_not_leak():
     args = _compare(torch.bfloat16, S=3, nb=3, b=2, H=3, D=64, empty_every=2, seed=3)
     kv = args["kv_lens"].view(3, 3)  # [S, nb]

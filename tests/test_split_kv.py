@@ -35,6 +35,17 @@ def test_choose_split(nb, b, H, keys, want):
     assert choose_split(num_blocks=nb, block_size=b, num_heads=H, row_keys=keys, sms=132) == want
 
 
+@pytest.mark.parametrize("nb,b,H,group,want", [
+    (4, 394, 32, 4, 4),    # packed seed clean pass: S = 5 gains 1.55% on S = 4, under 2%
+    (2, 4680, 12, 1, 1),   # two Wan sequences: S = 5 gains 2.9% on S = 1, under 4 x 2%
+    (4, 4680, 12, 1, 2),   # four: S = 2 gains 3.7%
+])
+def test_choose_split_with_copied_queries(nb, b, H, group, want):
+    """Several blocks: every split copies Q, so each split more must gain 2%."""
+    assert choose_split(num_blocks=nb, block_size=b, num_heads=H, row_keys=1041 * 32, sms=132,
+                        group=group) == want
+
+
 @pytest.mark.parametrize("field", ["num_blocks", "block_size", "num_heads", "row_keys", "sms"])
 def test_choose_split_rejects_bad_arguments(field):
     args = dict(num_blocks=1, block_size=64, num_heads=4, row_keys=4096, sms=132)

@@ -47,27 +47,32 @@ def test_seed_geometry_auto_split_is_within_5e4_of_the_reference():
     preset = specs.load_preset("seed-bench")
     g = preset.rollout.geometry()
     backend = CudnnBackend()  # the wave model
-    assert backend.split_for(g, 32, 32, 1576, 1576, "cuda") == 5
-    assert backend.split_for(g, 32, 32, 1576, 394, "cuda") == 1
+    assert backend.layout_for(g, 32, 32, 1576, 1576, "cuda", num_kv_heads=8) == (True, 5)
+    assert backend.layout_for(g, 32, 32, 1576, 394, "cuda", num_kv_heads=8) == (True, 4)
     err = rollout_vs_reference(g, 32, chunk=1576, frame=394, chunks=26, steps=1, layers=1, H=32,
                                Hkv=8, D=128, dtype=BF16, device="cuda", backend=backend, seed=3,
                                many_keys=30000)
-    print(f"seed geometry, S=5 denoise / S=1 clean: {err}")
+    print(f"seed geometry, packed S=5 denoise / packed S=4 clean: {err}")
     assert err["max_error_many_keys"] <= 5e-4, err
 
 
-def test_split_forwards_replay_bit_for_bit_across_104_commits():
+@pytest.mark.parametrize("splits,pack", [
+    ((5, 2), False),
+    ((5, 5), True),    # packed GQA rows, split: the merge reads the packed partials
+    ((1, 1), True),    # packed without split: the output copied back
+])
+def test_split_forwards_replay_bit_for_bit_across_104_commits(splits, pack):
     preset = specs.load_preset("seed-bench")
     g, T, frame = preset.rollout.geometry(), 1576, 394
     kv = specs.KVSpec(num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                       tokens_per_page=32)
-    backend = CudnnBackend(split={1576: 5, 394: 2})
+    backend = CudnnBackend(split={1576: splits[0], 394: splits[1]}, pack=pack)
     stacks = [AttentionStack(kv, [g], device="cuda", num_heads=32, backend=backend)
               for _ in range(2)]
     eager, graphed = stacks
     graphs = GraphCache("cuda", debug=True)
     req = graphed.chunk_request(g, T, denoise_steps=1, clean_block=frame, chain=True)
-    assert req.key.splits == (5, 2)
+    assert req.key.splits == splits and req.key.packed == (pack, pack)
     graphs.capture(req.key, req.fn, req.inputs, after_replay=req.after_replay)
     for s in stacks:
         s.reset()

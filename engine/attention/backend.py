@@ -35,10 +35,12 @@ class AttentionPlan(abc.ABC):
         tokens, block_size, num_heads, scale: the forward it was planned for.
         batch: B, the sequences of each forward (rows of its query batch).
         splits: split-KV sub-rows per causal block row (1: none); graph keys hold it.
+        packed: whether GQA query heads are stacked per K/V head row; graph keys hold it.
         selected: the `SequenceBatch` of the last `prepare` (None before one).
     """
 
     splits: int = 1
+    packed: bool = False
 
     def __init__(self, cache, *, tokens: int, block_size: int, num_heads: int, scale: float,
                  batch: int = 1):

@@ -5,9 +5,10 @@ each with its own ``seq_len_q`` (= b) and ``seq_len_kv`` (device tensors the cac
 rewrites at commit), its row of the page table, and the padding mask cutting it there.
 With split-KV each row is S sub-rows and a fused merge follows (`split_kv`).
 
-Plan and run (see `backend`): `CudnnBackend.plan` chooses S by the wave model (or as
-pinned) for one (cache, geometry, token count, block size, heads, scale) and returns a
-`CudnnPlan` that owns the split buffers; its ``prepare`` rebuilds the sub-rows once per
+Plan and run (see `backend`): `CudnnBackend.plan` chooses S and whether to pack GQA
+query heads (`packing`) by the wave model (or as pinned) for one (cache, geometry,
+token count, block size, heads, scale) and returns a `CudnnPlan` that owns the split
+and packing buffers; its ``prepare`` rebuilds the sub-rows once per
 forward, its ``run`` launches one layer. Built cuDNN graphs (`cudnn_graph`) and their
 workspaces are shared by every plan of the backend, so one backend instance serves
 every layer of a model. Every pointer a launch reads is fixed (arena tensors), so a
@@ -27,7 +28,8 @@ from ..arena import DeviceArena
 from ..cache import LayoutPlan
 from .backend import AttentionBackend, AttentionPlan
 from .cudnn_graph import UID, PagedGraphKey, PlanFiles, build_graph
-from .split_kv import SplitBuffers, blocks_view, choose_split
+from .packing import PackBuffers
+from .split_kv import SplitBuffers, blocks_view, choose_layout
 
 # Address space for workspaces and split buffers; only what is carved is mapped.
 _WORKSPACE_RESERVE = 8 << 30
@@ -44,13 +46,18 @@ class CudnnPlan(AttentionPlan):
 
     Attributes (besides `AttentionPlan`'s):
         splits: S chosen for this forward; ``split`` the `SplitBuffers` when S > 1.
+        packed: GQA query packing chosen; ``group`` g query heads per row (1 when not
+            packed); ``pack`` the `PackBuffers` when packed without a split.
     """
 
     def __init__(self, backend: "CudnnBackend", cache, *, tokens: int, block_size: int,
-                 num_heads: int, scale: float, splits: int, batch: int = 1):
+                 num_heads: int, scale: float, splits: int, batch: int = 1,
+                 packed: bool = False):
         super().__init__(cache, tokens=tokens, block_size=block_size, num_heads=num_heads,
                          scale=scale, batch=batch)
         self.backend, self.splits = backend, splits
+        self.group = num_heads // cache.num_kv_heads if packed else 1
+        self.packed = self.group > 1
         # Every sequence's blocks are rows of one cuDNN batch: B * nb rows.
         self.num_blocks = nb = batch * (tokens // block_size)
         bt = cache.batch_blocks(batch, block_size, tokens)  # fixed addresses, refreshed by select
@@ -59,7 +66,11 @@ class CudnnPlan(AttentionPlan):
             backend.arena(cache.device.index), splits=splits, num_blocks=nb,
             block_size=block_size, row_pages=bt.rows.shape[1],
             tokens_per_page=cache.tokens_per_page, num_heads=num_heads,
-            head_dim=cache.head_dim, dtype=cache.dtype)
+            head_dim=cache.head_dim, dtype=cache.dtype, group=self.group)
+        self.pack = None if splits > 1 or not self.packed else PackBuffers.allocate(
+            backend.arena(cache.device.index), num_blocks=nb, block_size=block_size,
+            num_heads=num_heads, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim,
+            dtype=cache.dtype)
         self._launches: dict[tuple, _Executable] = {}  # by (q strides, o strides)
 
     def refresh(self) -> None:
@@ -68,15 +79,15 @@ class CudnnPlan(AttentionPlan):
             self.split.rebuild(self._rows, self._kv_lens)
 
     def run(self, q, layer, out):
-        import cudnn
-
-        nb, b, sp = self.num_blocks, self.block_size, self.split
-        if sp is None:
-            qv, ov, table = blocks_view(q, nb, b), blocks_view(out, nb, b), self._rows
-            kv_lens, q_lens = self._kv_lens, self._q_lens
-        else:
+        nb, b, sp, pk = self.num_blocks, self.block_size, self.split, self.pack
+        if sp is not None:
             qv, ov, table = sp.query(q), sp.partial_view(), sp.table
             kv_lens, q_lens = sp.kv_lens, sp.q_lens
+        elif pk is not None:
+            qv, ov, table, kv_lens, q_lens = pk.query(q), pk.out, self._rows, self._kv_lens, pk.q_lens
+        else:
+            qv, ov, table = blocks_view(q, nb, b), blocks_view(out, nb, b), self._rows
+            kv_lens, q_lens = self._kv_lens, self._q_lens
         exe = self._executable(qv, ov)
         n = self.splits * nb
         k_pages, v_pages = self.cache.page_view(layer)  # [pages, H_kv, tpp, D]
@@ -87,11 +98,12 @@ class CudnnPlan(AttentionPlan):
                 UID["seq_len_kv"]: kv_lens.view(n, 1, 1, 1)}
         if sp is not None:
             pack[UID["stats"]] = sp.lse
-        handle = self.backend.handle()
-        cudnn.set_stream(handle, torch.cuda.current_stream(q.device).cuda_stream)
-        exe.graph.execute(pack, exe.workspace, handle=handle)
+        exe.graph.execute(pack, exe.workspace, handle=self.backend.handle_on_stream(q.device))
         if sp is not None:
-            merge_split_kv_(out, sp.partial, sp.lse, sp.kv_lens, block_size=b, seq_len=q.shape[0])
+            merge_split_kv_(out, sp.merge_input(), sp.lse, sp.kv_lens, block_size=b,
+                            seq_len=q.shape[0])
+        elif pk is not None:
+            pk.unpack(out)
 
     def _executable(self, qv: torch.Tensor, ov: torch.Tensor) -> _Executable:
         strides = ((qv.stride(0), qv.stride(2), qv.stride(1)), (ov.stride(0), ov.stride(2), ov.stride(1)))
@@ -104,7 +116,7 @@ class CudnnPlan(AttentionPlan):
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, q_strides=strides[0],
                 o_strides=strides[1], num_pages=c.num_pages, tokens_per_page=c.tokens_per_page,
                 row_pages=(self.split.table if self.split else self._rows).shape[1],
-                scale=self.scale, splits=self.splits)
+                scale=self.scale, splits=self.splits, query_group=self.group)
             exe = self._launches[strides] = self.backend.executable(key)
         return exe
 
@@ -118,6 +130,9 @@ class CudnnBackend(AttentionBackend):
         split: split-KV sub-rows per causal block row: "auto" (the wave model,
             `split_kv.choose_split`), an int S for every forward, or a dict
             {block_size: S} (1 for sizes it does not name).
+        pack: GQA query packing (`packing`): "auto" (the wave model,
+            `split_kv.choose_layout`), True for every forward, False never. Models
+            with as many K/V heads as query heads have nothing to pack.
 
     Attributes:
         plans_built, plans_loaded: how many cuDNN plans this backend built and loaded.
@@ -126,9 +141,12 @@ class CudnnBackend(AttentionBackend):
     name = "cudnn"
     supports_kv_cache = True
 
-    def __init__(self, plan_dir: str | os.PathLike | None = None, split="auto"):
+    def __init__(self, plan_dir: str | os.PathLike | None = None, split="auto", pack="auto"):
         self.plan_files = PlanFiles(plan_dir) if plan_dir is not None else None
         self.split = _check_split(split)
+        if pack not in ("auto", True, False):
+            raise ValueError(f"pack must be 'auto', True or False, got {pack!r}")
+        self.pack = pack
         self.plans_built = self.plans_loaded = 0
         self._plans: dict[tuple, CudnnPlan] = {}
         self._executables: dict[PagedGraphKey, _Executable] = {}
@@ -163,28 +181,53 @@ class CudnnBackend(AttentionBackend):
                batch)
         plan = self._plans.get(key)
         if plan is None:
-            S = self.split_for(cache.geometry, cache.tokens_per_page, num_heads, tokens,
-                               block_size, cache.device, batch=batch)
+            packed, S = self.layout_for(cache.geometry, cache.tokens_per_page, num_heads,
+                                        tokens, block_size, cache.device, batch=batch,
+                                        num_kv_heads=cache.num_kv_heads)
             plan = self._plans[key] = CudnnPlan(self, cache, tokens=tokens, block_size=block_size,
                                                 num_heads=num_heads, scale=float(scale), splits=S,
-                                                batch=batch)
+                                                batch=batch, packed=packed)
         return plan
 
-    def split_for(self, geometry, tokens_per_page: int, num_heads: int, tokens: int,
-                  block_size: int, device=None, *, batch: int = 1) -> int:
-        """S of a forward of ``tokens`` queries per sequence in ``block_size`` blocks
-        over ``batch`` sequences of a cache of ``geometry``: pinned by ``split``, else
-        the wave model's choice."""
-        if isinstance(self.split, int):
-            return self.split
-        if isinstance(self.split, dict):
-            return self.split.get(block_size, 1)
+    def layout_for(self, geometry, tokens_per_page: int, num_heads: int, tokens: int,
+                   block_size: int, device=None, *, batch: int = 1,
+                   num_kv_heads: int | None = None) -> tuple[bool, int]:
+        """(packed, S) of a forward of ``tokens`` queries per sequence in ``block_size``
+        blocks over ``batch`` sequences of a cache of ``geometry`` with ``num_kv_heads``
+        K/V heads (default ``num_heads``: nothing to pack): each pinned by ``pack`` and
+        ``split``, else the wave model's choice."""
+        split = self.split.get(block_size, 1) if isinstance(self.split, dict) else self.split
+        hkv = num_heads if num_kv_heads is None else num_kv_heads
+        if split != "auto" and (self.pack is False or hkv == num_heads):
+            return False, split
         row_pages = LayoutPlan.for_geometry(geometry, tokens_per_page).block(block_size).row_pages
-        return choose_split(num_blocks=batch * (tokens // block_size), block_size=block_size,
-                            num_heads=num_heads, row_keys=row_pages * tokens_per_page,
-                            sms=_sm_count(device))
+        return choose_layout(num_blocks=batch * (tokens // block_size), block_size=block_size,
+                             num_heads=num_heads, num_kv_heads=hkv,
+                             row_keys=row_pages * tokens_per_page, sms=self.sm_count(device),
+                             pack=self.pack, split=split)
+
+    def split_for(self, geometry, tokens_per_page: int, num_heads: int, tokens: int,
+                  block_size: int, device=None, *, batch: int = 1,
+                  num_kv_heads: int | None = None) -> int:
+        """S of such a forward (`layout_for`)."""
+        return self.layout_for(geometry, tokens_per_page, num_heads, tokens, block_size,
+                               device, batch=batch, num_kv_heads=num_kv_heads)[1]
+
+    @staticmethod
+    def sm_count(device) -> int:
+        """Streaming multiprocessors of ``device`` (the wave model's slots)."""
+        device = torch.device("cuda") if device is None else torch.device(device)
+        return torch.cuda.get_device_properties(device).multi_processor_count
 
     # ------------------------------------------------------------------ building
+    def handle_on_stream(self, device):
+        """`handle`, bound to torch's current stream on ``device`` (every launch)."""
+        import cudnn
+
+        handle = self.handle()
+        cudnn.set_stream(handle, torch.cuda.current_stream(device).cuda_stream)
+        return handle
+
     def handle(self):
         """The cuDNN handle every launch of this backend uses (created on first use)."""
         import cudnn
@@ -219,11 +262,6 @@ class CudnnBackend(AttentionBackend):
             arena = self._arenas[device] = DeviceArena(_WORKSPACE_RESERVE,
                                                        device=torch.device("cuda", device))
         return arena
-
-
-def _sm_count(device) -> int:
-    device = torch.device("cuda") if device is None else torch.device(device)
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_split(split):

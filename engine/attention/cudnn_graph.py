@@ -9,6 +9,9 @@ and every plan with that key). The tensors it binds::
     O      [n, H, b, D]            strided view of the output
     stats  [n, H, b, 1] fp32       log-sum-exp per query, only when split (S > 1)
 
+With GQA query packing (``query_group`` g > 1, `packing`) Q, O and stats are
+[n, H / g, g * b, ...]: the g query heads of a K/V head stacked along the query axis.
+
 Built plans can be kept on disk (`PlanFiles`): one file per key, named by a hash of the
 key, the cuDNN and frontend versions and the GPU, so a plan is only ever loaded where it
 was built. A file that fails to load is rebuilt and replaced; writes are atomic.
@@ -41,6 +44,7 @@ class PagedGraphKey(msgspec.Struct, frozen=True):
     row_pages: int           # table width; max_seq_len_kv = row_pages * tokens_per_page
     scale: float             # softmax scale is a graph constant (a stale scale would replay silently)
     splits: int = 1          # S: > 1 adds the softmax stats output the merge needs
+    query_group: int = 1     # g query heads stacked per row (GQA packing): H / g heads of g * b
 
 
 #: Tensor uids: a plan loaded from disk has no tensor objects, so packs bind by uid.
@@ -54,7 +58,8 @@ def build_graph(key: PagedGraphKey, handle):
     import cudnn
 
     dt = {"torch.bfloat16": cudnn.data_type.BFLOAT16, "torch.float16": cudnn.data_type.HALF}[key.dtype]
-    nb, b, H, Hkv, D = key.num_blocks, key.block_size, key.num_heads, key.num_kv_heads, key.head_dim
+    nb, Hkv, D, qg = key.num_blocks, key.num_kv_heads, key.head_dim, key.query_group
+    b, H = key.block_size * qg, key.num_heads // qg  # packed: H / g heads of g * b queries
     tpp, rp = key.tokens_per_page, key.row_pages
     g = cudnn.pygraph(io_data_type=dt, intermediate_data_type=cudnn.data_type.FLOAT,
                       compute_data_type=cudnn.data_type.FLOAT, handle=handle)

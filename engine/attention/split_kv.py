@@ -21,6 +21,9 @@ skipped by the merge.
 The sub-row tables and key counts are rebuilt from the cache's rows on the device once
 per forward (`SplitBuffers.rebuild`: one gather, one clamp, both graph-safe; the plan's
 ``prepare``), so a captured forward stays right after any number of commits.
+
+The wave model also decides GQA query packing (`packing`), which changes the CTA
+count: `choose_layout` picks (packed, S) together.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .packing import pack_queries_
 
 #: Queries per CTA tile of cuDNN's Hopper SDPA forward.
 QUERY_TILE = 128
@@ -39,6 +44,11 @@ MAX_SPLIT = 6
 #: by 1.2-1.4%, and S = 6 (0.995) lost 0.6-1.2% to S = 5: a 1.6% fill gain paid, a
 #: 1.1% one did not.
 MIN_GAIN = 0.015
+#: What each split more must gain when the forward has several blocks: Q cannot then
+#: be broadcast to the sub-rows, and every split copies it once more. Packed clean
+#: pass of the seed geometry (4 blocks, run of 2026-12-03): S = 4 (fill 0.970) was
+#: fastest; S = 5 (0.985) lost 2.0% to it and S = 6 (0.995) 3.8%.
+MIN_GAIN_COPIED = 0.02
 #: Fewest keys a sub-row should hold; below, a CTA's fixed cost dominates.
 MIN_KEYS_PER_SPLIT = 2048
 
@@ -48,27 +58,79 @@ def wave_fill(ctas: int, sms: int) -> float:
     return ctas / (math.ceil(ctas / sms) * sms)
 
 
+def launch_ctas(*, num_blocks: int, block_size: int, num_heads: int, group: int = 1) -> int:
+    """CTAs of one unsplit launch: rows x heads x query tiles. A packed launch
+    (``group`` query heads stacked per K/V head, `packing`) has num_heads / group heads
+    of group * block_size queries each."""
+    return num_blocks * (num_heads // group) * math.ceil(group * block_size / QUERY_TILE)
+
+
+def wave_time(ctas: int, splits: int, sms: int) -> float:
+    """Modelled time of ``ctas`` row CTAs cut S ways, in units of one whole-row CTA:
+    the waves of S * ctas CTAs, each 1/S as long."""
+    return math.ceil(ctas * splits / sms) / splits
+
+
 def choose_split(*, num_blocks: int, block_size: int, num_heads: int, row_keys: int,
-                 sms: int, max_split: int = MAX_SPLIT) -> int:
+                 sms: int, max_split: int = MAX_SPLIT, group: int = 1) -> int:
     """S for one forward by the wave model: the smallest S whose wave fill no larger S
     beats by `MIN_GAIN`, with at least `MIN_KEYS_PER_SPLIT` keys per sub-row.
 
-    ``row_keys`` is the most keys a row can hold (row_pages * tokens_per_page).
+    ``row_keys`` is the most keys a row can hold (row_pages * tokens_per_page);
+    ``group`` > 1 models the packed launch (`launch_ctas`). With several blocks every
+    split copies Q: S must beat the best smaller S' by `MIN_GAIN_COPIED` x (S - S').
     """
     for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
                     ("num_heads", num_heads), ("row_keys", row_keys), ("sms", sms),
-                    ("max_split", max_split)):
+                    ("max_split", max_split), ("group", group)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    ctas = num_blocks * num_heads * math.ceil(block_size / QUERY_TILE)
+    ctas = launch_ctas(num_blocks=num_blocks, block_size=block_size, num_heads=num_heads,
+                       group=group)
     best, best_fill = 1, wave_fill(ctas, sms)
     for s in range(2, max_split + 1):
         if row_keys // s < MIN_KEYS_PER_SPLIT:
             break
         fill = wave_fill(s * ctas, sms)
-        if fill > best_fill * (1 + MIN_GAIN):
+        gain = MIN_GAIN if num_blocks == 1 else MIN_GAIN_COPIED * (s - best)
+        if fill > best_fill * (1 + gain):
             best, best_fill = s, fill
     return best
+
+
+def choose_layout(*, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
+                  row_keys: int, sms: int, pack="auto", split="auto",
+                  max_split: int = MAX_SPLIT) -> tuple[bool, int]:
+    """(packed, S) of one forward by the wave model.
+
+    Each layout allowed (``pack``: "auto" tries both, True / False only that one; an
+    MHA model, num_heads == num_kv_heads, has nothing to pack) gets its S
+    (`choose_split`, or ``split`` when it is an int) and its `wave_time`. Split, packing
+    is chosen when it models no slower and launches fewer CTAs: the waves are not
+    lockstep (rows differ in length), so fewer CTAs of equal work finish sooner even at
+    an equal wave count. Unsplit it must be faster by `MIN_GAIN`: it copies Q in and
+    the output back. At the seed geometry (32 / 8 heads, 132 SMs; run of 2026-12-03)
+    the denoising forward (one block of 1576) packs at S = 5 (2000 CTAs against 2080,
+    both 3.2 row times; measured 1.5% faster), and the clean pass (four blocks of
+    394) packs at S = 4 (3.25 row times against 4.0 for 512 unpacked CTAs at S = 1;
+    measured 20% faster).
+    """
+    group = num_heads // num_kv_heads
+    options = (False, True) if pack == "auto" else (bool(pack),)
+    best = None
+    for packed in options if group > 1 else (False,):
+        g = group if packed else 1
+        S = split if isinstance(split, int) else choose_split(
+            num_blocks=num_blocks, block_size=block_size, num_heads=num_heads,
+            row_keys=row_keys, sms=sms, max_split=max_split, group=g)
+        ctas = launch_ctas(num_blocks=num_blocks, block_size=block_size, num_heads=num_heads,
+                           group=g)
+        t = wave_time(ctas, S, sms)
+        if best is None:
+            best = (packed, S, t, ctas * S)
+        elif t < best[2] / (1 + MIN_GAIN) or (S > 1 and t <= best[2] and ctas * S < best[3]):
+            best = (packed, S, t, ctas * S)
+    return best[0], best[1]
 
 
 @dataclass
@@ -86,7 +148,10 @@ class SplitBuffers:
         partial: [S, T, H, D], each sub-row's normalised output (token-major).
         lse: float32 [S * nb, H, b, 1], each sub-row's log-sum-exp.
         q_copies: [S, T, H, D] when nb > 1 (Q cannot be broadcast with one batch
-            stride across n = s * nb + j), else None.
+            stride across n = s * nb + j), [1, T, H, D] for one packed block, else None.
+        group: g query heads stacked per row (`packing`), 1 unpacked. Packed, Q is
+            copied in packed order, cuDNN writes `partial` as [S * nb, H_kv, g * b, D]
+            and `merge_input` views it as [S, nb, H, b, D].
     """
 
     splits: int
@@ -102,14 +167,17 @@ class SplitBuffers:
     partial: torch.Tensor
     lse: torch.Tensor
     q_copies: torch.Tensor | None
+    group: int = 1
 
     @classmethod
     def allocate(cls, arena, *, splits: int, num_blocks: int, block_size: int, row_pages: int,
-                 tokens_per_page: int, num_heads: int, head_dim: int, dtype: torch.dtype):
+                 tokens_per_page: int, num_heads: int, head_dim: int, dtype: torch.dtype,
+                 group: int = 1):
         """Carve every buffer from ``arena`` (a `DeviceArena`: fixed addresses) and fill the
-        constant ones."""
+        constant ones (``group`` > 1: packed rows, see `packing`)."""
         S, nb, b, H, D = splits, num_blocks, block_size, num_heads, head_dim
         K, T = -(-row_pages // S), nb * b
+        copies = S if nb > 1 else (1 if group > 1 else 0)
         index = torch.tensor(sub_row_index(S, nb, row_pages), dtype=torch.int64)
         offsets = torch.arange(S, dtype=torch.int32).view(S, 1) * (K * tokens_per_page)
         bufs = cls(
@@ -121,10 +189,11 @@ class SplitBuffers:
             q_lens=arena.empty((S * nb,), torch.int32, name="split_q_lens"),
             partial=arena.empty((S, T, H, D), dtype, name="split_partial"),
             lse=arena.empty((S * nb, H, b, 1), torch.float32, name="split_lse"),
-            q_copies=arena.empty((S, T, H, D), dtype, name="split_q") if nb > 1 else None)
+            q_copies=arena.empty((copies, T, H, D), dtype, name="split_q") if copies else None,
+            group=group)
         bufs.index.copy_(index)
         bufs.offsets.copy_(offsets)
-        bufs.q_lens.fill_(b)
+        bufs.q_lens.fill_(group * b)
         return bufs
 
     def rebuild(self, rows: torch.Tensor, seq_len_kv: torch.Tensor) -> None:
@@ -136,19 +205,38 @@ class SplitBuffers:
         torch.clamp(seq_len_kv.view(1, nb) - self.offsets, 0, limit, out=self.kv_lens.view(S, nb))
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
-        """Q [T, H, D] as cuDNN reads it, [S * nb, H, b, D]: a stride-0 broadcast for
-        nb = 1, else the copies (one per split)."""
-        S, nb, b = self.splits, self.num_blocks, self.block_size
+        """Q [T, H, D] as cuDNN reads it, [S * nb, H, b, D] (packed: [S * nb, H_kv,
+        g * b, D]): a stride-0 broadcast of one block (unpacked: of q itself), else the
+        copies (one per split)."""
+        S, nb, b, g = self.splits, self.num_blocks, self.block_size, self.group
         T, H, D = q.shape
-        if nb == 1:
+        if g == 1 and nb == 1:
             return q.as_strided((S, H, b, D), (0, q.stride(1), q.stride(0), 1))
-        self.q_copies.copy_(q.expand(S, T, H, D))
-        return blocks_view(self.q_copies.view(S * T, H, D), S * nb, b)
+        if g == 1:
+            self.q_copies.copy_(q.expand(S, T, H, D))
+            return blocks_view(self.q_copies.view(S * T, H, D), S * nb, b)
+        C = self.q_copies.shape[0]
+        pack_queries_(self.q_copies.view(C, nb, H // g, g, b, D), q, g)
+        if nb == 1:  # one packed copy, broadcast over the splits
+            return self.q_copies.as_strided((S, H // g, g * b, D), (0, g * b * D, D, 1))
+        return self.q_copies.view(S * nb, H // g, g * b, D)
 
     def partial_view(self) -> torch.Tensor:
-        """The partial outputs as cuDNN writes them: [S * nb, H, b, D]."""
+        """The partial outputs as cuDNN writes them: [S * nb, H, b, D] (packed:
+        contiguous [S * nb, H_kv, g * b, D])."""
         S, T, H, D = self.partial.shape
+        if self.group > 1:
+            return self.partial.view(S * self.num_blocks, H // self.group,
+                                     self.group * self.block_size, D)
         return blocks_view(self.partial.view(S * T, H, D), S * self.num_blocks, self.block_size)
+
+    def merge_input(self) -> torch.Tensor:
+        """The partial outputs as `merge_split_kv_` reads them: [S, T, H, D] token-major,
+        or packed as [S, nb, H, b, D]."""
+        if self.group == 1:
+            return self.partial
+        S, T, H, D = self.partial.shape
+        return self.partial.view(S, self.num_blocks, H, self.block_size, D)
 
 
 def sub_row_index(splits: int, num_blocks: int, row_pages: int) -> list[int]:

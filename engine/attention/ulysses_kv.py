@@ -106,3 +106,6 @@ class UlyssesKV(KVStore):
 
     def key_splits(self, attn, tokens, block_sizes, batch=None):
         return self.paged.key_splits(self.layers[0].attn, tokens, block_sizes)
+
+    def key_packed(self, attn, tokens, block_sizes, batch=None):
+        return self.paged.key_packed(self.layers[0].attn, tokens, block_sizes)

@@ -343,7 +343,8 @@ class WanRollout:
         more = {"batch": rows} if self.streams else {}
         key = chunk_key(owner_token(self), self.geometry, T, denoise_steps=len(self._t),
                         clean_block=clean, inputs=inputs,
-                        splits=self.kv.key_splits(self._cached(), T, blocks, **more), batch=rows)
+                        splits=self.kv.key_splits(self._cached(), T, blocks, **more), batch=rows,
+                        packed=self.kv.key_packed(self._cached(), T, blocks, **more))
         return CaptureRequest(key, self.chunk_fn, inputs, lambda: self.kv.after_replay(T))
 
     def _cached(self):
