@@ -122,6 +122,18 @@ def _linear_reference(m) -> int:
     return m.num_layers * per_layer + 2 * m.patch_dim * hid
 
 
+def reference_chunk_flops(pair) -> dict:
+    """`chunk_flops` of one stream's chunk of the reference model, (model, rollout) spec
+    pair, at steady state: the denoising forwards over the whole chunk, the clean pass in
+    one-frame blocks."""
+    m, r = pair
+    T, tpf = r.frames_per_chunk * r.tokens_per_frame, r.tokens_per_frame
+    return chunk_flops(layers=m.num_layers, heads=m.num_heads, head_dim=m.head_dim,
+                       pin=r.prompt_tokens, window=r.window_frames * tpf, tokens=T,
+                       blocks=[T] * r.denoising_steps + [tpf],
+                       linear_per_token=_linear_reference(m))
+
+
 def measure_reference(preset: str = "wan-1.3b", *, window_frames: int = 21, chunks: int = 5,
                       ceiling: float | None = None, glues=("torch", "fused"),
                       progress=print) -> list[dict]:
@@ -133,12 +145,7 @@ def measure_reference(preset: str = "wan-1.3b", *, window_frames: int = 21, chun
     from .timing import matmul_ceiling
 
     pair = with_window(preset, window_frames)
-    m, r = pair
-    T, tpf = r.frames_per_chunk * r.tokens_per_frame, r.tokens_per_frame
-    flops = chunk_flops(layers=m.num_layers, heads=m.num_heads, head_dim=m.head_dim,
-                        pin=r.prompt_tokens, window=r.window_frames * tpf, tokens=T,
-                        blocks=[T] * r.denoising_steps + [tpf],
-                        linear_per_token=_linear_reference(m))
+    flops = reference_chunk_flops(pair)
     ceiling = ceiling or matmul_ceiling()
     model, out = None, []
     for glue in glues:

@@ -77,6 +77,6 @@ class FakeCudnnBackend(CudnnBackend):
     def executable(self, key):
         exe = self._executables.get(key)
         if exe is None:
-            exe = self._executables[key] = _Executable(FakePagedGraph(key), torch.empty(1))
+            exe = self._executables[key] = _Executable(FakePagedGraph(key), torch.empty(1), key)
             self.plans_built += 1
         return exe

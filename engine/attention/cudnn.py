@@ -39,6 +39,7 @@ _WORKSPACE_RESERVE = 8 << 30
 class _Executable:
     graph: object
     workspace: torch.Tensor
+    key: PagedGraphKey | None = None  # what the graph was built for
 
 
 class CudnnPlan(AttentionPlan):
@@ -79,6 +80,19 @@ class CudnnPlan(AttentionPlan):
             self.split.rebuild(self._rows, self._kv_lens)
 
     def run(self, q, layer, out):
+        b, sp, pk = self.block_size, self.split, self.pack
+        exe, pack = self.launch(q, layer, out)
+        exe.graph.execute(pack, exe.workspace, handle=self.backend.handle_on_stream(q.device))
+        if sp is not None:
+            merge_split_kv_(out, sp.merge_input(), sp.lse, sp.kv_lens, block_size=b,
+                            seq_len=q.shape[0])
+        elif pk is not None:
+            pk.unpack(out)
+
+    def launch(self, q, layer, out) -> tuple[_Executable, dict]:
+        """The cuDNN launch of `run` for q [T, H, D], ``layer`` and out [T, H, D]: its
+        built graph with workspace and key, and its variant pack (uid -> tensor). Packs the
+        queries (a copy, when packed or split over several blocks) as `run` does."""
         nb, b, sp, pk = self.num_blocks, self.block_size, self.split, self.pack
         if sp is not None:
             qv, ov, table = sp.query(q), sp.partial_view(), sp.table
@@ -88,7 +102,6 @@ class CudnnPlan(AttentionPlan):
         else:
             qv, ov, table = blocks_view(q, nb, b), blocks_view(out, nb, b), self._rows
             kv_lens, q_lens = self._kv_lens, self._q_lens
-        exe = self._executable(qv, ov)
         n = self.splits * nb
         k_pages, v_pages = self.cache.page_view(layer)  # [pages, H_kv, tpp, D]
         table = table.view(n, 1, -1, 1)
@@ -98,12 +111,7 @@ class CudnnPlan(AttentionPlan):
                 UID["seq_len_kv"]: kv_lens.view(n, 1, 1, 1)}
         if sp is not None:
             pack[UID["stats"]] = sp.lse
-        exe.graph.execute(pack, exe.workspace, handle=self.backend.handle_on_stream(q.device))
-        if sp is not None:
-            merge_split_kv_(out, sp.merge_input(), sp.lse, sp.kv_lens, block_size=b,
-                            seq_len=q.shape[0])
-        elif pk is not None:
-            pk.unpack(out)
+        return self._executable(qv, ov), pack
 
     def _executable(self, qv: torch.Tensor, ov: torch.Tensor) -> _Executable:
         strides = ((qv.stride(0), qv.stride(2), qv.stride(1)), (ov.stride(0), ov.stride(2), ov.stride(1)))
@@ -252,7 +260,7 @@ class CudnnBackend(AttentionBackend):
             self.plans_loaded += 1
         workspace = self.arena(key.device).empty(max(graph.get_workspace_size(), 1), torch.uint8,
                                                  name="cudnn_workspace")
-        exe = self._executables[key] = _Executable(graph, workspace)
+        exe = self._executables[key] = _Executable(graph, workspace, key)
         return exe
 
     def arena(self, device: int) -> DeviceArena:

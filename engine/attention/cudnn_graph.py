@@ -57,6 +57,39 @@ def build_graph(key: PagedGraphKey, handle):
     the key when cuDNN cannot."""
     import cudnn
 
+    g = _define(key, handle)
+    try:
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+    except Exception as e:
+        raise ValueError(f"cuDNN cannot build paged attention for {key}: {e}") from e
+    return g
+
+
+def candidate_plans(key: PagedGraphKey, handle):
+    """The graph of ``key`` with every execution plan cuDNN's heuristics propose (modes
+    A, B and the fallback; none built): ``get_execution_plan_count``,
+    ``build_plan_at_index(i)``, ``execute_plan_at_index(pack, workspace, i, handle)``.
+    For timing the plans against the one `build_graph` picks (`framekv.bench.cudnn_plans`)."""
+    import cudnn
+
+    g = _define(key, handle)
+    try:
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+    except Exception as e:
+        raise ValueError(f"cuDNN proposes no plan for {key}: {e}") from e
+    return g
+
+
+def _define(key: PagedGraphKey, handle):
+    """The paged SDPA graph of ``key``, its tensors given their uids (not yet validated)."""
+    import cudnn
+
     dt = {"torch.bfloat16": cudnn.data_type.BFLOAT16, "torch.float16": cudnn.data_type.HALF}[key.dtype]
     nb, Hkv, D, qg = key.num_blocks, key.num_kv_heads, key.head_dim, key.query_group
     b, H = key.block_size * qg, key.num_heads // qg  # packed: H / g heads of g * b queries
@@ -88,14 +121,6 @@ def build_graph(key: PagedGraphKey, handle):
         t["stats"] = stats
     for name, tensor in t.items():
         tensor.set_uid(UID[name])
-    try:
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
-    except Exception as e:
-        raise ValueError(f"cuDNN cannot build paged attention for {key}: {e}") from e
     return g
 
 
