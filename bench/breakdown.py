@@ -145,6 +145,7 @@ def measure_reference(preset: str = "wan-1.3b", *, window_frames: int = 21, chun
     from .timing import matmul_ceiling
 
     pair = with_window(preset, window_frames)
+    r = pair[1]
     flops = reference_chunk_flops(pair)
     ceiling = ceiling or matmul_ceiling()
     model, out = None, []

@@ -97,17 +97,12 @@ class KVStore(abc.ABC):
         resets the store afterwards)."""
         return contextlib.nullcontext()
 
-    def key_splits(self, attn, tokens: int, block_sizes: tuple[int, ...],
-                   batch: int | None = None) -> tuple[int, ...]:
-        """Split-KV sub-rows of each forward of a chunk over ``batch`` sequences (default
-        the store's), for its graph key (empty when the store's attention never splits)."""
-        return ()
-
-    def key_packed(self, attn, tokens: int, block_sizes: tuple[int, ...],
-                   batch: int | None = None) -> tuple[bool, ...]:
-        """GQA query packing of each forward of such a chunk, for its graph key (empty
-        when the store's attention never packs)."""
-        return ()
+    def key_layout(self, attn, tokens: int, block_sizes: tuple[int, ...],
+                   batch: int | None = None) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+        """(split-KV sub-rows, GQA query packing) of each forward of a chunk over
+        ``batch`` sequences (default the store's), for its graph key (both empty when the
+        store's attention neither splits nor packs)."""
+        return (), ()
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This process's share of a forward's token rows [1, S, ...] (all of them)."""
@@ -242,13 +237,10 @@ class PagedKV(KVStore):
     def close(self) -> None:
         self.cache.shutdown()
 
-    def key_splits(self, attn, tokens, block_sizes, batch: int | None = None):
+    def key_layout(self, attn, tokens, block_sizes, batch: int | None = None):
         B = self.batch if batch is None else batch
-        return tuple(attn.plan_for(self.cache, tokens, b, B).splits for b in block_sizes)
-
-    def key_packed(self, attn, tokens, block_sizes, batch: int | None = None):
-        B = self.batch if batch is None else batch
-        return tuple(attn.plan_for(self.cache, tokens, b, B).packed for b in block_sizes)
+        plans = [attn.plan_for(self.cache, tokens, b, B) for b in block_sizes]
+        return tuple(p.splits for p in plans), tuple(p.packed for p in plans)
 
 
 def stage_prompt(cache: CausalKVCache, kvs: list[torch.Tensor], num_kv_heads: int, *,

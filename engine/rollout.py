@@ -291,12 +291,11 @@ class Rollout:
         if self.streams:
             inputs = {name: t[:batch] for name, t in inputs.items()}
         blocks = (tokens,) * self.spec.denoising_steps + (self.spec.tokens_per_frame,)
+        splits, packed = self.kv.key_layout(self.model.blocks[0].attn, tokens, blocks, batch)
         key = chunk_key(owner_token(self), self.geometry, tokens,
                         denoise_steps=self.spec.denoising_steps,
                         clean_block=self.spec.tokens_per_frame, inputs=inputs,
-                        splits=self.kv.key_splits(self.model.blocks[0].attn, tokens, blocks,
-                                                  batch), batch=batch,
-                        packed=self.kv.key_packed(self.model.blocks[0].attn, tokens, blocks, batch))
+                        splits=splits, batch=batch, packed=packed)
         return CaptureRequest(key, self.chunk_fn, inputs,
                               functools.partial(self.kv.after_replay, tokens))
 

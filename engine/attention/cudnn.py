@@ -39,7 +39,7 @@ _WORKSPACE_RESERVE = 8 << 30
 class _Executable:
     graph: object
     workspace: torch.Tensor
-    key: PagedGraphKey | None = None  # what the graph was built for
+    key: PagedGraphKey  # what the graph was built for
 
 
 class CudnnPlan(AttentionPlan):

@@ -57,11 +57,8 @@ def build_graph(key: PagedGraphKey, handle):
     the key when cuDNN cannot."""
     import cudnn
 
-    g = _define(key, handle)
+    g = _planned(key, handle, [cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     try:
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
         g.build_plans()
     except Exception as e:
@@ -76,13 +73,18 @@ def candidate_plans(key: PagedGraphKey, handle):
     For timing the plans against the one `build_graph` picks (`framekv.bench.cudnn_plans`)."""
     import cudnn
 
+    return _planned(key, handle, [cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+
+
+def _planned(key: PagedGraphKey, handle, modes):
+    """The graph of ``key``, validated, with the plans of heuristic ``modes`` listed."""
     g = _define(key, handle)
     try:
         g.validate()
         g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+        g.create_execution_plans(modes)
     except Exception as e:
-        raise ValueError(f"cuDNN proposes no plan for {key}: {e}") from e
+        raise ValueError(f"cuDNN cannot build paged attention for {key}: {e}") from e
     return g
 
 

@@ -104,8 +104,5 @@ class UlyssesKV(KVStore):
     def close(self) -> None:
         self.paged.close()
 
-    def key_splits(self, attn, tokens, block_sizes, batch=None):
-        return self.paged.key_splits(self.layers[0].attn, tokens, block_sizes)
-
-    def key_packed(self, attn, tokens, block_sizes, batch=None):
-        return self.paged.key_packed(self.layers[0].attn, tokens, block_sizes)
+    def key_layout(self, attn, tokens, block_sizes, batch=None):
+        return self.paged.key_layout(self.layers[0].attn, tokens, block_sizes)

@@ -341,10 +341,10 @@ class WanRollout:
         blocks = (T,) * len(self._t) + (clean,)
         rows = self.batch if batch is None else batch
         more = {"batch": rows} if self.streams else {}
+        splits, packed = self.kv.key_layout(self._cached(), T, blocks, **more)
         key = chunk_key(owner_token(self), self.geometry, T, denoise_steps=len(self._t),
-                        clean_block=clean, inputs=inputs,
-                        splits=self.kv.key_splits(self._cached(), T, blocks, **more), batch=rows,
-                        packed=self.kv.key_packed(self._cached(), T, blocks, **more))
+                        clean_block=clean, inputs=inputs, splits=splits, batch=rows,
+                        packed=packed)
         return CaptureRequest(key, self.chunk_fn, inputs, lambda: self.kv.after_replay(T))
 
     def _cached(self):
