@@ -21,7 +21,10 @@ The window is full (steady state): a chunk of T queries attends P + W + T keys.
 
 The two auto rows (framekv-denoise, framekv-clean) record the layout their backend
 chose: ``splits`` (split-KV S) and ``packed`` (the query heads of a K/V head stacked
-along the query axis); the split rows (`framekv.bench.split`) pin both.
+along the query axis); the split rows (`framekv.bench.split`) pin both. Their ``-call``
+twins time the cuDNN launch of the same plan alone (no K/V write, query packing,
+sub-row rebuild or merge; not checked, as they write only the partial outputs), so
+one run shows the kernel's own rate next to the layer's.
 
 Every variant includes its K/V write, is captured in a CUDA graph, and is checked
 against the fp32 exact-window reference of its block size before it is timed (the
@@ -129,7 +132,21 @@ def framekv_variants(st: Setup) -> tuple[dict, dict]:
         out[name] = (call(b), b)
         # getattr: backends without query-head packing have no such attribute
         layouts[name] = {"splits": int(plan.splits), "packed": bool(getattr(plan, "packed", False))}
+        out[name + "-call"] = (cudnn_call(mod.backend, plan, st), b)
     return out, layouts
+
+
+def cudnn_call(backend, plan, st: "Setup"):
+    """A callable of ``plan``'s cuDNN launch alone (a prepared `CudnnPlan` of st's
+    cache), returning None: the queries are packed (and row offsets set) once here; the
+    layer row of the same plan keeps its sub-rows current, timed in the same rounds."""
+    plan.prepare(None)
+    exe, pack = plan.launch(st.q, 0, torch.empty_like(st.q))
+
+    def call():
+        # the handle follows the current stream, so a capture records the launch
+        exe.graph.execute(pack, exe.workspace, handle=backend.handle_on_stream(st.q.device))
+    return call
 
 
 def measure_attention(preset: specs.Preset, *, iters: int = 50, flush: bool = True,
@@ -153,7 +170,8 @@ def measure_attention(preset: specs.Preset, *, iters: int = 50, flush: bool = Tr
     graphs, errors = {}, {}
     for name, (fn, b) in variants.items():
         progress(f"attention: {name}: checking, capturing")
-        errors[name] = (fn().float() - want[b]).abs().max().item()
+        got = fn()
+        errors[name] = None if got is None else (got.float() - want[b]).abs().max().item()
         graphs[name] = captured_graph(fn)
     progress(f"attention: timing the {len(graphs)} variants in turn, {iters} rounds")
     # In turn (A B C, B C A, ...): the GPU's clock moves between two levels over
@@ -193,6 +211,7 @@ def ratios(rows: dict) -> dict:
         out["denoise_s1_over_sdpa_cudnn"] = med["framekv-denoise-S1"] / med["sdpa-cudnn"]
         out["sdpa_flash_over_denoise_s1"] = med["sdpa-flash"] / med["framekv-denoise-S1"]
     out.update(_clean_ratios(rows, med))
+    out.update(_call_ratios(rows, med))
     out.update(_best_pinned(med))
     if "best_denoise" in out:
         out["best_denoise_over_sdpa_cudnn"] = med[out["best_denoise"]] / med["sdpa-cudnn"]
@@ -210,6 +229,22 @@ def _clean_ratios(rows: dict, med: dict) -> dict:
     for dense in ("sdpa-clean-blocks", "sdpa-clean-masked"):
         if dense in med:
             out["clean_over_" + dense.replace("-", "_")] = med["framekv-clean"] / med[dense]
+    return out
+
+
+def _call_ratios(rows: dict, med: dict) -> dict:
+    """Each auto row over its cuDNN call alone (what the layer adds), the denoising
+    call's fraction of the ceiling, and the clean call per FLOP over the denoising one."""
+    out = {}
+    for name in ("denoise", "clean"):
+        if f"framekv-{name}-call" in med:
+            out[f"{name}_layer_over_call"] = med[f"framekv-{name}"] / med[f"framekv-{name}-call"]
+    call = rows.get("framekv-denoise-call", {})
+    if "fraction_of_ceiling" in call:
+        out["denoise_call_fraction_of_ceiling"] = call["fraction_of_ceiling"]
+    if "clean_layer_over_call" in out and "denoise_layer_over_call" in out:
+        out["clean_call_over_denoise_call_per_flop"] = (
+            call["tflops"] / rows["framekv-clean-call"]["tflops"])
     return out
 
 
@@ -244,7 +279,8 @@ def format_attention(res: dict) -> str:
         layout = f"{r['splits']}/{'p' if r.get('packed') else '-'}" if "splits" in r else ""
         lines.append(f"  {name:<28}{r['block_size']:>6}{layout:>7}{u['median']:>11.1f}"
                      f"{u['p10']:>9.1f}-{u['p90']:<8.1f}{r['tflops']:>9.0f}"
-                     f"{r['fraction_of_ceiling']:>8.2f}{r['max_error']:>10.1e}")
+                     f"{r['fraction_of_ceiling']:>8.2f}"
+                     + (f"{r['max_error']:>10.1e}" if r["max_error"] is not None else f"{'-':>10}"))
     for name, note in res["notes"].items():
         lines.append(f"  note: {name}: {note}")
     return "\n".join(lines + _ratio_lines(res["ratios"]))
@@ -271,6 +307,15 @@ def _ratio_lines(rt: dict) -> list[str]:
     if "clean_over_denoise_per_flop" in rt:
         lines.append(f"  framekv clean / framekv denoise, time per FLOP = "
                      f"{rt['clean_over_denoise_per_flop']:.3f}")
+    calls = [f"{n} layer / its cuDNN call = {rt[f'{n}_layer_over_call']:.3f}"
+             for n in ("denoise", "clean") if f"{n}_layer_over_call" in rt]
+    if "denoise_call_fraction_of_ceiling" in rt:
+        calls.append(f"denoise call at {rt['denoise_call_fraction_of_ceiling']:.2f} of the ceiling")
+    if "clean_call_over_denoise_call_per_flop" in rt:
+        calls.append(f"clean call / denoise call per FLOP = "
+                     f"{rt['clean_call_over_denoise_call_per_flop']:.3f}")
+    if calls:
+        lines.append("  " + "; ".join(calls))
     for name in ("denoise", "clean"):
         if f"best_{name}" in rt:
             lines.append(f"  best {name}: {rt[f'best_{name}']}, {rt[f'best_{name}_over_s1']:.3f} "

@@ -5,7 +5,8 @@
 a `PagedGraphKey` over the tensors bound by uid: query head h of a row reads K/V head
 h // (H' / H_kv) (cuDNN's GQA grouping), the row's keys are its table's pages cut at
 ``seq_len_kv``, queries past ``seq_len_q`` come back zero, and empty rows return NaN
-(cuDNN's output there is undefined; the merge must skip them). Everything else (the
+(cuDNN's output there is undefined; the merge must skip them); with ``q_offsets`` row
+i's queries start at element ``q_offsets[i]`` of Q (`ragged_rows`). Everything else (the
 plan's layout choice, split and packing buffers, strides, merge) is the real code.
 """
 from __future__ import annotations
@@ -14,6 +15,14 @@ import torch
 
 from framekv.engine.attention.cudnn import CudnnBackend, _Executable
 from framekv.engine.attention.cudnn_graph import UID
+
+
+def ragged_rows(q: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """The n rows cuDNN reads from Q [rows, H', s, D] given ragged ``offsets``: row i has
+    Q's row layout and starts ``offsets[i]`` elements after Q's first (batch stride unused)."""
+    offs = offsets.view(-1).tolist()
+    return torch.stack([q.as_strided(q.shape[1:], q.stride()[1:], q.storage_offset() + offs[i])
+                        for i in range(n)])
 
 
 class HostArena:
@@ -37,6 +46,8 @@ class FakePagedGraph:
         table = pack[UID["k_table"]]                               # [n, 1, rp, 1]
         q_lens, kv_lens = pack[UID["seq_len_q"]].view(-1), pack[UID["seq_len_kv"]].view(-1)
         stats = pack.get(UID["stats"])                             # [n, H', s, 1]
+        if self.key.q_offsets:  # rows at offsets: Q's own batch extent is not n
+            q = ragged_rows(q, pack[UID["q_offsets"]], o.shape[0])
         n, Hq, s, D = q.shape
         hkv = kp.shape[1]
         if stats is not None:  # bound by address: cuDNN writes it as the key's [n, H', s, 1]

@@ -144,7 +144,8 @@ TIMES = [("framekv-denoise", 1576, 1800.0), ("framekv-clean", 394, 2400.0),
          ("framekv-denoise-S1", 1576, 2170.0), ("framekv-denoise-S4", 1576, 1790.0),
          ("framekv-denoise-S1-packed", 1576, 2000.0), ("framekv-denoise-S4-packed", 1576, 1700.0),
          ("framekv-clean-S1", 394, 2400.0), ("framekv-clean-S2", 394, 2500.0),
-         ("framekv-clean-S1-packed", 394, 2450.0), ("framekv-clean-S2-packed", 394, 2600.0)]
+         ("framekv-clean-S1-packed", 394, 2450.0), ("framekv-clean-S2-packed", 394, 2600.0),
+         ("framekv-denoise-call", 1576, 1740.0), ("framekv-clean-call", 394, 2300.0)]
 FLOPS = {1576: 1.03e12, 394: 0.79e12}
 
 
@@ -153,7 +154,8 @@ def synthetic_rows(names=None):
     for name, b, us in TIMES:
         if names is None or name in names:
             tflops = FLOPS[b] / us / 1e6
-            rows[name] = {"block_size": b, "max_error": 1.5e-4, "us": timing(us), "tflops": tflops,
+            err = None if name.endswith("-call") else 1.5e-4  # call rows are not checked
+            rows[name] = {"block_size": b, "max_error": err, "us": timing(us), "tflops": tflops,
                           "fraction_of_ceiling": tflops / 790.0}
     for name, splits, packed in (("framekv-denoise", 4, True), ("framekv-clean", 1, False)):
         if name in rows:
@@ -179,6 +181,12 @@ def test_ratios_of_the_clean_pass_and_the_packed_rows():
     assert r["best_clean_packed"] == "framekv-clean-S1-packed"
     assert r["best_clean_packed_over_s1"] == pytest.approx(2450 / 2400)
     assert r["denoise_s1_over_sdpa_cudnn"] == pytest.approx(2170 / 2150)
+    # what the layer adds around its cuDNN call, and the calls alone against each other
+    assert r["denoise_layer_over_call"] == pytest.approx(1800 / 1740)
+    assert r["clean_layer_over_call"] == pytest.approx(2400 / 2300)
+    assert r["denoise_call_fraction_of_ceiling"] == pytest.approx(1.03e12 / 1740e-6 / 1e12 / 790)
+    assert r["clean_call_over_denoise_call_per_flop"] == pytest.approx(
+        (2300 / 0.79e12) / (1740 / 1.03e12))
 
 
 def test_ratios_leave_out_what_a_result_lacks():
@@ -207,6 +215,9 @@ def test_table_shows_layouts_and_the_new_ratios():
     assert f"framekv clean / framekv denoise, time per FLOP = {per_flop:.3f}" in text
     assert f"framekv denoise at {rows['framekv-denoise']['fraction_of_ceiling']:.2f} of the" in text
     assert "best packed denoise: framekv-denoise-S4-packed, 0.783 of the unpacked S=1 time" in text
+    call = next(ln for ln in lines if ln.strip().startswith("framekv-denoise-call "))
+    assert call.rstrip().endswith("-")                       # no error: not checked
+    assert "denoise layer / its cuDNN call = 1.034; clean layer / its cuDNN call = 1.043" in text
 
 
 def test_split_rows_pin_the_packing(monkeypatch):

@@ -92,7 +92,8 @@ class CudnnPlan(AttentionPlan):
     def launch(self, q, layer, out) -> tuple[_Executable, dict]:
         """The cuDNN launch of `run` for q [T, H, D], ``layer`` and out [T, H, D]: its
         built graph with workspace and key, and its variant pack (uid -> tensor). Packs the
-        queries (a copy, when packed or split over several blocks) as `run` does."""
+        queries (one copy, when packed; split over several blocks, the row offsets) as
+        `run` does."""
         nb, b, sp, pk = self.num_blocks, self.block_size, self.split, self.pack
         if sp is not None:
             qv, ov, table = sp.query(q), sp.partial_view(), sp.table
@@ -111,6 +112,8 @@ class CudnnPlan(AttentionPlan):
                 UID["seq_len_kv"]: kv_lens.view(n, 1, 1, 1)}
         if sp is not None:
             pack[UID["stats"]] = sp.lse
+            if sp.q_offsets is not None:  # several blocks: sub-rows share their block's queries
+                pack[UID["q_offsets"]] = sp.q_offsets.view(n + 1, 1, 1, 1)
         return self._executable(qv, ov), pack
 
     def _executable(self, qv: torch.Tensor, ov: torch.Tensor) -> _Executable:
@@ -124,7 +127,8 @@ class CudnnPlan(AttentionPlan):
                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, q_strides=strides[0],
                 o_strides=strides[1], num_pages=c.num_pages, tokens_per_page=c.tokens_per_page,
                 row_pages=(self.split.table if self.split else self._rows).shape[1],
-                scale=self.scale, splits=self.splits, query_group=self.group)
+                scale=self.scale, splits=self.splits, query_group=self.group,
+                q_offsets=self.split is not None and self.split.q_offsets is not None)
             exe = self._launches[strides] = self.backend.executable(key)
         return exe
 

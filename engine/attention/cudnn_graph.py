@@ -8,9 +8,16 @@ and every plan with that key). The tensors it binds::
     table  [n, 1, row_pages, 1]    rows of the block size (int32)
     O      [n, H, b, D]            strided view of the output
     stats  [n, H, b, 1] fp32       log-sum-exp per query, only when split (S > 1)
+    q_offsets [n + 1] int64        with ``q_offsets``: where each row's queries start
 
 With GQA query packing (``query_group`` g > 1, `packing`) Q, O and stats are
 [n, H / g, g * b, ...]: the g query heads of a K/V head stacked along the query axis.
+
+A split over several blocks has rows n = s * nb + j that read block j's queries: no
+single batch stride maps n onto j, so Q's rows are ragged (``q_offsets``: cuDNN reads
+row n's queries at element ``q_offsets[n]`` of Q, its batch stride unused), and the S
+sub-rows of a block share one copy of its queries (measured on the H200 bit for bit
+equal to a launch over S copies).
 
 Built plans can be kept on disk (`PlanFiles`): one file per key, named by a hash of the
 key, the cuDNN and frontend versions and the GPU, so a plan is only ever loaded where it
@@ -45,11 +52,12 @@ class PagedGraphKey(msgspec.Struct, frozen=True):
     scale: float             # softmax scale is a graph constant (a stale scale would replay silently)
     splits: int = 1          # S: > 1 adds the softmax stats output the merge needs
     query_group: int = 1     # g query heads stacked per row (GQA packing): H / g heads of g * b
+    q_offsets: bool = False  # Q rows at per-row offsets (ragged): a split's rows share queries
 
 
 #: Tensor uids: a plan loaded from disk has no tensor objects, so packs bind by uid.
 UID = {"q": 1, "k": 2, "v": 3, "o": 4, "k_table": 5, "v_table": 6, "seq_len_q": 7,
-       "seq_len_kv": 8, "stats": 9}
+       "seq_len_kv": 8, "stats": 9, "q_offsets": 10}
 
 
 def build_graph(key: PagedGraphKey, handle):
@@ -110,6 +118,10 @@ def _define(key: PagedGraphKey, handle):
                                 ("seq_len_q", [nb, 1, 1, 1], [1, 1, 1, 1]),
                                 ("seq_len_kv", [nb, 1, 1, 1], [1, 1, 1, 1])):
         t[name] = g.tensor(name=name, dim=dims, stride=strides, data_type=cudnn.data_type.INT32)
+    if key.q_offsets:  # element offsets, int64 (cuDNN >= 9.6); entry n: the end
+        t["q_offsets"] = g.tensor(name="q_offsets", dim=[nb + 1, 1, 1, 1], stride=[1, 1, 1, 1],
+                                  data_type=cudnn.data_type.INT64)
+        t["q"].set_ragged_offset(t["q_offsets"])
     o, stats = g.sdpa(name="paged_sdpa", q=t["q"], k=t["k"], v=t["v"],
                       generate_stats=key.splits > 1,
                       attn_scale=key.scale, use_padding_mask=True,

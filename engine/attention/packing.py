@@ -14,8 +14,9 @@ Layouts (block j of nb, token t of b, K/V head k, stacked head r of g; h = k * g
     packed   buffer  [nb, H_kv, g, b, D]     contiguous; cuDNN reads [nb, H_kv, g * b, D]
 
 No single stride maps the packed query axis (r, t) onto a token-major tensor, so the
-queries are copied in (one strided copy) and, without split-KV, the output is copied
-back. With split-KV the merge reads the packed partial outputs directly (as
+queries are copied in once (a strided copy moved as 8-byte words, `copy_rows_`; split
+rows share it, `split_kv`) and, without split-KV, the output is copied back. With
+split-KV the merge reads the packed partial outputs directly (as
 [S, nb, H, b, D]: head h = k * g + r sits b * D elements after head h - 1), and the
 softmax statistics [S * nb, H_kv, g * b] are the unpacked [S * nb, H, b] already.
 """
@@ -33,17 +34,29 @@ def token_view(x: torch.Tensor, nb: int, b: int, group: int) -> torch.Tensor:
     return x.unflatten(0, (nb, b)).unflatten(2, (H // group, group)).permute(0, 2, 3, 1, 4)
 
 
+def copy_rows_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` bit for bit, moved as 8-byte words where both layouts allow it
+    (last dim contiguous and a multiple of a word, other strides and offsets whole
+    words: D = 128 of packed QKV always is). torch's strided copy spends its time on
+    index math per element; words are 4x fewer bf16 elements, each access 4x wider."""
+    try:
+        dst.view(torch.int64).copy_(src.view(torch.int64))
+        return
+    except RuntimeError:  # a layout that is not whole words: the element-wise copy
+        pass
+    dst.copy_(src)
+
+
 def pack_queries_(dst: torch.Tensor, q: torch.Tensor, group: int) -> None:
-    """Copy q [nb * b, H, D] into ``dst`` [C, nb, H_kv, g, b, D] (every one of the C
-    copies gets all of q; C = S for split rows that cannot share one copy)."""
-    C, nb, _, _, b, _ = dst.shape
-    dst.copy_(token_view(q, nb, b, group).expand(C, *dst.shape[1:]))
+    """Copy q [nb * b, H, D] into ``dst`` [nb, H_kv, g, b, D] (packed order)."""
+    nb, _, _, b, _ = dst.shape
+    copy_rows_(dst, token_view(q, nb, b, group))
 
 
 def unpack_output_(out: torch.Tensor, src: torch.Tensor, group: int) -> None:
     """Copy the packed output ``src`` [nb, H_kv, g * b, D] into out [nb * b, H, D]."""
     nb, hkv, gb, D = src.shape
-    token_view(out, nb, gb // group, group).copy_(src.view(nb, hkv, group, gb // group, D))
+    copy_rows_(token_view(out, nb, gb // group, group), src.view(nb, hkv, group, gb // group, D))
 
 
 @dataclass
@@ -77,7 +90,7 @@ class PackBuffers:
     def query(self, q: torch.Tensor) -> torch.Tensor:
         """Pack q [nb * b, H, D] into `q` and return it."""
         nb, hkv, gb, D = self.q.shape
-        pack_queries_(self.q.view(1, nb, hkv, self.group, gb // self.group, D), q, self.group)
+        pack_queries_(self.q.view(nb, hkv, self.group, gb // self.group, D), q, self.group)
         return self.q
 
     def unpack(self, out: torch.Tensor) -> None:

@@ -18,6 +18,13 @@ sequence exactly; the partly filled private page is the row's last page and land
 the last non-empty sub-row. Sub-rows past a short row's end have 0 keys and are
 skipped by the merge.
 
+Every sub-row of block j reads block j's queries. With one block they are a stride-0
+broadcast of q (or of its one packed copy); with several (the clean pass, B sequences)
+no batch stride maps n onto j, so the rows are ragged: cuDNN reads sub-row n's queries
+at element ``q_offsets[n]`` of q (unpacked: no copy at all) or of the one packed copy.
+On the H200 this is bit for bit the launch over S copies of Q that it replaced, and
+saves their writes (S x 12.9 MB at the seed clean pass).
+
 The sub-row tables and key counts are rebuilt from the cache's rows on the device once
 per forward (`SplitBuffers.rebuild`: one gather, one clamp, both graph-safe; the plan's
 ``prepare``), so a captured forward stays right after any number of commits.
@@ -44,11 +51,6 @@ MAX_SPLIT = 6
 #: by 1.2-1.4%, and S = 6 (0.995) lost 0.6-1.2% to S = 5: a 1.6% fill gain paid, a
 #: 1.1% one did not.
 MIN_GAIN = 0.015
-#: What each split more must gain when the forward has several blocks: Q cannot then
-#: be broadcast to the sub-rows, and every split copies it once more. Packed clean
-#: pass of the seed geometry (4 blocks, run of 2026-12-03): S = 4 (fill 0.970) was
-#: fastest; S = 5 (0.985) lost 2.0% to it and S = 6 (0.995) 3.8%.
-MIN_GAIN_COPIED = 0.02
 #: Fewest keys a sub-row should hold; below, a CTA's fixed cost dominates.
 MIN_KEYS_PER_SPLIT = 2048
 
@@ -77,8 +79,8 @@ def choose_split(*, num_blocks: int, block_size: int, num_heads: int, row_keys: 
     beats by `MIN_GAIN`, with at least `MIN_KEYS_PER_SPLIT` keys per sub-row.
 
     ``row_keys`` is the most keys a row can hold (row_pages * tokens_per_page);
-    ``group`` > 1 models the packed launch (`launch_ctas`). With several blocks every
-    split copies Q: S must beat the best smaller S' by `MIN_GAIN_COPIED` x (S - S').
+    ``group`` > 1 models the packed launch (`launch_ctas`). Sub-rows cost no query
+    copy (one block: a broadcast; several: ragged rows, `SplitBuffers.query`).
     """
     for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
                     ("num_heads", num_heads), ("row_keys", row_keys), ("sms", sms),
@@ -92,8 +94,7 @@ def choose_split(*, num_blocks: int, block_size: int, num_heads: int, row_keys: 
         if row_keys // s < MIN_KEYS_PER_SPLIT:
             break
         fill = wave_fill(s * ctas, sms)
-        gain = MIN_GAIN if num_blocks == 1 else MIN_GAIN_COPIED * (s - best)
-        if fill > best_fill * (1 + gain):
+        if fill > best_fill * (1 + MIN_GAIN):
             best, best_fill = s, fill
     return best
 
@@ -112,8 +113,8 @@ def choose_layout(*, num_blocks: int, block_size: int, num_heads: int, num_kv_he
     the output back. At the seed geometry (32 / 8 heads, 132 SMs; run of 2026-12-03)
     the denoising forward (one block of 1576) packs at S = 5 (2000 CTAs against 2080,
     both 3.2 row times; measured 1.5% faster), and the clean pass (four blocks of
-    394) packs at S = 4 (3.25 row times against 4.0 for 512 unpacked CTAs at S = 1;
-    measured 20% faster).
+    394) packs at S = 5 (3.2 row times against 4.0 for 512 unpacked CTAs at S = 1;
+    measured 23% faster; packed S = 4, 3.25 row times, timed the same within 0.3%).
     """
     group = num_heads // num_kv_heads
     options = (False, True) if pack == "auto" else (bool(pack),)
@@ -147,8 +148,12 @@ class SplitBuffers:
         q_lens: int32 [S * nb], b everywhere.
         partial: [S, T, H, D], each sub-row's normalised output (token-major).
         lse: float32 [S * nb, H, b, 1], each sub-row's log-sum-exp.
-        q_copies: [S, T, H, D] when nb > 1 (Q cannot be broadcast with one batch
-            stride across n = s * nb + j), [1, T, H, D] for one packed block, else None.
+        q_packed: [T, H, D] storage of the packed queries [nb, H_kv, g * b, D] (packed
+            only, else None).
+        row_block: int64 [S * nb + 1], the block j = n % nb of each sub-row n (the last
+            entry nb), when nb > 1, else None.
+        q_offsets: int64 [S * nb + 1], where sub-row n's queries start: row_block times
+            a block's elements in q (or in q_packed), when nb > 1, else None.
         group: g query heads stacked per row (`packing`), 1 unpacked. Packed, Q is
             copied in packed order, cuDNN writes `partial` as [S * nb, H_kv, g * b, D]
             and `merge_input` views it as [S, nb, H, b, D].
@@ -166,7 +171,9 @@ class SplitBuffers:
     q_lens: torch.Tensor
     partial: torch.Tensor
     lse: torch.Tensor
-    q_copies: torch.Tensor | None
+    q_packed: torch.Tensor | None
+    row_block: torch.Tensor | None
+    q_offsets: torch.Tensor | None
     group: int = 1
 
     @classmethod
@@ -177,7 +184,6 @@ class SplitBuffers:
         constant ones (``group`` > 1: packed rows, see `packing`)."""
         S, nb, b, H, D = splits, num_blocks, block_size, num_heads, head_dim
         K, T = -(-row_pages // S), nb * b
-        copies = S if nb > 1 else (1 if group > 1 else 0)
         index = torch.tensor(sub_row_index(S, nb, row_pages), dtype=torch.int64)
         offsets = torch.arange(S, dtype=torch.int32).view(S, 1) * (K * tokens_per_page)
         bufs = cls(
@@ -189,11 +195,17 @@ class SplitBuffers:
             q_lens=arena.empty((S * nb,), torch.int32, name="split_q_lens"),
             partial=arena.empty((S, T, H, D), dtype, name="split_partial"),
             lse=arena.empty((S * nb, H, b, 1), torch.float32, name="split_lse"),
-            q_copies=arena.empty((copies, T, H, D), dtype, name="split_q") if copies else None,
+            q_packed=arena.empty((T, H, D), dtype, name="split_q") if group > 1 else None,
+            row_block=arena.empty((S * nb + 1,), torch.int64, name="split_row_block") if nb > 1 else None,
+            q_offsets=arena.empty((S * nb + 1,), torch.int64, name="split_q_offsets") if nb > 1 else None,
             group=group)
         bufs.index.copy_(index)
         bufs.offsets.copy_(offsets)
         bufs.q_lens.fill_(group * b)
+        if nb > 1:
+            bufs.row_block.copy_(torch.tensor([n % nb for n in range(S * nb)] + [nb]))
+            if group > 1:  # the packed copy's blocks are contiguous: fixed offsets
+                torch.mul(bufs.row_block, T * H * D // nb, out=bufs.q_offsets)
         return bufs
 
     def rebuild(self, rows: torch.Tensor, seq_len_kv: torch.Tensor) -> None:
@@ -205,21 +217,20 @@ class SplitBuffers:
         torch.clamp(seq_len_kv.view(1, nb) - self.offsets, 0, limit, out=self.kv_lens.view(S, nb))
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
-        """Q [T, H, D] as cuDNN reads it, [S * nb, H, b, D] (packed: [S * nb, H_kv,
-        g * b, D]): a stride-0 broadcast of one block (unpacked: of q itself), else the
-        copies (one per split)."""
+        """Q [T, H, D] as cuDNN reads it: one block, [S, H, b, D] (packed: [S, H_kv,
+        g * b, D]), a stride-0 broadcast of q (of its packed copy); several, the nb
+        blocks [nb, H, b, D] (packed: of the copy), sub-row n at `q_offsets` [n]."""
         S, nb, b, g = self.splits, self.num_blocks, self.block_size, self.group
         T, H, D = q.shape
-        if g == 1 and nb == 1:
+        if g > 1:
+            pack_queries_(self.q_packed.view(nb, H // g, g, b, D), q, g)
+            q = self.q_packed.view(nb, H // g, g * b, D)
+            return q.as_strided((S, H // g, g * b, D), (0, g * b * D, D, 1)) if nb == 1 else q
+        if nb == 1:
             return q.as_strided((S, H, b, D), (0, q.stride(1), q.stride(0), 1))
-        if g == 1:
-            self.q_copies.copy_(q.expand(S, T, H, D))
-            return blocks_view(self.q_copies.view(S * T, H, D), S * nb, b)
-        C = self.q_copies.shape[0]
-        pack_queries_(self.q_copies.view(C, nb, H // g, g, b, D), q, g)
-        if nb == 1:  # one packed copy, broadcast over the splits
-            return self.q_copies.as_strided((S, H // g, g * b, D), (0, g * b * D, D, 1))
-        return self.q_copies.view(S * nb, H // g, g * b, D)
+        # q's token stride is the caller's: the offsets follow it in every forward
+        torch.mul(self.row_block, b * q.stride(0), out=self.q_offsets)
+        return blocks_view(q, nb, b)
 
     def partial_view(self) -> torch.Tensor:
         """The partial outputs as cuDNN writes them: [S * nb, H, b, D] (packed:
