@@ -132,3 +132,14 @@ def test_copy_rows_is_bit_exact_on_any_layout(D, dtype, heads_off):
     out = torch.zeros(nb * b, hkv * g + 4, D, dtype=dtype)[:, 1:1 + hkv * g]
     copy_rows_(out, q)
     assert torch.equal(out.contiguous().view(torch.uint8), q.contiguous().view(torch.uint8))
+
+
+def test_copy_rows_between_dtypes_converts_values():
+    """fp32 rows of 2 are one word each, fp64 ones two: moving words would broadcast the
+    bits; a copy between dtypes must convert the values instead."""
+    from framekv.engine.attention.packing import copy_rows_
+
+    src = torch.randn(3, 4, 2)
+    wide = torch.zeros(3, 4, 2, dtype=torch.float64)
+    copy_rows_(wide, src)
+    assert torch.equal(wide, src.double())

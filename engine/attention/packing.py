@@ -39,11 +39,12 @@ def copy_rows_(dst: torch.Tensor, src: torch.Tensor) -> None:
     (last dim contiguous and a multiple of a word, other strides and offsets whole
     words: D = 128 of packed QKV always is). torch's strided copy spends its time on
     index math per element; words are 4x fewer bf16 elements, each access 4x wider."""
-    try:
-        dst.view(torch.int64).copy_(src.view(torch.int64))
-        return
-    except RuntimeError:  # a layout that is not whole words: the element-wise copy
-        pass
+    if dst.dtype == src.dtype:  # raw words move bits: only between equal dtypes
+        try:
+            dst.view(torch.int64).copy_(src.view(torch.int64))
+            return
+        except RuntimeError:  # a layout that is not whole words: the element-wise copy
+            pass
     dst.copy_(src)
 
 
