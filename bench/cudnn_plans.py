@@ -15,7 +15,6 @@ run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -27,7 +26,8 @@ from framekv.engine.attention.cudnn import CudnnBackend
 from framekv.engine.attention.cudnn_graph import candidate_plans
 
 from .attention import Setup
-from .timing import Flusher, environment, interleaved_device_times, matmul_ceiling, summary
+from .timing import (Flusher, interleaved_device_times, matmul_ceiling, stderr_progress, summary,
+                     write_result)
 
 
 def plan_calls(backend: CudnnBackend, plan, q, out) -> tuple[dict, dict]:
@@ -113,13 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = []
     for name in args.preset or ("seed-bench", "wan-1.3b"):
-        out.append(measure_plans(name, iters=args.iters,
-                                 progress=lambda m: print(f"[plans] {m}", file=sys.stderr,
-                                                          flush=True)))
+        out.append(measure_plans(name, iters=args.iters, progress=stderr_progress("plans")))
         print(format_plans(out[-1]), flush=True)
-        if args.json_path:
-            with open(args.json_path, "w") as f:
-                json.dump({"environment": environment(), "plans": out}, f, indent=2)
+        write_result(args.json_path, plans=out)
     return 0
 
 

@@ -23,7 +23,6 @@ through the conditional parent.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import msgspec
@@ -31,7 +30,7 @@ import torch
 from numba import cuda
 
 from framekv import specs
-from framekv.bench.timing import environment, interleaved_host_times, summary
+from framekv.bench.timing import interleaved_host_times, summary, write_result
 from framekv.bench.stack import AttentionStack
 from framekv.engine.attention.cudnn import CudnnBackend
 from framekv.graphs.inspect import graph_info
@@ -265,9 +264,7 @@ def main(argv=None) -> None:
     rows: list = []
     for name in wanted:
         groups[name](rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "rows": rows}, f, indent=2)
+    write_result(args.json, rows=rows)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,12 @@ has the median and minimum host µs over the rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
-from framekv.bench.timing import environment
+from framekv.bench.timing import write_result
 from framekv.bench.stack import AttentionStack
 from framekv.graphs import GraphCache, GraphKey
 
@@ -165,9 +164,7 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r['graph']:<32}{r['method']:<28}{r['pause']:<14}{r['host_us']:>9.1f}"
               f"{r['host_us_min']:>8.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "rows": rows}, f, indent=2)
+    write_result(args.json, rows=rows)
 
 
 if __name__ == "__main__":

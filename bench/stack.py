@@ -105,29 +105,24 @@ class AttentionStack:
         x = torch.randn(shape, generator=self._generator)
         return {"qkv": x.to(self.device, self.dtype)}
 
-    def split_of(self, geometry: Geometry, tokens: int, block_size: int) -> int | None:
-        """The split-KV S of a forward's plan (``geometry`` opened first, if it is not
-        the open one), or None for a backend that never splits."""
-        plan = self._plan_of(geometry, tokens, block_size)
-        return None if plan is None else plan.splits
-
-    def packed_of(self, geometry: Geometry, tokens: int, block_size: int) -> bool | None:
-        """Whether a forward's plan packs GQA query heads (as `split_of`)."""
-        plan = self._plan_of(geometry, tokens, block_size)
-        return None if plan is None else plan.packed
-
-    def _plan_of(self, geometry: Geometry, tokens: int, block_size: int):
+    def layout_of(self, geometry: Geometry, tokens: int,
+                  block_sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+        """(split-KV S, GQA query packing) of the plan of each forward of ``tokens`` in
+        ``block_sizes`` (``geometry`` opened first, if it is not the open one); both empty
+        for a backend that never splits."""
         if not hasattr(self.backend, "split_for"):
-            return None
+            return (), ()
         self.ensure_open(geometry)
-        return self.layers[0].plan_for(self.cache, tokens, block_size)
+        plans = [self.layers[0].plan_for(self.cache, tokens, b) for b in block_sizes]
+        return tuple(p.splits for p in plans), tuple(p.packed for p in plans)
 
     def forward_key(self, geometry: Geometry, tokens: int, block_size: int) -> G.GraphKey:
         """Key of the forward graph of one plan item."""
+        splits, packed = self.layout_of(geometry, tokens, (block_size,))
         return G.forward_key(self.owner, geometry, tokens, block_size,
                              inputs=_layout_only(self.qkv_shape(tokens), self.dtype, self.device),
-                             split=self.split_of(geometry, tokens, block_size),
-                             packed=self.packed_of(geometry, tokens, block_size))
+                             split=splits[0] if splits else None,
+                             packed=packed[0] if packed else None)
 
     def commit_key(self, geometry: Geometry, tokens: int) -> G.GraphKey:
         """Key of the ``commit(tokens)`` graph of a geometry."""
@@ -208,14 +203,12 @@ class AttentionStack:
         labels = G.chunk_labels(tokens, denoise_steps=denoise_steps, clean_block=clean_block)
         name = "chunk-chained" if chain else "chunk"
         blocks = (tokens,) * denoise_steps + (clean_block,)
-        splits = [self.split_of(geometry, tokens, b) for b in blocks]
-        packed = [self.packed_of(geometry, tokens, b) for b in blocks]
+        splits, packed = self.layout_of(geometry, tokens, blocks)
         return G.GraphKey.build(
             owner=self.owner, geometry=geometry, tokens=tokens, block_sizes=blocks,
             program=G.program_string(name, labels),
             inputs=_layout_only(self.qkv_shape(tokens), self.dtype, self.device),
-            splits=() if None in splits else tuple(splits),
-            packed=() if None in packed else tuple(packed))
+            splits=splits, packed=packed)
 
     def chunk_request(self, geometry: Geometry, tokens: int, *, denoise_steps: int,
                       clean_block: int, chain: bool = False) -> G.CaptureRequest:

@@ -113,14 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", default="tiny,wan-1.3b", help="comma-separated preset names")
     p.add_argument("--json", dest="json_path", metavar="FILE", default=None)
     args = p.parse_args(argv)
-    from framekv.bench.timing import environment
+    from framekv.bench.timing import stderr_progress, write_result
 
     res = measure_startup([s for s in args.presets.split(",") if s],
-                          progress=lambda m: print(f"[startup] {m}", file=sys.stderr, flush=True))
+                          progress=stderr_progress("startup"))
     print(format_startup(res))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"environment": environment(), "startup": res}, f, indent=2)
+    write_result(args.json_path, startup=res)
     return 0
 
 

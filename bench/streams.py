@@ -22,7 +22,6 @@ roofline), however the batch is run (``max_gain_vs_b1``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -32,7 +31,7 @@ from framekv.engine.rollout import Rollout
 
 from .breakdown import reference_chunk_flops
 from .e2e import with_window
-from .timing import environment, matmul_ceiling, summary
+from .timing import matmul_ceiling, stderr_progress, summary, write_result
 
 BATCHES = (1, 2, 4, 8)
 #: What `framekv bench` runs: the small streams at every B, the 1.3B model at B = 1, 2.
@@ -153,12 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.batches:
             batches = tuple(int(b) for b in args.batches.split(","))
         out.append(measure_streams(name, batches=batches, chunks=args.chunks,
-                                   progress=lambda m: print(f"[streams] {m}", file=sys.stderr,
-                                                            flush=True)))
+                                   progress=stderr_progress("streams")))
         print(format_streams(out[-1]), flush=True)
-        if args.json_path:
-            with open(args.json_path, "w") as f:
-                json.dump({"environment": environment(), "streams": out}, f, indent=2)
+        write_result(args.json_path, streams=out)
     return 0
 
 

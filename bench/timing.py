@@ -6,7 +6,9 @@ before each interval where asked. Host times are `time.perf_counter` intervals.
 """
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -331,3 +333,16 @@ def environment() -> dict[str, str]:
     except ImportError:
         pass
     return env
+
+
+def stderr_progress(tag: str) -> Callable[[str], None]:
+    """A progress callback printing ``[tag] message`` to stderr (stdout keeps the tables)."""
+    return lambda message: print(f"[{tag}] {message}", file=sys.stderr, flush=True)
+
+
+def write_result(path: str | None, **sections) -> None:
+    """``{"environment": environment(), **sections}`` as JSON to ``path``; nothing when
+    ``path`` is None."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"environment": environment(), **sections}, f, indent=2)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import resource
 import statistics
@@ -36,7 +35,7 @@ import time
 
 import torch
 
-from framekv.bench.timing import environment, one_kernel_launcher
+from framekv.bench.timing import one_kernel_launcher, write_result
 from framekv.bench.stack import AttentionStack
 from framekv.graphs import GraphCache
 
@@ -202,9 +201,7 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r['wait']:<14}{r['graph']:<32}{r['host_us']:>9.1f}{r['host_us_min']:>8.1f}"
               f"{r['minor_faults']:>8.0f}{r['context_switches']:>10.0f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "host": host, "rows": rows}, f, indent=2)
+    write_result(args.json, host=host, rows=rows)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,12 @@ torch's peak allocation plus the K/V arena.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
 
-from .timing import environment, summary
+from .timing import stderr_progress, summary, write_result
 
 VARIANTS = ("stock-recompute", "framekv-graphs", "framekv-fused-graphs", "framekv-eager",
             "dense-eager", "dense-graphs")
@@ -212,11 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     res = measure_wan(args.config, window_frames=args.window, chunks=args.chunks,
-                      progress=lambda m: print(f"[wan] {m}", file=sys.stderr, flush=True))
+                      progress=stderr_progress("wan"))
     print(format_wan(res))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"environment": environment(), "wan": res}, f, indent=2)
+    write_result(args.json_path, wan=res)
     return 0
 
 

@@ -128,7 +128,7 @@ class GraphKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             cuDNN graph, a different grid and a merge.
         packed: whether each forward (``block_sizes`` order) stacks the query heads of
             a K/V head into one row (GQA packing), or empty when it never does; packed
-            launches run another cuDNN graph over copies of Q.
+            launches run another cuDNN graph over a packed copy of Q.
         batch: B, the sequences of a pool each forward runs (1: one). The cuDNN batch
             rows (B x blocks), the gathered per-block tensors and every launch grid
             over tokens scale with it; which sequences is a device input, not baked.

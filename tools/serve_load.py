@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from framekv.bench.timing import environment
+from framekv.bench.timing import stderr_progress, write_result
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -114,12 +114,9 @@ def main(argv=None) -> int:
     out = []
     for preset, n in zip(presets, counts):
         out.append(measure_load(preset, sessions=n, seconds=args.seconds,
-                                progress=lambda m: print(f"[load] {m}", file=sys.stderr,
-                                                         flush=True)))
+                                progress=stderr_progress("load")))
         print(json.dumps(out[-1]), flush=True)
-        if args.json_path:
-            with open(args.json_path, "w") as f:
-                json.dump({"environment": environment(), "load": out}, f, indent=2)
+        write_result(args.json_path, load=out)
     return 0
 
 

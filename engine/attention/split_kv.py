@@ -151,9 +151,10 @@ class SplitBuffers:
         q_packed: [T, H, D] storage of the packed queries [nb, H_kv, g * b, D] (packed
             only, else None).
         row_block: int64 [S * nb + 1], the block j = n % nb of each sub-row n (the last
-            entry nb), when nb > 1, else None.
-        q_offsets: int64 [S * nb + 1], where sub-row n's queries start: row_block times
-            a block's elements in q (or in q_packed), when nb > 1, else None.
+            entry nb), when nb > 1 and unpacked (the offsets then follow q's token
+            stride), else None.
+        q_offsets: int64 [S * nb + 1], where sub-row n's queries start: its block times
+            a block's elements in q (or in q_packed, fixed), when nb > 1, else None.
         group: g query heads stacked per row (`packing`), 1 unpacked. Packed, Q is
             copied in packed order, cuDNN writes `partial` as [S * nb, H_kv, g * b, D]
             and `merge_input` views it as [S, nb, H, b, D].
@@ -196,16 +197,19 @@ class SplitBuffers:
             partial=arena.empty((S, T, H, D), dtype, name="split_partial"),
             lse=arena.empty((S * nb, H, b, 1), torch.float32, name="split_lse"),
             q_packed=arena.empty((T, H, D), dtype, name="split_q") if group > 1 else None,
-            row_block=arena.empty((S * nb + 1,), torch.int64, name="split_row_block") if nb > 1 else None,
+            row_block=(arena.empty((S * nb + 1,), torch.int64, name="split_row_block")
+                       if nb > 1 and group == 1 else None),
             q_offsets=arena.empty((S * nb + 1,), torch.int64, name="split_q_offsets") if nb > 1 else None,
             group=group)
         bufs.index.copy_(index)
         bufs.offsets.copy_(offsets)
         bufs.q_lens.fill_(group * b)
         if nb > 1:
-            bufs.row_block.copy_(torch.tensor([n % nb for n in range(S * nb)] + [nb]))
+            blocks = torch.tensor([n % nb for n in range(S * nb)] + [nb])  # block of each sub-row
             if group > 1:  # the packed copy's blocks are contiguous: fixed offsets
-                torch.mul(bufs.row_block, T * H * D // nb, out=bufs.q_offsets)
+                bufs.q_offsets.copy_(blocks * (T * H * D // nb))
+            else:
+                bufs.row_block.copy_(blocks)
         return bufs
 
     def rebuild(self, rows: torch.Tensor, seq_len_kv: torch.Tensor) -> None:
