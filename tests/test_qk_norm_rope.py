@@ -440,6 +440,8 @@ BAD = [  # (name, change to the arguments, message start)
     ("style", lambda a: dict(rope=_rope(a, style="neox")), "rope.style: expected one of"),
     ("offset", lambda a: dict(rope=_rope(a, token_offset=-1)),
      "rope.token_offset: expected an integer >= 0"),
+    ("offset past 32 bits", lambda a: dict(rope=_rope(a, token_offset=2**31 - 5)),
+     "rope.token_offset: expected at most 2147483642 (token indices stay below 2^31 with S = 5)"),
     ("pool without dst", lambda a: dict(dst=None), "dst: expected a tensor"),
     ("dst without pools", lambda a: dict(k_pool=None, v_pool=None), "k_pool: expected a tensor"),
     ("dst2 alone", lambda a: dict(k_pool=None, v_pool=None, dst=None),
