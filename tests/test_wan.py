@@ -263,3 +263,47 @@ def test_guidance_arguments_are_checked():
     with pytest.raises(ValueError, match="shape of text_embeds"):
         r.set_prompt(TEXT, TEXT[:, :5])
     assert r.cache.num_sequences == 2
+
+
+def _cat_qkv(a, x):
+    return torch.cat([a.to_q(x), a.to_k(x), a.to_v(x)], dim=-1)
+
+
+def test_packed_projections_share_one_weight_and_give_the_same_qkv():
+    """`pack_projections`: q, k, v become row blocks of one weight (no second copy), one
+    GEMM gives what the three projections and a cat give; a load that replaces the
+    tensors falls back to the cat, one that copies into them keeps the packing."""
+    from framekv.engine.wan.processors import _packed_parts, pack_projections, packed_qkv
+
+    m = model(seed=3)
+    a, b = m.blocks[0].attn1, m.blocks[1].attn1
+    x = torch.randn(2, 5, a.to_q.in_features, generator=torch.Generator().manual_seed(4))
+    want = _cat_qkv(a, x)
+    before = [t.clone() for t in (a.to_q.weight, a.to_k.weight, a.to_v.weight, a.to_v.bias)]
+    pack_projections(a)
+    after = (a.to_q.weight, a.to_k.weight, a.to_v.weight, a.to_v.bias)
+    assert all(torch.equal(t, u) for t, u in zip(before, after))
+    weight, bias = _packed_parts(a)
+    assert weight.shape == (3 * a.to_q.out_features, a.to_q.in_features)
+    assert {t.untyped_storage().data_ptr() for t in after[:3]} == {weight.untyped_storage().data_ptr()}
+    torch.testing.assert_close(packed_qkv(a, x), want, rtol=1e-6, atol=1e-6)
+    pack_projections(a)  # again: the same packing
+    assert _packed_parts(a)[0] is weight
+    a.load_state_dict({k: v.clone() for k, v in a.state_dict().items()}, assign=True)
+    assert _packed_parts(a) is None
+    torch.testing.assert_close(packed_qkv(a, x), want, rtol=1e-6, atol=1e-6)
+    pack_projections(b)
+    g = torch.Generator().manual_seed(5)
+    b.load_state_dict({k: torch.randn(v.shape, generator=g) for k, v in b.state_dict().items()})
+    assert _packed_parts(b) is not None
+    torch.testing.assert_close(packed_qkv(b, x), _cat_qkv(b, x), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_projections_are_left_alone():
+    from framekv.engine.wan.processors import _packed_parts, pack_projections, packed_qkv
+
+    a = model(fused=True).blocks[0].attn1
+    pack_projections(a)
+    assert _packed_parts(a) is None
+    x = torch.randn(1, 3, a.to_qkv.in_features, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(packed_qkv(a, x), a.to_qkv(x))

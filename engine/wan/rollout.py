@@ -48,7 +48,8 @@ from ..cache_dir import use_cache_dir
 from ..kv import KVStore, PagedKV
 from ..rollout import _check_batch_sizes
 from . import blocks
-from .processors import WanContext, WanCrossAttention, WanRope, WanSelfAttention
+from .processors import (WanContext, WanCrossAttention, WanRope, WanSelfAttention,
+                         pack_projections)
 from .recache import History, recache
 from .setup import WanShape, build_model, check_model, load_model, model_device_dtype
 
@@ -162,6 +163,8 @@ class WanRollout:
         self._cross = []
         for i, block in enumerate(self.model.blocks):
             (blocks.install if self.glue == "fused" else blocks.uninstall)(block)
+            if self.glue == "fused":
+                pack_projections(block.attn1)
             cached = CachedAttention(s.heads, s.heads, s.head_dim, backend=self.backend,
                                      layer_idx=i)
             block.attn1.set_processor(WanSelfAttention(self.ctx, cached))
