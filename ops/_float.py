@@ -113,11 +113,23 @@ else:
 
     _I16, _I32, _F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
 
-    def _pointer(context, builder, aryty, ary, idxty, idx):
+    def _pointer(context, builder, aryty, ary, idxty, idx, unit_last=False):
+        """Pointer to ary[idx]; ``unit_last``: the last dimension steps by the element
+        size (the caller's promise), so its runtime stride, a 64-bit multiply per
+        access, is left out."""
         arr = context.make_array(aryty)(context, builder, value=ary)
         indices = cgutils.unpack_tuple(builder, idx, count=len(idxty))
         indices = [context.cast(builder, i, t, types.intp) for i, t in zip(indices, idxty)]
-        return cgutils.get_item_pointer(context, builder, aryty, arr, indices, wraparound=False)
+        if not unit_last:
+            return cgutils.get_item_pointer(context, builder, aryty, arr, indices,
+                                            wraparound=False)
+        itemsize = context.get_constant(types.intp, aryty.dtype.bitwidth // 8)
+        strides = cgutils.unpack_tuple(builder, arr.strides, count=aryty.ndim)[:-1] + [itemsize]
+        offset = context.get_constant(types.intp, 0)
+        for i, st in zip(indices, strides):
+            offset = builder.add(offset, builder.mul(i, st))
+        data = builder.ptrtoint(arr.data, offset.type)
+        return builder.inttoptr(builder.add(data, offset), arr.data.type)
 
     @cuda.jit(device=True, forceinline=True)
     def quotient(a, inv_bits):
@@ -166,20 +178,10 @@ else:
     _F32X4 = types.UniTuple(types.float32, 4)
 
     def _vector_pointer(context, builder, sig, args):
-        """Pointer to ary[idx] as a <4 x i16> / <4 x i32> vector, and its alignment. The
-        last dimension steps by the element size (`vector_aligned`, the caller's promise):
-        the multiply by its runtime stride, a 64-bit one per access, is left out."""
-        aryty, idxty = sig.args[0], sig.args[1]
-        arr = context.make_array(aryty)(context, builder, value=args[0])
-        indices = cgutils.unpack_tuple(builder, args[1], count=len(idxty))
-        indices = [context.cast(builder, i, t, types.intp) for i, t in zip(indices, idxty)]
-        itemsize = context.get_constant(types.intp, aryty.dtype.bitwidth // 8)
-        strides = cgutils.unpack_tuple(builder, arr.strides, count=aryty.ndim)[:-1] + [itemsize]
-        offset = context.get_constant(types.intp, 0)
-        for i, st in zip(indices, strides):
-            offset = builder.add(offset, builder.mul(i, st))
-        data = builder.ptrtoint(arr.data, offset.type)
-        ptr = builder.inttoptr(builder.add(data, offset), arr.data.type)
+        """Pointer to ary[idx] as a <4 x i16> / <4 x i32> vector, and its alignment (the
+        last dimension steps by the element size: `vector_aligned`)."""
+        ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1],
+                       unit_last=True)
         bits = _I16 if sig.args[0].dtype == types.int16 else _I32
         vec = ir.VectorType(bits, 4)
         return builder.bitcast(ptr, vec.as_pointer()), 4 * (bits.width // 8), bits

@@ -12,6 +12,14 @@ Under numba's CUDA simulator, which has no shuffles, the same sum goes through
 ``part`` (a shared array of one float per thread) between two barriers, in a fixed
 order; every thread of the block must call it (it does on the GPU too, by contract).
 Sums may differ from the GPU's in the last bit (another order), never run to run.
+
+``warps_total(v, part, runs, t, nt, w0, w1)``: the sum of ``v`` over the whole warps
+``w0 .. w1 - 1`` that hold thread t (a group of a block, or all of it), returned to
+each of their lanes: each warp's `segment_total` goes to ``runs[warp]``, one barrier,
+then lane k of every warp takes warp ``w0 + k``'s sum and one more butterfly adds them
+(a fixed order; a serial loop over the warps' sums cost each thread ~20 instructions a
+warp in kernels bound by the instructions they issue). Every thread of the block calls
+it; ``runs`` holds one float per warp and serves one sum.
 """
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ from numba import float32 as _f32
 
 from ._launch import SIMULATOR
 
-__all__ = ["segment_total", "WARP"]
+__all__ = ["segment_total", "warps_total", "WARP"]
 
 WARP = 32
 
@@ -48,3 +56,14 @@ else:
             v += cuda.shfl_xor_sync(0xFFFFFFFF, v, m)
             m //= 2
         return v
+
+
+@cuda.jit(device=True, **({} if SIMULATOR else {"forceinline": True}))
+def warps_total(v, part, runs, t, nt, w0, w1):
+    """Sum of v over the warps w0 .. w1 - 1 holding thread t (see the module doc)."""
+    w = segment_total(v, part, t, nt, WARP)
+    if (t & (WARP - 1)) == 0:
+        runs[t >> 5] = w
+    cuda.syncthreads()
+    lane = t & (WARP - 1)
+    return segment_total(runs[w0 + lane] if w0 + lane < w1 else _f32(0), part, t, nt, WARP)

@@ -68,7 +68,7 @@ from ._float import (check_float_dtype, load_f32, load_f32x4, quotient, reciproc
                      round_f32, store_f32, store_f32x4, vector_aligned)
 from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, threads_holding,
                       use_kernel)
-from ._reduce import WARP, segment_total
+from ._reduce import WARP, warps_total
 from ._validate import check_last_dim_contiguous, check_no_overlap, check_same_device, check_tensor
 
 __all__ = ["adaln_", "adaln_reference", "bind_adaln", "AdaLN",
@@ -158,17 +158,9 @@ def _st4(row, j, step, n, vec, v):
 @_device
 def _block_sum(v, part, runs, t, nt):
     """Sum of v over the block's threads, returned to every thread, in a fixed order
-    (the same bits on every run): warp sums (`segment_total`), then lane k of every
-    warp takes warp k's sum and the same butterfly adds them. One barrier; each sum of
-    a row takes its own ``runs``. (A serial loop over the warps' sums here cost each
-    thread ~20 instructions a warp: this kernel is issue-bound, not memory-bound.)"""
-    w = segment_total(v, part, t, nt, WARP)
-    if (t & (WARP - 1)) == 0:
-        runs[t >> 5] = w
-    cuda.syncthreads()
-    lane = t & (WARP - 1)
-    return segment_total(runs[lane] if lane < ((nt + WARP - 1) >> 5) else _f32(0), part, t,
-                         nt, WARP)
+    (the same bits on every run; `warps_total`). One barrier; each sum of a row takes
+    its own ``runs``."""
+    return warps_total(v, part, runs, t, nt, 0, (nt + WARP - 1) >> 5)
 
 
 @_device

@@ -75,7 +75,7 @@ from ._float import (FLOAT_DTYPES, load_f32, load_f32x4, quotient, reciprocal_bi
                      store_f32x4, vector_aligned)
 from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, threads_holding,
                       use_kernel)
-from ._reduce import WARP, segment_total
+from ._reduce import WARP, segment_total, warps_total
 from ._validate import check_last_dim_contiguous, check_no_overlap, check_tensor
 from .advance_commit import check_int
 from .scatter_kv_slots import _check_pools, _check_slots, scatter_kv_slots_reference
@@ -207,16 +207,9 @@ def _group_sum(v, part, runs, t, nt, size):
         return total
     g0 = t - uint32(t) % uint32(size)
     end = min(g0 + size, nt)
+    if size % WARP == 0:  # whole warps
+        return warps_total(v, part, runs, t, nt, g0 >> 5, (end + WARP - 1) >> 5)
     total = float32(0.0)
-    if size % WARP == 0:  # whole warps: their sums, then lane k takes the group's warp k
-        w = segment_total(v, part, t, nt, WARP)  # and one more butterfly adds them
-        if (t & (WARP - 1)) == 0:
-            runs[t >> 5] = w
-        cuda.syncthreads()
-        lane = t & (WARP - 1)
-        w0 = g0 >> 5
-        return segment_total(runs[w0 + lane] if w0 + lane < ((end + WARP - 1) >> 5)
-                             else float32(0.0), part, t, nt, WARP)
     part[t] = v  # any other size (a head dim not a multiple of 64): through shared memory
     cuda.syncthreads()
     for k in range(g0, end):

@@ -76,13 +76,14 @@ def _packed_parts(attn):
     if parts is None:
         return None
     weight, bias = parts
-    n = weight.shape[0] // 3
+    n, dim = weight.shape[0] // 3, weight.shape[1]
     for i, m in enumerate((attn.to_q, attn.to_k, attn.to_v)):
-        if m.weight.shape != weight[:n].shape or m.weight.data_ptr() != weight[i * n].data_ptr():
+        at = weight.data_ptr() + i * n * dim * weight.element_size()  # row block i
+        if m.weight.shape != (n, dim) or m.weight.data_ptr() != at:
             return None
         if (m.bias is None) != (bias is None):
             return None
-        if bias is not None and m.bias.data_ptr() != bias[i * n:].data_ptr():
+        if bias is not None and m.bias.data_ptr() != bias.data_ptr() + i * n * bias.element_size():
             return None
     return parts
 
