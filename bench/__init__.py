@@ -15,6 +15,8 @@ Modules run as ``python -m framekv.bench.NAME [--json FILE]`` (each checks its r
 against a reference before timing and writes JSON):
 
     commit          the commit at the seed geometry: kernels, uploads, device and host time
+    glue_ops        the fused glue ops, one call each at a model's chunk shape, against
+                    a copy_ of their bytes
     graphs          host cost of a graph replay against many small launches
     launch          host cost of launching big graphs: node kinds, launch methods
     merge           the fused split-KV merge against torch merges

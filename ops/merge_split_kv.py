@@ -17,7 +17,13 @@ Kernel: one thread per 16-byte output word (8 values), grid-striding over the
 T x H x D/8 words. A thread issues all its loads at once (the S statistics, key
 counts and partial words), then weighs, accumulates in fp32 and stores one rounded
 word. Every input byte is read once and every output byte written once, so the cost
-is the bytes moved.
+should be the bytes moved. With the geometry as kernel arguments it was not: the
+index divisions of each word and a loop over a runtime S cost more than the loads (at
+S = 2 on the H200, 30.8 us against 19.2 us for a `copy_` of the same bytes). So the
+kernel is compiled once per geometry (`_kernel`: splits, blocks, heads, words per row,
+block size, dtype as constants; an attention layout has one): the divisions become
+multiplies, the split loop unrolls, and the merge runs at copy speed (19.4 us at S = 2,
+27.1 at S = 4; docs/benchmarks.md).
 
 One file: one op, as every op of this package is (kernel, reference, validating
 wrapper, bound launcher, custom op); its length is the kernel's word paths for three
@@ -25,6 +31,7 @@ dtypes and the checks of five tensors.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -202,12 +209,11 @@ def _scaled(acc, r):
 
 
 @_device
-def _merge_word(partial, lse, kv_lens, nb, h, w, blk, tt, fp16):
+def _merge_word(partial, lse, kv_lens, S, nb, h, w, blk, tt, fp16):
     """Merged, normalised fp32 values of word w of row (t, h)."""
     z = _f32(0)
     acc = (z, z, z, z, z, z, z, z)
     den, m = z, _NEG_INF
-    S = partial.shape[0]
     for s in range(0, S, 4):
         l0 = _stat(lse, kv_lens, s, S, nb, blk, h, tt)
         l1 = _stat(lse, kv_lens, s + 1, S, nb, blk, h, tt)
@@ -236,15 +242,12 @@ def _store(out, t, h, w, vals, fp16):
     store_word(out, (t, h, w), _pack_fp16(vals) if fp16 else _pack_bf16(vals))
 
 
-@cuda.jit
-def _merge_split_kv_kernel(out, partial, lse, kv_lens, block_size, seq_len, fp16):
+@_device
+def _merge_words(out, partial, lse, kv_lens, seq_len, S, nb, H, W, block_size, fp16):
     # out: [T, H, W] words; partial: [S, nb, H, b, W] words (a view of token-major or
     # packed partials); lse: [S * nb, H, b] float32 bits (int32); kv_lens: [S * nb]
-    # int32; fp16: values are fp16 (else bf16).
-    T = out.shape[0]
-    H = out.shape[1]
-    W = out.shape[2]
-    nb = partial.shape[1]
+    # int32; fp16: values are fp16 (else bf16). S, nb, H, W, b: `_kernel`'s constants.
+    T = nb * block_size
     z = _f32(0)
     for i in range(cuda.grid(1), T * H * W, cuda.gridsize(1)):
         row = i // W
@@ -254,12 +257,23 @@ def _merge_split_kv_kernel(out, partial, lse, kv_lens, block_size, seq_len, fp16
         blk = t // block_size
         vals = (z, z, z, z, z, z, z, z)
         if t < seq_len:
-            vals = _merge_word(partial, lse, kv_lens, nb, h, w, blk,
+            vals = _merge_word(partial, lse, kv_lens, S, nb, h, w, blk,
                                t - blk * block_size, fp16)
         _store(out, t, h, w, vals, fp16)
 
 
-_KERNEL = Kernel(_merge_split_kv_kernel)
+@functools.lru_cache(maxsize=None)
+def _kernel(S: int, nb: int, H: int, W: int, block_size: int, fp16: bool) -> Kernel:
+    """The kernel for one geometry, compiled with the splits, blocks, heads, words per
+    row, block size and dtype as constants: the word's index divisions become
+    multiplies and the loop over splits unrolls whole. An attention layout has one;
+    a model's forwards a few."""
+
+    @cuda.jit
+    def _merge_split_kv_kernel(out, partial, lse, kv_lens, seq_len):
+        _merge_words(out, partial, lse, kv_lens, seq_len, S, nb, H, W, block_size, fp16)
+
+    return Kernel(_merge_split_kv_kernel)
 
 # --------------------------------------------------------------------------- reference
 
@@ -406,10 +420,10 @@ def _kernel_args(out, partial, lse, kv_lens, block_size, seq_len):
     threads = _launch.threads_for(words)
     lse3 = lse if lse.dim() == 3 else lse[..., 0]  # [S * nb, H, b]
     args = [array_arg(out, _WORD), array_arg(_blocked(partial, block_size), _WORD),
-            array_arg(lse3),
-            array_arg(kv_lens.reshape(-1)), int_arg(block_size), int_arg(seq_len),
-            int_arg(out.dtype == torch.float16)]
-    return args, blocks_for(-(-words // threads)), threads
+            array_arg(lse3), array_arg(kv_lens.reshape(-1)), int_arg(seq_len)]
+    kernel = _kernel(partial.shape[0], T // block_size, H, D // _LANES, block_size,
+                     out.dtype == torch.float16)
+    return kernel, args, blocks_for(-(-words // threads)), threads
 
 
 def _run(out, partial, lse, kv_lens, block_size, seq_len) -> None:
@@ -421,8 +435,8 @@ def _run(out, partial, lse, kv_lens, block_size, seq_len) -> None:
         merge_split_kv_reference(out, partial, lse, kv_lens, block_size=block_size,
                                  seq_len=seq_len)
         return
-    args, grid, block = _kernel_args(out, partial, lse, kv_lens, block_size, seq_len)
-    _KERNEL.launch(grid, block, args, out.device)
+    kernel, args, grid, block = _kernel_args(out, partial, lse, kv_lens, block_size, seq_len)
+    kernel.launch(grid, block, args, out.device)
 
 
 @torch.library.custom_op("framekv::merge_split_kv_", mutates_args=("out",))
@@ -486,8 +500,8 @@ class MergeSplitKV:
         self._noop = _is_noop(out)
         self._kernel = use_kernel(out)
         if self._kernel and not self._noop:
-            self._args, self._grid, self._block = _kernel_args(out, partial, lse, kv_lens,
-                                                               block_size, seq_len)
+            (self._launcher, self._args, self._grid,
+             self._block) = _kernel_args(out, partial, lse, kv_lens, block_size, seq_len)
 
     def __call__(self) -> None:
         """Merge the bound tensors' current contents into the bound output."""
@@ -496,7 +510,7 @@ class MergeSplitKV:
         if not self._kernel:
             merge_split_kv_reference(*self._tensors, **self._sizes)
             return
-        _KERNEL.launch(self._grid, self._block, self._args, self._tensors[0].device)
+        self._launcher.launch(self._grid, self._block, self._args, self._tensors[0].device)
 
 
 def bind_merge_split_kv(out, partial, lse, kv_lens, *, block_size: int,

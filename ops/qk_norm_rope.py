@@ -30,31 +30,38 @@ NOT written: attention reads K from the pool, and leaving packed K raw lets the 
 of one launch recompute norm and rope from it while no block of the launch writes it.
 Without pools, Q and K are normed and rotated in place; V is never touched.
 
-Kernel: one launch, one CTA per work item (no grid-stride loop: around one the
-compiler keeps every hoisted address live, and registers bound the CTAs per SM):
-items [0, B*S) are the Q rows of the tokens, the next ones the K rows (tokens in
-place, or pool entries), then (with pools) the V entries. A CTA holds one section of
+Kernel: one launch, one CTA per work item (no grid-stride loop: around one the compiler
+keeps every hoisted address live, and registers bound the CTAs per SM): items [0, B*S)
+are the Q rows of the tokens, the next ones the K rows (tokens in place, or pool
+entries: the CTA of an entry also copies its raw V heads). A CTA holds one section of
 one token in registers: a thread takes 8 values of one head (columns 8j .. 8j + 7
 interleaved, 4j .. 4j + 3 and D/2 + 4j .. + 3 half-split: its pairs are whole either
-way), in two 4-value accesses when D % 8 == 0 and every tensor is `vector_aligned`,
-else masked scalar ones; so ``max(H, H_kv) * D <= MAX_HEAD_VALUES`` (8192). A Q or K
-CTA first has its threads compute the token's cos/sin of the D/2 pairs into shared
-memory (each angle once, reused over the heads), sums the squares of each norm group
-(a head, or all heads) in a fixed order (warp shuffles within a head of at most 32
-lanes, else warp sums then a butterfly over the group's warps; `_reduce`; one barrier,
-which also publishes the tables; no atomics, so bit-identical results on every run,
-graph replay included), then scales, weighs, rotates and stores from registers: every
-byte of qkv is read once. A V CTA copies its entry's raw V heads. Floats move through
-`_float`'s accessors on raw bits.
+way), in two 4-value accesses when D % 8 == 0 and every tensor is `vector_aligned`, else
+masked scalar ones; so ``max(H, H_kv) * D <= MAX_HEAD_VALUES`` (8192). A Q or K CTA
+first has its threads compute the token's cos/sin of the D/2 pairs into shared memory
+(each angle once, reused over the heads), sums the squares of each norm group (a head,
+or all heads) in a fixed order (warp shuffles within a head of at most 32 lanes, else
+warp sums then a butterfly over the group's warps; `_reduce`; one barrier, which also
+publishes the tables; no atomics, so bit-identical results on every run, graph replay
+included), then scales, weighs, rotates and stores from registers: every byte of qkv is
+read once. An entry's CTA first copies its raw V heads (their stores drain while K is
+normed; a CTA of their own cost more in index and entry work than the copy). Floats move
+through `_float`'s accessors on raw bits.
 
 The kernel is bound by the instructions it issues, not by memory (Nsight Compute on
 the H200: 74% of the SMs' issue rate, 18% of DRAM bandwidth). So heads are 1-D views
 taken with unsigned indices (no per-access stride products, no wraparound code), a
 thread's head and the rope grid's divisions are 32-bit, sin and cos share one fp64
-range reduction, and bf16 rounds in one hardware instruction (`_float`). On the H200 at
-B = 1, S = 4680, 12 heads of 128 with staging this took a call from 75.6 to 64.9 us
-(all-heads norm: 89.8 to 68.6 us), against ~20 us for its bytes: what remains is the
-index and table work of one token per CTA (~700 instructions a warp).
+range reduction, and bf16 rounds in one hardware instruction (`_float`). And the kernel
+is compiled once per configuration (`_kernel`: head counts, D, norm and rope style, the
+rope grid, which lists are present, vector access), those values constants: the
+branches of the absent features fold away and the divisions by D and by the grid become
+multiplies (3,473 PTX instructions in one generic kernel, 1,199 in the Wan one). A model
+has one configuration, so it costs one compile. On the H200 at B = 1, S = 4680, 12
+heads of 128 with staging these steps, and V staged by its entry's K CTA, took a call
+from 75.6 to 35.6 us (all-heads norm: 89.8 to 38.9 us; in place 28.6 us;
+`python -m framekv.bench.glue_ops`), against 21.9 us for a `copy_` of its bytes: what
+remains is the index and table work of one token per CTA.
 
 One file: one op, as every op of this package is (kernel, torch reference, validating
 wrapper, custom op, bound launcher); its length is the kernel's five device functions
@@ -63,6 +70,7 @@ and the checks of thirteen arguments, the rope grid's six fields among them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import struct
 from typing import Optional
@@ -266,13 +274,12 @@ def _slots(j, D, half):
 
 
 @_device
-def _norm_rope(src, h0, nh, w, per_head, half, has_rope, eps, cos_t, sin_t, part, runs,
+def _norm_rope(src, h0, nh, D, w, per_head, half, has_rope, eps, cos_t, sin_t, part, runs,
                vec, out1, put1, out2, put2, o0):
     """RMS-norm and rotate head ``h0 + head`` of token row ``src`` [heads, D] (this
     thread's 8 values; the block covers heads h0 .. h0 + nh) into head ``o0 + head``
     of out1 / out2 (where put1 / put2). Every thread takes the group sum's barrier."""
     t = cuda.threadIdx.x
-    D = src.shape[1]
     tph = (D + _VALUES - 1) // _VALUES
     head = _lane_head(t, tph)
     j = t - head * tph
@@ -304,11 +311,10 @@ def _norm_rope(src, h0, nh, w, per_head, half, has_rope, eps, cos_t, sin_t, part
 
 
 @_device
-def _copy_v(src, h0, nh, v_pool, d1, d2, half, vec):
+def _copy_v(src, h0, nh, D, v_pool, d1, d2, half, vec):
     """Raw V heads h0 .. h0 + nh of one token row to slots d1 / d2 (skipped when
     negative); same lanes as the norm (8 values a thread)."""
     t = cuda.threadIdx.x
-    D = src.shape[1]
     tph = (D + _VALUES - 1) // _VALUES
     head = _lane_head(t, tph)
     if head >= nh:
@@ -336,15 +342,14 @@ def _entry(e, has_src_rows, has_dst2, dst, dst2, src_rows, rows):
     return r, d1, d2, r < 0 or r >= rows or (d1 < 0 and d2 < 0)
 
 
-@cuda.jit(**_KOPTS)
-def _qk_norm_rope_kernel(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2,
-                         src_rows, H, Hkv, per_head, half, has_rope, has_pools, has_dst2,
-                         has_src_rows, gh, gw, n_f, n_fh, offset, eps_bits, T, vec, inv_s,
-                         inv_t):
+@_device
+def _items(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2, src_rows, H, Hkv, D,
+           per_head, half, has_rope, has_pools, has_dst2, has_src_rows, gh, gw, n_f, n_fh,
+           offset, eps_bits, T, vec, inv_s, inv_t):
     # qkv: [B, S, H + 2 Hkv, D] float bits; q_w, k_w: [D] or [heads*D] float bits;
     # inv_freq: [D/2] fp64 bits; frame0: [B] int64; pools [slots, Hkv, D]; lists [E]
     # int64. Absent tensors are stand-ins the flags keep unread. Items: the B*S Q rows,
-    # then the K rows (pool entries, or tokens in place), then (pools) the V entries.
+    # then the K rows (pool entries, each also copying its raw V; or tokens in place).
     cos_t = cuda.shared.array(_MAX_PAIRS, float32)
     sin_t = cuda.shared.array(_MAX_PAIRS, float32)
     part = cuda.shared.array(HARD_MAX_THREADS, float32)
@@ -353,11 +358,10 @@ def _qk_norm_rope_kernel(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, d
     S = qkv.shape[1]
     n_q = qkv.shape[0] * S
     n_k = dst.shape[0] if has_pools else n_q
-    n_items = n_q + (2 * n_k if has_pools else n_k)
     item = cuda.blockIdx.x  # one CTA per item, no grid-stride loop (module doc: registers)
-    if item < n_items:
-        kind = 0 if item < n_q else (1 if item < n_q + n_k else 2)  # Q, K, V
-        r = item - n_q if kind == 1 else (item - n_q - n_k if kind == 2 else item)
+    if item < n_q + n_k:
+        kind = 0 if item < n_q else 1  # Q, K (and V)
+        r = item - n_q if kind == 1 else item
         d1 = -1
         d2 = -1
         if kind > 0 and has_pools:
@@ -370,24 +374,40 @@ def _qk_norm_rope_kernel(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, d
         b = quotient(r, inv_t if pooled else inv_s)  # r // L
         s = r - b * L
         row = qkv[uint64(b), uint64(s)]
-        if kind == 2:
-            _copy_v(row, H + Hkv, Hkv, v_pool, d1, d2, half, vec)
-            return
+        if pooled:  # V first: its stores drain while K is normed and rotated
+            _copy_v(row, H + Hkv, Hkv, D, v_pool, d1, d2, half, vec)
         if has_rope:  # made visible by the first barrier of the group sum
             _rope_table(cos_t, sin_t, inv_freq, frame0, b, s, offset, gh, gw, n_f, n_fh)
         if kind == 0:
-            _norm_rope(row, 0, H, q_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
+            _norm_rope(row, 0, H, D, q_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
                        runs, vec, row, True, row, False, 0)
         elif has_pools:
             k1, k2 = k_pool[uint64(max(d1, 0))], k_pool[uint64(max(d2, 0))]
-            _norm_rope(row, H, Hkv, k_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
-                       runs, vec, k1, d1 >= 0, k2, d2 >= 0, 0)
+            _norm_rope(row, H, Hkv, D, k_w, per_head, half, has_rope, eps, cos_t, sin_t,
+                       part, runs, vec, k1, d1 >= 0, k2, d2 >= 0, 0)
         else:
-            _norm_rope(row, H, Hkv, k_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
-                       runs, vec, row, True, row, False, H)
+            _norm_rope(row, H, Hkv, D, k_w, per_head, half, has_rope, eps, cos_t, sin_t,
+                       part, runs, vec, row, True, row, False, H)
 
 
-_KERNEL = Kernel(_qk_norm_rope_kernel)
+@functools.lru_cache(maxsize=None)
+def _kernel(config: tuple) -> Kernel:
+    """The kernel for one configuration ``(H, Hkv, D, per_head, half, has_rope,
+    has_pools, has_dst2, has_src_rows, gh, gw, n_f, n_fh, vec)``, compiled with those
+    as constants: the flags' branches fold away, and the divisions by D and the grid
+    become multiplies (module doc: the kernel is bound by the instructions it issues).
+    A model has one configuration; tests a few dozen."""
+    (H, Hkv, D, per_head, half, has_rope, has_pools, has_dst2, has_src_rows, gh, gw, n_f,
+     n_fh, vec) = config
+
+    @cuda.jit(**_KOPTS)
+    def _qk_norm_rope_kernel(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2,
+                             src_rows, offset, eps_bits, T, inv_s, inv_t):
+        _items(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2, src_rows, H, Hkv,
+               D, per_head, half, has_rope, has_pools, has_dst2, has_src_rows, gh, gw, n_f,
+               n_fh, offset, eps_bits, T, vec, inv_s, inv_t)
+
+    return Kernel(_qk_norm_rope_kernel)
 
 
 # --- torch reference ----------------------------------------------------------------------
@@ -614,15 +634,20 @@ def _array_args(q_weight, k_weight, rope, pools, lists, filler) -> list:
             array_arg(src_rows if src_rows is not None else dst)]
 
 
-def _flag_args(H, Hkv, norm, eps, rope, staging, lists) -> list:
-    """The kernel's integer arguments between the arrays and T."""
+def _config(H, Hkv, D, norm, rope, staging, lists) -> tuple:
+    """`_kernel`'s configuration but its last field (vec, settled per call)."""
     gh, gw = rope.grid if rope is not None else (1, 1)
     n_f, n_h, _ = rope.axes if rope is not None else (0, 0, 0)
+    return (int(H), int(Hkv), int(D), norm == "head",
+            rope is not None and rope.style == "half", rope is not None, bool(staging),
+            lists[1] is not None, lists[2] is not None, int(gh), int(gw), int(n_f),
+            int(n_f + n_h))
+
+
+def _scalar_args(eps, rope) -> list:
+    """The kernel's runtime integers between the arrays and T: token offset, eps bits."""
     eps_bits = struct.unpack("<q", struct.pack("<d", eps))[0]  # fp64 bits in an int64
-    values = (H, Hkv, norm == "head", rope is not None and rope.style == "half",
-              rope is not None, staging, lists[1] is not None, lists[2] is not None, gh, gw,
-              n_f, n_f + n_h, rope.token_offset if rope is not None else 0, eps_bits)
-    return [int_arg(int(v)) for v in values]
+    return [int_arg(int(rope.token_offset) if rope is not None else 0), int_arg(eps_bits)]
 
 
 def _block(H: int, Hkv: int, D: int) -> int:
@@ -635,15 +660,15 @@ def _fixed_vector(D: int, tensors) -> bool:
     return D % _VALUES == 0 and all(t is None or vector_aligned(t) for t in tensors)
 
 
-def _launch(qkv, arrays, flags, T: int, n_entries: int, block: int, vec: bool,
+def _launch(qkv, arrays, config, scalars, T: int, n_entries: int, block: int, vec: bool,
             staging: bool) -> None:
-    # Items: Q rows, K rows or entries, and (staging) V entries.
-    items = qkv.shape[0] * qkv.shape[1] + n_entries * (2 if staging else 1)
-    _KERNEL.launch(items, block,
-                   [array_arg(qkv), *arrays, *flags, int_arg(T),
-                    int_arg(int(vec and vector_aligned(qkv))),
-                    int_arg(reciprocal_bits(qkv.shape[1])), int_arg(reciprocal_bits(T))],
-                   qkv.device)
+    # Items: Q rows, then K rows or entries (an entry's CTA stages its V too).
+    items = qkv.shape[0] * qkv.shape[1] + n_entries
+    kernel = _kernel(config + (bool(vec and vector_aligned(qkv)),))
+    kernel.launch(items, block,
+                  [array_arg(qkv), *arrays, *scalars, int_arg(T),
+                   int_arg(reciprocal_bits(qkv.shape[1])), int_arg(reciprocal_bits(T))],
+                  qkv.device)
 
 
 def _run(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T) -> None:
@@ -662,8 +687,8 @@ def _run(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T) -> N
     n_entries = lists[0].shape[0] if staging else qkv.shape[0] * qkv.shape[1]
     D = qkv.shape[3]
     vec = _fixed_vector(D, (q_weight, k_weight, *(pools if staging else ())))
-    _launch(qkv, arrays, _flag_args(H, Hkv, norm, eps, rope, staging, lists), T, n_entries,
-            _block(H, Hkv, D), vec, staging)
+    _launch(qkv, arrays, _config(H, Hkv, D, norm, rope, staging, lists),
+            _scalar_args(eps, rope), T, n_entries, _block(H, Hkv, D), vec, staging)
 
 
 @torch.library.custom_op("framekv::qk_norm_rope_stage_",
@@ -776,7 +801,8 @@ class QKNormRopeStage:
         self._keep = (filler, stand)
         self._arrays = {dt: _array_args(q_weight, k_weight, rope, pools if staging else p,
                                         lists, filler) for dt, p in stand.items()}
-        self._flags = _flag_args(H, Hkv, norm, eps, rope, staging, lists)
+        self._config = _config(H, Hkv, self._geo[2], norm, rope, staging, lists)
+        self._scalars = _scalar_args(eps, rope)
         self._block = _block(H, Hkv, self._geo[2])
         self._vec = _fixed_vector(self._geo[2], (q_weight, k_weight,
                                                  *(pools if staging else ())))
@@ -799,8 +825,8 @@ class QKNormRopeStage:
         if qkv.numel() == 0:
             return
         n_entries = lists[0].shape[0] if self._staging else qkv.shape[0] * qkv.shape[1]
-        _launch(qkv, self._arrays[qkv.dtype], self._flags, T, n_entries, self._block,
-                self._vec, self._staging)
+        _launch(qkv, self._arrays[qkv.dtype], self._config, self._scalars, T, n_entries,
+                self._block, self._vec, self._staging)
 
 
 def bind_qk_norm_rope_stage(q_weight, k_weight, *, num_heads, num_kv_heads, norm="head",
