@@ -20,12 +20,19 @@ device drained around it):
     attention  4 * H * D * sum over blocks j of (queries_j * keys_j), keys_j the
                block's exact visible set at steady state (P + W + keys of the chunk up
                to block j); Wan adds 4 * H * D * S * L for its cross-attention
+
+The ceiling is a burst at the maximum SM clock; a chunk runs long enough to meet the
+board's power limit. So the timed chunks run beside a `clocks.ClockSampler`, and each
+record also gives the mean SM clock, draw and power-capped share, and the fraction of
+the roofline at that clock (the ceiling scaled by mean / maximum clock).
 """
 from __future__ import annotations
 
 import statistics
 
 import torch
+
+from .clocks import ClockSampler, device_id
 
 CATEGORIES = ("attention", "gemm", "framekv", "other")
 _ATTENTION = ("sdpa", "fmha", "flash", "attention", "attn")
@@ -95,15 +102,22 @@ def roofline(flops: dict, ceiling_tflops: float, chunk_us: float) -> dict:
     return {"roofline_us": ideal, "fraction": ideal / chunk_us}
 
 
-def summarise(profile: dict, flops: dict, ceiling_tflops: float, chunk_us: list[float]) -> dict:
-    """One breakdown record: category µs and shares, FLOPs, ceiling, chunk time, roofline."""
+def summarise(profile: dict, flops: dict, ceiling_tflops: float, chunk_us: list[float],
+              clocks: dict | None = None) -> dict:
+    """One breakdown record: category µs and shares, FLOPs, ceiling, chunk time, roofline;
+    with ``clocks`` (`clocks.summarise_samples` over the timed chunks) also the fraction
+    of the roofline at the sampled SM clock (the ceiling scaled by mean / max clock: the
+    matmul ceiling is a burst at the maximum clock)."""
     total = sum(profile["us"].values())
     median = statistics.median(chunk_us)
-    return {"kernel_us": profile["us"], "kernel_total_us": total,
-            "share": {k: v / total for k, v in profile["us"].items()},
-            "kernels": profile["kernels"], "top_other": profile["top_other"],
-            "flops": flops, "ceiling_tflops": ceiling_tflops, "chunk_us": median,
-            **roofline(flops, ceiling_tflops, median)}
+    out = {"kernel_us": profile["us"], "kernel_total_us": total,
+           "share": {k: v / total for k, v in profile["us"].items()},
+           "kernels": profile["kernels"], "top_other": profile["top_other"],
+           "flops": flops, "ceiling_tflops": ceiling_tflops, "chunk_us": median,
+           **roofline(flops, ceiling_tflops, median), "clocks": clocks}
+    if clocks:
+        out["fraction_at_clock"] = out["fraction"] * clocks["sm_mhz_max"] / clocks["sm_mhz_mean"]
+    return out
 
 
 def format_breakdown(name: str, r: dict) -> str:
@@ -112,7 +126,17 @@ def format_breakdown(name: str, r: dict) -> str:
             f"{r['kernels']} launches): attention {s['attention']:.1%}, GEMM {s['gemm']:.1%}, "
             f"framekv {s['framekv']:.1%}, other {s['other']:.1%}; roofline "
             f"{r['roofline_us'] / 1e3:.1f} ms at {r['ceiling_tflops']:.0f} TFLOP/s = "
-            f"{r['fraction']:.2f} of the chunk")
+            f"{r['fraction']:.2f} of the chunk{_format_clocks(r)}")
+
+
+def _format_clocks(r: dict) -> str:
+    c = r.get("clocks")
+    if not c:
+        return ""
+    return (f"; SMs at {c['sm_mhz_mean']:.0f} of {c['sm_mhz_max']:.0f} MHz, "
+            f"{c['power_w_mean']:.0f} of {c['power_limit_w']:.0f} W, power-capped "
+            f"{c['power_capped_share']:.0%} of samples: {r['fraction_at_clock']:.2f} of the "
+            f"roofline at that clock")
 
 
 def _linear_reference(m) -> int:
@@ -157,10 +181,11 @@ def measure_reference(preset: str = "wan-1.3b", *, window_frames: int = 21, chun
         prof = profile_kernels(eager.step)
         eager.close()
         graphs = Rollout(pair, "cuda", model=model, glue=glue)
-        times, _, _ = time_rollout(graphs, chunks)
+        with ClockSampler(device_id(torch.cuda.current_device())) as clocks:
+            times, _, _ = time_rollout(graphs, chunks)
         graphs.close()
         out.append({"model": f"reference {preset}, {glue} glue", "window_frames": r.window_frames,
-                    **summarise(prof, flops, ceiling, times)})
+                    **summarise(prof, flops, ceiling, times, clocks.summary())})
     return out
 
 
@@ -204,8 +229,10 @@ def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk
         r = WanRollout(model, glue=glue, **kw)
         r.set_prompt(text)
         r.capture()
-        times, _ = _timed(r.step, noises, fill, r.device)
+        with ClockSampler(device_id(torch.cuda.current_device())) as clocks:
+            times, _ = _timed(r.step, noises, fill, r.device)
         r.close()
         out.append({"model": f"diffusers Wan {config} (WanRollout), {glue} glue",
-                    "window_frames": window_frames, **summarise(prof, flops, ceiling, times)})
+                    "window_frames": window_frames,
+                    **summarise(prof, flops, ceiling, times, clocks.summary())})
     return out

@@ -19,7 +19,8 @@ Sections (``--sections``, default all):
                 as one batched rollout against B one-stream rollouts in turn, and
                 B = 1, 2 at wan-1.3b (`framekv.bench.streams`)
     breakdown   one chunk's kernel time by category (attention, GEMM, framekv, other)
-                and its fraction of its roofline, for the ``--e2e-preset`` model and
+                and its fraction of its roofline (at the burst ceiling and at the SM
+                clock sampled while the chunks ran), for the ``--e2e-preset`` model and
                 `WanRollout` at the Wan 1.3B config (21-frame windows), and one block's
                 glue as torch ops, under torch.compile (inductor) and through framekv's
                 fused ops (`framekv.bench.breakdown`, `framekv.bench.glue`)
