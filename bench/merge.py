@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from framekv.bench.timing import captured_graph
+from framekv.bench.timing import captured_graph, check_bf16_close
 from framekv.ops import bind_merge_split_kv, merge_split_kv_reference
 
 T, H, D = 1576, 32, 128
@@ -75,11 +75,7 @@ def naive_merge(a: dict):
 def check(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
     """Max abs error; stop unless within two bf16 units in the last place."""
     torch.cuda.synchronize()
-    err = (got.float() - want.float()).abs()
-    if not torch.all(err <= want.float().abs() * 2 ** -7 + 1e-5):
-        raise SystemExit(f"{name}: result differs from the torch reference "
-                         f"(max abs error {err.max().item():.3e})")
-    return err.max().item()
+    return check_bf16_close(name, got, want, atol=1e-5)
 
 
 def variants(a: dict) -> tuple[dict, dict]:

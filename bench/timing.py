@@ -26,6 +26,17 @@ def summary(samples: list[float]) -> dict[str, float]:
             "min": ts[0], "n": n}
 
 
+def check_bf16_close(name: str, got: torch.Tensor, want: torch.Tensor,
+                     atol: float) -> float:
+    """Max abs error of ``got`` against a torch reference; stop the bench unless every
+    value is within two bf16 units in the last place (relative) plus ``atol``."""
+    err = (got.float() - want.float()).abs()
+    if not torch.all(err <= want.float().abs() * 2 ** -7 + atol):
+        raise SystemExit(f"{name}: result differs from the torch reference "
+                         f"(max abs error {err.max().item():.3e})")
+    return err.max().item()
+
+
 def captured_graph(fn: Callable[[], object], launches: int = 1) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``launches`` calls of ``fn``, warmed up on a side stream first
     (lazy initialisation, kernel loading and cuDNN plans stay out of the capture)."""

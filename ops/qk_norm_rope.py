@@ -660,8 +660,8 @@ def _fixed_vector(D: int, tensors) -> bool:
     return D % _VALUES == 0 and all(t is None or vector_aligned(t) for t in tensors)
 
 
-def _launch(qkv, arrays, config, scalars, T: int, n_entries: int, block: int, vec: bool,
-            staging: bool) -> None:
+def _launch(qkv, arrays, config, scalars, T: int, n_entries: int, block: int,
+            vec: bool) -> None:
     # Items: Q rows, then K rows or entries (an entry's CTA stages its V too).
     items = qkv.shape[0] * qkv.shape[1] + n_entries
     kernel = _kernel(config + (bool(vec and vector_aligned(qkv)),))
@@ -688,7 +688,7 @@ def _run(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T) -> N
     D = qkv.shape[3]
     vec = _fixed_vector(D, (q_weight, k_weight, *(pools if staging else ())))
     _launch(qkv, arrays, _config(H, Hkv, D, norm, rope, staging, lists),
-            _scalar_args(eps, rope), T, n_entries, _block(H, Hkv, D), vec, staging)
+            _scalar_args(eps, rope), T, n_entries, _block(H, Hkv, D), vec)
 
 
 @torch.library.custom_op("framekv::qk_norm_rope_stage_",
@@ -826,7 +826,7 @@ class QKNormRopeStage:
             return
         n_entries = lists[0].shape[0] if self._staging else qkv.shape[0] * qkv.shape[1]
         _launch(qkv, self._arrays[qkv.dtype], self._config, self._scalars, T, n_entries,
-                self._block, self._vec, self._staging)
+                self._block, self._vec)
 
 
 def bind_qk_norm_rope_stage(q_weight, k_weight, *, num_heads, num_kv_heads, norm="head",
