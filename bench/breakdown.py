@@ -21,6 +21,9 @@ device drained around it):
                block's exact visible set at steady state (P + W + keys of the chunk up
                to block j); Wan adds 4 * H * D * S * L for its cross-attention
 
+less what a clean pass kept for its K/V only does not run (`clean_tail_flops`: its last
+layer after the QKV): the roofline counts the work the chunk needs.
+
 The ceiling is a burst at the maximum SM clock; a chunk runs long enough to meet the
 board's power limit. So the timed chunks run beside a `clocks.ClockSampler`, and each
 record also gives the mean SM clock, draw and power-capped share, and the fraction of
@@ -96,6 +99,23 @@ def chunk_flops(*, layers: int, heads: int, head_dim: int, pin: int, window: int
     return {"gemm": gemm, "attention": attn}
 
 
+def without(flops: dict, skipped: dict) -> dict:
+    """``flops`` less the work a chunk skips (per category)."""
+    return {k: v - skipped.get(k, 0) for k, v in flops.items()}
+
+
+def clean_tail_flops(*, heads: int, head_dim: int, pin: int, window: int, tokens: int,
+                     block: int, tail_per_token: int, cross_keys: int = 0) -> dict:
+    """FLOPs a clean pass kept for its K/V only skips (``trim_clean_pass``): its last
+    layer's self-attention (blocks of ``block``) and cross-attention, and the
+    projections after that layer's QKV (``tail_per_token``: their sum(in * out) per
+    token, the head's included where it is skipped too)."""
+    attn = attention_flops(heads=heads, head_dim=head_dim, pin=pin, window=window,
+                           tokens=tokens, block=block)
+    return {"gemm": 2 * tokens * tail_per_token,
+            "attention": attn + 4 * heads * head_dim * tokens * cross_keys}
+
+
 def roofline(flops: dict, ceiling_tflops: float, chunk_us: float) -> dict:
     """The chunk's roofline time (µs) and its fraction of it."""
     ideal = (flops["gemm"] + flops["attention"]) / (ceiling_tflops * 1e6)
@@ -146,16 +166,22 @@ def _linear_reference(m) -> int:
     return m.num_layers * per_layer + 2 * m.patch_dim * hid
 
 
-def reference_chunk_flops(pair) -> dict:
+def reference_chunk_flops(pair, *, trimmed: bool = True) -> dict:
     """`chunk_flops` of one stream's chunk of the reference model, (model, rollout) spec
     pair, at steady state: the denoising forwards over the whole chunk, the clean pass in
-    one-frame blocks."""
+    one-frame blocks; ``trimmed``: less what a K/V-only clean pass skips (its last
+    block after the QKV, and the head)."""
     m, r = pair
     T, tpf = r.frames_per_chunk * r.tokens_per_frame, r.tokens_per_frame
-    return chunk_flops(layers=m.num_layers, heads=m.num_heads, head_dim=m.head_dim,
-                       pin=r.prompt_tokens, window=r.window_frames * tpf, tokens=T,
-                       blocks=[T] * r.denoising_steps + [tpf],
-                       linear_per_token=_linear_reference(m))
+    geo = dict(heads=m.num_heads, head_dim=m.head_dim, pin=r.prompt_tokens,
+               window=r.window_frames * tpf, tokens=T)
+    flops = chunk_flops(layers=m.num_layers, **geo, blocks=[T] * r.denoising_steps + [tpf],
+                        linear_per_token=_linear_reference(m))
+    if not trimmed:
+        return flops
+    hid = m.hidden_size
+    tail = m.num_heads * m.head_dim * hid + 2 * hid * m.ffn_size + m.patch_dim * hid
+    return without(flops, clean_tail_flops(**geo, block=tpf, tail_per_token=tail))
 
 
 def measure_reference(preset: str = "wan-1.3b", *, window_frames: int = 21, chunks: int = 5,
@@ -189,6 +215,37 @@ def measure_reference(preset: str = "wan-1.3b", *, window_frames: int = 21, chun
     return out
 
 
+def wan_chunk(config: str, *, latent_size, frames_per_chunk: int, sink_frames: int,
+              window_frames: int):
+    """What a Wan measurement runs on: (a random ``WanTransformer3DModel`` on CUDA, the
+    `WanRollout` geometry keywords, a 512-token prompt, the generator that drew it,
+    for the noise that follows)."""
+    from framekv.engine.wan import build_model
+
+    model = build_model(config, device="cuda")
+    kw = dict(latent_size=tuple(latent_size), frames_per_chunk=frames_per_chunk,
+              sink_frames=sink_frames, window_frames=window_frames)
+    gen = torch.Generator().manual_seed(0)
+    return model, kw, torch.randn(1, 512, model.config.text_dim, generator=gen), gen
+
+
+def wan_chunk_flops(model, kw: dict, text_tokens: int) -> tuple[dict, dict]:
+    """(`chunk_flops` of one `WanRollout` chunk at steady state: 4 steps and a one-block
+    clean pass, the defaults; the `clean_tail_flops` its fused glue's clean pass skips:
+    its last block after the QKV, not the head)."""
+    from framekv.engine.wan import WanShape
+
+    s = WanShape.of(model, kw["latent_size"], kw["frames_per_chunk"], kw["sink_frames"],
+                    kw["window_frames"])
+    hid, tpf, T, ffn = s.heads * s.head_dim, s.tokens_per_frame, s.chunk_tokens, model.config.ffn_dim
+    geo = dict(heads=s.heads, head_dim=s.head_dim, pin=kw["sink_frames"] * tpf,
+               window=kw["window_frames"] * tpf, tokens=T, cross_keys=text_tokens)
+    flops = chunk_flops(layers=s.num_layers, **geo, blocks=[T] * 5,
+                        linear_per_token=s.num_layers * (6 * hid * hid + 2 * hid * ffn)
+                        + 2 * model.config.in_channels * 4 * hid)
+    return flops, clean_tail_flops(**geo, block=T, tail_per_token=3 * hid * hid + 2 * hid * ffn)
+
+
 def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk: int = 3,
                 sink_frames: int = 1, window_frames: int = 21, chunks: int = 5,
                 ceiling: float | None = None, glues=("torch", "fused"),
@@ -196,27 +253,17 @@ def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk
     """The breakdown of one chunk of `WanRollout` over diffusers' Wan, one record per
     glue (one model for all; module doc)."""
     from framekv.engine import WanRollout
-    from framekv.engine.wan import WanShape, build_model
 
     from .timing import matmul_ceiling
     from .wan import _timed
 
-    model = build_model(config, device="cuda")
-    cfg = model.config
-    kw = dict(latent_size=tuple(latent_size), frames_per_chunk=frames_per_chunk,
-              sink_frames=sink_frames, window_frames=window_frames)
-    gen = torch.Generator().manual_seed(0)
-    text = torch.randn(1, 512, cfg.text_dim, generator=gen)
-    C, (H, W) = cfg.in_channels, latent_size
+    model, kw, text, gen = wan_chunk(config, latent_size=latent_size,
+                                     frames_per_chunk=frames_per_chunk,
+                                     sink_frames=sink_frames, window_frames=window_frames)
+    C, (H, W) = model.config.in_channels, latent_size
     fill = -(-(sink_frames + window_frames) // frames_per_chunk) + 1
     noises = [torch.randn(1, C, frames_per_chunk, H, W, generator=gen) for _ in range(fill + chunks)]
-    s = WanShape.of(model, latent_size, frames_per_chunk, sink_frames, window_frames)
-    hid, tpf, T = s.heads * s.head_dim, s.tokens_per_frame, s.chunk_tokens
-    flops = chunk_flops(layers=s.num_layers, heads=s.heads, head_dim=s.head_dim,
-                        pin=sink_frames * tpf, window=window_frames * tpf, tokens=T,
-                        blocks=[T] * 5,  # 4 steps and a one-block clean pass (the defaults)
-                        linear_per_token=s.num_layers * (6 * hid * hid + 2 * hid * cfg.ffn_dim)
-                        + 2 * C * 4 * hid, cross_keys=text.shape[1])
+    flops, tail = wan_chunk_flops(model, kw, text.shape[1])
     ceiling = ceiling or matmul_ceiling()
     out = []
     for glue in glues:
@@ -234,5 +281,6 @@ def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk
         r.close()
         out.append({"model": f"diffusers Wan {config} (WanRollout), {glue} glue",
                     "window_frames": window_frames,
-                    **summarise(prof, flops, ceiling, times, clocks.summary())})
+                    **summarise(prof, without(flops, tail) if glue == "fused" else flops,
+                                ceiling, times, clocks.summary())})
     return out

@@ -348,7 +348,8 @@ class DenseRollout(Rollout):
         kv = DenseRollingKV(r.geometry(), num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                             head_dim=m.head_dim, dtype=model_dtype(m, dev), device=dev,
                             backend=sdpa)
-        # The baseline's glue is torch ops, as Self-Forcing-style code runs it.
+        # The baseline's glue is torch ops and its clean pass runs every layer, as
+        # Self-Forcing-style code runs them.
         super().__init__(preset, dev, backend="reference", use_graphs=use_graphs, debug=debug,
-                         model=model, kv=kv, glue="torch")
+                         model=model, kv=kv, glue="torch", trim_clean_pass=False)
         self.backend = f"sdpa-{kv.kernel}"

@@ -55,8 +55,9 @@ def _rollout(variant: str, model, kw: dict):
                            num_kv_heads=shape.heads, head_dim=shape.head_dim,
                            dtype=model.patch_embedding.weight.dtype, device=device,
                            backend="cudnn" if device.type == "cuda" else "math")
-    # The baseline's glue is the stock blocks' torch ops, as Self-Forcing runs it.
-    return WanRollout(model, use_graphs=graphs, kv=dense, glue="torch", **kw)
+    # The baseline's glue is the stock blocks' torch ops and its clean pass runs every
+    # layer, as Self-Forcing runs them.
+    return WanRollout(model, use_graphs=graphs, kv=dense, glue="torch", trim_clean_pass=False, **kw)
 
 
 def _timed(step, noises, fill: int, device) -> tuple[list[float], list[torch.Tensor]]:

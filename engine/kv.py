@@ -19,6 +19,11 @@ the fused `framekv.ops.qk_norm_rope_stage_` bound to the layer's weights and the
 forward's rope; the store runs it as its staging (Q normed and rotated in place, K/V
 written straight to the cache: no separate scatter). Other stores get qkv ready.
 
+A store with ``stages_without_output`` also takes ``attend(attn, qkv, prologue,
+output=False)``: the layer's K/V staged, its attention skipped, None returned. A clean
+pass keeps only K/V, so its last layer's attention feeds nothing; the model asks for
+that there (other stores attend and the model drops the output).
+
 Stores: `PagedKV` (framekv's paged `CausalKVCache`), `ReferenceKV` (the fp32
 `ExactWindowReference`, the oracle; not capturable), `UlyssesKV`
 (`framekv.engine.attention.ulysses`: a paged cache per rank, heads exchanged), and
@@ -52,6 +57,7 @@ class KVStore(abc.ABC):
 
     graph_safe: bool = True
     stages_prologue: bool = False
+    stages_without_output: bool = False
     geometry: Geometry
 
     @abc.abstractmethod
@@ -133,6 +139,7 @@ class PagedKV(KVStore):
     """
 
     stages_prologue = True
+    stages_without_output = True
 
     def __init__(self, cache: CausalKVCache, geometry: Geometry):
         self.cache, self.geometry = cache, geometry
@@ -169,7 +176,7 @@ class PagedKV(KVStore):
     def forward(self, seq_len: int, block_size: int) -> AttendFn:
         cache, plans = self.cache, {}
 
-        def attend(attn, qkv, prologue=None):
+        def attend(attn, qkv, prologue=None, output=True):
             B = qkv.shape[0]
             ids = self._ids_of(B)
             self._forward_batch = B
@@ -179,7 +186,7 @@ class PagedKV(KVStore):
                 plan = plans[id(attn.backend)] = attn.plan_for(cache, seq_len, block_size, B)
                 plan.prepare(ids)
             return attn(qkv, kv_cache=cache, seq_len=seq_len, causal_block_size=block_size,
-                        plan=plan, prologue=prologue)
+                        plan=plan, prologue=prologue, output=output)
         return attend
 
     def prompt_forward(self, prompt_tokens: int, *, rewrite: bool = False) -> AttendFn:

@@ -2,7 +2,8 @@
 
 Each chunk is ``denoising_steps`` forwards of a flow-matching Euler sampler (timesteps
 ``linspace(1, 0)``, ``x <- x + (t_next - t) * v``, the whole chunk one causal block),
-then the clean pass at t = 0 with one-frame causal blocks (its K/V become history),
+then the clean pass at t = 0 with one-frame causal blocks (its K/V become history;
+nothing reads its output, so by default its last block stops once its K/V are staged),
 then ``commit(chunk_tokens)``. All of that is one callable over static inputs (the
 chunk's noise and its first frame index), so on a GPU a steady-state chunk is ONE
 `GraphCache` replay; the K/V store's host half advances in the replay hook.
@@ -113,6 +114,10 @@ class Rollout:
         glue: the model's glue for this rollout's forwards (`CausalVideoDiT.glue`):
             "fused" (framekv's ops, default: the same math, 1.22x faster a wan-1.3b
             chunk on the H200, docs/benchmarks.md) or "torch" (torch ops).
+        trim_clean_pass: True (default): the clean pass is kept for its K/V only, so
+            its last block stops once they are staged (no attention, projection, MLP
+            or head there); False: every layer runs, as stock rollouts do. The
+            latents are the same.
 
     Usage::
 
@@ -124,10 +129,13 @@ class Rollout:
     def __init__(self, preset="tiny", device=None, *, backend=None, use_graphs: bool = True,
                  debug: bool = False, model: CausalVideoDiT | None = None,
                  process_group=None, resident: bool = False, kv="paged", cache_dir=None,
-                 sequences: int | None = None, batch_sizes=None, glue: str = "fused"):
+                 sequences: int | None = None, batch_sizes=None, glue: str = "fused",
+                 trim_clean_pass: bool = True):
         if glue not in ("fused", "torch"):
             raise ValueError(f"glue must be 'fused' or 'torch', got {glue!r}")
-        self.glue = glue
+        if not isinstance(trim_clean_pass, bool):
+            raise ValueError(f"trim_clean_pass must be True or False, got {trim_clean_pass!r}")
+        self.glue, self.trim_clean_pass = glue, trim_clean_pass
         if resident and not use_graphs:
             raise ValueError("resident=True runs captured graphs: it needs use_graphs=True, "
                              "got use_graphs=False")
@@ -246,7 +254,7 @@ class Rollout:
                            causal_block_size=T)
             x = x + dt * v.float()
         self.model(x, self._zero_t, frame0, kv=self.kv, seq_len=T,
-                   causal_block_size=self.spec.tokens_per_frame)
+                   causal_block_size=self.spec.tokens_per_frame, output=not self.trim_clean_pass)
         self.kv.commit(T)
         return x
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from framekv.bench.breakdown import (CATEGORIES, attention_flops, category, chunk_flops,
-                                     roofline, summarise)
+                                     reference_chunk_flops, roofline, summarise)
 
 
 @pytest.mark.parametrize("name, want", [
@@ -53,6 +53,57 @@ def test_chunk_flops_and_roofline():
                    "kernels": 9, "top_other": []}, {"gemm": 4e12, "attention": 6e12}, 500.0,
                   [40_000.0, 39_000.0, 41_000.0])
     assert s["share"]["gemm"] == pytest.approx(0.5) and s["chunk_us"] == 40_000.0
+
+
+def test_the_skipped_gemms_are_what_a_trimmed_clean_pass_does_not_run():
+    """`reference_chunk_flops` less its trimmed count is the GEMM work torch's FLOP
+    counter sees disappear from a steady-state chunk when the clean pass is trimmed."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from framekv.engine.rollout import Rollout
+
+    gemm = {}
+    for trim in (True, False):
+        r = Rollout("tiny", use_graphs=False, trim_clean_pass=trim)
+        r.prefill()
+        for _ in range(r.spec.window_frames // r.spec.frames_per_chunk + 1):
+            r.step()
+        with FlopCounterMode(display=False) as counter:
+            r.step()
+        gemm[trim] = counter.get_flop_counts()["Global"][torch.ops.aten.addmm]
+    pair = (r.model_spec, r.spec)
+    whole, trimmed = reference_chunk_flops(pair, trimmed=False), reference_chunk_flops(pair)
+    assert gemm[False] - gemm[True] == whole["gemm"] - trimmed["gemm"] > 0
+    assert whole["attention"] > trimmed["attention"]
+
+
+def test_the_wan_tail_is_what_its_trimmed_clean_pass_does_not_run():
+    """`wan_chunk_flops`' clean tail is the GEMM work torch's FLOP counter sees
+    disappear from a `WanRollout` chunk (fused glue) when its clean pass is trimmed."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from framekv.bench.breakdown import wan_chunk_flops
+    from framekv.engine import WanRollout
+    from framekv.engine.wan import CONFIGS, build_model
+
+    m = build_model("tiny", seed=0)
+    kw = dict(latent_size=(4, 4), frames_per_chunk=2, sink_frames=1, window_frames=2)
+    text = torch.randn(1, 7, CONFIGS["tiny"]["text_dim"], generator=torch.Generator().manual_seed(9))
+    gemm = {}
+    for trim in (True, False):
+        r = WanRollout(m, use_graphs=False, trim_clean_pass=trim, **kw)
+        r.set_prompt(text)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            r.step(torch.randn(1, 4, 2, 4, 4, generator=gen))
+        with FlopCounterMode(display=False) as counter:
+            r.step(torch.randn(1, 4, 2, 4, 4, generator=gen))
+        gemm[trim] = counter.get_flop_counts()["Global"][torch.ops.aten.addmm]
+    flops, tail = wan_chunk_flops(m, kw, text.shape[1])
+    assert gemm[False] - gemm[True] == tail["gemm"] > 0
+    assert 0 < tail["attention"] < flops["attention"]
 
 
 def test_the_glue_benchmark_compares_the_same_work():

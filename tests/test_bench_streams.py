@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from framekv import specs
-from framekv.bench.breakdown import chunk_flops, reference_chunk_flops
+from framekv.bench.breakdown import attention_flops, chunk_flops, reference_chunk_flops
 from framekv.bench.streams import format_streams, judge
 
 
@@ -50,4 +50,11 @@ def test_reference_chunk_flops_counts_the_small_stream_chunk():
                        pin=r.prompt_tokens, window=r.window_frames * tpf, tokens=T,
                        blocks=[T] * r.denoising_steps + [tpf],
                        linear_per_token=m.num_layers * per_layer + 2 * m.patch_dim * m.hidden_size)
-    assert got == want and got["gemm"] > 0 and got["attention"] > 0
+    assert reference_chunk_flops((m, r), trimmed=False) == want
+    # The K/V-only clean pass skips its last layer's attention and what follows its QKV.
+    one = attention_flops(heads=m.num_heads, head_dim=m.head_dim, pin=r.prompt_tokens,
+                          window=r.window_frames * tpf, tokens=T, block=tpf)
+    tail = per_layer - m.hidden_size * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+    assert got["attention"] == want["attention"] - one
+    assert got["gemm"] == want["gemm"] - 2 * T * (tail + m.patch_dim * m.hidden_size)
+    assert got["gemm"] > 0 and got["attention"] > 0

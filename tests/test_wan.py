@@ -32,7 +32,7 @@ def run_pair(m, *, sink, window, frames, clean_block="chunk", chunks=6, oracle_k
     r = WanRollout(m, **{**kw, **(rollout_kw or {})})
     r.set_prompt(TEXT)
     seen = []
-    r.recorder = lambda label, v: seen.append((label, v.float()))
+    r.recorder = lambda label, v: seen.append((label, None if v is None else v.float()))
     gen, worst = torch.Generator().manual_seed(1), 0.0
     for _ in range(chunks):
         noise = torch.randn(1, 4, frames, 4, 4, generator=gen)

@@ -66,8 +66,8 @@ class CachedAttention(torch.nn.Module):
 
     def forward(self, q, k=None, v=None, *, kv_cache=None, seq_len=None,
                 causal_block_size=None, plan: AttentionPlan | None = None, sequences=None,
-                prologue=None, **unsupported):
-        """Attention output [B, S, H, D].
+                prologue=None, output: bool = True, **unsupported):
+        """Attention output [B, S, H, D] (None with ``output=False``).
 
         Args:
             q: [B, S, H, D], or packed [B, S, H + 2*H_kv, D] with k = v = None; B > 1
@@ -91,6 +91,9 @@ class CachedAttention(torch.nn.Module):
                 layer's weights and rope bound). With a cache it is the staging (Q
                 normed and rotated in place, K/V straight into the cache's slots);
                 without one it runs in place first.
+            output: False (with a cache only): stage the K/V (and run the prologue)
+                and skip the attention; returns None. For a layer whose output nobody
+                reads: the last layer of a clean pass.
         Raises:
             ValueError: masks or other unsupported arguments, bad shapes or dtypes,
                 a cache on a backend without cache support, seq_len missing.
@@ -105,6 +108,8 @@ class CachedAttention(torch.nn.Module):
         if kv_cache is None:
             if seq_len is not None or causal_block_size is not None or sequences is not None:
                 raise ValueError("seq_len, causal_block_size and sequences need a kv_cache")
+            if not output:
+                raise ValueError("output=False needs a kv_cache: without one nothing is staged")
             if q.shape[0] != 1:
                 raise ValueError(f"q must have batch 1 without a kv_cache, got {q.shape[0]}")
             if prologue is not None:
@@ -121,6 +126,8 @@ class CachedAttention(torch.nn.Module):
         with torch.no_grad():
             kv_cache.write_staged(self.layer_idx, k[:, :T], v[:, :T], b, batch=plan.selected,
                                   stage=stage)
+            if not output:
+                return None
             out = torch.empty_like(q)  # [B, S, H, D]
             out[:, T:].zero_()  # padding rows come back zero
             whole = B == 1 or S == T  # out[:, :T] is then one [B * T] row list

@@ -174,28 +174,43 @@ class DiTBlock(torch.nn.Module):
         """x [B, S, hidden]; time_mod [B, 6, 1, hidden]; rope (cos, sin), a `RopeGrid`
         (fused) or None. ``fused``: the glue through framekv's ops (module doc; x is
         then updated in place); ``attend(attn, qkv, prologue)`` takes the QK prologue."""
-        mods = (time_mod + self.modulation[:, None]).unbind(1)             # [B, 1, hidden] each
-        if fused:
-            return self._fused(x, mods, rope, attend)
+        mods = self._mods(x, time_mod, fused)
+        qkv, prologue = self._attention_input(x, mods, rope, fused)
+        out = attend(self.attn, qkv, prologue)                             # [B, S, H, D]
         shift1, scale1, gate1, shift2, scale2, gate2 = mods
-        packed = self.qkv_packed(modulate(x, shift1, scale1), rope)
-        out = attend(self.attn, packed)                                    # [B, S, H, D]
+        if fused:
+            h = ops.adaln_(x, residual=self.proj(out.flatten(2)), gate=gate1, shift=shift2,
+                           scale=scale2, eps=1e-6)                         # x += gate1 * proj
+            ops.gated_residual_(x, self.fc2(linear_gelu(self.fc1, h)), gate2)
+            return x
         x = x + gate1 * self.proj(out.flatten(2))
         h = modulate(x, shift2, scale2)
         return x + gate2 * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
 
-    def _fused(self, x, mods, rope, attend: AttendFn) -> torch.Tensor:
+    def stage_kv(self, x: torch.Tensor, time_mod: torch.Tensor, rope, attend: AttendFn,
+                 fused: bool = False) -> None:
+        """Only this block's K/V: its packed QKV handed to ``attend(..., output=False)``
+        and nothing after it (the last block of a forward kept for its K/V alone, a
+        clean pass: its attention, projection and MLP feed nothing). x is unchanged."""
+        qkv, prologue = self._attention_input(x, self._mods(x, time_mod, fused), rope, fused)
+        attend(self.attn, qkv, prologue, output=False)
+
+    def _mods(self, x, time_mod, fused: bool) -> list[torch.Tensor]:
+        """shift, scale, gate of the attention, then of the MLP: [B, 1, hidden] each."""
+        mods = (time_mod + self.modulation[:, None]).unbind(1)
         # A prompt forward of several sequences has one time row: broadcast it (views).
-        mods = [m.expand(x.shape[0], -1, -1) for m in mods]              # [B, 1, hidden]
-        shift1, scale1, gate1, shift2, scale2, gate2 = mods
+        return [m.expand(x.shape[0], -1, -1) for m in mods] if fused else list(mods)
+
+    def _attention_input(self, x, mods, rope, fused: bool):
+        """(packed QKV [B, S, H + 2*H_kv, D], its QK prologue or None): torch glue
+        returns q and k normed and rotated; fused glue returns them as projected with
+        `qk_norm_rope_stage_` bound as the prologue."""
         H, Hkv, D = self.heads
-        h = ops.adaln_(x, shift=shift1, scale=scale1, eps=1e-6)            # [B, S, hidden]
+        if not fused:
+            return self.qkv_packed(modulate(x, mods[0], mods[1]), rope), None
+        h = ops.adaln_(x, shift=mods[0], scale=mods[1], eps=1e-6)         # [B, S, hidden]
         qkv = self.qkv(h).unflatten(-1, (H + 2 * Hkv, D))                 # [B, S, H+2Hkv, D]
         prologue = functools.partial(
             ops.qk_norm_rope_stage_, q_weight=self.q_norm.weight, k_weight=self.k_norm.weight,
             num_heads=H, num_kv_heads=Hkv, norm="head", eps=self.q_norm.eps, rope=rope)
-        out = attend(self.attn, qkv, prologue)                             # [B, S, H, D]
-        h = ops.adaln_(x, residual=self.proj(out.flatten(2)), gate=gate1, shift=shift2,
-                       scale=scale2, eps=1e-6)                             # x += gate1 * proj
-        ops.gated_residual_(x, self.fc2(linear_gelu(self.fc1, h)), gate2)
-        return x
+        return qkv, prologue

@@ -134,7 +134,7 @@ class CausalVideoDiT(torch.nn.Module):
 
     def forward(self, latents: torch.Tensor, t: torch.Tensor, frame0: torch.Tensor, *,
                 kv: KVStore | None = None, seq_len: int | None = None,
-                causal_block_size: int | None = None) -> torch.Tensor:
+                causal_block_size: int | None = None, output: bool = True) -> torch.Tensor | None:
         """The velocity of a chunk's latents.
 
         Args:
@@ -147,9 +147,16 @@ class CausalVideoDiT(torch.nn.Module):
                 attention over the call's own tokens.
             seq_len, causal_block_size: real tokens and block size of the forward
                 (default: all tokens, one block).
+            output: False (with ``kv``): the forward is kept only for the K/V it stages
+                (a clean pass). The last block stops once its K/V are staged (its
+                attention, projection and MLP feed nothing), the head does not run,
+                and None is returned.
         Returns:
-            velocity in the shape of ``latents``, in the model dtype.
+            velocity in the shape of ``latents``, in the model dtype; None with
+            ``output=False``.
         """
+        if not output and kv is None:
+            raise ValueError("output=False needs kv: without a store the forward keeps nothing")
         lat = latents if latents.dim() == 5 else latents[None]             # [B, F, C, H, W]
         B, frames = lat.shape[:2]
         x = self.patch_embed(patchify(lat.flatten(0, 1), self.spec.patch_size).to(self.dtype))
@@ -164,7 +171,10 @@ class CausalVideoDiT(torch.nn.Module):
         else:                                                              # [B, S(_l), ...]
             x = kv.shard(x)
             x = self._blocks(x, mod, rope, kv.forward(seq_len, b), seq_len, b,
-                             stages=kv.stages_prologue)
+                             stages=kv.stages_prologue, skips=kv.stages_without_output,
+                             output=output)
+        if not output:
+            return None
         shift, scale = (self.head_modulation + e[:, None]).unbind(1)      # [B, hidden] each
         y = self.head(modulate(x, shift[:, None], scale[:, None]))        # [B, S(_l), patch_dim]
         if kv is not None:
@@ -192,7 +202,7 @@ class CausalVideoDiT(torch.nn.Module):
         x = self.text_embed(prompt.to(self.device, self.dtype))[None]      # [1, P, hidden]
         x = kv.shard(x)                                                    # [1, P(_l), hidden]
         _, mod = self.time_conditioning(torch.zeros(1, device=self.device))
-        self._blocks(x, mod, None, attend, P, P)
+        self._blocks(x, mod, None, attend, P, P, output=False)  # only its K/V are kept
         kv.rewrite_prompt() if rewrite else kv.commit_prompt()
 
     def _rope(self, frame0: torch.Tensor, frames: int, B: int, kv: KVStore | None):
@@ -206,29 +216,39 @@ class CausalVideoDiT(torch.nn.Module):
         return rope if kv is None else tuple(kv.shard(c) for c in rope)
 
     def _blocks(self, x, mod, rope, attend: AttendFn, seq_len: int, b: int, *,
-                stages: bool = False) -> torch.Tensor:
+                stages: bool = False, skips: bool = False, output: bool = True) -> torch.Tensor:
+        """The blocks over x; without ``output`` the last one only stages its K/V."""
         fused = self.glue == "fused"
-        attend = self._attending(attend, seq_len, b, stages)
-        for blk in self.blocks:
+        attend = self._attending(attend, seq_len, b, stages, skips)
+        *body, last = self.blocks
+        for blk in body:
             x = blk(x, mod, rope, attend, fused)
-        return x
+        if not output:
+            last.stage_kv(x, mod, rope, attend, fused)
+            return x
+        return last(x, mod, rope, attend, fused)
 
-    def _attending(self, attend: AttendFn, seq_len: int, b: int, stages: bool) -> AttendFn:
-        """The blocks' ``attend(attn, qkv, prologue=None)``: the QK prologue goes to a
-        store that ``stages`` it, or runs in place first (and always with a recorder,
-        which reads the packed K); the recorder is called after each attention."""
+    def _attending(self, attend: AttendFn, seq_len: int, b: int, stages: bool,
+                   skips: bool = False) -> AttendFn:
+        """The blocks' ``attend(attn, qkv, prologue=None, output=True)``: the QK
+        prologue goes to a store that ``stages`` it, or runs in place first (and always
+        with a recorder, which reads the packed K); ``output=False`` goes to a store that
+        ``skips`` the attention then, else the output is computed and dropped (and
+        always with a recorder, which checks it); the recorder is called after each
+        attention."""
         recorder = self.recorder
-        stages = stages and recorder is None
+        stages, skips = stages and recorder is None, skips and recorder is None
 
-        def call(attn, qkv, prologue=None):
+        def call(attn, qkv, prologue=None, output=True):
             if prologue is not None and not stages:
                 with torch.no_grad():
                     prologue(qkv)
                 prologue = None
-            out = attend(attn, qkv) if prologue is None else attend(attn, qkv, prologue)
+            args = (attn, qkv) if prologue is None else (attn, qkv, prologue)
+            out = attend(*args) if output or not skips else attend(*args, output=False)
             if recorder is not None:
                 recorder(attn.layer_idx, qkv, out, seq_len, b)
-            return out
+            return out if output else None
         return call
 
 

@@ -12,7 +12,9 @@ the MLP's bias + GELU-tanh a cuBLASLt epilogue on CUDA (`linear_gelu`)::
     a = attn2(h, text)          h = adaLN(x += a; c_shift, c_scale)          norm3
     f = ffn(h)                  x += c_gate * f
 
-The block's hidden states are updated in place. Installed per block by `WanRollout`
+The block's hidden states are updated in place. In a forward kept only for its K/V
+(a clean pass) the last block's self-attention returns None once its K/V are staged
+(`WanSelfAttention`) and the block returns at once. Installed per block by `WanRollout`
 (``glue="fused"``) as the block's ``forward``; `uninstall` gives the stock one back.
 """
 from __future__ import annotations
@@ -53,6 +55,8 @@ def fused_forward(block, hidden_states: torch.Tensor, encoder_hidden_states: tor
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
     h = ops.adaln_(x, shift=shift, scale=scale, eps=block.norm1.eps)      # [B, S, N]
     a = block.attn1(h, None, None, rotary_emb)
+    if a is None:  # a forward kept for its K/V only: they are staged, the rest feeds nothing
+        return x
     if isinstance(block.norm2, torch.nn.Identity):
         ops.gated_residual_(x, a, gate)
         h = x

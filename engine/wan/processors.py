@@ -45,6 +45,7 @@ class WanContext:
         rows: None, or int64 [B] device tensor: the pool sequence of each batch row,
             whose prompt the cross-attention reads (a fixed buffer graphs read).
         attend: the store's attention function of the forward under way (`begin`).
+        output: False while the forward under way is kept only for its K/V (`begin`).
         glue: "fused" (QK norm and rope through framekv's kernel) or "torch".
     """
 
@@ -52,10 +53,14 @@ class WanContext:
         self.kv, self.frame0, self.glue = kv, frame0, glue
         self.rows: torch.Tensor | None = None
         self.attend: AttendFn | None = None
+        self.output = True
 
-    def begin(self, seq_len: int, block_size: int) -> None:
-        """The next model forward writes ``seq_len`` tokens in blocks of ``block_size``."""
+    def begin(self, seq_len: int, block_size: int, *, output: bool = True) -> None:
+        """The next model forward writes ``seq_len`` tokens in blocks of ``block_size``;
+        ``output=False``: only its K/V are kept (a clean pass), so with the fused glue
+        the last block stops once its K/V are staged."""
         self.attend = self.kv.forward(seq_len, block_size)
+        self.output = output
 
 
 def qkv_projections(attn, hidden_states: torch.Tensor):
@@ -143,10 +148,14 @@ class WanSelfAttention:
     Args:
         ctx: the `WanContext`.
         cached: the layer's `CachedAttention` (H = H_kv = the block's heads).
+        last: whether this is the model's last self-attention: with the fused glue, in
+            a forward kept for its K/V only (``ctx.output`` False), it stages its K/V,
+            skips the attention where the store can, and returns None (the fused
+            block then returns at once: nothing after it is read).
     """
 
-    def __init__(self, ctx: WanContext, cached):
-        self.ctx, self.cached = ctx, cached
+    def __init__(self, ctx: WanContext, cached, *, last: bool = False):
+        self.ctx, self.cached, self.last = ctx, cached, last
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  rotary_emb=None, **kwargs):
@@ -171,11 +180,16 @@ class WanSelfAttention:
             ops.qk_norm_rope_stage_, q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight,
             num_heads=attn.heads, num_kv_heads=attn.heads, norm="all", eps=attn.norm_q.eps,
             rope=rope)
-        if self.ctx.kv.stages_prologue:
-            out = self.ctx.attend(self.cached, qkv, prologue)                # [B, S, H, D]
-        else:
+        kv, keep = self.ctx.kv, self.ctx.output or not self.last
+        if not kv.stages_prologue:
             prologue(qkv)
             out = self.ctx.attend(self.cached, qkv)
+        elif keep or not kv.stages_without_output:
+            out = self.ctx.attend(self.cached, qkv, prologue)                # [B, S, H, D]
+        else:
+            return self.ctx.attend(self.cached, qkv, prologue, output=False)  # None
+        if not keep:
+            return None  # the K/V are staged; the output feeds nothing
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3)))
 
 

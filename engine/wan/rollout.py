@@ -84,11 +84,16 @@ class WanRollout:
             ops, `framekv.engine.wan.blocks`; the same math, 1.15x faster a chunk on
             the H200, docs/benchmarks.md) or "torch" (the stock blocks and the
             processors' torch QK norm and rope).
+        trim_clean_pass: True (default): with the fused glue the clean pass's last
+            block stops once its K/V are staged (no attention, cross-attention or MLP
+            there); False: every layer runs, as stock rollouts do. The latents are
+            the same.
 
     Attributes:
         frames_done: frames generated since the last reset; ``geometry``, ``cache``.
         recorder: None, or ``recorder(label, velocity)`` after every forward of an
-            eager chunk ("step 0", ..., "clean"); a graph replay calls nothing.
+            eager chunk ("step 0", ..., "clean"; the clean pass, kept for its K/V only,
+            passes None); a graph replay calls nothing.
     """
 
     def __init__(self, model, *, latent_size, frames_per_chunk: int, sink_frames: int = 1,
@@ -96,9 +101,12 @@ class WanRollout:
                  clean_block: str = "chunk", device=None, backend=None, use_graphs: bool = True,
                  cache_dir=None, kv: KVStore | None = None, guidance_scale: float | None = None,
                  sequences: int | None = None, batch_sizes=None, prompt_tokens: int | None = None,
-                 glue: str = "fused"):
+                 glue: str = "fused", trim_clean_pass: bool = True):
         check_model(model)
         self.glue = _choice("glue", glue, ("fused", "torch"))
+        if not isinstance(trim_clean_pass, bool):
+            raise ValueError(f"trim_clean_pass must be True or False, got {trim_clean_pass!r}")
+        self.trim_clean_pass = trim_clean_pass
         self.guidance = _guidance(guidance_scale)
         self.streams = _streams(sequences, self.guidance, kv)
         self.batch = 1 if self.guidance is None else 2  # rows: conditional, unconditional
@@ -167,7 +175,8 @@ class WanRollout:
                 pack_projections(block.attn1)
             cached = CachedAttention(s.heads, s.heads, s.head_dim, backend=self.backend,
                                      layer_idx=i)
-            block.attn1.set_processor(WanSelfAttention(self.ctx, cached))
+            last = i == len(self.model.blocks) - 1
+            block.attn1.set_processor(WanSelfAttention(self.ctx, cached, last=last))
             cross = WanCrossAttention(self.ctx, self.pool)
             block.attn2.set_processor(cross)
             self._cross.append(cross)
@@ -278,19 +287,25 @@ class WanRollout:
     def frames_per_chunk(self) -> int:
         return self.shape.frames_per_chunk
 
-    def _forward(self, x: torch.Tensor, t: torch.Tensor, block: int, label: str) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, t: torch.Tensor, block: int, label: str, *,
+                 output: bool = True) -> torch.Tensor | None:
         """One model forward over latents x [R, C, F', H, W] at timestep t, in causal
-        blocks of ``block`` tokens (both branches as two rows with guidance, combined)."""
-        self.ctx.begin(x.shape[2] * self.shape.tokens_per_frame, block)
+        blocks of ``block`` tokens (both branches as two rows with guidance, combined).
+        ``output=False``: kept for its K/V only (`WanContext.begin`), returns None."""
+        self.ctx.begin(x.shape[2] * self.shape.tokens_per_frame, block, output=output)
         rows = x.to(self.dtype)
         if self.guidance is not None:
             rows = rows.expand(self.batch, *x.shape[1:])                    # [2, C, F, H, W]
         R = rows.shape[0]
         v = self.model(rows, t.expand(R), self._text_stub.expand(R, -1, -1),
-                       return_dict=False)[0].float()
-        if self.guidance is not None:
-            v_c, v_u = v[0:1], v[1:2]
-            v = v_u + self.guidance * (v_c - v_u)
+                       return_dict=False)[0]
+        if not output:
+            v = None
+        else:
+            v = v.float()
+            if self.guidance is not None:
+                v_c, v_u = v[0:1], v[1:2]
+                v = v_u + self.guidance * (v_c - v_u)
         if self.recorder is not None:
             self.recorder(label, v)
         return v
@@ -319,7 +334,8 @@ class WanRollout:
         whole chunk with ``clean_block="chunk"``, one-frame blocks otherwise."""
         tpf, frames = self.shape.tokens_per_frame, x.shape[2]
         whole = self.clean_block == "chunk" and frames == self.shape.frames_per_chunk
-        self._forward(x, self._t0, frames * tpf if whole else tpf, "clean")
+        self._forward(x, self._t0, frames * tpf if whole else tpf, "clean",
+                      output=not self.trim_clean_pass)
         self.kv.commit(frames * tpf)
 
     def _inputs(self, noise) -> dict[str, torch.Tensor]:
