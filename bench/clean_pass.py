@@ -41,7 +41,7 @@ def measure_reference(preset: str = "wan-1.3b", *, window_frames: int = 21, roun
     from framekv.engine.rollout import Rollout
 
     from .breakdown import reference_chunk_flops
-    from .e2e import with_window
+    from .e2e import time_rollout, with_window
 
     pair = with_window(preset, window_frames)
     rollouts, model = {}, None
@@ -49,9 +49,7 @@ def measure_reference(preset: str = "wan-1.3b", *, window_frames: int = 21, roun
         progress(f"reference {preset}: {name} clean pass, window {window_frames} filled")
         r = Rollout(pair, "cuda", model=model, trim_clean_pass=name == "trimmed")
         model = r.model
-        r.prefill()
-        for _ in range(-(-window_frames // r.spec.frames_per_chunk) + 1):
-            r.step()
+        time_rollout(r, 0)  # prefill and fill the window
         rollouts[name] = r
     progress(f"reference {preset}: {rounds} rounds")
     times = interleaved_device_times({k: r.step for k, r in rollouts.items()}, rounds,

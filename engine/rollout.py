@@ -133,9 +133,7 @@ class Rollout:
                  trim_clean_pass: bool = True):
         if glue not in ("fused", "torch"):
             raise ValueError(f"glue must be 'fused' or 'torch', got {glue!r}")
-        if not isinstance(trim_clean_pass, bool):
-            raise ValueError(f"trim_clean_pass must be True or False, got {trim_clean_pass!r}")
-        self.glue, self.trim_clean_pass = glue, trim_clean_pass
+        self.glue, self.trim_clean_pass = glue, _check_flag("trim_clean_pass", trim_clean_pass)
         if resident and not use_graphs:
             raise ValueError("resident=True runs captured graphs: it needs use_graphs=True, "
                              "got use_graphs=False")
@@ -511,6 +509,13 @@ def _per_stream(value, B: int, name: str) -> list[int]:
     value = list(value)
     if len(value) != B:
         raise ValueError(f"{name} must be an int or one per stream ({B}), got {value}")
+    return value
+
+
+def _check_flag(name: str, value) -> bool:
+    """``value`` if it is a bool, else a ValueError naming ``name``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
 
 

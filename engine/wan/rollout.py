@@ -46,7 +46,7 @@ from ..attention.registry import default_backend
 from ..cache import CausalKVCache
 from ..cache_dir import use_cache_dir
 from ..kv import KVStore, PagedKV
-from ..rollout import _check_batch_sizes
+from ..rollout import _check_batch_sizes, _check_flag
 from . import blocks
 from .processors import (WanContext, WanCrossAttention, WanRope, WanSelfAttention,
                          pack_projections)
@@ -104,9 +104,7 @@ class WanRollout:
                  glue: str = "fused", trim_clean_pass: bool = True):
         check_model(model)
         self.glue = _choice("glue", glue, ("fused", "torch"))
-        if not isinstance(trim_clean_pass, bool):
-            raise ValueError(f"trim_clean_pass must be True or False, got {trim_clean_pass!r}")
-        self.trim_clean_pass = trim_clean_pass
+        self.trim_clean_pass = _check_flag("trim_clean_pass", trim_clean_pass)
         self.guidance = _guidance(guidance_scale)
         self.streams = _streams(sequences, self.guidance, kv)
         self.batch = 1 if self.guidance is None else 2  # rows: conditional, unconditional
