@@ -21,9 +21,6 @@ against a reference before timing and writes JSON):
     launch          host cost of launching big graphs: node kinds, launch methods
     merge           the fused split-KV merge against torch merges
     ops             the ops at the seed geometry against torch equivalents
-    resident        starting a graph after the host waited: replayed or resident
-    resident_waits  which CUDA calls wait for a resident loop that polls
-    small_chunks    whether resident runs pay in a serving loop of small models
     ulysses         Ulysses attention over several GPUs (under torchrun)
     wait            what a launch after a host wait costs, and what changes it
 

@@ -31,6 +31,7 @@ the roofline at that clock (the ceiling scaled by mean / maximum clock).
 """
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -231,8 +232,8 @@ def wan_chunk(config: str, *, latent_size, frames_per_chunk: int, sink_frames: i
 
 def wan_chunk_flops(model, kw: dict, text_tokens: int) -> tuple[dict, dict]:
     """(`chunk_flops` of one `WanRollout` chunk at steady state: 4 steps and a one-block
-    clean pass, the defaults; the `clean_tail_flops` its fused glue's clean pass skips:
-    its last block after the QKV, not the head)."""
+    clean pass, the defaults; the `clean_tail_flops` its clean pass skips: its last
+    block after the QKV, and the head)."""
     from framekv.engine.wan import WanShape
 
     s = WanShape.of(model, kw["latent_size"], kw["frames_per_chunk"], kw["sink_frames"],
@@ -243,7 +244,9 @@ def wan_chunk_flops(model, kw: dict, text_tokens: int) -> tuple[dict, dict]:
     flops = chunk_flops(layers=s.num_layers, **geo, blocks=[T] * 5,
                         linear_per_token=s.num_layers * (6 * hid * hid + 2 * hid * ffn)
                         + 2 * model.config.in_channels * 4 * hid)
-    return flops, clean_tail_flops(**geo, block=T, tail_per_token=3 * hid * hid + 2 * hid * ffn)
+    head = hid * model.config.out_channels * math.prod(s.patch_size)          # proj_out
+    return flops, clean_tail_flops(**geo, block=T,
+                                   tail_per_token=3 * hid * hid + 2 * hid * ffn + head)
 
 
 def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk: int = 3,

@@ -20,9 +20,6 @@ the clean pass (one-frame blocks) and the commit, through all layers. Measured h
 - a one-kernel graph launched first after such a wait (drained, and in the
   double-buffered loop) with the whole chunk launched right behind it: what any first
   launch after a wait pays, apart from what the chunk's replay adds;
-- the whole chunk run resident (`GraphCache.resident`: a loop kept on the device,
-  each run submitted by a host store): the submit after waiting for the previous
-  chunk and double-buffered, and the wall per chunk against replays, back to back;
 - the eager chunk for reference;
 - the warm-up of the preset's plan in a new process, cold and with the cache dir of
   the cold run (numba kernels and cuDNN plans from disk).
@@ -51,7 +48,7 @@ from .timing import (after_wait_sequence_times, device_times,
                      double_buffered_host_times, double_buffered_sequence_times,
                      first_call_after, host_times, interleaved_device_times,
                      interleaved_host_times, one_kernel_launcher, pipelined_host_times,
-                     resident_submit_times, resident_wall_times, summary, wall_times)
+                     summary, wall_times)
 
 #: Sleep-kernel cycles about as long as the seed chunk on an H200 (~390 ms at ~2 GHz).
 _CHUNK_SLEEP_CYCLES = 780_000_000
@@ -133,7 +130,6 @@ def measure_chunk(preset: specs.Preset, *, iters: int = 10, progress=print) -> d
         "commit_eager": host_times(lambda: (cache.note_staged(T), cache.commit(T)), 50),
         "chunk_eager_wall": wall_times(lambda: stack.chunk(
             x, T, denoise_steps=steps, clean_block=frame), 3)})
-    host.update(_resident_rows(graphs, keys["chunk"], iters))
     out = _chunk_result(dev, host, stack, g, T, frame, steps)
     out["chunk_graph"] = {**msgspec.structs.asdict(graph_info(handle.graph)),
                           "memsets_replaced": handle.memsets_replaced}
@@ -155,29 +151,6 @@ def _behind_one_kernel(chunk, iters: int) -> dict[str, list[float]]:
             "whole_chunk_replay_behind_it_double_buffered": piped["chunk"]}
 
 
-def _resident_rows(graphs: GraphCache, key, iters: int) -> dict[str, list[float]]:
-    """The whole chunk run resident (`GraphCache.resident`): the host cost of a submit
-    after waiting for the previous chunk and double-buffered, and the wall per chunk of
-    runs back to back, resident against replayed, in alternating rounds."""
-    handle = graphs.get(key)
-
-    def replay() -> None:  # the executable itself: the resident runner refuses replays
-        handle.graph.replay()
-        handle.after_replay()
-
-    r = graphs.resident(key)
-    try:
-        submit = resident_submit_times(r, max(iters, 20))
-        wall = resident_wall_times(r, replay, torch.cuda.current_stream().synchronize,
-                                   runs=max(iters // 2, 5), rounds=3)
-    finally:
-        r.close()
-    return {"whole_chunk_resident_submit_after_wait": submit["after_wait"],
-            "whole_chunk_resident_submit_double_buffered": submit["double_buffered"],
-            "whole_chunk_resident_wall_per_chunk": wall["resident"],
-            "whole_chunk_replayed_wall_per_chunk": wall["replayed"]}
-
-
 def _chunk_result(dev, host, stack, g, T, frame, steps) -> dict:
     med = {k: statistics.median(v) for k, v in dev.items()}
     parts = steps * med["denoise_forward"] + med["clean_pass"] + med["commit"]
@@ -192,10 +165,6 @@ def _chunk_result(dev, host, stack, g, T, frame, steps) -> dict:
         "whole_over_per_forward_paired": statistics.median(
             w / p for w, p in zip(dev["whole_chunk_graph"], dev["per_forward_graphs"])),
     }
-    if "whole_chunk_resident_wall_per_chunk" in host:
-        out["resident_over_replayed_wall"] = statistics.median(
-            r / p for r, p in zip(host["whole_chunk_resident_wall_per_chunk"],
-                                  host["whole_chunk_replayed_wall_per_chunk"]))
     return out
 
 
@@ -233,9 +202,6 @@ def format_chunk(res: dict) -> str:
     lines.append(f"  whole chunk / sum of pieces = {res['whole_chunk_over_pieces']:.4f} "
                  f"(pieces {res['sum_of_pieces_us']:.1f} µs); per iteration, whole chunk / "
                  f"per-forward graphs = {res['whole_over_per_forward_paired']:.4f}")
-    if "resident_over_replayed_wall" in res:
-        lines.append(f"  resident / replayed wall per chunk, back to back = "
-                     f"{res['resident_over_replayed_wall']:.4f}")
     if "chunk_graph" in res:
         cg = res["chunk_graph"]
         lines.append(f"  chunk graph: {cg['nodes']} nodes {cg['types']}, straight-line "

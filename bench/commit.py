@@ -90,7 +90,7 @@ def check_graph_equals_eager(kv) -> None:
         stage(eager, kv, layers=[0, L - 1])
         stage(graphed, kv, layers=[0, L - 1])
         eager.commit(N)
-        graphed.commit_mirror(N)
+        graphed.commit_host(N)
         graph.replay()
         torch.cuda.synchronize()
         for k in eager._open.seqs[0].flat:
@@ -143,7 +143,7 @@ def measure(repeats: int) -> dict:
     graph = capture_commit(cache)
 
     def replayed_commit():
-        cache.commit_mirror(N)
+        cache.commit_host(N)
         graph.replay()
 
     replay_us = time_host(replayed_commit, repeats, setup=forward)

@@ -42,7 +42,7 @@ import contextlib
 
 import torch
 
-from framekv.engine.kv import AttendFn, KVStore
+from framekv.engine.kv import AttendFn, KVStore, plain
 from framekv.engine.model import model_dtype
 from framekv.engine.rollout import Rollout, resolve_device, resolve_specs
 from framekv.specs import Geometry
@@ -195,7 +195,7 @@ class DenseRollingKV(KVStore):
             v[:P].copy_(qkv[0, :, H + Hkv:])
             q = qkv[0, :, :H].contiguous()                                 # [P, H, D]
             return self._sdpa(q, k[:P], v[:P], attn.scale).contiguous()[None]
-        return attend
+        return plain(attend)
 
     def commit_prompt(self) -> None:
         """Commit the prompt written by the `prompt_forward` forward: C = P."""
@@ -290,7 +290,7 @@ class DenseRollingKV(KVStore):
             self.stage(attn.layer_idx, rows[:, H:H + Hkv], rows[:, H + Hkv:])
             q = qkv[0, :, :H].contiguous()  # [S, H, D]: the plain layout every backend takes
             return self.attention(attn.layer_idx, q, seq_len, block_size, attn.scale)[None]
-        return attend
+        return plain(attend)
 
     # ------------------------------------------------------------------ commit
     def commit(self, n: int) -> None:

@@ -61,7 +61,7 @@ def time_rollout(rollout, chunks: int) -> tuple[list[float], list[torch.Tensor],
         outs.append(rollout.step())
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
-    return times, outs, sum(o.shape[0] for o in outs)
+    return times, outs, sum(o.shape[2] for o in outs)
 
 
 def measure_e2e(preset: str = "wan-1.3b", *, window_frames: int | None = None, chunks: int = 8,

@@ -12,10 +12,10 @@ preset's latent grid (interleaved pairs) at frame 7. Variants:
     qk_norm_rope in place        per-head QK RMSNorm and rope of Q and K in qkv
     qk_norm_rope all heads       the same with the norm over all heads (Wan's)
     qk_norm_rope staging         per-head, Q in place, K and V into permuted pool slots
-    qk_norm_rope all, staging    the same with the norm over all heads (Wan's processor)
+    qk_norm_rope all, staging    the same with the norm over all heads (Wan's attention)
     copy_ of x, copy_ of qkv     the bandwidth reference: the same tensors' bytes moved
 
-Each op goes through its bound launcher (the model's hot path) and is first checked
+Each op is called as the model calls it (its public op) and is first checked
 against its torch reference on fresh random data (within two bf16 units in the last
 place). Timing: a CUDA graph of ``--launches`` calls per variant (launch cost out),
 CUDA events around each replay, the variants' order rotated every round; reported:
@@ -81,9 +81,6 @@ def _adaln_variants(a: dict) -> dict:
     """(call, checked output, reference output) of the adaLN ops, on fresh copies."""
     shift, scale, gate = a["mods"]
     x1, x2, x3 = (a["x"].clone() for _ in range(3))
-    norm = ops.bind_adaln(tuple(a["x"].shape), shift=shift, scale=scale)
-    gated = ops.bind_adaln(tuple(a["x"].shape), shift=shift, scale=scale, gate=gate)
-    res = ops.bind_gated_residual(tuple(a["x"].shape), gate)
     out1, out2 = torch.empty_like(a["x"]), torch.empty_like(a["x"])
     want1 = ops.adaln_reference(a["x"].clone(), shift=shift, scale=scale,
                                 out=torch.empty_like(a["x"]))
@@ -91,9 +88,11 @@ def _adaln_variants(a: dict) -> dict:
                                 gate=gate, out=torch.empty_like(a["x"]))
     want3 = a["x"].clone()
     ops.gated_residual_reference(want3, a["y"], gate)
-    return {"adaln_": (lambda: norm(x1, out1), out1, want1),
-            "adaln_ + gated residual": (lambda: gated(x2, out2, a["y"]), out2, want2),
-            "gated_residual_": (lambda: res(x3, a["y"]), x3, want3)}
+    return {"adaln_": (lambda: ops.adaln_(x1, shift=shift, scale=scale, out=out1), out1, want1),
+            "adaln_ + gated residual": (lambda: ops.adaln_(x2, shift=shift, scale=scale,
+                                                           residual=a["y"], gate=gate,
+                                                           out=out2), out2, want2),
+            "gated_residual_": (lambda: ops.gated_residual_(x3, a["y"], gate), x3, want3)}
 
 
 def _qk_variants(a: dict) -> dict:
@@ -113,7 +112,6 @@ def _qk_variants(a: dict) -> dict:
         if "k_pool" in kw_:
             ref_kw.update(k_pool=a["pools"][0].clone(), v_pool=a["pools"][1].clone())
         ops.qk_norm_rope_stage_reference(want, *weights, **common, **ref_kw)
-        bound = ops.bind_qk_norm_rope_stage(*weights, **common, **kw_)
         if "k_pool" in kw_:  # Q in qkv, and the staged K / V rows of the pools
             got_t = lambda q=qkv, p=kw_: torch.cat([q[:, :, :H].flatten(), p["k_pool"].flatten(),
                                                    p["v_pool"].flatten()])
@@ -121,7 +119,8 @@ def _qk_variants(a: dict) -> dict:
                                 ref_kw["v_pool"].flatten()])
         else:
             got_t, want_t = (lambda q=qkv: q), want
-        out[name] = (lambda b=bound, q=qkv: b(q), got_t, want_t)
+        out[name] = (lambda q=qkv, w=weights, k=kw_: ops.qk_norm_rope_stage_(q, *w, **common, **k),
+                     got_t, want_t)
     return out
 
 

@@ -31,7 +31,7 @@ from numba import cuda
 
 from framekv import specs
 from framekv.bench.timing import interleaved_host_times, summary, write_result
-from framekv.bench.stack import AttentionStack
+from framekv.bench.stack import AttentionStack, KVShape
 from framekv.engine.attention.cudnn import CudnnBackend
 from framekv.graphs.inspect import graph_info
 from framekv.graphs.rewrite import replace_memsets
@@ -141,10 +141,10 @@ def row(label: str, graph: torch.cuda.CUDAGraph, launches: int = 20) -> dict:
 
 def stack_rows(rows: list) -> None:
     preset = specs.load_preset("seed-bench")
-    g, kv = preset.rollout.geometry(), preset.warmup_plan().kv
+    g, kv = preset.rollout.geometry(), KVShape.of(preset.model)
     for split in ("auto",):
         for layers in (36,):
-            stack = AttentionStack(msgspec.structs.replace(kv, num_layers=layers), [g],
+            stack = AttentionStack(kv._replace(num_layers=layers), [g],
                                    device="cuda", num_heads=32, backend=CudnnBackend(split=split))
             stack.ensure_open(g)
             x = stack.qkv_input(1576)["qkv"]

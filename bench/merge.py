@@ -9,7 +9,7 @@ the naive torch merge (softmax of the statistics over the splits, weighted sum) 
 exact too.
 
 Variants, each captured in a CUDA graph (launch cost out of every number):
-- kernel: ``bind_merge_split_kv`` (one numba kernel);
+- kernel: ``merge_split_kv_`` (one numba kernel);
 - torch reference: ``merge_split_kv_reference`` (fp32, empty-sub-row masks, padding);
 - torch naive: softmax over the splits, fp32 weighted sum, ``copy_`` into the output;
 - torch copy_: a plain copy of the same byte count (the bandwidth ceiling).
@@ -28,7 +28,7 @@ import statistics
 import torch
 
 from framekv.bench.timing import captured_graph, check_bf16_close
-from framekv.ops import bind_merge_split_kv, merge_split_kv_reference
+from framekv.ops import merge_split_kv_, merge_split_kv_reference
 
 T, H, D = 1576, 32, 128
 SHAPES = [(S, nb) for nb in (1, 4) for S in (2, 3, 4, 6, 8)]  # (splits, causal blocks)
@@ -83,7 +83,9 @@ def variants(a: dict) -> tuple[dict, dict]:
     want = torch.empty_like(a["out"])
     ref_args = dict(a, out=want)
     merge_split_kv_reference(**ref_args)
-    kernel = bind_merge_split_kv(**a)
+    def kernel():
+        merge_split_kv_(**a)
+
     naive = naive_merge(a)
     errors = {}
     for name, fn in (("kernel", kernel), ("torch naive", naive)):

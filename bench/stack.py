@@ -15,19 +15,35 @@ survives close/open, so a graph captured over a geometry replays after a reopen.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
+import msgspec
 import torch
 
 from framekv import graphs as G
-from framekv.specs import Geometry, KVSpec
+from framekv.specs import Geometry, ModelSpec
 
 from framekv.engine import CachedAttention, CausalKVCache
 from framekv.engine.attention import get_backend
 
-#: Block size of the commit items `warmup_items` adds (no forward runs in a commit).
-COMMIT_BLOCK = 0
 _GPU_KV_DTYPES = ("bfloat16", "float16")
+
+
+class KVShape(NamedTuple):
+    """The cache a stack holds: the arguments of `CausalKVCache` other than pool size
+    and device (``dtype`` a name, e.g. "bfloat16")."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    tokens_per_page: int
+
+    @classmethod
+    def of(cls, model: ModelSpec) -> "KVShape":
+        """The cache ``model`` needs."""
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype,
+                   model.tokens_per_page)
 
 
 def default_device() -> torch.device:
@@ -35,7 +51,7 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def kv_dtype_for(kv: KVSpec, device) -> torch.dtype:
+def kv_dtype_for(kv: KVShape, device) -> torch.dtype:
     """The pool dtype on ``device``: float32 on CPU (the reference path computes in
     fp32 whatever the spec says), the spec's bf16/fp16 on CUDA (bf16 for a float32
     spec, which the CUDA cache does not take)."""
@@ -44,13 +60,11 @@ def kv_dtype_for(kv: KVSpec, device) -> torch.dtype:
     return getattr(torch, kv.dtype if kv.dtype in _GPU_KV_DTYPES else "bfloat16")
 
 
-
-
 class AttentionStack:
     """A cache and one `CachedAttention` per layer: what a plan's graphs run over.
 
     Args:
-        kv: the cache's shape (layers, K/V heads, head size, page size).
+        kv: the cache's shape (layers, K/V heads, head size, dtype, page size).
         geometries: every geometry the cache must be able to open; the pool is sized
             for the largest need.
         device: "cpu" or a CUDA device.
@@ -62,7 +76,7 @@ class AttentionStack:
             folder across processes (see `CudnnBackend`).
     """
 
-    def __init__(self, kv: KVSpec, geometries: Iterable[Geometry], *, device=None,
+    def __init__(self, kv: KVShape, geometries: Iterable[Geometry], *, device=None,
                  num_heads: int | None = None, backend=None, seed: int = 0,
                  plan_dir=None):
         self.kv, self.geometries = kv, list(dict.fromkeys(geometries))
@@ -94,7 +108,7 @@ class AttentionStack:
 
         preset = load_preset(preset) if isinstance(preset, str) else preset
         g = preset.rollout.geometry()
-        stack = cls(preset.kv_spec(), [g], device=device, num_heads=preset.model.num_heads, **kw)
+        stack = cls(KVShape.of(preset.model), [g], device=device, num_heads=preset.model.num_heads, **kw)
         stack.ensure_open(g)
         return stack
 
@@ -117,31 +131,27 @@ class AttentionStack:
         return tuple(p.splits for p in plans), tuple(p.packed for p in plans)
 
     def forward_key(self, geometry: Geometry, tokens: int, block_size: int) -> G.GraphKey:
-        """Key of the forward graph of one plan item."""
+        """Key of the graph of one forward of ``tokens`` tokens cut into ``block_size``
+        blocks (program ``"forward"``; its split-KV S and GQA packing when the backend
+        has them)."""
         splits, packed = self.layout_of(geometry, tokens, (block_size,))
-        return G.forward_key(self.owner, geometry, tokens, block_size,
-                             inputs=_layout_only(self.qkv_shape(tokens), self.dtype, self.device),
-                             split=splits[0] if splits else None,
-                             packed=packed[0] if packed else None)
+        return G.GraphKey.build(
+            owner=self.owner, geometry=geometry, tokens=tokens, block_sizes=(block_size,),
+            program="forward",
+            inputs=_layout_only(self.qkv_shape(tokens), self.dtype, self.device),
+            splits=splits, packed=packed)
 
     def commit_key(self, geometry: Geometry, tokens: int) -> G.GraphKey:
-        """Key of the ``commit(tokens)`` graph of a geometry."""
-        return G.commit_key(self.owner, geometry, tokens)
+        """Key of the ``commit(tokens)`` graph of a geometry (program ``"commit:n"``;
+        n is baked, C is not)."""
+        return G.GraphKey.build(owner=self.owner, geometry=geometry, tokens=tokens,
+                                program=f"commit:{tokens}")
 
     def qkv_shape(self, tokens: int) -> tuple[int, ...]:
         """Shape of the static QKV input of a ``tokens``-token forward."""
         return (1, tokens, self.num_heads + 2 * self.kv.num_kv_heads, self.kv.head_dim)
 
     # ------------------------------------------------------------------ requests
-    def builder(self, geometry: Geometry, tokens: int, block_size: int) -> G.CaptureRequest:
-        """The `framekv.graphs.run_warmup` builder: a forward request, or the commit
-        request for ``block_size == COMMIT_BLOCK``. Opens ``geometry`` first (the
-        callables read the open geometry's tensors, whose addresses a graph bakes)."""
-        self.ensure_open(geometry)
-        if block_size == COMMIT_BLOCK:
-            return self.commit_request(geometry, tokens)
-        return self.forward_request(geometry, tokens, block_size)
-
     def forward(self, qkv: torch.Tensor, tokens: int, block_size: int, *,
                 chain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's forward over the open geometry: (last output [1, T, H, D],
@@ -199,16 +209,18 @@ class AttentionStack:
 
     def chunk_key(self, geometry: Geometry, tokens: int, *, denoise_steps: int,
                   clean_block: int, chain: bool = False) -> G.GraphKey:
-        """Key of `chunk_request`'s graph; ``chain`` changes the work, so the program."""
-        labels = G.chunk_labels(tokens, denoise_steps=denoise_steps, clean_block=clean_block)
-        name = "chunk-chained" if chain else "chunk"
+        """Key of `chunk_request`'s graph; ``chain`` changes the work, so the program
+        (``chunk-chained:...`` instead of ``chunk:...``)."""
         blocks = (tokens,) * denoise_steps + (clean_block,)
         splits, packed = self.layout_of(geometry, tokens, blocks)
-        return G.GraphKey.build(
-            owner=self.owner, geometry=geometry, tokens=tokens, block_sizes=blocks,
-            program=G.program_string(name, labels),
-            inputs=_layout_only(self.qkv_shape(tokens), self.dtype, self.device),
-            splits=splits, packed=packed)
+        key = G.chunk_key(self.owner, geometry, tokens, denoise_steps=denoise_steps,
+                          clean_block=clean_block,
+                          inputs=_layout_only(self.qkv_shape(tokens), self.dtype, self.device),
+                          splits=splits, packed=packed)
+        if not chain:
+            return key
+        return msgspec.structs.replace(
+            key, program="chunk-chained" + key.program.removeprefix("chunk"))
 
     def chunk_request(self, geometry: Geometry, tokens: int, *, denoise_steps: int,
                       clean_block: int, chain: bool = False) -> G.CaptureRequest:
@@ -227,7 +239,7 @@ class AttentionStack:
 
         def mirror() -> None:
             cache.note_staged(tokens)
-            cache.commit_mirror(tokens)
+            cache.commit_host(tokens)
 
         key = self.chunk_key(geometry, tokens, denoise_steps=denoise_steps,
                              clean_block=clean_block, chain=chain)
@@ -240,7 +252,7 @@ class AttentionStack:
         ``after_replay`` advances the host mirror. On CPU the callable runs eagerly
         on every replay and no hook is called, so it is the whole ``commit``
         (``commit_device`` on CPU applies the mirror, which must move first).
-        Warm-up calls run ``commit_device`` alone on both: ``commit_mirror`` refuses
+        Warm-up calls run ``commit_device`` alone on both: ``commit_host`` refuses
         to commit more than is staged, and repeated warm-up calls would; the device
         state this moves ahead of the mirror is undone by `reset`.
         """
@@ -254,7 +266,7 @@ class AttentionStack:
 
         fn = device_only if self.device.type == "cuda" else whole
         return G.CaptureRequest(self.commit_key(geometry, tokens), fn, {},
-                                after_replay=lambda: cache.commit_mirror(tokens),
+                                after_replay=lambda: cache.commit_host(tokens),
                                 warmup_fn=device_only)
 
     # ------------------------------------------------------------------ state

@@ -55,21 +55,15 @@ def captured_graph(fn: Callable[[], object], launches: int = 1) -> torch.cuda.CU
     return graph
 
 
-def one_kernel_launcher(direct: bool = False) -> Callable[[], None]:
-    """A launcher of a captured one-kernel graph (one float incremented): torch's
-    ``CUDAGraph.replay``, as a `framekv.graphs.GraphCache` replays graphs by default, or
-    with ``direct`` a launch of torch's executable with nothing before it, as
-    ``GraphCache(direct_launch=True)`` does for a graph that draws no random numbers
-    (where torch exposes the executable). It holds the buffer the graph writes, so the
-    buffer lives as long as the launcher."""
-    from framekv.graphs.resident import DirectLaunch
-
+def one_kernel_launcher() -> Callable[[], None]:
+    """A launcher of a captured one-kernel graph (one float incremented) through torch's
+    ``CUDAGraph.replay``, as a `framekv.graphs.GraphCache` replays graphs. It holds the
+    buffer the graph writes, so the buffer lives as long as the launcher."""
     one = torch.zeros(1, device="cuda")
     graph = captured_graph(lambda: one.add_(1))
-    launch = (DirectLaunch.of(graph, one.device) if direct else None) or graph.replay
 
     def call(_written=one) -> None:
-        launch()
+        graph.replay()
     return call
 
 
@@ -248,58 +242,6 @@ def first_call_after(work: Callable[[], object], iters: int) -> list[float]:
         t0 = time.perf_counter()
         stream.query()
         out.append((time.perf_counter() - t0) * 1e6)
-    return out
-
-
-def resident_submit_times(resident, iters: int) -> dict[str, list[float]]:
-    """µs of host wall of `ResidentGraph.submit` (a store to mapped memory, no launch),
-    ``after_wait``: each submit right after the host waited for the previous run, and
-    ``double_buffered``: each submit once the run before the previous one finished (one
-    run always queued behind the running one). The first submit, which launches the
-    loop, is not timed."""
-    def timed_submit() -> float:
-        t0 = time.perf_counter()
-        resident.submit()
-        return (time.perf_counter() - t0) * 1e6
-
-    resident.submit()
-    resident.wait()
-    after = []
-    for _ in range(iters):
-        after.append(timed_submit())
-        resident.wait()
-    resident.submit()
-    double = []
-    for _ in range(iters):
-        double.append(timed_submit())
-        resident.wait(resident.submitted - 1)
-    resident.wait()
-    return {"after_wait": after, "double_buffered": double}
-
-
-def resident_wall_times(resident, replay: Callable[[], object], sync: Callable[[], object],
-                        runs: int, rounds: int) -> dict[str, list[float]]:
-    """µs of host wall per run of ``runs`` back to back, resident (all submitted, then
-    waited for) against replayed (all launched, then ``sync``), in alternating rounds
-    so that clock drift touches both alike. The resident loop is running (warm) when
-    each round starts; ``replay`` must not run while resident runs are in flight."""
-    out: dict[str, list[float]] = {"resident": [], "replayed": []}
-    resident.submit()
-    resident.wait()
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(runs):
-            resident.submit()
-        resident.wait()
-        out["resident"].append((time.perf_counter() - t0) * 1e6 / runs)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(runs):
-            replay()
-        sync()
-        out["replayed"].append((time.perf_counter() - t0) * 1e6 / runs)
-        resident.submit()  # keep the loop from idling out between rounds
-        resident.wait()
     return out
 
 

@@ -121,8 +121,6 @@ def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk
     fill = -(-(sink_frames + window_frames) // frames_per_chunk) + 1
     C, (H, W) = model.config.in_channels, latent_size
     noises = [torch.randn(1, C, frames_per_chunk, H, W, generator=gen) for _ in range(fill + chunks)]
-    stock = {"rope": model.rope,
-             "processors": [(b.attn1.processor, b.attn2.processor) for b in model.blocks]}
     results, latents = {}, {}
     for variant in variants:
         progress(f"wan {config} window {window_frames} frames: {variant}")
@@ -130,7 +128,6 @@ def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         if variant == "stock-recompute":
-            _restore(model, stock)
             runner = StockRecompute(model, text, timesteps=(1000, 750, 500, 250), **{
                 k: kw[k] for k in ("frames_per_chunk", "sink_frames", "window_frames")})
             times, outs = _timed(runner.step, noises[:fill + recompute_chunks], fill, device)
@@ -156,16 +153,6 @@ def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk
             "window_frames": window_frames, "tokens_per_frame": tpf,
             "keys": (sink_frames + window_frames + frames_per_chunk) * tpf, "chunks": chunks,
             "variants": results}
-
-
-def _restore(model, stock: dict) -> None:
-    from framekv.engine.wan import blocks
-
-    model.rope = stock["rope"]
-    for block, (p1, p2) in zip(model.blocks, stock["processors"]):
-        block.attn1.set_processor(p1)
-        block.attn2.set_processor(p2)
-        blocks.uninstall(block)
 
 
 def _compare(results: dict, latents: dict) -> None:

@@ -27,9 +27,10 @@ import torch
 
 from framekv.ops import driver as _driver
 
-#: Mapping chunk of device arenas. The H200's allocation granularity is 2 MiB;
-#: a fixed chunk makes `round_up` (and so the cache's `pool_bytes_for`) exact
-#: without asking a device.
+#: Mapping chunk of device arenas: 2 MiB, the driver's minimum allocation granularity
+#: on current GPUs (`DeviceArena` refuses a chunk that is not a multiple of the
+#: device's). A fixed chunk makes `round_up` (and so the cache's `pool_bytes_for`)
+#: exact without asking a device.
 DEVICE_CHUNK_BYTES = 2 << 20
 #: Host arenas account in pages of this size (the kernel maps 4 KiB pages on touch).
 HOST_CHUNK_BYTES = 4096

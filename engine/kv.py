@@ -1,33 +1,35 @@
 """Where a forward's K/V goes: the one seam between a model and the K/V it attends.
 
-A model forward over a chunk asks its store for the forward's attention function, and
-each layer calls it with its attention module and its packed QKV::
+A store's protocol is four lines::
 
     attend = kv.forward(seq_len=T, block_size=b)    # once per model forward (plans once)
-    out = attend(attn, qkv)                         # each layer: stage its K/V, attend V(j)
+    out = attend(attn, qkv, prologue, output)       # each layer: stage its K/V, attend V(j)
     kv.commit(T)                                    # the chunk becomes history
     kv.after_replay(T)                              # host half of a replayed chunk
 
-The prompt goes in once, as a forward whose K/V the store keeps
-(``prompt_forward(P)``), then ``commit_prompt()``. A store whose forwards span ranks
-also cuts the tokens (``shard`` / ``gather``, its first row at ``token_offset``); the
-others leave them whole.
+A model never calls a store itself: its runner hands every forward a `ForwardContext`
+(the store's attention for that forward, the rope frames, the batch rows, whether the
+output is wanted) and each layer calls ``ctx.attention(attn, qkv, prologue, last=...)``.
 
-A store with ``stages_prologue`` takes the QK norm and rope too: ``attend(attn, qkv,
-prologue)`` with qkv as projected (q and k neither normed nor rotated) and ``prologue``
-the fused `framekv.ops.qk_norm_rope_stage_` bound to the layer's weights and the
-forward's rope; the store runs it as its staging (Q normed and rotated in place, K/V
-written straight to the cache: no separate scatter). Other stores get qkv ready.
+``prologue`` is the fused QK norm and rope (`framekv.ops.qk_norm_rope_stage_` bound to
+the layer's weights and the forward's rope) of a qkv as projected; a store that stages
+K/V with it (`PagedKV`) writes K/V straight into the cache on the way, any other runs it
+in place first. ``output=False``: only the layer's K/V are kept (the last layer of a
+clean pass, whose attention feeds nothing); a store that can skips the attention and
+returns None. `plain` gives that full signature to a store's two-argument attend.
 
-A store with ``stages_without_output`` also takes ``attend(attn, qkv, prologue,
-output=False)``: the layer's K/V staged, its attention skipped, None returned. A clean
-pass keeps only K/V, so its last layer's attention feeds nothing; the model asks for
-that there (other stores attend and the model drops the output).
+The prompt of a model whose prompt is the pinned prefix goes in once, as a forward whose
+K/V the store keeps (``prompt_forward(P)``), then ``commit_prompt()``. A store whose
+forwards span ranks also cuts the tokens (``shard`` / ``gather``, its first row at
+``token_offset``); the others leave them whole.
 
 Stores: `PagedKV` (framekv's paged `CausalKVCache`), `ReferenceKV` (the fp32
 `ExactWindowReference`, the oracle; not capturable), `UlyssesKV`
-(`framekv.engine.attention.ulysses`: a paged cache per rank, heads exchanged), and
+(`framekv.engine.attention.ulysses_kv`: a paged cache per rank, heads exchanged), and
 the dense rolling baseline of the benchmarks (`framekv.bench.dense`).
+
+One file: the seam is one module: the store protocol, the engine's stores and the
+context a forward reaches them through.
 """
 from __future__ import annotations
 
@@ -40,10 +42,12 @@ import torch
 from framekv.specs import Geometry
 
 from .cache import CausalKVCache, ExactWindowReference
-from .cache.sequences import check_id_values
 
-#: attend(attention_module, packed_qkv [1, S, H + 2*H_kv, D]) -> [1, S, H, D]
-AttendFn = Callable[[Any, torch.Tensor], torch.Tensor]
+#: attend(attention_module, packed_qkv [B, S, H + 2*H_kv, D], prologue=None, output=True)
+#: -> [B, S, H, D], or None with output=False
+AttendFn = Callable[..., Any]
+#: recorder(layer, packed_qkv [1, S, H + 2*H_kv, D], out [1, S, H, D], seq_len, block_size)
+Recorder = Callable[[int, torch.Tensor, torch.Tensor, int, int], None]
 
 
 class KVStore(abc.ABC):
@@ -56,8 +60,6 @@ class KVStore(abc.ABC):
     """
 
     graph_safe: bool = True
-    stages_prologue: bool = False
-    stages_without_output: bool = False
     geometry: Geometry
 
     @abc.abstractmethod
@@ -92,6 +94,24 @@ class KVStore(abc.ABC):
         """Free what the store holds; it is unusable after."""
 
     @property
+    def ids(self) -> torch.Tensor | None:
+        """The pool sequence of each batch row as an int64 [B] device tensor, or None
+        for a store of one sequence."""
+        return None
+
+    def use_sequences(self, rows) -> None:
+        """Make batch row r of the next forwards sequence ``rows[r]``; a store of one
+        sequence takes (0,) only."""
+        if tuple(rows) != (0,):
+            raise ValueError(f"{type(self).__name__} holds one sequence: rows must be (0,), "
+                             f"got {tuple(rows)}")
+
+    def reset_sequences(self, rows) -> None:
+        """Sequences ``rows`` back to position 0, no prompt (here: the one sequence)."""
+        self.use_sequences(rows)
+        self.reset()
+
+    @property
     def replayable(self) -> bool:
         """Whether the next chunk may run as a replay of the chunk captured under
         `capture_scope` (a store whose launches depend on its fill level says no
@@ -99,19 +119,19 @@ class KVStore(abc.ABC):
         return self.graph_safe
 
     def capture_scope(self) -> contextlib.AbstractContextManager:
-        """The state chunks are captured in (entered around the captures; the rollout
+        """The state chunks are captured in (entered around the captures; the runner
         resets the store afterwards)."""
         return contextlib.nullcontext()
 
     def key_layout(self, attn, tokens: int, block_sizes: tuple[int, ...],
-                   batch: int | None = None) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+                   batch: int = 1) -> tuple[tuple[int, ...], tuple[bool, ...]]:
         """(split-KV sub-rows, GQA query packing) of each forward of a chunk over
-        ``batch`` sequences (default the store's), for its graph key (both empty when the
-        store's attention neither splits nor packs)."""
+        ``batch`` sequences, for its graph key (both empty when the store's attention
+        neither splits nor packs)."""
         return (), ()
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This process's share of a forward's token rows [1, S, ...] (all of them)."""
+        """This process's share of a forward's token rows [B, S, ...] (all of them)."""
         return x
 
     def token_offset(self, length: int) -> int:
@@ -124,6 +144,88 @@ class KVStore(abc.ABC):
         return x
 
 
+def plain(attend: Callable[[Any, torch.Tensor], torch.Tensor]) -> AttendFn:
+    """The full `AttendFn` of a store whose ``attend(attn, qkv)`` neither stages the QK
+    prologue nor skips an attention: the prologue runs in place first, and a forward
+    kept for its K/V only attends and drops the output."""
+    def full(attn, qkv, prologue=None, output=True):
+        if prologue is not None:
+            with torch.no_grad():
+                prologue(qkv)
+        out = attend(attn, qkv)
+        return out if output else None
+    return full
+
+
+def _dense(attn, qkv: torch.Tensor) -> torch.Tensor:
+    """Dense attention over the forward's own tokens (no K/V store)."""
+    return attn(qkv)
+
+
+class ForwardContext:
+    """One model forward: what its layers need to reach the K/V store, explicitly.
+
+    Args:
+        kv: the `KVStore` the forward stages into and attends over, or None (dense
+            attention over the forward's own tokens, nothing kept).
+        seq_len, block_size: real tokens of the forward and its causal block size
+            (default: all tokens, one block).
+        frame0: int64 [B] (or [1] for every row) device tensor, the rope frame of each
+            batch row's first frame (a graph input: one captured chunk serves every
+            position).
+        rows: None, or int64 [B] device tensor: the pool sequence of each batch row
+            (a fixed buffer a graph reads), for models that keep state per sequence
+            (a prompt's cross-attention K/V).
+        output: False when only the forward's K/V are kept (a clean pass, a prompt):
+            the last layer stops once its K/V are staged and the model returns None.
+        recorder: None, or a `Recorder` after every attention (eager use only: with it
+            the QK prologue runs in place, so the recorded K is normed and rotated,
+            and every attention runs).
+        attend: the forward's `AttendFn` (default ``kv.forward(seq_len, block_size)``;
+            a prompt forward passes ``kv.prompt_forward(P)``).
+    """
+
+    def __init__(self, kv: KVStore | None, *, seq_len: int | None, block_size: int | None = None,
+                 frame0: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                 output: bool = True, recorder: Recorder | None = None,
+                 attend: AttendFn | None = None):
+        if not output and kv is None:
+            raise ValueError("output=False needs a K/V store: without one the forward keeps "
+                             "nothing")
+        self.kv, self.seq_len, self.frame0, self.rows = kv, seq_len, frame0, rows
+        self.block_size = seq_len if block_size is None else block_size
+        self.output, self.recorder = output, recorder
+        if attend is None:
+            attend = plain(_dense) if kv is None else kv.forward(seq_len, self.block_size)
+        self.attend = attend
+
+    def attention(self, attn, qkv: torch.Tensor, prologue=None, *, last: bool = False):
+        """One layer's attention: stage its K/V (``prologue`` as the staging where the
+        store takes it) and attend V(j); ``last``: the model's last layer, which in a
+        forward without ``output`` stops once its K/V are staged (None back)."""
+        stop = last and not self.output
+        if self.recorder is None:
+            return self.attend(attn, qkv, prologue, not stop)
+        if prologue is not None:
+            with torch.no_grad():
+                prologue(qkv)
+        out = self.attend(attn, qkv)
+        self.recorder(attn.layer_idx, qkv, out, self.seq_len, self.block_size)
+        return None if stop else out
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This process's share of the forward's token rows (`KVStore.shard`)."""
+        return x if self.kv is None else self.kv.shard(x, dim)
+
+    def gather(self, x: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
+        """Every process's rows back, cut to ``length`` (`KVStore.gather`)."""
+        return x if self.kv is None else self.kv.gather(x, length, dim)
+
+    def token_offset(self, length: int) -> int:
+        """The forward index of this process's first row (`KVStore.token_offset`)."""
+        return 0 if self.kv is None else self.kv.token_offset(length)
+
+
 class PagedKV(KVStore):
     """framekv's paged cache as a model's K/V store.
 
@@ -132,25 +234,28 @@ class PagedKV(KVStore):
         geometry: the rollout's geometry.
 
     A forward plans its attention once (the first layer's backend ``plan``, prepared
-    then) and runs every layer with that plan. Over a pool of N sequences, a forward of
-    B batch rows runs sequences ``rows[:B]`` (`use_sequences`; default all N in order):
-    the ids are the first B entries of a fixed device buffer, so a chunk captured for B
-    rows serves any choice of B sequences (set them, then replay).
+    then) and runs every layer with that plan. Over a pool of N sequences a forward's
+    batch rows are the cache's sequences in use (`use_sequences`; default all N in
+    order): a fixed device buffer, so a chunk captured for B rows serves any choice of
+    B sequences (set them, then replay). It stages the QK prologue into the cache and
+    skips the attention of a layer whose output is not wanted.
     """
-
-    stages_prologue = True
-    stages_without_output = True
 
     def __init__(self, cache: CausalKVCache, geometry: Geometry):
         self.cache, self.geometry = cache, geometry
         self._prompt: list[torch.Tensor] = []
-        N = cache.num_sequences
-        # Graph input: fixed address, contents rewritten by use_sequences.
-        self._ids = torch.arange(N, device=cache.device) if N > 1 else None
-        self._forward_batch = 1  # B of the forward under way: what its commit commits
-        self.use_sequences(range(N))
         cache.close()
         cache.open(geometry)
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """The sequences in use: batch row r of a forward is rows[r]."""
+        return self.cache.sequences
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """The same as an int64 [B] device tensor (a fixed buffer graphs read)."""
+        return self.cache.sequence_ids
 
     @property
     def batch(self) -> int:
@@ -159,32 +264,19 @@ class PagedKV(KVStore):
 
     def use_sequences(self, rows) -> None:
         """Make batch row r of the next forwards sequence ``rows[r]`` (host ints,
-        distinct, in [0, N)). Copies them into the device buffer graphs read."""
-        rows = list(rows)
-        if not rows:
-            raise ValueError("rows must name at least one sequence")
-        self.rows = check_id_values(rows, self.cache.num_sequences)
-        if self._ids is not None:
-            self._ids[:len(rows)].copy_(torch.tensor(rows, dtype=torch.int64))
-
-    def _ids_of(self, B: int):
-        if B > self.cache.num_sequences:
-            raise ValueError(f"the forward has {B} batch rows, the pool holds "
-                             f"{self.cache.num_sequences} sequences")
-        return None if self._ids is None else self._ids[:B]
+        distinct, in [0, N))."""
+        self.cache.use_sequences(rows)
 
     def forward(self, seq_len: int, block_size: int) -> AttendFn:
         cache, plans = self.cache, {}
 
         def attend(attn, qkv, prologue=None, output=True):
             B = qkv.shape[0]
-            ids = self._ids_of(B)
-            self._forward_batch = B
             plan = plans.get(id(attn.backend))
             if plan is None or not plan.matches(cache, seq_len, block_size, attn.num_heads,
                                                 attn.scale, B):
                 plan = plans[id(attn.backend)] = attn.plan_for(cache, seq_len, block_size, B)
-                plan.prepare(ids)
+                plan.prepare()
             return attn(qkv, kv_cache=cache, seq_len=seq_len, causal_block_size=block_size,
                         plan=plan, prologue=prologue, output=output)
         return attend
@@ -205,18 +297,16 @@ class PagedKV(KVStore):
         def attend(attn, qkv):  # the prompt attends itself densely: P is rarely a block size
             kvs.append(qkv[0, :, attn.num_heads:])                        # [P, 2*H_kv, D]
             return attn(qkv)
-        return attend
+        return plain(attend)
 
     def commit_prompt(self) -> None:
-        """The prompt forward's K/V become the pinned prefix of every sequence in ``rows``."""
+        """The prompt forward's K/V become the pinned prefix of every sequence in use."""
         kvs, self._prompt = self._prompt, []
-        for i in self.rows:
-            one = None if self._ids is None else torch.tensor([i], device=self.cache.device)
-            stage_prompt(self.cache, kvs, self.cache.num_kv_heads, sequences=one)
+        stage_prompt(self.cache, kvs)
 
     def rewrite_prompt(self) -> None:
         """The prompt forward's K/V written over positions [0, P) of every sequence in
-        ``rows`` (their committed history stays): `CausalKVCache.write_range`, private
+        use (their committed history stays): `CausalKVCache.write_range`, private
         copies included, so the next forward sees the new prompt."""
         kvs, self._prompt = self._prompt, []
         Hkv = self.cache.num_kv_heads
@@ -225,54 +315,28 @@ class PagedKV(KVStore):
                 self.cache.write_range(layer, 0, kv[:, :Hkv], kv[:, Hkv:], sequence=i)
 
     def commit(self, n: int) -> None:
-        self.cache.commit(n, sequences=self._ids_of(self._forward_batch))
+        self.cache.commit(n)
 
     def after_replay(self, tokens: int) -> None:
-        self.cache.note_staged(tokens, sequences=self.rows)
-        self.cache.commit_mirror(tokens, sequences=self.rows)
+        self.cache.note_staged(tokens)
+        self.cache.commit_host(tokens)
 
     def reset(self) -> None:
         self._prompt = []
         self.cache.close()
         self.cache.open(self.geometry)
 
-    def reset_sequences(self, ids) -> None:
-        """Sequences ``ids`` (host ints) back to position 0, no prompt; the others keep
+    def reset_sequences(self, rows) -> None:
+        """Sequences ``rows`` (host ints) back to position 0, no prompt; the others keep
         their state."""
-        self.cache.reset_sequences(list(ids))
+        self.cache.reset_sequences(rows)
 
     def close(self) -> None:
         self.cache.shutdown()
 
-    def key_layout(self, attn, tokens, block_sizes, batch: int | None = None):
-        B = self.batch if batch is None else batch
-        plans = [attn.plan_for(self.cache, tokens, b, B) for b in block_sizes]
+    def key_layout(self, attn, tokens, block_sizes, batch: int = 1):
+        plans = [attn.plan_for(self.cache, tokens, b, batch) for b in block_sizes]
         return tuple(p.splits for p in plans), tuple(p.packed for p in plans)
-
-
-def stage_prompt(cache: CausalKVCache, kvs: list[torch.Tensor], num_kv_heads: int, *,
-                 sequences: torch.Tensor | None = None) -> None:
-    """Write the prompt's per-layer K/V ([P, 2*H_kv, D] each) at [0, P) and commit it.
-
-    A staged write needs a multiple of a declared block size, and the prompt length
-    rarely is one. So the prompt goes in pieces of at most max_staged_tokens, each
-    padded with zero rows to a multiple of the smallest declared block size, and only
-    the real rows are committed (into sequence 0, or the one ``sequences`` names): the padding rows sit at staged positions, which the
-    next forward overwrites before anything can see them.
-    """
-    g = cache.geometry
-    b = min(g.causal_block_sizes)
-    piece = g.max_staged_tokens // b * b
-    P = kvs[0].shape[0] if kvs else 0
-    for start in range(0, P, piece):
-        n = min(piece, P - start)
-        padded = -(-n // b) * b
-        for layer, kv in enumerate(kvs):
-            buf = kv.new_zeros(padded, *kv.shape[1:])                      # [padded, 2Hkv, D]
-            buf[:n] = kv[start:start + n]
-            cache.write_staged(layer, buf[:, :num_kv_heads], buf[:, num_kv_heads:], b,
-                               sequences=sequences)
-        cache.commit(n, sequences=sequences)
 
 
 class ReferenceKV(KVStore):
@@ -300,7 +364,7 @@ class ReferenceKV(KVStore):
             out = ref.attention(attn.layer_idx, qkv[0, :, :H], seq_len, block_size,
                                 scale=attn.scale)                            # [S, H, D] fp32
             return out.to(qkv.device, qkv.dtype)[None]
-        return attend
+        return plain(attend)
 
     def prompt_forward(self, prompt_tokens: int) -> AttendFn:
         check_prompt(self.geometry, prompt_tokens, self.reference.committed)
@@ -314,6 +378,29 @@ class ReferenceKV(KVStore):
 
     def reset(self) -> None:
         self.reference = ExactWindowReference(self.geometry, self.num_layers)
+
+
+def stage_prompt(cache: CausalKVCache, kvs: list[torch.Tensor]) -> None:
+    """Write a prompt's per-layer K/V ([P, 2*H_kv, D] each) at [0, P) of every sequence in
+    use of ``cache`` and commit it.
+
+    A staged write needs a multiple of a declared block size, and the prompt length
+    rarely is one: the prompt goes in pieces of at most max_staged_tokens, each padded
+    with zero rows to a multiple of the smallest declared block size, and only the real
+    rows are committed (the padding sits at staged positions, which the next forward
+    overwrites before anything can see them).
+    """
+    g, B, Hkv = cache.geometry, len(cache.sequences), cache.num_kv_heads
+    b = min(g.causal_block_sizes)
+    piece = g.max_staged_tokens // b * b
+    P = kvs[0].shape[0] if kvs else 0
+    for start in range(0, P, piece):
+        n = min(piece, P - start)
+        for layer, kv in enumerate(kvs):
+            buf = kv.new_zeros(B, -(-n // b) * b, *kv.shape[1:])           # [B, padded, 2Hkv, D]
+            buf[:, :n] = kv[start:start + n]
+            cache.write_staged(layer, buf[..., :Hkv, :], buf[..., Hkv:, :], b)
+        cache.commit(n)
 
 
 def check_prompt(geometry: Geometry, prompt_tokens: int, committed: int) -> None:

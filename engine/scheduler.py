@@ -1,26 +1,29 @@
 """`StreamScheduler`: streaming sessions on one batched pool, stepped together.
 
 A server keeps one session per client and one GPU for all of them. Here a session owns
-one sequence (a slot) of a `Rollout(preset, sequences=N, batch_sizes=...)` pool (or of
-a `WanRollout(..., sequences=N)`: ``rollout_factory``), and one loop steps every ready
-session at once::
+one sequence of a `ChunkRunner`'s pool (a `Rollout(preset, sequences=N, batch_sizes=...)`
+by default, or any runner ``runner_factory`` builds: a `WanRollout`), and one loop
+steps every ready session at once::
 
     ready = active, not paused, budget left, fewer than queue_chunks chunks undelivered
     B     = the smallest captured batch size >= len(ready)   (1, 2, 4, ... max_sessions)
-    rows  = the ready sessions' slots, then B - len(ready) scratch sequences (idle rows:
-            computed, dropped; they belong to no session)
-    one `Rollout.step_rows` = one whole-chunk graph replay for all B rows
+    rows  = the ready sessions' sequences, then B - len(ready) scratch sequences (idle
+            rows: computed, dropped; they belong to no session)
+    one `ChunkRunner.step_rows` = one whole-chunk graph replay for all B rows
 
-Every graph is captured when the scheduler is built (the warm-up path, ``cache_dir``
-honoured); sessions join (a free slot is reset and prefilled) and leave between steps
-without a capture. A consumer that does not fetch its chunks fills its bounded queue
-and only its session pauses. A step that raises fails the sessions in it (each keeps
-the error message; their slots and the scratch rows are reset) and the loop goes on
-with the others.
+The scheduler uses the runner through its interface alone: ``capture``,
+``prefill_rows`` (a sequence started over under a prompt, or its prompt changed under
+way), ``step_rows``, ``stats``, ``close`` and the shapes. Every graph is captured when
+the scheduler is built (the warm-up path, ``cache_dir`` honoured); sessions join (a
+free sequence started over) and leave between steps without a capture. A consumer that
+does not fetch its chunks fills its bounded queue and only its session pauses. A step
+that raises fails the sessions in it (each keeps the error message; their sequences
+and the scratch rows start over) and the loop goes on with the others.
 
-Chunk i of a session starts from `session_noise(seed, i)`, so a session's stream is a
+Chunk i of a session starts from `chunk_noise(seed, i)`, so a session's stream is a
 function of its seed and prompt alone: the same seed run alone gives the same latents.
-No web imports here: `framekv.tools.serve` puts HTTP and WebSockets around it.
+No web imports here: `framekv.tools.serve` puts HTTP and WebSockets around it, and
+reads the server's metrics through `StreamScheduler.metrics`.
 """
 from __future__ import annotations
 
@@ -34,18 +37,18 @@ from dataclasses import dataclass, field
 import torch
 
 from .rollout import Rollout
+from .runner import ChunkRunner, chunk_noise
 
 
 class SchedulerFull(Exception):
-    """Every session slot is taken."""
+    """Every session sequence is taken."""
 
 
 @dataclass
 class SessionChunk:
-    """One finished chunk of a session: index, first frame, latents fp32 (host memory,
-    the rollout's ``chunk_shape``: [F, C, H, W] for the reference model, [C, F, H, W]
-    for Wan), seconds of the batched step that made it, its batch size, how many prompt
-    changes the session had had when it was made, and its frames."""
+    """One finished chunk of a session: index, first frame, latents fp32 [C, F, H, W]
+    (host memory), seconds of the batched step that made it, its batch size, how many
+    prompt changes the session had had when it was made, and its frames."""
 
     index: int
     frame0: int
@@ -58,14 +61,14 @@ class SessionChunk:
 
 @dataclass
 class Session:
-    """A client's stream: its slot of the pool, its position, its undelivered chunks.
+    """A client's stream: its sequence of the pool, its position, its undelivered chunks.
 
     ``state``: "active", "done" (its chunk budget is spent), "failed" (``error`` says
     why) or "closed". ``paused``: the client asked for a pause.
     """
 
     id: str
-    slot: int
+    sequence: int
     seed: int
     budget: int | None
     chunks: int = 0
@@ -82,12 +85,6 @@ class Session:
         return self.state != "active"
 
 
-def session_noise(seed: int, index: int, shape) -> torch.Tensor:
-    """The starting noise of chunk ``index`` of a session of ``seed`` (CPU, fp32)."""
-    gen = torch.Generator().manual_seed((int(seed) << 24) + int(index))
-    return torch.randn(*shape, generator=gen)
-
-
 def default_batch_sizes(max_sessions: int) -> tuple[int, ...]:
     """Powers of two below ``max_sessions``, and ``max_sessions``."""
     sizes, b = [], 1
@@ -102,20 +99,18 @@ class StreamScheduler:
 
     Args:
         preset: the rollout preset of the reference model (a name, path or `Preset`).
-        max_sessions: session slots; beyond them `open_session` raises `SchedulerFull`.
+        max_sessions: sessions at once; beyond them `open_session` raises `SchedulerFull`.
         device, backend, cache_dir, use_graphs: as for `Rollout`.
         queue_chunks: undelivered chunks a session may hold before it pauses.
         batch_sizes: the batch sizes captured (default `default_batch_sizes`).
-        rollout_factory: instead of the preset's `Rollout`, a callable
-            ``(sequences=N, batch_sizes=sizes) -> rollout`` (e.g. a `WanRollout`
-            partial): anything with `Rollout`'s ``step_rows``, ``prefill_rows``,
-            ``capture``, ``chunk_shape``, ``frames_per_chunk``, ``prompt_shape``,
-            ``kv``, ``graphs``, ``close``.
+        runner_factory: instead of the preset's `Rollout`, a callable
+            ``(sequences=N, batch_sizes=sizes) -> ChunkRunner`` (e.g. a `WanRollout`
+            partial).
     """
 
     def __init__(self, preset="tiny", *, max_sessions: int = 8, device=None, backend=None,
                  cache_dir=None, use_graphs: bool = True, queue_chunks: int = 4,
-                 batch_sizes=None, progress: bool = False, rollout_factory=None):
+                 batch_sizes=None, progress: bool = False, runner_factory=None):
         for name, v in (("max_sessions", max_sessions), ("queue_chunks", queue_chunks)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -124,30 +119,32 @@ class StreamScheduler:
             raise ValueError(f"batch_sizes must reach max_sessions={max_sessions}, got {sizes}")
         scratch = max(min(b for b in sizes if b >= k) - k for k in range(1, max_sessions + 1))
         self.max_sessions, self.queue_chunks, self.batch_sizes = max_sessions, queue_chunks, sizes
-        make = rollout_factory or functools.partial(
+        make = runner_factory or functools.partial(
             Rollout, preset, device, backend=backend, cache_dir=cache_dir, use_graphs=use_graphs)
-        self.rollout = make(sequences=max_sessions + scratch, batch_sizes=sizes)
-        use_graphs = self.rollout.use_graphs
-        self.report = self.rollout.capture(progress=progress) if use_graphs else None
-        self.rollout.prefill_rows(range(max_sessions + scratch))
-        self.rollout.prefilled = True
+        self.runner: ChunkRunner = make(sequences=max_sessions + scratch, batch_sizes=sizes)
+        if not isinstance(self.runner, ChunkRunner):
+            raise ValueError(f"runner_factory must build a ChunkRunner, got "
+                             f"{type(self.runner).__name__}")
+        self.report = self.runner.capture(progress=progress) if self.runner.use_graphs else None
+        self.runner.prefill_rows(range(max_sessions + scratch))
         self._scratch = list(range(max_sessions, max_sessions + scratch))
         self._free = list(range(max_sessions))
         self.sessions: dict[str, Session] = {}
-        self.lock = threading.RLock()       # sessions and the rollout
+        self.lock = threading.RLock()       # sessions and the runner
         self.ready = threading.Condition(self.lock)
-        self.metrics = {"steps": 0, "chunks": 0, "failed_steps": 0, "step_seconds": []}
-        #: one chunk of a session (the rollout's layout); prompt: [L, text_dim]
-        self.chunk_shape = tuple(self.rollout.chunk_shape)
-        self.frames_per_chunk = self.rollout.frames_per_chunk
-        self.prompt_shape = tuple(self.rollout.prompt_shape)
+        self._counts = {"steps": 0, "chunks": 0, "failed_steps": 0}
+        self._step_seconds: list[float] = []
+        #: one chunk of a session, [C, F, H, W]; prompt: [L, text_dim]
+        self.chunk_shape = tuple(self.runner.chunk_shape)
+        self.frames_per_chunk = self.runner.frames_per_chunk
+        self.prompt_shape = tuple(self.runner.prompt_shape)
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, *, seed: int, prompt: torch.Tensor | None = None,
                      chunks: int | None = None) -> Session:
         """A new session at position 0 (``prompt``: `prompt_shape`, default the
-        rollout's; ``chunks``: a budget, None for open-ended). Raises `SchedulerFull`
-        when every slot is taken, ValueError for a bad argument."""
+        runner's; ``chunks``: a budget, None for open-ended). Raises `SchedulerFull`
+        when every sequence is taken, ValueError for a bad argument."""
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
             raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
         if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
@@ -155,25 +152,25 @@ class StreamScheduler:
             raise ValueError(f"chunks must be None or an integer >= 1, got {chunks!r}")
         with self.lock:
             if not self._free:
-                raise SchedulerFull(f"all {self.max_sessions} session slots are taken")
-            slot = self._free.pop(0)
+                raise SchedulerFull(f"all {self.max_sessions} session sequences are taken")
+            seq = self._free.pop(0)
             try:
-                self._restart([slot], prompt)
+                self.runner.prefill_rows([seq], prompt)
             except BaseException:
-                self._free.insert(0, slot)
+                self._free.insert(0, seq)
                 raise
-            s = Session(secrets.token_urlsafe(18), slot, seed, chunks)
+            s = Session(secrets.token_urlsafe(18), seq, seed, chunks)
             self.sessions[s.id] = s
             self.ready.notify_all()
             return s
 
     def close_session(self, session_id: str) -> None:
-        """End a session and free its slot (unknown ids: KeyError)."""
+        """End a session and free its sequence (unknown ids: KeyError)."""
         with self.lock:
             s = self.sessions.pop(session_id)
             if s.state == "active":
                 s.state = "closed"
-            self._free.append(s.slot)
+            self._free.append(s.sequence)
             self.ready.notify_all()
 
     def set_prompt(self, session_id: str, prompt: torch.Tensor) -> None:
@@ -182,7 +179,7 @@ class StreamScheduler:
         Wan: the visible frames' K/V recomputed by clean passes)."""
         with self.lock:
             s = self.sessions[session_id]
-            self.rollout.prefill_rows([s.slot], prompt, rewrite=True)
+            self.runner.prefill_rows([s.sequence], prompt, rewrite=True)
             s.prompt_version += 1
 
     def pause(self, session_id: str, paused: bool = True) -> None:
@@ -190,10 +187,6 @@ class StreamScheduler:
         with self.lock:
             self.sessions[session_id].paused = paused
             self.ready.notify_all()
-
-    def _restart(self, slots, prompt=None) -> None:
-        self.rollout.kv.reset_sequences(slots)
-        self.rollout.prefill_rows(slots, prompt)
 
     # ------------------------------------------------------------------ steps
     def _ready(self) -> list[Session]:
@@ -208,13 +201,13 @@ class StreamScheduler:
             if not batch:
                 return 0
             B = min(b for b in self.batch_sizes if b >= len(batch))
-            rows = [s.slot for s in batch] + self._scratch[:B - len(batch)]
-            noise = torch.stack([session_noise(s.seed, s.chunks, self.chunk_shape) for s in batch]
+            rows = [s.sequence for s in batch] + self._scratch[:B - len(batch)]
+            noise = torch.stack([chunk_noise(s.seed, s.chunks, self.chunk_shape) for s in batch]
                                 + [torch.zeros(self.chunk_shape)] * (B - len(batch)))
             frame0 = torch.tensor([s.frames for s in batch] + [0] * (B - len(batch)))
             t0 = time.perf_counter()
             try:
-                out = self.rollout.step_rows(rows, noise, frame0).cpu()
+                out = self.runner.step_rows(rows, noise, frame0).cpu()
             except Exception as exc:  # the sessions of this step fail, the others go on
                 self._fail(batch, f"{type(exc).__name__}: {exc}")
                 return 0
@@ -226,18 +219,28 @@ class StreamScheduler:
                 s.frames += self.frames_per_chunk
                 if s.budget is not None and s.chunks >= s.budget:
                     s.state = "done"
-            self.metrics["steps"] += 1
-            self.metrics["chunks"] += len(batch)
-            self.metrics["step_seconds"].append(seconds)
+            self._counts["steps"] += 1
+            self._counts["chunks"] += len(batch)
+            self._step_seconds.append(seconds)
             self.ready.notify_all()
             return len(batch)
 
+    def metrics(self) -> dict:
+        """A snapshot for a server's metrics: sessions open and allowed, steps, chunks,
+        failed steps, the seconds of every step, the runner's device and its
+        `ChunkRunner.stats` (graph replays and captures, pool bytes)."""
+        with self.lock:
+            return {"sessions": len(self.sessions), "max_sessions": self.max_sessions,
+                    "device": str(self.runner.device),
+                    **self._counts, "step_seconds": list(self._step_seconds),
+                    **self.runner.stats()}
+
     def _fail(self, batch: list[Session], message: str) -> None:
-        self.metrics["failed_steps"] += 1
+        self._counts["failed_steps"] += 1
         for s in batch:
             s.state, s.error = "failed", message
         # A step that failed part way may have moved these sequences: start them over.
-        self._restart([s.slot for s in batch] + self._scratch)
+        self.runner.prefill_rows([s.sequence for s in batch] + self._scratch)
         self.ready.notify_all()
 
     def next_chunk(self, session_id: str, timeout: float | None = None) -> SessionChunk | None:
@@ -271,4 +274,4 @@ class StreamScheduler:
     def close(self) -> None:
         """Free the pool and the graphs."""
         with self.lock:
-            self.rollout.close()
+            self.runner.close()

@@ -3,15 +3,15 @@ fp32 exact-window reference, for users' test suites and ``framekv verify``.
 
 ::
 
-    from framekv.engine.rollout import verify_rollout
+    from framekv.engine import verify_rollout
 
     def test_my_preset():
         verify_rollout("my-preset.toml", chunks=8).assert_ok()
 
 Three comparisons per rollout:
 
-1. attention, per layer and per forward: the eager rollout runs with a recorder on the
-   model; every attention's packed Q/K/V goes into an `ExactWindowReference` (the K/V
+1. attention, per layer and per forward: the eager rollout runs with an attention
+   recorder (`ChunkRunner.attention_recorder`); every attention's packed Q/K/V goes into an `ExactWindowReference` (the K/V
    at the positions the cache staged them) and the cache's output is compared with
    the reference's fp32 attention over exactly V(j);
 2. graph replay: a second rollout with graphs on (replays on CUDA; eager calls on CPU,
@@ -172,18 +172,15 @@ def verify_rollout(preset="tiny", *, chunks: int | None = None, device=None, bac
                           rspec.chunks, tol, graphs_eager=eager.device.type != "cuda", glue=glue)
     reference = ExactWindowReference(eager.geometry, mspec.num_layers)
     recorder = _AttentionRecorder(reference, mspec.num_layers, rspec.denoising_steps)
-    eager.model.recorder = recorder
-    try:
-        eager.prefill()
-        if rspec.prompt_tokens:
-            reference.commit(rspec.prompt_tokens)
-        expected = []
-        for _ in range(rspec.chunks):
-            recorder.start_chunk()
-            expected.append(eager.step())
-            reference.commit(expected[-1].shape[0] * rspec.tokens_per_frame)
-    finally:
-        eager.model.recorder = None
+    eager.attention_recorder = recorder
+    eager.prefill()
+    if rspec.prompt_tokens:
+        reference.commit(rspec.prompt_tokens)
+    expected = []
+    for _ in range(rspec.chunks):
+        recorder.start_chunk()
+        expected.append(eager.step())
+        reference.commit(expected[-1].shape[2] * rspec.tokens_per_frame)
     report.attention_errors = {k: recorder.errors[k]
                                for k in ["prefill", *recorder.labels] if k in recorder.errors}
     eager.close()

@@ -19,14 +19,14 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     preset = load_preset("tiny")
-    geometry, kv = preset.geometry(), preset.kv_spec()
+    geometry, m = preset.geometry(), preset.model
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
-    cache = CausalKVCache(num_layers=1, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-                          dtype=dtype, tokens_per_page=kv.tokens_per_page, device=args.device,
-                          pool_tokens=CausalKVCache.pool_tokens_for(geometry, kv.tokens_per_page))
+    cache = CausalKVCache(num_layers=1, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                          dtype=dtype, tokens_per_page=m.tokens_per_page, device=args.device,
+                          pool_tokens=CausalKVCache.pool_tokens_for(geometry, m.tokens_per_page))
     cache.open(geometry)
-    H, Hkv, D = preset.model.num_heads, kv.num_kv_heads, kv.head_dim
+    H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
     attn = CachedAttention(H, Hkv, D, backend="cudnn" if cuda else "reference", layer_idx=0)
     ref = ExactWindowReference(geometry, 1)
     chunk, frame = preset.rollout.chunk_tokens, preset.rollout.tokens_per_frame

@@ -1,8 +1,9 @@
 """Embedding framekv's scheduler in your own app: sessions on one batched pool.
 
-    python examples/streaming.py [--device cpu|cuda]
+    python examples/streaming.py [--device cpu|cuda] [--model reference|wan-diffusers]
 
-Three clients stream at once; one GPU loop steps them together as one batch.
+Three clients stream at once; one GPU loop steps them together as one batch. Both models
+hand out chunks in one layout: latents [C, F, H, W].
 """
 import argparse
 import threading
@@ -11,22 +12,25 @@ from framekv.engine.scheduler import StreamScheduler
 
 p = argparse.ArgumentParser()
 p.add_argument("--device", default=None)
-p.add_argument("--preset", default="tiny")
+p.add_argument("--model", choices=("reference", "wan-diffusers"), default="reference")
 args = p.parse_args()
+factory = None
+if args.model == "wan-diffusers":  # diffusers' Wan transformer: tiny config, random weights
+    from framekv.engine import WanRollout
 
-sched = StreamScheduler(args.preset, max_sessions=4, device=args.device)  # captures here
+    factory = lambda **kw: WanRollout.from_config("tiny", device=args.device, **kw)  # noqa: E731
+sched = StreamScheduler("tiny", max_sessions=4, device=args.device, runner_factory=factory)
 stop = threading.Event()
 loop = threading.Thread(target=sched.run, args=(stop,))
-loop.start()
-
+loop.start()                                                 # the GPU loop
 sessions = [sched.open_session(seed=seed, chunks=3) for seed in (1, 2, 3)]
 for s in sessions:
     while (chunk := sched.next_chunk(s.id, timeout=60)) is not None:
-        print(f"session {s.seed}: chunk {chunk.index}, frames {chunk.frame0}.."
-              f"{chunk.frame0 + chunk.latents.shape[0] - 1}, batch of {chunk.batch}")
+        C, F, H, W = chunk.latents.shape
+        print(f"session {s.seed}: chunk {chunk.index}, frames {chunk.frame0}..{chunk.frame0 + F - 1}"
+              f" of {C}x{H}x{W}, batch of {chunk.batch}")
     print(f"session {s.seed}: {s.state}")
     sched.close_session(s.id)
-
 stop.set()
 loop.join()
 sched.close()

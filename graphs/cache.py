@@ -3,8 +3,11 @@
 On a CUDA device a key's callable is warmed up with a few eager calls on a side stream
 (as ``torch.cuda.make_graphed_callables`` does: lazy library initialisation, cuDNN plan
 builds and kernel compilation must not happen inside a capture), then captured on that
-stream into one memory pool shared by every graph of the cache, then replayed. On CPU
-the same API calls the callable eagerly every time, so CPU code paths are the same.
+stream into one memory pool shared by every graph of the cache, its memset nodes
+turned into kernel nodes before it is instantiated (`framekv.graphs.rewrite`: memset
+nodes make a launch's host cost grow several times faster with the node count), then
+replayed. On CPU the same API calls the callable eagerly every time, so CPU code paths
+are the same.
 
 State effects, the contract callers must know:
 
@@ -15,7 +18,7 @@ State effects, the contract callers must know:
 * The capture call runs the callable's Python once: its host effects happen (a cache
   mirror advances), its device work does not.
 * A replay runs no Python: host bookkeeping goes in ``after_replay`` (e.g. a cache's
-  ``note_staged`` / ``commit_mirror``), called after every graph replay. An eager call
+  ``note_staged`` / ``commit_host``), called after every graph replay. An eager call
   (CPU) runs the callable's own Python, so no hook is called.
 * Static outputs are rewritten by each replay and may share pool memory with other
   graphs' temporaries: read or copy them before replaying any other graph of the
@@ -29,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping
 import msgspec
 import torch
 
-from .capture import default_generator_offset, end_failed_capture, instantiate, new_graph
+from .capture import end_failed_capture, instantiate, new_graph
 from .captured import CapturedGraph, GraphCaptureError, static_copy
 from .keys import GraphKey, TensorSpec, input_specs
 from .warmup import WarmupReport, run_warmup
@@ -80,26 +83,18 @@ class GraphCache:
             (ValueError naming it) and that no static buffer moved (RuntimeError).
             Shape and dtype of given inputs are checked always.
         warmup_iters: eager calls before each capture (default 2).
-        shared_pool: capture every graph into one pool (True), or each into its own.
-        kernel_only: turn the memset nodes of each captured graph into kernel nodes
-            before it is instantiated (`framekv.graphs.rewrite`): memset nodes make
-            a launch's host cost grow several times faster with the node count.
-        direct_launch: replays of a graph that draws no random numbers launch its
-            executable directly, skipping torch's generator prologue; the first
-            replays go through torch to find out (`framekv.graphs.resident.direct`).
-            Default: every replay is torch's ``CUDAGraph.replay``.
+
+    Every graph is captured into the cache's one pool, its memset nodes turned into
+    kernel nodes before instantiation; every replay is torch's ``CUDAGraph.replay``.
     """
 
-    def __init__(self, device, *, debug: bool = False, warmup_iters: int = 2,
-                 shared_pool: bool = True, kernel_only: bool = True,
-                 direct_launch: bool = False):
+    def __init__(self, device, *, debug: bool = False, warmup_iters: int = 2):
         from framekv.ops.device import resolve_device  # the one device check
 
         self.device = resolve_device(device)
         if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
             raise ValueError(f"warmup_iters must be an integer >= 0, got {warmup_iters!r}")
-        self.debug, self.warmup_iters, self.shared_pool = debug, warmup_iters, shared_pool
-        self.kernel_only, self.direct_launch = kernel_only, direct_launch
+        self.debug, self.warmup_iters = debug, warmup_iters
         self._entries: dict[GraphKey, CapturedGraph] = {}
         self._pool = None  # torch.cuda.graph_pool_handle(), made at the first capture
         self._side: torch.cuda.Stream | None = None
@@ -139,7 +134,7 @@ class GraphCache:
 
     def load(self, key: GraphKey, inputs: Mapping[str, torch.Tensor]) -> None:
         """Copy ``inputs`` into the key's static input buffers (as `replay` does),
-        checking names, shapes and dtypes; for a run submitted without a replay."""
+        checking names, shapes and dtypes, without replaying."""
         self._entry(key).load(inputs)
 
     def get_static_outputs(self, key: GraphKey) -> Any:
@@ -147,15 +142,10 @@ class GraphCache:
         return self._entry(key).static_outputs
 
     def drop(self, key: GraphKey) -> None:
-        """Forget a key's graph (its pool memory stays for later captures); a resident
-        runner of it is closed first (its submitted runs finish)."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return
-        if entry.resident is not None:
-            entry.resident.close()
-        del self._entries[key]
-        self._dropped_hits += entry.hits
+        """Forget a key's graph (its pool memory stays for later captures)."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._dropped_hits += entry.hits
 
     def clear(self) -> None:
         """Forget every graph."""
@@ -187,13 +177,7 @@ class GraphCache:
         iters = self.warmup_iters if warmup is None else warmup
         start = time.perf_counter()
         try:
-            offset = None if self.eager else default_generator_offset(self.device)
             self._warm_up(key, warmup_fn or fn, static, iters)
-            if offset is not None and iters and warmup_fn is None:
-                # The warm-up calls are the captured callable run eagerly: if they moved
-                # the generator, every replay draws numbers (a busy other thread drawing
-                # meanwhile only makes this err on the side of "draws").
-                entry.draws_random = default_generator_offset(self.device) != offset
             if not self.eager:
                 self._record(entry, fn)
         except GraphCaptureError:
@@ -254,23 +238,17 @@ class GraphCache:
                 raise GraphCaptureError(f"capture of {entry.key.summary()} failed: {exc}") from exc
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
-        entry.memsets_replaced = instantiate(graph, self.kernel_only, dev.index)
+        entry.memsets_replaced = instantiate(graph, rewrite=True, device_index=dev.index)
         try:
             entry.set_captured(graph, outputs, dev)
         except ValueError as exc:
             raise GraphCaptureError(f"capture of {entry.key.summary()}: {exc}") from exc
-        if self.direct_launch:
-            from .resident import RngProbe  # opt-in: not imported by the default path
-
-            entry.launcher = RngProbe()
         entry.allocated_bytes = torch.cuda.memory_allocated(dev) - alloc0
         entry.reserved_bytes = torch.cuda.memory_reserved(dev) - reserved0
 
     def _pool_handle(self):
-        """The pool to capture into; a fresh one per capture unless shared (an explicit
-        id either way, so that a failed capture's pool can be named in the cleanup)."""
-        if not self.shared_pool:
-            return torch.cuda.graph_pool_handle()
+        """The shared pool to capture into (an explicit id, so that a failed capture's
+        pool can be named in the cleanup)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
@@ -288,8 +266,7 @@ class GraphCache:
         captures go to a fresh shared pool; graphs already captured keep theirs.
         """
         end_failed_capture(graph, self.device, pool)
-        if self.shared_pool:
-            self._pool = None
+        self._pool = None
 
     def _abandon(self, key: GraphKey) -> None:
         """An eager entry's first call failed: forget it, as a failed capture would be."""
@@ -313,26 +290,6 @@ class GraphCache:
                                  warmup_fn=warmup_fn)
             return entry.replay()  # the static inputs already hold ``inputs``
         return entry.replay(inputs, after_replay=after_replay)
-
-    def resident(self, key: GraphKey, *, idle_timeout_s: float = 0.05):
-        """A `ResidentGraph` running ``key``'s graph: each run is submitted by one host
-        store to a loop kept on the device (`framekv.graphs.resident`); on CPU its
-        submits call the entry eagerly. One per key at a time; `drop` and `clear`
-        close it. While it is open the key's replays raise RuntimeError, and no other
-        graph of this cache may run while its runs are in flight (they share the pool).
-
-        Raises:
-            KeyError: ``key`` was not captured.
-            ValueError: the key already has an open resident runner, or its graph is
-                known to draw random numbers.
-        """
-        entry = self._entry(key)
-        if entry.resident is not None and not entry.resident.closed:
-            raise ValueError(f"{key.summary()} already has an open ResidentGraph; close it first")
-        from .resident import ResidentGraph  # opt-in: not imported by the default path
-
-        entry.resident = ResidentGraph(entry, idle_timeout_s=idle_timeout_s)
-        return entry.resident
 
     # ------------------------------------------------------------------ warm-up, stats
     def warmup(self, requests: Iterable, builder: Callable | None = None, *,

@@ -17,15 +17,16 @@ def new_graph() -> torch.cuda.CUDAGraph:
         return torch.cuda.CUDAGraph()
 
 
-def instantiate(graph: torch.cuda.CUDAGraph, kernel_only: bool, device_index: int) -> int:
-    """Rewrite memset nodes (when asked and the graph was kept), then instantiate;
-    returns how many memset nodes became kernel nodes."""
+def instantiate(graph: torch.cuda.CUDAGraph, rewrite: bool, device_index: int) -> int:
+    """Rewrite memset nodes into kernel nodes (when ``rewrite`` and the graph was kept),
+    then instantiate; returns how many memset nodes became kernel nodes. `GraphCache`
+    always rewrites; ``rewrite=False`` keeps a graph as captured (to compare)."""
     try:
         graph.raw_cuda_graph()
     except (RuntimeError, AttributeError):  # instantiated at capture end already
         return 0
     replaced = 0
-    if kernel_only:
+    if rewrite:
         from .rewrite import replace_memsets
 
         try:
@@ -64,11 +65,3 @@ def end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) 
     except Exception:
         pass
 
-
-def default_generator_offset(device: torch.device | None) -> int | None:
-    """The default CUDA generator's Philox offset on ``device`` (None if unreadable)."""
-    try:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return int(torch.cuda.default_generators[index].get_offset())
-    except (AttributeError, IndexError, RuntimeError):
-        return None

@@ -1,12 +1,8 @@
 """One captured graph: its static buffers, its replay, the debug checks.
 
 `GraphCache` builds these; callers may keep the handle `GraphCache.capture` returns
-and call `CapturedGraph.replay` in a hot loop (it skips the key lookup).
-
-A replay launches the graph through the entry's launcher slot, ``launcher``: None is
-torch's ``CUDAGraph.replay``, and other ways of running the graph
-(`framekv.graphs.resident`) install their own there: a direct launch of the
-executable (opt-in), or a guard that refuses replays while the graph runs resident.
+and call `CapturedGraph.replay` in a hot loop (it skips the key lookup). A replay is
+torch's ``CUDAGraph.replay`` of the instantiated graph.
 """
 from __future__ import annotations
 
@@ -67,15 +63,7 @@ class CapturedGraph:
             call); rewritten by every replay.
         graph: the ``torch.cuda.CUDAGraph``, or None when running eagerly.
         hits: replays (eager calls on CPU).
-        launcher: how a replay launches the graph: None for torch's
-            ``CUDAGraph.replay``, else a callable taking this entry (see the module doc).
-        direct_launch: whether replays now skip torch's replay prologue: set by an
-            opt-in direct launcher once a replay showed the graph draws no random
-            numbers (`framekv.graphs.resident.direct`).
-        draws_random: whether the graph draws random numbers (torch advances the
-            generator in its replay prologue): set at capture from whether its eager
-            warm-up calls moved the default generator, or by a probing launcher; None
-            while unknown (no warm-up call, a separate ``warmup_fn``, CPU).
+        memsets_replaced: memset nodes turned into kernel nodes before instantiation.
         capture_seconds, allocated_bytes, reserved_bytes: capture cost; the byte
             counts are the growth of torch's allocated / reserved memory during capture.
     """
@@ -97,12 +85,6 @@ class CapturedGraph:
         self.allocated_bytes = self.reserved_bytes = 0
         self.memsets_replaced = 0  # memset nodes turned into kernel nodes at capture
         self._graph_device: torch.device | None = None
-        self.launcher: Callable[[CapturedGraph], None] | None = None
-        self.direct_launch = False
-        self.draws_random: bool | None = None
-        #: The `ResidentGraph` the cache opened for this graph, if any (`GraphCache`
-        #: keeps one open per key and closes it on `drop`).
-        self.resident = None
         self._remember_addresses()
 
     @property
@@ -136,8 +118,7 @@ class CapturedGraph:
         An eager call runs the callable's Python itself and calls no hook.
 
         The outputs are the static buffers: valid until the next replay of any graph
-        sharing the memory pool (copy out what you keep). RuntimeError while an open
-        `ResidentGraph` runs this graph.
+        sharing the memory pool (copy out what you keep).
         """
         if inputs:
             self.load(inputs)
@@ -145,11 +126,7 @@ class CapturedGraph:
             self.check_addresses()
         if self.graph is None:
             return self._call_eagerly()
-        launch = self.launcher
-        if launch is None:
-            self.graph.replay()
-        else:
-            launch(self)  # a resident runner's guard raises RuntimeError here
+        self.graph.replay()
         self.hits += 1
         hook = after_replay if after_replay is not None else self.after_replay
         if hook is not None:

@@ -18,7 +18,7 @@ on another, comparing outputs after each step, and reports the first mismatch::
 
 For a rollout over a `CausalKVCache`, the step does the forwards and ``cache.commit``;
 ``after_replay(state, key)`` advances the host mirror a replay skips
-(``note_staged``/``commit_mirror``) and ``reset(state)`` reopens the geometry after
+(``note_staged``/``commit_host``) and ``reset(state)`` reopens the geometry after
 capture (capturing runs the step's Python once, which moves the mirror).
 
 Order of events: ``make_state()`` is called for the eager side, then the graph side,

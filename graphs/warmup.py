@@ -138,7 +138,7 @@ class _Progress:
 
 
 def format_report(report: WarmupReport) -> str:
-    """A text table of a warm-up report, one row per plan item, totals last."""
+    """A text table of a warm-up report, one row per request, totals last."""
     head = ("tokens", "program", "status", "seconds", "reserved MiB", "key")
     rows = [(str(r.tokens), r.program, r.status, f"{r.capture_seconds:.3f}",
              f"{r.reserved_bytes / 2**20:.1f}", r.key) for r in report.records]

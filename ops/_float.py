@@ -153,7 +153,7 @@ else:
     def f32_to_bf16_ir(builder, value):
         """LLVM IR: a float rounded to bf16 bits (i16), nearest even as torch rounds;
         NaN becomes 0x7FC0. The rounding is the hardware's ``cvt.rn.bf16.f32`` (sm_80+):
-        one instruction where the same rounding on the bits took six, in kernels that
+        one instruction where the same rounding on the bits needs six, in kernels that
         are bound by the instructions they issue; it rounds every non-NaN value exactly
         as the bit formula ``(b + 0x7FFF + ((b >> 16) & 1)) >> 16`` does."""
         cvt = ir.InlineAsm(ir.FunctionType(_I16, [_F32]), "cvt.rn.bf16.f32 $0, $1;", "=h,f")

@@ -5,8 +5,9 @@
 of the segment. On the GPU it is a butterfly of warp shuffles (``size`` dividing the
 warp, so every lane of a warp takes the same shuffles: the caller passes a size that
 is uniform over the block); every lane ends with the same bits (each step adds the
-same two values in either order). A serial loop over shared memory here cost 85 us
-of a 130 us LayerNorm at 9360 rows of 1536 on the H200; the shuffles 0.
+same two values in either order). Shuffles, not a serial loop over shared memory: in
+a LayerNorm of one row per CTA such a loop costs more than the rest of the kernel
+together, the shuffles next to nothing (docs/benchmarks.md).
 
 Under numba's CUDA simulator, which has no shuffles, the same sum goes through
 ``part`` (a shared array of one float per thread) between two barriers, in a fixed
@@ -17,9 +18,10 @@ Sums may differ from the GPU's in the last bit (another order), never run to run
 ``w0 .. w1 - 1`` that hold thread t (a group of a block, or all of it), returned to
 each of their lanes: each warp's `segment_total` goes to ``runs[warp]``, one barrier,
 then lane k of every warp takes warp ``w0 + k``'s sum and one more butterfly adds them
-(a fixed order; a serial loop over the warps' sums cost each thread ~20 instructions a
-warp in kernels bound by the instructions they issue). Every thread of the block calls
-it; ``runs`` holds one float per warp and serves one sum.
+(a fixed order; a serial loop over the warps' sums would cost every thread
+instructions in proportion to the warps, in kernels bound by the instructions they
+issue). Every thread of the block calls it; ``runs`` holds one float per warp and
+serves one sum.
 """
 from __future__ import annotations
 

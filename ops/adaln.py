@@ -34,25 +34,22 @@ modulated output is written from registers. With
 the norm switched off the same kernel is the gated residual. The grid has one CTA per
 row and no grid-stride loop: around such a loop the compiler keeps every hoisted
 address live (255 registers and spills; 40 without it, with the row's index math done
-by `_float.quotient`, so eight 192-thread CTAs fit an SM). Nothing syncs with the host
-or allocates on the bound path, so launches are graph-capturable.
+by `_float.quotient`, so eight 192-thread CTAs fit an SM). Nothing in a launch syncs
+with the host or allocates, so launches are graph-capturable.
 
-The kernel is bound by the instructions it issues, not by memory (Nsight Compute on the
-H200: 78% of the SM's issue rate, 9% of DRAM bandwidth), so its code avoids what numba
-makes expensive: each tensor's row is a 1-D view taken once with unsigned indices (no
-per-access 3-D stride products, no wraparound of negative indices), the vector accesses
-step the last dimension by the element size, bf16 rounds in one hardware instruction,
-and the warps' sums meet in a butterfly instead of a serial loop. The kernel is
-compiled once per configuration (`_kernel`: which tensors are real, the vector path, N
-and the block width as constants), so absent factors cost no branch and the loops step
-by immediates (1,503 PTX instructions generic, 252 to 620 specialised); a model uses
-two or three. On the H200 at B = 1, S = 4680, N = 1536 (bf16) these steps took the call
-from 32.9 to 14.6 us (norm and modulation), 44.2 to 21.4 us (with the gated residual)
-and 16.9 to 9.6 us (gated residual alone); a `copy_` of the row bytes takes 5.2 us.
+The kernel is bound by the instructions it issues, not by memory (its profile is in
+docs/benchmarks.md), so its code avoids what numba makes expensive: each tensor's row
+is a 1-D view taken once with unsigned indices (no per-access 3-D stride products, no
+wraparound of negative indices), the vector accesses step the last dimension by the
+element size, bf16 rounds in one hardware instruction, and the warps' sums meet in a
+butterfly instead of a serial loop. The kernel is compiled once per configuration
+(`_kernel`: which tensors are real, the vector path, N and the block width as
+constants), so absent factors cost no branch and the loops step by immediates; a model
+uses two or three configurations, one compile each.
 
 One file: one op pair, as every op of this package is (kernel, references, validating
-wrappers, custom ops, bound launchers); its length is the checks of eight optional
-tensors and the kernel's three passes.
+wrappers, custom ops); its length is the checks of eight optional tensors and the
+kernel's three passes.
 """
 from __future__ import annotations
 
@@ -75,9 +72,8 @@ from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, t
 from ._reduce import WARP, warps_total
 from ._validate import check_last_dim_contiguous, check_no_overlap, check_same_device, check_tensor
 
-__all__ = ["adaln_", "adaln_reference", "bind_adaln", "AdaLN",
-           "gated_residual_", "gated_residual_reference", "bind_gated_residual",
-           "GatedResidual", "MAX_N"]
+__all__ = ["adaln_", "adaln_reference", "gated_residual_", "gated_residual_reference",
+           "MAX_N"]
 
 # Kernel flags: which optional tensors are real (the others are stand-ins never read).
 _RES, _GATE, _SHIFT, _SCALE, _WEIGHT, _BIAS, _NORM = 1, 2, 4, 8, 16, 32, 64
@@ -339,7 +335,7 @@ def _check_width(N: int) -> None:
 
 
 def _check_device(name: str, t, device, device_name: str) -> None:
-    if device is not None and t.device != device:
+    if t.device != device:
         raise ValueError(f"{name}: expected device {device} (the device of {device_name}), "
                          f"got {t.device}")
 
@@ -370,8 +366,9 @@ def _check_affine(name: str, t, N: int, device, device_name: str) -> None:
     check_last_dim_contiguous(name, t)
 
 
-def _check_bound(shape, device, device_name, shift, scale, weight, bias, gate, eps) -> float:
-    """The arguments that a binding fixes (the public ops check them per call)."""
+def _check_mods(shape, device, device_name, shift, scale, weight, bias, gate, eps) -> float:
+    """The modulation (shift, scale, gate), the affine weight and bias, and eps, against
+    x's shape and device; returns eps as a float."""
     for name, t in (("shift", shift), ("scale", scale), ("gate", gate)):
         _check_mod(name, t, shape, device, device_name)
     for name, t in (("weight", weight), ("bias", bias)):
@@ -381,21 +378,10 @@ def _check_bound(shape, device, device_name, shift, scale, weight, bias, gate, e
     return float(eps)
 
 
-def _check_bound_x(x, bound) -> None:
-    if bound is not None:
-        shape, device = bound
-        if tuple(x.shape) != shape:
-            raise ValueError(f"x: expected shape {shape} (the bound x_shape), "
-                             f"got {tuple(x.shape)}")
-        _check_device("x", x, device, "the bound tensors")
-
-
-def _check_call(x, out, residual, gate, bound=None) -> None:
-    """The per-call tensors: x (of the bound (shape, device), if any), out (may be
-    None) and residual (required with a gate)."""
+def _check_call(x, out, residual, gate) -> None:
+    """The row tensors: x, out (may be None) and residual (required with a gate)."""
     _check_rows("x", x, "", None, written=residual is not None)
     _check_width(x.shape[2])
-    _check_bound_x(x, bound)
     if out is not None:
         _check_rows("out", out, "x", x, written=True)
     if residual is not None:
@@ -437,18 +423,17 @@ def _flags(residual, gate, shift, scale, weight, bias, norm: bool) -> int:
     return f
 
 
-def _bound_args(B: int, gate, shift, scale, weight, bias) -> list:
-    """Kernel args of the fixed tensors, in kernel order; None where absent (the
-    call's x stands in). weight and bias [N] go as [B, 1, N] with zero strides, so
+def _mod_args(B: int, gate, shift, scale, weight, bias) -> list:
+    """Kernel args of the modulation and affine tensors, in kernel order; None where
+    absent (x stands in). weight and bias [N] go as [B, 1, N] with zero strides, so
     every tensor is indexed alike."""
     return [None if t is None else array_arg(t if t.dim() == 3 else t.expand(B, 1, -1))
             for t in (gate, shift, scale, weight, bias)]
 
 
-def _execute(x, out, residual, mods, eps: float, fixed=None, res_name="residual") -> None:
+def _execute(x, out, residual, mods, eps: float, res_name="residual") -> None:
     """Check overlaps, then run the kernel (or the reference on CPU). mods: (gate,
-    shift, scale, weight, bias); out None = the gated residual alone; fixed: the
-    mods' kernel args when already converted."""
+    shift, scale, weight, bias); out None = the gated residual alone."""
     gate, shift, scale, weight, bias = mods
     names = ("gate", "shift", "scale", "weight", "bias")
     if out is not None:
@@ -466,11 +451,10 @@ def _execute(x, out, residual, mods, eps: float, fixed=None, res_name="residual"
         return
     xa = array_arg(x)
     S = x.shape[1]
-    fixed = _bound_args(x.shape[0], *mods) if fixed is None else fixed
     vec = all(t is None or vector_aligned(t) for t in (x, out, residual, *mods))
     args = [xa, xa if out is None else array_arg(out),
             xa if residual is None else array_arg(residual),
-            *[xa if a is None else a for a in fixed],
+            *[xa if a is None else a for a in _mod_args(x.shape[0], *mods)],
             int_arg(struct.unpack("<i", struct.pack("<f", eps))[0]),
             *[int_arg(reciprocal_bits(S // M)) for M in (1, *(1 if t is None else t.shape[1]
                                                              for t in (gate, shift, scale)))]]
@@ -538,7 +522,7 @@ def adaln_(x: torch.Tensor, *, shift: Optional[torch.Tensor] = None,
     reference on CPU.
     """
     _check_call(x, out, residual, gate)
-    eps = _check_bound(tuple(x.shape), x.device, "x", shift, scale, weight, bias, gate, eps)
+    eps = _check_mods(tuple(x.shape), x.device, "x", shift, scale, weight, bias, gate, eps)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _adaln_op(x, out, shift, scale, weight, bias, residual, gate, eps)
@@ -556,89 +540,3 @@ def gated_residual_(x: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Tenso
     _check_rows("y", y, "x", x)
     _check_mod("gate", gate, tuple(x.shape), x.device, "x")
     _gated_residual_op(x, y, gate)
-
-
-# --------------------------------------------------------------------------- bound
-
-
-def _check_shape(x_shape) -> tuple[int, int, int]:
-    shape = tuple(x_shape) if isinstance(x_shape, (tuple, list, torch.Size)) else None
-    if (shape is None or len(shape) != 3
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
-        raise ValueError(f"x_shape: expected (B, S, N), three integers >= 0, got {x_shape!r}")
-    _check_width(shape[2])
-    return shape
-
-
-def _bound_device(tensors):
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return None
-
-
-class AdaLN:
-    """:func:`adaln_` bound to x's shape, the modulation (shift, scale, gate: fixed
-    buffers whose contents may change between calls and graph replays), the affine
-    weight/bias and eps. A call ``(x, out, residual=None) -> out`` checks only x, out
-    and residual; the bound tensors were checked and converted once. Keep them alive
-    and in place."""
-
-    def __init__(self, x_shape, *, shift=None, scale=None, weight=None, bias=None,
-                 eps=1e-6, gate=None):
-        self._shape = _check_shape(x_shape)
-        self._mods = (gate, shift, scale, weight, bias)
-        self._device = _bound_device(self._mods)
-        self._eps = _check_bound(self._shape, self._device, "the bound tensors", shift,
-                                 scale, weight, bias, gate, eps)
-        on_kernel = self._device is not None and use_kernel(_first(self._mods))
-        self._fixed = _bound_args(self._shape[0], *self._mods) if on_kernel else None
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor,
-                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Normalise x ([B, S, N] as bound) into out, after ``x += gate * residual``."""
-        _check_call(x, out, residual, self._mods[0], (self._shape, self._device))
-        if out is None:
-            raise ValueError("out: expected a [B, S, N] tensor (the bound path allocates "
-                             "nothing), got None")
-        _execute(x, out, residual, self._mods, self._eps, self._fixed)
-        return out
-
-
-class GatedResidual:
-    """:func:`gated_residual_` bound to x's shape and a gate buffer (or None); a call
-    ``(x, y)`` checks only x and y."""
-
-    def __init__(self, x_shape, gate=None):
-        self._shape = _check_shape(x_shape)
-        self._device = None if gate is None else gate.device
-        self._mods = (gate, None, None, None, None)
-        _check_mod("gate", gate, self._shape, None, "")
-        on_kernel = gate is not None and use_kernel(gate)
-        self._fixed = _bound_args(self._shape[0], *self._mods) if on_kernel else None
-
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """``x <- x + gate * y`` (x, y [B, S, N] as bound)."""
-        _check_rows("x", x, "", None, written=True)
-        _check_bound_x(x, (self._shape, self._device))
-        _check_rows("y", y, "x", x)
-        _execute(x, None, y, self._mods, 0.0, self._fixed, res_name="y")
-
-
-def _first(tensors):
-    return next(t for t in tensors if t is not None)
-
-
-def bind_adaln(x_shape, *, shift=None, scale=None, weight=None, bias=None, eps=1e-6,
-               gate=None) -> AdaLN:
-    """Bind :func:`adaln_` for x of shape ``x_shape`` (B, S, N) to its modulation,
-    affine parameters and eps (validated here); returns ``(x, out, residual=None) ->
-    out`` for the hot path. A gate needs a residual at every call."""
-    return AdaLN(x_shape, shift=shift, scale=scale, weight=weight, bias=bias, eps=eps,
-                 gate=gate)
-
-
-def bind_gated_residual(x_shape, gate=None) -> GatedResidual:
-    """Bind :func:`gated_residual_` for x of shape ``x_shape`` to a gate buffer
-    (validated here); returns ``(x, y) -> None`` for the hot path."""
-    return GatedResidual(x_shape, gate)

@@ -17,7 +17,7 @@ from ._launch import Kernel, array_arg, blocks_for, pick_word_size, threads_for,
 from ._validate import check_index_list, check_pool_pair
 from ._words import load_word, store_word
 
-__all__ = ["copy_kv_slots_", "copy_kv_slots_reference", "bind_copy_kv_slots", "CopyKVSlots"]
+__all__ = ["copy_kv_slots_", "copy_kv_slots_reference"]
 
 
 @cuda.jit
@@ -113,32 +113,3 @@ def copy_kv_slots_(k_pool: torch.Tensor, v_pool: torch.Tensor, src: torch.Tensor
     if _is_noop(k_pool, src):
         return
     _copy_kv_slots_op(k_pool, v_pool, src, dst)
-
-
-class CopyKVSlots:
-    """:func:`copy_kv_slots_` bound to a pool and its slot lists: a call launches with
-    the arguments converted once. Keep the bound tensors alive and in place (their
-    contents may change freely)."""
-
-    def __init__(self, k_pool, v_pool, src, dst):
-        _check(k_pool, v_pool, src, dst)
-        self._tensors = (k_pool, v_pool, src, dst)
-        self._noop = _is_noop(k_pool, src)
-        self._kernel = use_kernel(k_pool)
-        if self._kernel and not self._noop:
-            self._args, self._grid, self._block = _kernel_args(k_pool, v_pool, src, dst)
-
-    def __call__(self) -> None:
-        """Copy the bound slots (the lists' current contents)."""
-        if self._noop:
-            return
-        if not self._kernel:
-            copy_kv_slots_reference(*self._tensors)
-            return
-        _KERNEL.launch(self._grid, self._block, self._args, self._tensors[0].device)
-
-
-def bind_copy_kv_slots(k_pool, v_pool, src, dst) -> CopyKVSlots:
-    """Bind :func:`copy_kv_slots_` to a pool and slot lists (validated here); returns a
-    callable taking no arguments for the hot path."""
-    return CopyKVSlots(k_pool, v_pool, src, dst)

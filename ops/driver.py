@@ -1,4 +1,4 @@
-"""The CUDA driver, runtime and NVRTC calls framekv makes through cuda-python.
+"""The CUDA driver and runtime calls framekv makes through cuda-python.
 
 `check` is the one place a cuda-python result is checked: every call returns its
 status first (a driver ``CUresult``, a runtime ``cudaError_t`` or an NVRTC
@@ -19,7 +19,7 @@ __all__ = ["CudaDriverError", "check", "driver", "error_name", "make_current", "
 
 class CudaDriverError(RuntimeError):
     """A CUDA driver, runtime or NVRTC call failed; the message names the call and the
-    error (an NVRTC compile failure also carries the compiler's log, added by its caller)."""
+    error."""
 
 
 @functools.lru_cache(maxsize=None)

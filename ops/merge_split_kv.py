@@ -17,17 +17,16 @@ Kernel: one thread per 16-byte output word (8 values), grid-striding over the
 T x H x D/8 words. A thread issues all its loads at once (the S statistics, key
 counts and partial words), then weighs, accumulates in fp32 and stores one rounded
 word. Every input byte is read once and every output byte written once, so the cost
-should be the bytes moved. With the geometry as kernel arguments it was not: the
-index divisions of each word and a loop over a runtime S cost more than the loads (at
-S = 2 on the H200, 30.8 us against 19.2 us for a `copy_` of the same bytes). So the
+should be the bytes moved. With the geometry as kernel arguments it is not: the index
+divisions of each word and a loop over a runtime S cost more than the loads. So the
 kernel is compiled once per geometry (`_kernel`: splits, blocks, heads, words per row,
 block size, dtype as constants; an attention layout has one): the divisions become
-multiplies, the split loop unrolls, and the merge runs at copy speed (19.4 us at S = 2,
-27.1 at S = 4; docs/benchmarks.md).
+multiplies, the split loop unrolls, and what remains is the cost of the bytes moved
+(timings in docs/benchmarks.md).
 
 One file: one op, as every op of this package is (kernel, reference, validating
-wrapper, bound launcher, custom op); its length is the kernel's word paths for three
-dtypes and the checks of five tensors.
+wrapper, custom op); its length is the kernel's word paths for three dtypes and the
+checks of five tensors.
 """
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ from ._validate import check_last_dim_contiguous, check_no_overlap, check_same_d
 from ._words import load_word, store_word
 from .advance_commit import check_int
 
-__all__ = ["merge_split_kv_", "merge_split_kv_reference", "bind_merge_split_kv",
-           "MergeSplitKV"]
+__all__ = ["merge_split_kv_", "merge_split_kv_reference"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _WORD = 16            # bytes per load/store
@@ -484,37 +482,3 @@ def merge_split_kv_(out: torch.Tensor, partial: torch.Tensor, lse: torch.Tensor,
     if _is_noop(out):
         return
     _merge_split_kv_op(out, partial, lse, kv_lens, block_size, seq_len)
-
-
-class MergeSplitKV:
-    """:func:`merge_split_kv_` bound to its tensors: a call launches with the arguments
-    converted once. Keep the bound tensors alive and in place (their contents may
-    change freely)."""
-
-    def __init__(self, out, partial, lse, kv_lens, *, block_size: int, seq_len: int):
-        _check(out, partial, lse, kv_lens, block_size, seq_len)
-        _check_address("out", out)
-        _check_address("partial", partial)
-        self._tensors = (out, partial, lse, kv_lens)
-        self._sizes = {"block_size": block_size, "seq_len": seq_len}
-        self._noop = _is_noop(out)
-        self._kernel = use_kernel(out)
-        if self._kernel and not self._noop:
-            (self._launcher, self._args, self._grid,
-             self._block) = _kernel_args(out, partial, lse, kv_lens, block_size, seq_len)
-
-    def __call__(self) -> None:
-        """Merge the bound tensors' current contents into the bound output."""
-        if self._noop:
-            return
-        if not self._kernel:
-            merge_split_kv_reference(*self._tensors, **self._sizes)
-            return
-        self._launcher.launch(self._grid, self._block, self._args, self._tensors[0].device)
-
-
-def bind_merge_split_kv(out, partial, lse, kv_lens, *, block_size: int,
-                        seq_len: int) -> MergeSplitKV:
-    """Bind :func:`merge_split_kv_` to its tensors (validated here); returns a callable
-    taking no arguments for the hot path."""
-    return MergeSplitKV(out, partial, lse, kv_lens, block_size=block_size, seq_len=seq_len)

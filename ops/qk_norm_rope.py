@@ -48,24 +48,20 @@ read once. An entry's CTA first copies its raw V heads (their stores drain while
 normed; a CTA of their own cost more in index and entry work than the copy). Floats move
 through `_float`'s accessors on raw bits.
 
-The kernel is bound by the instructions it issues, not by memory (Nsight Compute on
-the H200: 74% of the SMs' issue rate, 18% of DRAM bandwidth). So heads are 1-D views
-taken with unsigned indices (no per-access stride products, no wraparound code), a
-thread's head and the rope grid's divisions are 32-bit, sin and cos share one fp64
-range reduction, and bf16 rounds in one hardware instruction (`_float`). And the kernel
-is compiled once per configuration (`_kernel`: head counts, D, norm and rope style, the
-rope grid, which lists are present, vector access), those values constants: the
-branches of the absent features fold away and the divisions by D and by the grid become
-multiplies (3,473 PTX instructions in one generic kernel, 1,199 in the Wan one). A model
-has one configuration, so it costs one compile. On the H200 at B = 1, S = 4680, 12
-heads of 128 with staging these steps, and V staged by its entry's K CTA, took a call
-from 75.6 to 35.6 us (all-heads norm: 89.8 to 38.9 us; in place 28.6 us;
-`python -m framekv.bench.glue_ops`), against 21.9 us for a `copy_` of its bytes: what
-remains is the index and table work of one token per CTA.
+The kernel is bound by the instructions it issues, not by memory (its profile is in
+docs/benchmarks.md). So heads are 1-D views taken with unsigned indices (no per-access
+stride products, no wraparound code), a thread's head and the rope grid's divisions
+are 32-bit, sin and cos share one fp64 range reduction, and bf16 rounds in one
+hardware instruction (`_float`). And the kernel is compiled once per configuration
+(`_kernel`: head counts, D, norm and rope style, the rope grid, which lists are
+present, vector access), those values constants: the branches of the absent features
+fold away and the divisions by D and by the grid become multiplies. A model has one
+configuration, so it costs one compile. What a call costs beyond a copy of its bytes
+is the index and table work of one token per CTA.
 
 One file: one op, as every op of this package is (kernel, torch reference, validating
-wrapper, custom op, bound launcher); its length is the kernel's five device functions
-and the checks of thirteen arguments, the rope grid's six fields among them.
+wrapper, custom op); its length is the kernel's five device functions and the checks
+of thirteen arguments, the rope grid's six fields among them.
 """
 from __future__ import annotations
 
@@ -88,8 +84,7 @@ from ._validate import check_last_dim_contiguous, check_no_overlap, check_tensor
 from .advance_commit import check_int
 from .scatter_kv_slots import _check_pools, _check_slots, scatter_kv_slots_reference
 
-__all__ = ["RopeGrid", "MAX_HEAD_VALUES", "qk_norm_rope_stage_", "qk_norm_rope_stage_reference",
-           "bind_qk_norm_rope_stage", "QKNormRopeStage"]
+__all__ = ["RopeGrid", "MAX_HEAD_VALUES", "qk_norm_rope_stage_", "qk_norm_rope_stage_reference"]
 
 _MAX_PAIRS = 256    # D <= 512: one token's cos/sin tables live in shared memory
 _VALUES = 8         # values of one head a thread holds in registers (two groups of four)
@@ -526,18 +521,6 @@ def _check_weights(q_weight, k_weight, norm, H, Hkv, D, device, ref_name) -> Non
         _check_device(name, w, device, ref_name)
 
 
-def _weights_dim(q_weight, norm, H: int) -> int:
-    """D as the bound weights give it (no qkv at bind time)."""
-    check_tensor("q_weight", q_weight, ndims=(1,), layout="[D] or [H*D]")
-    n = q_weight.shape[0]
-    if norm == "all" and n % H:
-        raise ValueError(f"q_weight: expected a length divisible by num_heads={H} "
-                         f"(norm='all': [H*D]), got {n}")
-    D = n if norm == "head" else n // H
-    _check_head_dim("q_weight", D)
-    return D
-
-
 def _check_eps(eps) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
             math.isfinite(eps) and eps >= 0):
@@ -591,7 +574,7 @@ def _check_staging(k_pool, v_pool, dst, dst2, src_rows, Hkv, D, dtype, device,
                          f"dst together; given: {', '.join(given)}), got None")
     _check_pools(k_pool, v_pool)
     _check_float("k_pool", k_pool)
-    if dtype is not None and k_pool.dtype != dtype:
+    if k_pool.dtype != dtype:
         raise ValueError(f"k_pool: expected dtype {dtype} (the dtype of qkv), "
                          f"got {k_pool.dtype}")
     if tuple(k_pool.shape[1:]) != (Hkv, D):
@@ -634,14 +617,14 @@ def _array_args(q_weight, k_weight, rope, pools, lists, filler) -> list:
             array_arg(src_rows if src_rows is not None else dst)]
 
 
-def _config(H, Hkv, D, norm, rope, staging, lists) -> tuple:
-    """`_kernel`'s configuration but its last field (vec, settled per call)."""
+def _config(H, Hkv, D, norm, rope, staging, lists, vec) -> tuple:
+    """`_kernel`'s configuration."""
     gh, gw = rope.grid if rope is not None else (1, 1)
     n_f, n_h, _ = rope.axes if rope is not None else (0, 0, 0)
     return (int(H), int(Hkv), int(D), norm == "head",
             rope is not None and rope.style == "half", rope is not None, bool(staging),
             lists[1] is not None, lists[2] is not None, int(gh), int(gw), int(n_f),
-            int(n_f + n_h))
+            int(n_f + n_h), bool(vec))
 
 
 def _scalar_args(eps, rope) -> list:
@@ -653,22 +636,6 @@ def _scalar_args(eps, rope) -> list:
 def _block(H: int, Hkv: int, D: int) -> int:
     """Threads of a CTA: 8 values of a head each, the most heads of a section at once."""
     return threads_holding(max(H, Hkv) * -(-D // _VALUES))
-
-
-def _fixed_vector(D: int, tensors) -> bool:
-    """Whether the bound tensors allow the vector path (the call adds qkv's own check)."""
-    return D % _VALUES == 0 and all(t is None or vector_aligned(t) for t in tensors)
-
-
-def _launch(qkv, arrays, config, scalars, T: int, n_entries: int, block: int,
-            vec: bool) -> None:
-    # Items: Q rows, then K rows or entries (an entry's CTA stages its V too).
-    items = qkv.shape[0] * qkv.shape[1] + n_entries
-    kernel = _kernel(config + (bool(vec and vector_aligned(qkv)),))
-    kernel.launch(items, block,
-                  [array_arg(qkv), *arrays, *scalars, int_arg(T),
-                   int_arg(reciprocal_bits(qkv.shape[1])), int_arg(reciprocal_bits(T))],
-                  qkv.device)
 
 
 def _run(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T) -> None:
@@ -684,11 +651,16 @@ def _run(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T) -> N
     filler = torch.empty(0, dtype=torch.int64, device=qkv.device)
     arrays = _array_args(q_weight, k_weight, rope, pools if staging else (qkv[0], qkv[0]),
                          lists, filler)
-    n_entries = lists[0].shape[0] if staging else qkv.shape[0] * qkv.shape[1]
     D = qkv.shape[3]
-    vec = _fixed_vector(D, (q_weight, k_weight, *(pools if staging else ())))
-    _launch(qkv, arrays, _config(H, Hkv, D, norm, rope, staging, lists),
-            _scalar_args(eps, rope), T, n_entries, _block(H, Hkv, D), vec)
+    vec = D % _VALUES == 0 and all(t is None or vector_aligned(t) for t in
+                                   (qkv, q_weight, k_weight, *(pools if staging else ())))
+    # Items: Q rows, then K rows or entries (an entry's CTA stages its V too).
+    n_entries = lists[0].shape[0] if staging else qkv.shape[0] * qkv.shape[1]
+    kernel = _kernel(_config(H, Hkv, D, norm, rope, staging, lists, vec))
+    kernel.launch(qkv.shape[0] * qkv.shape[1] + n_entries, _block(H, Hkv, D),
+                  [array_arg(qkv), *arrays, *_scalar_args(eps, rope), int_arg(T),
+                   int_arg(reciprocal_bits(qkv.shape[1])), int_arg(reciprocal_bits(T))],
+                  qkv.device)
 
 
 @torch.library.custom_op("framekv::qk_norm_rope_stage_",
@@ -762,78 +734,3 @@ def qk_norm_rope_stage_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
     T = _check_fit(qkv, rope, dst, src_rows, tokens, staging)
     _qk_norm_rope_op(qkv, q_weight, k_weight, H, Hkv, norm, eps, *_rope_fields(rope),
                      k_pool, v_pool, dst, dst2, src_rows, T)
-
-
-class QKNormRopeStage:
-    """:func:`qk_norm_rope_stage_` bound to its weights, rope, pools and lists; a call
-    ``(qkv)`` checks only qkv (metadata) and launches with the bound arguments converted
-    once: no allocation, no host sync. Keep the bound tensors alive and in place (their
-    contents, e.g. ``rope.frame0`` and the lists, may change freely)."""
-
-    def __init__(self, q_weight, k_weight, *, num_heads, num_kv_heads, norm="head", eps=1e-6,
-                 rope=None, k_pool=None, v_pool=None, dst=None, dst2=None, src_rows=None,
-                 tokens=None):
-        H, Hkv = check_int("num_heads", num_heads, 1), check_int("num_kv_heads", num_kv_heads, 1)
-        _check_norm(norm)
-        D, dev = _weights_dim(q_weight, norm, H), q_weight.device
-        _check_width(H, Hkv, D, "q_weight")
-        _check_weights(q_weight, k_weight, norm, H, Hkv, D, dev, "q_weight")
-        eps = _check_eps(eps)
-        _check_rope(rope, D, dev, "q_weight")
-        staging = _check_staging(k_pool, v_pool, dst, dst2, src_rows, Hkv, D, None, dev,
-                                 "q_weight")
-        if tokens is not None:
-            check_int("tokens", tokens, 1)
-        self._geo = (H, Hkv, D, dev, k_pool.dtype if staging else None)
-        self._bound = (q_weight, k_weight, H, Hkv, norm, eps, rope, (k_pool, v_pool),
-                       (dst, dst2, src_rows))
-        self._tokens, self._staging = tokens, staging
-        self._kernel = use_kernel(q_weight)
-        if self._kernel:
-            self._convert(staging)
-
-    def _convert(self, staging: bool) -> None:
-        q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists = self._bound
-        dev = self._geo[3]
-        filler = torch.empty(0, dtype=torch.int64, device=dev)
-        # Pool stand-ins per float dtype of qkv, so a call converts nothing but qkv.
-        stand = {dt: (torch.empty(1, 1, 1, dtype=dt, device=dev),) * 2 for dt in FLOAT_DTYPES}
-        self._keep = (filler, stand)
-        self._arrays = {dt: _array_args(q_weight, k_weight, rope, pools if staging else p,
-                                        lists, filler) for dt, p in stand.items()}
-        self._config = _config(H, Hkv, self._geo[2], norm, rope, staging, lists)
-        self._scalars = _scalar_args(eps, rope)
-        self._block = _block(H, Hkv, self._geo[2])
-        self._vec = _fixed_vector(self._geo[2], (q_weight, k_weight,
-                                                 *(pools if staging else ())))
-
-    def __call__(self, qkv: torch.Tensor) -> None:
-        """Norm, rope (and stage) this forward's packed qkv [B, S, H + 2*H_kv, D]."""
-        H, Hkv, D, dev, pool_dtype = self._geo
-        if _check_qkv(qkv, H, Hkv) != D:
-            raise ValueError(f"qkv: expected head dim {D} (the bound weights'), "
-                             f"got shape {tuple(qkv.shape)}")
-        _check_device("qkv", qkv, dev, "the bound weights")
-        if pool_dtype is not None and qkv.dtype != pool_dtype:
-            raise ValueError(f"qkv: expected dtype {pool_dtype} (the bound pools'), "
-                             f"got {qkv.dtype}")
-        rope, pools, lists = self._bound[6:]
-        T = _check_fit(qkv, rope, lists[0], lists[2], self._tokens, self._staging)
-        if not self._kernel:
-            _run(qkv, *self._bound, T)
-            return
-        if qkv.numel() == 0:
-            return
-        n_entries = lists[0].shape[0] if self._staging else qkv.shape[0] * qkv.shape[1]
-        _launch(qkv, self._arrays[qkv.dtype], self._config, self._scalars, T, n_entries,
-                self._block, self._vec)
-
-
-def bind_qk_norm_rope_stage(q_weight, k_weight, *, num_heads, num_kv_heads, norm="head",
-                            eps=1e-6, rope=None, k_pool=None, v_pool=None, dst=None,
-                            dst2=None, src_rows=None, tokens=None) -> QKNormRopeStage:
-    """Bind :func:`qk_norm_rope_stage_` to everything but qkv (validated here); returns a
-    callable ``(qkv) -> None`` for the hot path."""
-    return QKNormRopeStage(q_weight, k_weight, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                           norm=norm, eps=eps, rope=rope, k_pool=k_pool, v_pool=v_pool,
-                           dst=dst, dst2=dst2, src_rows=src_rows, tokens=tokens)

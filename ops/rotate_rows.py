@@ -19,7 +19,7 @@ from numba import cuda
 from ._launch import Kernel, array_arg, blocks_for, int_arg, threads_for, use_kernel
 from ._validate import check_no_overlap, check_shift_tensor, check_tensor
 
-__all__ = ["rotate_rows_", "rotate_rows_reference", "bind_rotate_rows", "RotateRows"]
+__all__ = ["rotate_rows_", "rotate_rows_reference"]
 
 
 @cuda.jit(device=True)
@@ -138,33 +138,3 @@ def rotate_rows_(x: torch.Tensor, shift) -> None:
     if _is_noop(x, shift_tensor, k):
         return
     _rotate_rows_op(x, shift_tensor, k)
-
-
-class RotateRows:
-    """``rotate_rows_(x, shift)`` bound to fixed tensors: each call launches with the
-    kernel arguments converted once at bind time. Keep ``x`` and the shift tensor
-    alive and in place (a CUDA graph replays the same addresses anyway)."""
-
-    def __init__(self, x: torch.Tensor, shift):
-        self._k = _check(x, shift)
-        self._x = x
-        self._shift = shift if isinstance(shift, torch.Tensor) else None
-        self._noop = _is_noop(x, self._shift, self._k)
-        self._kernel = use_kernel(x)
-        if self._kernel and not self._noop:
-            self._args, self._grid, self._block = _kernel_args(x, self._shift, self._k)
-
-    def __call__(self) -> None:
-        """Rotate the bound rows by the bound shift (its current value, for a tensor)."""
-        if self._noop:
-            return
-        if not self._kernel:
-            rotate_rows_reference(self._x, self._shift if self._shift is not None else self._k)
-            return
-        _KERNEL.launch(self._grid, self._block, self._args, self._x.device)
-
-
-def bind_rotate_rows(x: torch.Tensor, shift_tensor) -> RotateRows:
-    """Bind :func:`rotate_rows_` to ``x`` and a shift (normally a one-element device
-    tensor); returns a callable taking no arguments. Validates once, here."""
-    return RotateRows(x, shift_tensor)

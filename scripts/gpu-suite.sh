@@ -15,9 +15,7 @@ status=0
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 "$PY" -m framekv.tools.cli bench --json "$OUT/bench.json" --png "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-"$PY" -m framekv.bench.resident_waits 2>&1 | tee "$OUT/resident_waits.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-for name in commit graphs launch merge ops resident small_chunks wait; do
+for name in commit graphs launch merge ops wait; do
   "$PY" -m "framekv.bench.$name" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done

@@ -1,7 +1,7 @@
 """Validation helpers shared by the spec structs.
 
 Every message names the field, the rule and the value, e.g.
-``KVSpec.tokens_per_page must be a power of two, got 48``. The structs call these
+``ModelSpec.tokens_per_page must be a power of two, got 48``. The structs call these
 from ``__post_init__``, which runs both on construction and on msgspec decoding, so
 a file and a constructor call are held to the same rules.
 """

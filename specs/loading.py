@@ -2,7 +2,7 @@
 
 Decoding runs each struct's ``__post_init__``, so a file is held to the same rules as
 a constructor call. Errors from files name the file and the field path, e.g.
-``tiny.toml: KVSpec.tokens_per_page must be a power of two, got 48 - at `$.model```.
+``tiny.toml: ModelSpec.tokens_per_page must be a power of two, got 48 - at `$.model```.
 """
 from __future__ import annotations
 

@@ -1,10 +1,36 @@
 """The shapes of a Wan-style causal video DiT."""
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
-from ._validate import check_int, check_int_tuple, check_str
-from .kv import KVSpec, check_dtype, check_head_dim, check_tokens_per_page, torch_dtype_of
+from ._validate import check_choice, check_int, check_int_tuple, check_power_of_two, check_str
+
+#: Weight and K/V element types. The GPU path runs bf16/fp16; float32 exists for the
+#: CPU reference path and tests.
+DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+#: Largest K/V cache page; a page must fit a kernel's shared-memory tile comfortably.
+MAX_TOKENS_PER_PAGE = 1024
+
+
+def check_dtype(owner: str, value: Any) -> None:
+    """Raise ValueError unless ``value`` names a supported dtype."""
+    check_choice(owner, "dtype", value, DTYPES)
+
+
+def check_head_dim(owner: str, value: Any) -> None:
+    """Raise ValueError unless ``value`` is a head size the attention kernels accept."""
+    check_int(owner, "head_dim", value, minimum=1)
+    # cuDNN and the 16-byte vectorised copies need rows of whole 8-element groups.
+    if value % 8:
+        raise ValueError(f"{owner}.head_dim must be a multiple of 8, got {value}")
+
+
+def check_tokens_per_page(owner: str, value: Any) -> None:
+    """Raise ValueError unless ``value`` is a power of two in [1, MAX_TOKENS_PER_PAGE]."""
+    check_power_of_two(owner, "tokens_per_page", value, maximum=MAX_TOKENS_PER_PAGE)
 
 
 class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -103,8 +129,10 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def torch_dtype(self):
-        """The torch dtype of the weights (imports torch)."""
-        return torch_dtype_of(self.dtype)
+        """The torch dtype of the weights (imports torch only when asked)."""
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def parameter_count(self) -> int:
         """Weights of the reference model of these shapes (`CausalVideoDiT`), counted
@@ -125,8 +153,3 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         head = 2 * hid + hid * self.patch_dim + self.patch_dim
         return self.num_layers * block + embed + head
 
-    def kv_spec(self) -> KVSpec:
-        """The K/V cache this model needs."""
-        return KVSpec(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                      head_dim=self.head_dim, dtype=self.dtype,
-                      tokens_per_page=self.tokens_per_page)

@@ -4,16 +4,13 @@ from __future__ import annotations
 import msgspec
 
 from ._validate import check_instance, check_str
-from .bench import BenchSpec
 from .geometry import Geometry
-from .kv import KVSpec
 from .model import ModelSpec
 from .rollout import RolloutSpec
-from .warmup import WarmupPlan
 
 
 class WarmupOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Warm-up settings a preset carries besides the plan its rollout implies.
+    """Warm-up settings a preset carries (what to capture comes from its rollout).
 
     Attributes:
         cache_dir: where capture artefacts may be kept, or None.
@@ -34,7 +31,6 @@ class Preset(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         model: the model shapes.
         rollout: the rollout; its tokens_per_frame must equal the model's.
         description: what the preset is for.
-        bench: benchmark settings.
         warmup: warm-up settings.
     """
 
@@ -42,7 +38,6 @@ class Preset(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelSpec
     rollout: RolloutSpec
     description: str = ""
-    bench: BenchSpec = msgspec.field(default_factory=BenchSpec)
     warmup: WarmupOptions = msgspec.field(default_factory=WarmupOptions)
 
     def __post_init__(self) -> None:
@@ -50,7 +45,6 @@ class Preset(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         check_instance("Preset", "model", self.model, ModelSpec)
         check_instance("Preset", "rollout", self.rollout, RolloutSpec)
         check_str("Preset", "description", self.description, nonempty=False)
-        check_instance("Preset", "bench", self.bench, BenchSpec)
         check_instance("Preset", "warmup", self.warmup, WarmupOptions)
         ours, theirs = self.rollout.tokens_per_frame, self.model.tokens_per_frame
         if ours != theirs:
@@ -58,15 +52,7 @@ class Preset(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"Preset.rollout.tokens_per_frame must equal Preset.model.tokens_per_frame "
                 f"({theirs}), got {ours}")
 
-    def kv_spec(self) -> KVSpec:
-        """The K/V cache the model needs."""
-        return self.model.kv_spec()
-
     def geometry(self) -> Geometry:
         """The cache geometry of the rollout."""
         return self.rollout.geometry()
 
-    def warmup_plan(self) -> WarmupPlan:
-        """Everything to capture before running this preset's rollout."""
-        return WarmupPlan.from_rollout(self.kv_spec(), self.rollout,
-                                       cache_dir=self.warmup.cache_dir)

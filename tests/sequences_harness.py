@@ -41,7 +41,7 @@ def onehot_sequences(geometry, tpp, *, N, steps, seed=0, H=4, Hkv=2, D=64, dtype
         ids = [int(i) for i in rng.permutation(N)[:B]]
         for i in ids:  # a sequence that would run out of codes leaves and joins again
             if cache.sequence_committed_tokens(i) + M > span:
-                cache.reset_sequences(torch.tensor([i], device=device))
+                cache.reset_sequences([i])
                 seen["resets"] += 1
         b = int(rng.choice(geometry.causal_block_sizes))
         out = _onehot_forward(cache, mod, ids, b, span, pad, packed, dtype, device)  # [B, M, H, D]
@@ -56,7 +56,7 @@ def onehot_sequences(geometry, tpp, *, N, steps, seed=0, H=4, Hkv=2, D=64, dtype
                 assert err <= tol, (f"sequence {i} (batch row {r} of {ids}) C={C} block {j}: "
                                     f"attended set differs from its V(j), error {err}")
         before = [cache.sequence_committed_tokens(i) for i in range(N)]
-        cache.commit(M, sequences=torch.tensor(ids, device=device))
+        cache.commit(M, sequences=ids)
         after = [cache.sequence_committed_tokens(i) for i in range(N)]
         assert after == [c + M * (i in ids) for i, c in enumerate(before)], (ids, before, after)
         seen["batches"].add(B)
@@ -74,7 +74,7 @@ def _onehot_forward(cache, mod, ids, b, span, pad, packed, dtype, device):
         qkv[r, torch.arange(M), H + Hkv + code // D, code % D] = 1   # V one-hot
         qkv[r, :, H:H + Hkv] = torch.randn(S, Hkv, D)                # any K: q = 0
     qkv = qkv.to(device, dtype)
-    seq = torch.tensor(ids, device=device)
+    seq = ids
     if packed:
         out = mod(qkv, kv_cache=cache, seq_len=M, causal_block_size=b, sequences=seq)
     else:
@@ -100,7 +100,7 @@ def batched_vs_alone(geometry, tpp, *, N, chunks, chunk, frame, seed=0, layers=2
     worst = 0.0
     for _ in range(chunks):
         ids = [int(i) for i in rng.permutation(N)[:int(rng.integers(1, N + 1))]]
-        seq = torch.tensor(ids, device=device)
+        seq = ids
         for b in (chunk, chunk, frame):
             for layer, mod in enumerate(mods):
                 qkv = torch.randn(len(ids), chunk, H + 2 * Hkv, D, generator=gen).to(device, dtype)

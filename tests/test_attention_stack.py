@@ -6,11 +6,11 @@ import torch
 
 from framekv import specs
 from framekv.engine.attention.backend import attend_fp32
-from framekv.bench.stack import AttentionStack
+from framekv.bench.stack import AttentionStack, KVShape
 from framekv.engine.cache.reference import visible_positions
 from framekv.graphs import GraphCache
 
-KV = specs.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float32", tokens_per_page=4)
+KV = KVShape(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float32", tokens_per_page=4)
 GEOM = specs.Geometry(5, 12, 8, (4, 8))
 T = 8
 
@@ -68,6 +68,9 @@ def test_chunk_key_bakes_steps_blocks_and_chaining():
     plain = s.chunk_key(GEOM, T, denoise_steps=4, clean_block=4)
     assert plain.program == "chunk:4x8+clean4+commit"
     assert plain.block_sizes == (8, 8, 8, 8, 4)
+    chained = s.chunk_key(GEOM, T, denoise_steps=4, clean_block=4, chain=True)
+    assert chained.program == "chunk-chained:4x8+clean4+commit"
+    assert chained.block_sizes == plain.block_sizes
     assert plain.inputs[0].shape == (1, T, 8, 16)
     changed = [s.chunk_key(GEOM, T, denoise_steps=3, clean_block=4),
                s.chunk_key(GEOM, T, denoise_steps=4, clean_block=8),
@@ -76,6 +79,18 @@ def test_chunk_key_bakes_steps_blocks_and_chaining():
     assert len({plain, *changed}) == 5
     with pytest.raises(ValueError, match="block_sizes"):
         s.chunk_key(GEOM, T, denoise_steps=1, clean_block=2)  # not a geometry block size
+    s.cache.shutdown()
+
+
+def test_forward_and_commit_keys():
+    s = stack()
+    f = s.forward_key(GEOM, T, 4)
+    assert (f.program, f.tokens, f.block_sizes, f.splits, f.packed) == ("forward", T, (4,), (), ())
+    assert [i.name for i in f.inputs] == ["qkv"] and f.inputs[0].shape == (1, T, 8, 16)
+    assert f.owner == s.owner and f != s.forward_key(GEOM, T, 8)
+    c = s.commit_key(GEOM, T)
+    assert (c.program, c.tokens, c.block_sizes, c.inputs) == ("commit:8", T, (), ())
+    assert s.commit_key(GEOM, 4) != c
     s.cache.shutdown()
 
 
@@ -99,6 +114,8 @@ def test_for_preset_takes_the_model_heads_and_opens_the_geometry():
 
     s = AttentionStack.for_preset("tiny", device="cpu")
     tiny = load_preset("tiny")
-    assert s.kv == tiny.kv_spec() and s.num_heads == tiny.model.num_heads
+    m = tiny.model
+    assert s.kv == KVShape(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype, m.tokens_per_page)
+    assert s.kv == KVShape.of(m) and s.num_heads == m.num_heads
     assert s.cache.geometry == tiny.rollout.geometry() and s.cache.committed_tokens == 0
     s.cache.shutdown()

@@ -93,18 +93,21 @@ def test_chart_from_an_earlier_run(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_chunk_result_pairs_resident_and_replayed_walls_round_by_round():
+def test_chunk_result_sums_the_pieces_and_pairs_whole_and_per_forward_by_round():
     from types import SimpleNamespace
 
-    dev = {k: [10.0, 10.0] for k in ("denoise_forward", "clean_pass", "commit",
-                                     "whole_chunk_graph", "per_forward_graphs")}
-    host = {"whole_chunk_resident_wall_per_chunk": [101.0, 206.0, 300.0],
-            "whole_chunk_replayed_wall_per_chunk": [100.0, 200.0, 310.0]}
+    dev = {k: [10.0, 10.0] for k in ("denoise_forward", "clean_pass", "commit")}
+    dev["whole_chunk_graph"] = [50.0, 48.0, 60.0]
+    dev["per_forward_graphs"] = [50.0, 40.0, 50.0]
+    host = {"whole_chunk_replay": [12.0, 14.0, 13.0]}
     stack = SimpleNamespace(kv=SimpleNamespace(num_layers=36))
     g = SimpleNamespace(pin_tokens=4, window_tokens=16)
     res = chunk._chunk_result(dev, host, stack, g, 8, 4, 2)
-    # paired per round (1.01, 1.03, 0.968), not a ratio of medians (206 / 200)
-    assert res["resident_over_replayed_wall"] == pytest.approx(1.01)
-    assert "resident / replayed wall per chunk, back to back = 1.0100" in chunk.format_chunk(res)
-    del host["whole_chunk_resident_wall_per_chunk"], host["whole_chunk_replayed_wall_per_chunk"]
-    assert "resident_over_replayed_wall" not in chunk._chunk_result(dev, host, stack, g, 8, 4, 2)
+    assert res["sum_of_pieces_us"] == 2 * 10.0 + 10.0 + 10.0
+    assert res["whole_chunk_over_pieces"] == pytest.approx(50.0 / 40.0)
+    # paired per round (1.0, 1.2, 1.2), not a ratio of medians (50 / 50)
+    assert res["whole_over_per_forward_paired"] == pytest.approx(1.2)
+    assert (res["layers"], res["keys"], res["host_us"]["whole_chunk_replay"]["median"]) == (
+        36, 4 + 16 + 8, 13.0)
+    text = chunk.format_chunk(res)
+    assert "whole chunk / sum of pieces = 1.2500" in text and "resident" not in text

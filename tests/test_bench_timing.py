@@ -76,62 +76,6 @@ def test_after_wait_sequence_times_drains_before_each_step_only(monkeypatch):
         assert finished == set(range(k - k % 2)), (k, finished)
 
 
-class FakeResident:
-    """A resident runner whose runs finish only when waited for; logs (submitted, done)
-    at each submit, and the replays and syncs between."""
-
-    def __init__(self):
-        self.submitted = self.done = 0
-        self.log: list = []
-
-    def submit(self):
-        self.submitted += 1
-        self.log.append(("submit", self.submitted, self.done))
-        return self.submitted
-
-    def wait(self, seq=None):
-        self.done = max(self.done, self.submitted if seq is None else seq)
-        self.log.append(("wait", self.done))
-
-
-def test_resident_submit_times_one_run_in_flight_after_a_wait_two_when_double_buffered():
-    r = FakeResident()
-    out = timing.resident_submit_times(r, 4)
-    assert len(out["after_wait"]) == len(out["double_buffered"]) == 4
-    submits = [(s, d) for kind, *rest in r.log if kind == "submit" for s, d in [rest]]
-    assert r.submitted == 10 and r.done == 10
-    after, double = submits[1:5], submits[6:]  # the loop-starting submits are untimed
-    assert all(s - d == 1 for s, d in after), after      # the previous run had finished
-    assert all(s - d == 2 for s, d in double), double    # one run still queued ahead
-
-
-def test_resident_wall_times_alternate_rounds_and_keep_replays_off_inflight_runs():
-    r, events = FakeResident(), []
-    r.log = events
-    out = timing.resident_wall_times(r, lambda: events.append(("replay", r.submitted - r.done)),
-                                     lambda: events.append(("sync",)), runs=3, rounds=2)
-    assert len(out["resident"]) == len(out["replayed"]) == 2
-    assert [e[1] for e in events if e[0] == "replay"] == [0] * 6  # nothing in flight
-    kinds = [e[0] for e in events]
-    assert kinds.count("replay") == 6 and kinds.count("sync") == 4
-
-
-def test_resident_timing_loops_run_an_eager_resident():
-    from framekv.graphs import GraphCache, forward_key
-    from framekv.specs import Geometry
-
-    cache = GraphCache("cpu")
-    x = torch.randn(4)
-    key = forward_key(1, Geometry(4, 16, 8, (4, 8)), 8, 4, {"x": x})
-    calls = []
-    cache.capture(key, lambda x: (calls.append(1), x + 1)[1], {"x": x})
-    r = cache.resident(key)
-    warmups = len(calls)
-    out = timing.resident_submit_times(r, 3)
-    assert len(out["after_wait"]) == 3 and r.completed == r.submitted == 8 == len(calls) - warmups
-    r.close()
-
-
 def test_rotated_rounds_start_each_variant_first_equally_often():
     from framekv.bench.timing import round_order
 

@@ -110,7 +110,7 @@ def test_commit_captured_once_replays_for_200_chunks():
         _chunk_writes(eager, g, step)
         _chunk_writes(graphed, g, step)
         eager.commit(n)
-        graphed.commit_mirror(n)
+        graphed.commit_host(n)
         graph.replay()
         torch.cuda.synchronize()
         _state_equal(eager, graphed)

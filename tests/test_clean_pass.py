@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from framekv.engine import CausalKVCache, ReferenceKV, WanRollout
+from framekv.engine import CausalKVCache, ForwardContext, ReferenceKV, WanRollout
 from framekv.engine.attention import CachedAttention
 from framekv.engine.attention.backend import ReferencePlan
 from framekv.engine.model import CausalVideoDiT
-from framekv.engine.model.blocks import DiTBlock
 from framekv.engine.rollout import Rollout
 from framekv.engine.wan import CONFIGS, build_model
 from framekv.specs import Geometry, load_preset
@@ -53,22 +52,30 @@ def test_reference_rollout_unchanged_and_last_clean_attention_skipped(glue, monk
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def _unstaged_last(only_frames: bool):
+    """`ForwardContext.attention` with a planted fault: a last layer that stops (a
+    forward kept for its K/V) stages nothing; ``only_frames``: not in a prompt forward
+    (which has no rope frames)."""
+    real = ForwardContext.attention
+
+    def planted(self, attn, qkv, prologue=None, *, last=False):
+        if last and not self.output and (self.frame0 is not None or not only_frames):
+            return None                                   # the K/V never staged
+        return real(self, attn, qkv, prologue, last=last)
+    return planted
+
+
 def test_a_last_layer_not_staged_is_refused_or_shows(monkeypatch):
     """The controls: without the last block's staging the prompt's commit refuses
     (nothing staged for it); a clean pass without it leaves the last denoising step's
     K/V at those positions, and the next chunks change."""
-    stage_kv = DiTBlock.stage_kv
     good = Rollout("tiny", use_graphs=False).run(3)
     with monkeypatch.context() as m:
-        m.setattr(DiTBlock, "stage_kv", lambda self, *a, **kw: None)
+        m.setattr(ForwardContext, "attention", _unstaged_last(only_frames=False))
         last = TINY.model.num_layers - 1
         with pytest.raises(ValueError, match=rf"layers \[{last}\] staged \[0\]"):
             Rollout("tiny", use_graphs=False).run(1)
-
-    def clean_unstaged(self, x, time_mod, rope, attend, fused=False):
-        if rope is None:                                  # the prompt: staged as before
-            stage_kv(self, x, time_mod, rope, attend, fused)
-    monkeypatch.setattr(DiTBlock, "stage_kv", clean_unstaged)
+    monkeypatch.setattr(ForwardContext, "attention", _unstaged_last(only_frames=True))
     bad = Rollout("tiny", use_graphs=False).run(3)
     assert torch.equal(good[0], bad[0])                   # the first chunk reads no history
     assert max(float((a - b).abs().max()) for a, b in zip(good[1:], bad[1:])) > 1e-3
@@ -85,13 +92,13 @@ def test_a_store_that_cannot_skip_still_gets_the_last_kv():
     layer's K/V are recorded, the last one's equal to what a whole forward records."""
     spec, tpf = TINY.model, TINY.rollout.tokens_per_frame
     m = CausalVideoDiT(spec, prompt_tokens=0)
-    x = torch.randn(2, spec.in_channels, spec.latent_height, spec.latent_width,
+    x = torch.randn(1, spec.in_channels, 2, spec.latent_height, spec.latent_width,
                     generator=torch.Generator().manual_seed(3))
     geometry = Rollout("tiny", use_graphs=False).geometry
     stores = [ReferenceKV(geometry, spec.num_layers) for _ in range(2)]
-    assert stores[0].stages_without_output is False
-    outs = [m(x, torch.zeros(1), torch.tensor([0]), kv=kv, seq_len=2 * tpf,
-              causal_block_size=tpf, output=output) for kv, output in zip(stores, (True, False))]
+    outs = [m(x, torch.zeros(1), ForwardContext(kv, seq_len=2 * tpf, block_size=tpf,
+                                                frame0=torch.tensor([0]), output=output))
+            for kv, output in zip(stores, (True, False))]
     assert outs[0].shape == x.shape and outs[1] is None
     positions = np.arange(2 * tpf)
     for layer in range(spec.num_layers):
@@ -133,11 +140,9 @@ def test_trim_clean_pass_must_be_a_bool(bad):
         _wan(build_model("tiny", seed=0), trim_clean_pass=bad)
 
 
-def test_model_output_false_needs_a_store():
-    m = CausalVideoDiT(TINY.model, prompt_tokens=0)
-    x = torch.zeros(1, TINY.model.in_channels, TINY.model.latent_height, TINY.model.latent_width)
-    with pytest.raises(ValueError, match="output=False needs kv"):
-        m(x, torch.zeros(1), torch.tensor([0]), output=False)
+def test_output_false_needs_a_store():
+    with pytest.raises(ValueError, match="output=False needs a K/V store"):
+        ForwardContext(None, seq_len=None, frame0=torch.tensor([0]), output=False)
 
 
 # ---------------------------------------------------------------- diffusers' Wan
@@ -176,20 +181,10 @@ def test_wan_rollout_unchanged_and_last_clean_attention_skipped(clean_block, mon
 def test_wan_last_layer_not_staged_shows_in_the_latents(monkeypatch):
     """The control: a clean pass whose last layer stages nothing leaves the last
     denoising step's K/V there, and the next chunks change."""
-    from framekv.engine.wan import processors
-
     m = build_model("tiny", seed=0)
     good = _wan_chunks(_wan(m))
-    monkeypatch.setattr(processors.WanSelfAttention, "_fused",
-                        _unstaged_last(processors.WanSelfAttention._fused))
+    monkeypatch.setattr(ForwardContext, "attention", _unstaged_last(only_frames=True))
     bad = _wan_chunks(_wan(m))
     assert torch.equal(good[0], bad[0])
     assert max(float((a - b).abs().max()) for a, b in zip(good[1:], bad[1:])) > 1e-3
 
-
-def _unstaged_last(fused):
-    def planted(self, attn, hidden_states, rope):
-        if self.last and not self.ctx.output:
-            return None                                   # the K/V never staged
-        return fused(self, attn, hidden_states, rope)
-    return planted

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from framekv.bench.dense import SDPA_BACKENDS, DenseRollingKV, DenseRollout, sdpa_backend_name
-from framekv.engine import CausalVideoDiT, KVStore, Rollout
+from framekv.engine import CausalVideoDiT, ForwardContext, KVStore, Rollout
+from framekv.engine.kv import plain
 from framekv.engine.cache.reference import ExactWindowReference, visible_positions
 from framekv.engine.verify import ReferenceRollout
 from framekv.specs import Geometry, load_preset
@@ -36,7 +37,7 @@ def test_dense_rollout_equals_framekv_rollout_and_the_reference_chunk_by_chunk()
     want = framekv.run()
     dense = DenseRollout(spec, model=framekv.model)
     got = dense.run()
-    assert [x.shape[0] for x in got] == [2] * 24 + [1]
+    assert [x.shape[2] for x in got] == [2] * 24 + [1]
     assert max(_errors(got, want)) < TOL
     assert max(_errors(got, ReferenceRollout(spec, model=framekv.model).run())) < TOL
     assert max(float(x.abs().max()) for x in got) > 0.5      # non-trivial latents
@@ -85,12 +86,12 @@ def test_every_attention_equals_the_exact_window_reference():
     dense = DenseRollout(spec, use_graphs=False)
     ref = ExactWindowReference(dense.geometry, spec[0].num_layers)
     recorder = _Recorder(ref)
-    dense.model.recorder = recorder
+    dense.attention_recorder = recorder
     dense.prefill()
     ref.commit(spec[1].prompt_tokens)
     for _ in range(spec[1].chunks):
         out = dense.step()
-        ref.commit(out.shape[0] * spec[1].tokens_per_frame)
+        ref.commit(out.shape[2] * spec[1].tokens_per_frame)
     layers, forwards = spec[0].num_layers, spec[1].denoising_steps + 1
     assert recorder.calls == layers * (1 + spec[1].chunks * forwards)
     assert recorder.worst < 1e-5
@@ -105,10 +106,11 @@ def test_graphs_and_eager_agree_and_reset_replays_the_same_rollout():
     assert b.paths == {"eager": 6, "graphs": 0} and len(b.graphs) == 0
     assert a.graphs.stats().hits == 4 and a.graphs.eager       # CPU: the eager stand-in
     a.reset()
-    assert a.kv.committed == 0 and a.frames_done == 0 and a.paths == {"eager": 0, "graphs": 0}
+    assert a.kv.committed == spec[1].prompt_tokens and a.frames_done == 0   # the prompt stays
+    assert a.paths == {"eager": 0, "graphs": 0}
     assert max(_errors(first, a.run())) == 0.0
     # Past the planned chunks the rollout goes on with full chunks, through the graph.
-    assert a.step().shape[0] == 2 and a.path == "graphs"
+    assert a.step().shape[2] == 2 and a.path == "graphs"
 
 
 def test_dense_buffers_stay_constant_over_a_long_rollout():
@@ -310,12 +312,10 @@ def test_rollout_lifecycle_errors():
     r.prefill()
     with pytest.raises(ValueError, match="already prefilled"):
         r.prefill()
-    with pytest.raises(ValueError, match="before prefill"):
-        r.capture()
     with pytest.raises(ValueError, match="another spec or prompt length"):
         DenseRollout(_specs(prompt_tokens=7), model=r.model)
     # Graphs are captured at a full window and replayed only at one.
-    assert not r.kv.replayable and r.step().shape[0] == 2 and r.path == "eager"
+    assert not r.kv.replayable and r.step().shape[2] == 2 and r.path == "eager"
     r.close()
     with pytest.raises(ValueError, match="closed"):
         r.kv.stage(0, torch.zeros(1, 2, 16), torch.zeros(1, 2, 16))
@@ -332,13 +332,13 @@ class _DenseStore(KVStore):
         def attend(attn, qkv):
             self.seen.append(("forward", attn.layer_idx, qkv.shape[1], seq_len, block_size))
             return attn(qkv)
-        return attend
+        return plain(attend)
 
     def prompt_forward(self, prompt_tokens):
         def attend(attn, qkv):
             self.seen.append(("prompt", attn.layer_idx, qkv.shape[1]))
             return attn(qkv)
-        return attend
+        return plain(attend)
 
     def commit_prompt(self):
         self.seen.append(("commit_prompt",))
@@ -352,12 +352,13 @@ class _DenseStore(KVStore):
 
 def test_model_forward_goes_through_the_store():
     m = CausalVideoDiT(TINY.model, prompt_tokens=TINY.rollout.prompt_tokens)
-    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, 4, 2, 8, 8, generator=torch.Generator().manual_seed(0))
     t, f0 = torch.ones(1), torch.zeros(1, dtype=torch.int64)
     store, L = _DenseStore(TINY.rollout.geometry()), TINY.model.num_layers
     # A store that attends densely gives the plain forward; every layer asks it once.
-    plain = m(x, t, f0)
-    assert torch.equal(m(x, t, f0, kv=store, seq_len=32, causal_block_size=16), plain)
+    dense = m(x, t, ForwardContext(None, seq_len=None, frame0=f0))
+    ctx = ForwardContext(store, seq_len=32, block_size=16, frame0=f0)
+    assert torch.equal(m(x, t, ctx), dense)
     assert store.seen == [("forward", i, 32, 32, 16) for i in range(L)]
     store.reset()
     # The prompt: every layer sees the P prompt tokens once, then one commit.
@@ -366,4 +367,4 @@ def test_model_forward_goes_through_the_store():
     assert store.seen == [("prompt", i, P) for i in range(L)] + [("commit_prompt",)]
     with pytest.raises(ValueError, match="kv must be a framekv.engine.kv.KVStore"):
         m.prefill(ExactWindowReference(TINY.rollout.geometry(), L))
-    assert np.isfinite(plain.numpy()).all()
+    assert np.isfinite(dense.numpy()).all()

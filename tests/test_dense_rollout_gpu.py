@@ -44,7 +44,7 @@ def test_dense_matches_framekv_rollout_in_bf16(framekv_run, backend):
     print(f"sdpa-{backend} vs framekv cudnn, max abs error per chunk: "
           + " ".join(f"{e:.1e}" for e in errors) + f"; gqa {dense.kv.gqa}")
     assert dense.dtype == torch.bfloat16 and dense.backend == f"sdpa-{backend}"
-    assert [x.shape[0] for x in got] == [2] * 29 + [1]
+    assert [x.shape[2] for x in got] == [2] * 29 + [1]
     assert all(torch.isfinite(x).all() for x in got)
     assert max(errors) < LATENT_TOL
     assert dense.kv.gqa in ("native", "repeat")
@@ -65,11 +65,11 @@ def test_every_dense_attention_matches_the_fp32_reference(backend):
         ref.write(layer, ref.committed, qkv[0, :seq_len, H:H + Hkv], qkv[0, :seq_len, H + Hkv:])
         want = ref.attention(layer, qkv[0, :, :H], seq_len, block_size)   # fp32 [S, H, D]
         worst.append(float((out[0].float().cpu() - want).abs().max()))
-    dense.model.recorder = record
+    dense.attention_recorder = record
     dense.prefill()
     ref.commit(spec[1].prompt_tokens)
     for _ in range(spec[1].chunks):
-        ref.commit(dense.step().shape[0] * spec[1].tokens_per_frame)
+        ref.commit(dense.step().shape[2] * spec[1].tokens_per_frame)
     print(f"sdpa-{backend}: max attention error {max(worst):.2e} over {len(worst)} calls")
     assert len(worst) == spec[0].num_layers * (1 + spec[1].chunks * (spec[1].denoising_steps + 1))
     assert max(worst) <= DEFAULT_TOLERANCE[torch.bfloat16]

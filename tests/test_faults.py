@@ -15,6 +15,7 @@ from fault_harness import (GEOMETRY, LAYERS, Fault, InjectedFault, Twin, first_s
 from framekv import ops
 from framekv.engine import CachedAttention, CausalKVCache, Rollout
 from framekv.engine.cache import GeometryState, HostLayout
+from framekv.engine.cache.sequences import PoolState
 
 M = GEOMETRY.max_staged_tokens
 COPY = ops.copy_kv_slots_  # the real op, for faults that do part of its work
@@ -46,7 +47,7 @@ def staged_twin(chunks: int = 4) -> Twin:
 COMMIT_FAULTS = {
     "host half, before it runs": lambda mp: patch_method(mp, HostLayout, "commit", Fault(None)),
     "between the host and device halves":
-        lambda mp: patch_method(mp, CausalKVCache, "commit_device", Fault(None)),
+        lambda mp: patch_method(mp, PoolState, "commit_device", Fault(None)),
     "layout upload cut after the table":
         lambda mp: patch_method(mp, GeometryState, "upload_layout", Fault(None, when=table_only)),
     "committed copies cut in the middle": lambda mp: _patch_copy(mp, half_copy),
@@ -198,21 +199,21 @@ def test_a_failed_capture_keeps_earlier_graphs_and_the_rollout_exact(monkeypatch
     spec = (tiny.model, msgspec.structs.replace(tiny.rollout, chunks=4, last_chunk_frames=1))
     r = Rollout(spec)
     twin = Rollout(spec, use_graphs=False, model=r.model)
-    chunk_fn = r.chunk_fn
+    chunk = r.chunk
     calls = []
 
     def second_length_fails(noise, frame0):
-        calls.append(noise.shape[0])
-        if noise.shape[0] == 1:
+        calls.append(noise.shape[2])                                # frames
+        if noise.shape[2] == 1:
             raise InjectedFault("capture of the short chunk")
-        return chunk_fn(noise, frame0)
+        return chunk(noise, frame0)
 
-    monkeypatch.setattr(r, "chunk_fn", second_length_fails)
+    monkeypatch.setattr(r, "chunk", second_length_fails)
     with pytest.raises(Exception, match="capture of the short chunk"):
         r.capture(progress=False)
     assert len(r.graphs) == 1 and r.cache.committed_tokens == 0 and 1 in calls
     monkeypatch.undo()
-    _same(r.run(), twin.run())                             # prefill captures what is missing
+    _same(r.run(), twin.run())                      # the first step captures what is missing
     assert len(r.graphs) == 2
 
 

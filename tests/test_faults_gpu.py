@@ -4,6 +4,8 @@ before; the next eager forwards are exact against the fp32 exact-window referenc
 (bf16 tolerance) and the next replayed chunks equal eager ones bit for bit."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -59,7 +61,7 @@ def test_a_refused_replay_changes_nothing_and_later_chunks_replay_exactly():
     r, eager = _pair()
     for _ in range(3):
         assert torch.equal(r.step(), eager.step())
-    key = r.chunk_key(32)
+    key = r.capture_request(32).key
     static = r.graphs.get_static_inputs(key)
     before = {k: v.clone() for k, v in static.items()}
     with pytest.raises(ValueError, match="input 'noise'"):
@@ -74,17 +76,17 @@ def test_a_failed_replay_leaves_the_cache_as_before_and_the_chunk_runs_again():
     r, eager = _pair()
     for _ in range(3):
         assert torch.equal(r.step(), eager.step())
-    entry = r.graphs.get(r.chunk_key(32))
+    entry = r.graphs.get(r.capture_request(32).key)
 
-    def refuse(_entry):
+    def refuse():
         raise InjectedFault("the launch failed")
 
-    entry.launcher = refuse
+    graph, entry.graph = entry.graph, types.SimpleNamespace(replay=refuse)
     C = r.cache.committed_tokens
     with pytest.raises(InjectedFault):
         r.step()
     assert r.cache.committed_tokens == C and r.chunk_index == 3
-    entry.launcher = None
+    entry.graph = graph
     for _ in range(30):
         assert torch.equal(r.step(), eager.step())
     torch.cuda.synchronize()

@@ -35,7 +35,8 @@ def test_fused_glue_replays_like_eager_and_is_within_bf16_of_the_torch_glue(sequ
     graphed = Rollout(WIDE, "cuda", use_graphs=True, sequences=sequences, glue="fused")
     eager = Rollout(WIDE, "cuda", use_graphs=False, sequences=sequences, model=graphed.model,
                     glue="fused")
-    plain = Rollout(WIDE, "cuda", use_graphs=False, sequences=sequences, model=graphed.model)
+    plain = Rollout(WIDE, "cuda", use_graphs=False, sequences=sequences, model=graphed.model,
+                    glue="torch")
     for r in (graphed, eager, plain):
         r.prefill()
     worst = 0.0

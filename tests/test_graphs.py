@@ -9,18 +9,25 @@ import pytest
 import torch
 
 from framekv.graphs import (CaptureRequest, GraphCache, GraphCaptureError, GraphKey,
-                            SequenceProgram, Step, TensorSpec, assert_replay_matches,
-                            check_replay, chunk_key, commit_key, compare_outputs, decode_report,
-                            encode_report, format_report, forward_key, owner_token,
-                            program_string)
-from framekv.specs import Geometry, KVSpec, WarmupEntry, WarmupPlan
+                            TensorSpec, assert_replay_matches, check_replay, chunk_key,
+                            compare_outputs, decode_report, encode_report, format_report,
+                            owner_token)
+from framekv.specs import Geometry
 
 G = Geometry(6, 12, 8, (4, 8))
+#: Warm-up items (geometry, tokens, block size), as a builder receives them.
+ITEMS = [(G, 8, 4), (G, 8, 8), (G, 4, 4)]
 
 
 def raises(exc, *fragments: str):
     """pytest.raises matching every fragment literally, in order."""
     return pytest.raises(exc, match=".*".join(re.escape(f) for f in fragments))
+
+
+def forward_key(owner, geometry, tokens, block_size, inputs=None) -> GraphKey:
+    """Key of one forward of ``tokens`` tokens in ``block_size`` blocks."""
+    return GraphKey.build(owner=owner, geometry=geometry, tokens=tokens,
+                          block_sizes=(block_size,), program="forward", inputs=inputs)
 
 
 def key(**over) -> GraphKey:
@@ -161,38 +168,18 @@ def test_owner_token_is_per_object_and_never_reused():
         seen.add(token)
 
 
-def test_program_strings_and_standard_keys():
-    assert program_string("chunk", ["1576"] * 4 + ["clean394", "commit"]) == \
-        "chunk:4x1576+clean394+commit"
-    assert program_string("p", ["a", "b", "a", "a"]) == "p:a+b+2xa"
+def test_chunk_key_names_its_steps():
     k = chunk_key(1, G, 8, denoise_steps=2, clean_block=4)
     assert (k.program, k.block_sizes, k.tokens) == ("chunk:2x8+clean4+commit", (8, 8, 4), 8)
     assert chunk_key(1, G, 8, denoise_steps=3, denoise_block=4, commit=False).program == "chunk:3x4"
     assert chunk_key(1, G, 8, denoise_steps=1, commit=4).program == "chunk:8+commit:4"
-    c = commit_key(1, G, 8)
-    assert (c.program, c.tokens, c.block_sizes, c.inputs) == ("commit:8", 8, (), ())
-    f = forward_key(1, G, 8, 4, {"x": torch.zeros(2)})
-    assert (f.program, f.block_sizes, [s.name for s in f.inputs]) == ("forward", (4,), ["x"])
-
-
-def test_sequence_program_runs_steps_in_order_and_names_its_key():
-    log = []
-
-    def step(name):
-        def fn(carry, *, x):
-            log.append(name)
-            return (0 if carry is None else carry) + x
-        return fn
-
-    prog = SequenceProgram("chunk", [Step("8", step("d0"), 8), Step("8", step("d1"), 8),
-                                     Step("clean4", step("c"), 4), Step("commit", step("m"))])
-    assert torch.equal(prog(x=torch.ones(2)), torch.full((2,), 4.0))
-    assert log == ["d0", "d1", "c", "m"]
-    assert (prog.program, prog.block_sizes) == ("chunk:2x8+clean4+commit", (8, 8, 4))
-    k = prog.key(owner=3, geometry=G, tokens=8, inputs={"x": torch.ones(2)})
-    assert k == chunk_key(3, G, 8, denoise_steps=2, clean_block=4, inputs={"x": torch.ones(2)})
-    with raises(ValueError, "steps[0] must be a Step"):
-        SequenceProgram("p", [lambda c: c])
+    assert chunk_key(1, G, 8, denoise_steps=1, clean_block=8).program == "chunk:8+clean8+commit"
+    assert chunk_key(1, G, 8, denoise_steps=0, clean_block=4).program == "chunk:clean4+commit"
+    x = {"x": torch.zeros(2)}
+    k = chunk_key(1, G, 8, denoise_steps=1, inputs=x, splits=(2,), packed=(True,), batch=2)
+    assert ([s.name for s in k.inputs], k.splits, k.packed, k.batch) == (["x"], (2,), (True,), 2)
+    with raises(ValueError, "denoise_steps must be an integer >= 0"):
+        chunk_key(1, G, 8, denoise_steps=-1)
 
 
 # ---------------------------------------------------------------------------- eager cache
@@ -410,118 +397,19 @@ class FakeGraph:
         self.replays += 1
 
 
-def _entry_over_fake_graph(probe: bool = False):
-    """An entry over a `FakeGraph`; ``probe``: with the launcher a
-    ``GraphCache(direct_launch=True)`` gives its entries."""
+def test_a_replay_is_torchs_replay_then_the_host_hook():
     from framekv.graphs import CapturedGraph
-    from framekv.graphs.resident import RngProbe
 
-    k = key()
-    entry = CapturedGraph(k, lambda **kw: None, {"x": torch.zeros(8, 16), "t": torch.zeros(4)},
-                          after_replay=None, debug=False)
+    hooks = []
+    entry = CapturedGraph(key(), lambda **kw: None, {"x": torch.zeros(8, 16), "t": torch.zeros(4)},
+                          after_replay=lambda: hooks.append(1), debug=False)
     graph = FakeGraph()
     entry.set_captured(graph, torch.zeros(2), torch.device("cuda", 0))
-    if probe:
-        entry.launcher = RngProbe()
-    return entry, graph
-
-
-def test_default_replay_is_torchs_replay_without_probing_the_generator(monkeypatch):
-    from framekv.graphs.resident import direct
-
-    monkeypatch.setattr(direct, "default_generator_offset",
-                        lambda device: pytest.fail("the default replay probed the generator"))
-    hooks = []
-    entry, graph = _entry_over_fake_graph()
-    entry.after_replay = lambda: hooks.append(1)
-    assert entry.launcher is None and GraphCache("cpu").direct_launch is False
     for _ in range(5):
         entry.replay()
     assert graph.replays == 5 and entry.hits == 5 and hooks == [1] * 5
-    assert not entry.direct_launch and entry.draws_random is None  # nothing was probed
-
-
-def test_replay_switches_to_a_direct_launch_once_a_replay_drew_no_random_numbers(monkeypatch):
-    from framekv.graphs.resident import direct
-
-    launches = []
-    monkeypatch.setattr(direct, "default_generator_offset", lambda device: 40)
-    monkeypatch.setattr(direct.DirectLaunch, "of", classmethod(
-        lambda cls, graph, device: lambda entry: launches.append(device)))
-    entry, graph = _entry_over_fake_graph(probe=True)
-    assert GraphCache("cpu", direct_launch=True).direct_launch
-    assert not entry.direct_launch and entry.draws_random is None
-    entry.replay()
-    assert graph.replays == 1 and entry.direct_launch and entry.draws_random is False
-    for _ in range(3):
-        entry.replay()
-    assert graph.replays == 1 and launches == [torch.device("cuda", 0)] * 3
-    assert entry.hits == 4
-
-
-def test_a_graph_that_moves_the_generator_stays_on_torch_replay(monkeypatch):
-    from framekv.graphs.resident import direct
-
-    offsets, probes = iter(range(0, 1000, 4)), []
-
-    def offset(device):
-        probes.append(device)
-        return next(offsets)  # every read later than the one before: numbers were drawn
-
-    monkeypatch.setattr(direct, "default_generator_offset", offset)
-    monkeypatch.setattr(direct.DirectLaunch, "of", classmethod(
-        lambda cls, graph, device: pytest.fail("a graph drawing numbers got a direct launch")))
-    entry, graph = _entry_over_fake_graph(probe=True)
-    for _ in range(6):
-        entry.replay()
-    assert graph.replays == 6 and not entry.direct_launch and entry.draws_random is True
-    assert len(probes) == 2 * direct.RNG_PROBES  # probing stops after that many replays
-    assert entry.launcher is None  # settled on torch's replay: no probe left in the way
-
-
-def test_an_unreadable_generator_keeps_torch_replay_and_leaves_rng_use_unknown(monkeypatch):
-    from framekv.graphs.resident import direct
-
-    monkeypatch.setattr(direct, "default_generator_offset", lambda device: None)
-    entry, graph = _entry_over_fake_graph(probe=True)
-    for _ in range(3):
-        entry.replay()
-    assert graph.replays == 3 and not entry.direct_launch and entry.draws_random is None
-
-
-def test_direct_launch_needs_torchs_executable():
-    from framekv.graphs.resident import DirectLaunch, default_generator_offset
-
-    assert DirectLaunch.of(object(), torch.device("cuda", 0)) is None  # no raw executable
-
-    class NotInstantiated:
-        def raw_cuda_graph_exec(self):
-            raise RuntimeError("not instantiated")
-
-    assert DirectLaunch.of(NotInstantiated(), torch.device("cuda", 0)) is None
-    assert default_generator_offset(None) is None
-
-
-def test_direct_launch_keeps_the_graph_that_owns_its_executable_alive():
-    import gc
-    import weakref
-
-    pytest.importorskip("cuda.bindings")
-    from framekv.graphs.resident import DirectLaunch
-
-    class Instantiated:
-        def raw_cuda_graph_exec(self):
-            return 0x1234
-
-    graph = Instantiated()
-    alive = weakref.ref(graph)
-    launcher = DirectLaunch.of(graph, torch.device("cuda", 0))
-    del graph
-    gc.collect()
-    assert launcher is not None and alive() is not None  # else its executable is destroyed
-    del launcher
-    gc.collect()
-    assert alive() is None
+    entry.replay(after_replay=lambda: hooks.append(2))
+    assert graph.replays == 6 and hooks[-1] == 2 and len(hooks) == 6
 
 
 def test_clear_keeps_hit_totals():
@@ -534,12 +422,7 @@ def test_clear_keeps_hit_totals():
 
 
 # ---------------------------------------------------------------------------- warm-up
-def plan() -> WarmupPlan:
-    kv = KVSpec(num_layers=1, num_kv_heads=2, head_dim=16, dtype="float32", tokens_per_page=4)
-    return WarmupPlan(kv=kv, entries=(WarmupEntry(G, (8,), (4, 8)), WarmupEntry(G, (4,), (4,))))
-
-
-def test_warmup_captures_a_plan_and_reports():
+def test_warmup_captures_every_item_and_reports():
     cache, built = GraphCache("cpu"), []
 
     def builder(geometry, tokens, block_size):
@@ -550,7 +433,7 @@ def test_warmup_captures_a_plan_and_reports():
         return k, (lambda x: x * 2), x, None
 
     out = io.StringIO()
-    report = cache.warmup(plan().items(), builder, stream=out)
+    report = cache.warmup(ITEMS, builder, stream=out)
     assert built == [(8, 4), (8, 8), (4, 4)]
     assert [r.status for r in report.records] == ["captured", "cached", "captured"]
     assert (report.graphs, report.captured, report.device) == (2, 2, "cpu")
@@ -575,7 +458,7 @@ def test_warmup_without_progress_and_with_capture_requests():
         x = {"x": torch.zeros(tokens)}
         return CaptureRequest(forward_key(1, geometry, tokens, block_size, x), lambda x: x, x)
 
-    report = cache.warmup(plan().items(), builder, progress=False, stream=out)
+    report = cache.warmup(ITEMS, builder, progress=False, stream=out)
     assert out.getvalue() == "" and report.captured == 3
 
 
@@ -592,7 +475,7 @@ def test_warmup_failure_names_the_item_and_keeps_earlier_graphs():
         return forward_key(1, geometry, tokens, block_size, x), fn, x, None
 
     with pytest.raises(GraphCaptureError) as info:
-        cache.warmup(plan().items(), builder, stream=out)
+        cache.warmup(ITEMS, builder, stream=out)
     assert "planted failure" in str(info.value)
     assert "warm-up request 1: forward T=8 blocks=8" in "\n".join(info.value.__notes__)
     assert len(cache) == 1 and "stopped" in out.getvalue()
@@ -701,7 +584,7 @@ class ChunkRollout:
     def after_replay(self) -> None:
         """The host mirror's part of what the graph did."""
         self.cache.note_staged(self.T)
-        self.cache.commit_mirror(self.T)
+        self.cache.commit_host(self.T)
 
     def key(self, inputs) -> GraphKey:
         return chunk_key(owner_token(self.cache), G, self.T, denoise_steps=self.DENOISE,

@@ -67,34 +67,17 @@ def _scratch_heavy(x):
     return c.view_as(x) + 1
 
 
-def _capture_six(shared: bool) -> tuple[int, int]:
+def test_graphs_share_one_pool():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
-    cache = GraphCache(DEV, shared_pool=shared)
+    cache = GraphCache(DEV)
     for i in range(6):
         x = {"x": torch.randn(256, 1024, device=DEV)}  # 1 MiB
         cache.capture(GraphKey.build(owner=i, program="heavy", inputs=x), _scratch_heavy, x)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # drop what warm-up cached outside the pools
-    total = torch.cuda.memory_reserved() - before
     pooled = cache.stats().reserved_bytes
-    del cache
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return total, pooled
-
-
-def test_shared_pool_uses_less_memory_than_separate_pools():
-    separate_total, separate_pooled = _capture_six(shared=False)
-    shared_total, shared_pooled = _capture_six(shared=True)
-    print(f"\nsix graphs: shared pool {shared_pooled / 2**20:.1f} MiB "
-          f"(process delta {shared_total / 2**20:.1f}), separate pools "
-          f"{separate_pooled / 2**20:.1f} MiB (process delta {separate_total / 2**20:.1f})")
-    assert shared_pooled < separate_pooled
-    assert shared_total < separate_total
-    # Each separate pool holds at least one graph's temporaries (16 MiB).
-    assert separate_pooled >= 6 * (16 << 20)
+    print(f"\nsix graphs of 16 MiB temporaries each: shared pool {pooled / 2**20:.1f} MiB")
+    # Six pools of their own would hold at least one graph's temporaries (16 MiB) each.
+    assert pooled < 6 * (16 << 20)
 
 
 def test_debug_mode_catches_a_swapped_buffer_and_a_layout_mismatch():
@@ -110,9 +93,8 @@ def test_debug_mode_catches_a_swapped_buffer_and_a_layout_mismatch():
         cache.replay(key)
 
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_capture_failure_leaves_no_entry_and_torch_usable(shared):
-    cache = GraphCache(DEV, shared_pool=shared)
+def test_capture_failure_leaves_no_entry_and_torch_usable():
+    cache = GraphCache(DEV)
     x = {"x": torch.ones(8, device=DEV)}
     key = GraphKey.build(owner=1, program="sync", inputs=x)
     earlier = GraphKey.build(owner=2, program="earlier", inputs=x)
@@ -185,101 +167,22 @@ def test_replay_host_cost():
     debug = GraphCache(DEV, debug=True)
     debug.capture(key, lambda x: x + 1, x)
     costs["debug cache.replay(key, inputs)"] = _per_call_us(lambda: debug.replay(key, {"x": fresh}))
-    direct = GraphCache(DEV, direct_launch=True)
-    direct.capture(key, lambda x: x + 1, x)
-    costs["direct_launch cache.replay(key)"] = _per_call_us(lambda: direct.replay(key))
-    assert direct.get(key).direct_launch
     print("\nhost cost per replay of a one-kernel graph, 1000 replays:")
     for name, us in costs.items():
         print(f"  {name:40s} {us:7.2f} us")
     # The cache's bookkeeping must stay small next to the launch itself.
     assert costs["cache.replay(key)"] < costs["CUDAGraph.replay"] + 10
-    assert costs["direct_launch cache.replay(key)"] < costs["CUDAGraph.replay"] + 10
 
 
-# ---------------------------------------------------------------------------- direct launch
-def test_default_replays_go_through_torch_and_the_warm_up_tells_random_graphs():
+def test_a_graph_drawing_random_numbers_draws_fresh_ones_at_every_replay():
     cache = GraphCache(DEV)
     x = {"x": torch.zeros(4096, device=DEV)}
     key = GraphKey.build(owner=1, program="noise", inputs=x)
-    entry = cache.capture(key, lambda x: x + torch.rand(4096, device=DEV), x)
-    assert entry.draws_random is True  # its warm-up calls moved the generator
-    with pytest.raises(ValueError, match="draws random numbers.*replay it instead"):
-        cache.resident(key)
+    cache.capture(key, lambda x: x + torch.rand(4096, device=DEV), x)
     outs = [cache.replay(key).clone() for _ in range(6)]
-    assert entry.launcher is None and not entry.direct_launch
     for a, b in zip(outs, outs[1:]):
         assert not torch.equal(a, b)  # torch's prologue advances the generator each replay
-    plain = GraphKey.build(owner=2, program="affine", inputs=x)
-    handle = cache.capture(plain, lambda x: x * 3 + 1, x)
-    for _ in range(4):
-        cache.replay(plain)
-    assert handle.launcher is None and not handle.direct_launch and handle.draws_random is False
-    quiet = GraphKey.build(owner=3, program="affine", inputs=x)
-    unknown = cache.capture(quiet, lambda x: x * 3 + 1, x, warmup=0)
-    assert unknown.draws_random is None  # no eager call, nothing known
-
-
-def test_graph_without_rng_switches_to_direct_launch_and_follows_the_current_stream():
-    cache = GraphCache(DEV, direct_launch=True)
-    x = {"x": torch.randn(1 << 20, device=DEV)}
-    key = GraphKey.build(owner=1, program="affine", inputs=x)
-    entry = cache.capture(key, lambda x: x * 3 + 1, x)
-    assert not entry.direct_launch  # the probe switches at a replay
-    assert entry.draws_random is False  # known from the warm-up calls
-    offset = torch.cuda.default_generators[0].get_offset()
-    cache.replay(key)
-    cache.replay(key)
-    assert entry.direct_launch and entry.draws_random is False
-    assert torch.cuda.default_generators[0].get_offset() == offset
-    side = torch.cuda.Stream()
-    for i in range(5):
-        fresh = torch.randn(1 << 20, device=DEV)
-        with torch.cuda.stream(side):
-            side.wait_stream(torch.cuda.current_stream())
-            # A launch on any other stream would run before the copy behind the sleep.
-            torch.cuda._sleep(2_000_000)
-            entry.static_inputs["x"].copy_(fresh)
-            out = cache.replay(key).clone()
-        torch.cuda.current_stream().wait_stream(side)
-        assert torch.equal(out, fresh * 3 + 1), f"replay {i}"
-
-
-def test_graph_drawing_random_numbers_keeps_torch_replay_and_fresh_numbers():
-    cache = GraphCache(DEV, direct_launch=True)
-    x = {"x": torch.zeros(4096, device=DEV)}
-    key = GraphKey.build(owner=1, program="noise", inputs=x)
-    entry = cache.capture(key, lambda x: x + torch.rand(4096, device=DEV), x)
-    assert entry.draws_random is True
-    outs = [cache.replay(key).clone() for _ in range(6)]
-    assert not entry.direct_launch and entry.draws_random is True
-    with pytest.raises(ValueError, match="draws random numbers.*replay it instead"):
-        cache.resident(key)
-    for a, b in zip(outs, outs[1:]):
-        assert not torch.equal(a, b)  # each replay draws new numbers
     assert all(0 <= o.min() and o.max() < 1 for o in outs)
-
-
-def test_a_direct_launch_entry_runs_resident_and_launches_directly_again_after():
-    cache = GraphCache(DEV, direct_launch=True)
-    x = {"x": torch.zeros(256, device=DEV)}
-    key = GraphKey.build(owner=1, program="count", inputs=x)
-    entry = cache.capture(key, lambda x: x.add_(1), x)
-    cache.replay(key)
-    direct = entry.launcher
-    assert entry.direct_launch and direct is not None
-    before = entry.static_inputs["x"].clone()
-    torch.cuda.synchronize()
-    r = cache.resident(key, idle_timeout_s=5.0)
-    with pytest.raises(RuntimeError, match="runs resident"):
-        cache.replay(key)
-    r.submit()
-    r.wait(timeout_s=10)
-    r.close()
-    assert entry.launcher is direct
-    cache.replay(key)
-    torch.cuda.synchronize()
-    assert torch.equal(entry.static_inputs["x"], before + 2)  # one resident run, one replay
 
 
 # ---------------------------------------------------------------------------- memset rewrite
@@ -296,29 +199,34 @@ def _memsets(buf: torch.Tensor) -> None:
 
 
 def test_memset_nodes_become_kernel_nodes_writing_the_same_bytes():
+    from framekv.graphs.capture import instantiate, new_graph
     from framekv.graphs.inspect import graph_info
 
     buf = torch.zeros(4096, dtype=torch.uint8, device=DEV)
     want = buf.clone()
     _memsets(want)  # eager
     torch.cuda.synchronize()
-    for kernel_only in (True, False):
-        cache = GraphCache(DEV, kernel_only=kernel_only)
-        key = GraphKey.build(owner=1, program="memsets", inputs={})
-        entry = cache.capture(key, lambda: _memsets(buf), {})
+    expect = want.clone()
+    expect[want == 0] = 0x11
+    cache = GraphCache(DEV)
+    key = GraphKey.build(owner=1, program="memsets", inputs={})
+    entry = cache.capture(key, lambda: _memsets(buf), {})
+    # The same work kept as captured, through the helpers the cache uses.
+    kept = new_graph()
+    with torch.cuda.graph(kept):
+        _memsets(buf)
+    assert instantiate(kept, rewrite=False, device_index=torch.cuda.current_device()) == 0
+    for label, graph, replay in (("rewritten", entry.graph, lambda: cache.replay(key)),
+                                 ("as captured", kept, kept.replay)):
         buf.fill_(0x11)  # dirty every byte, the untouched ones included
-        expect = want.clone()
-        expect[want == 0] = 0x11
-        cache.replay(key)
+        replay()
         torch.cuda.synchronize()
-        assert torch.equal(buf, expect), f"kernel_only={kernel_only}"
-        info = graph_info(entry.graph)
-        print(f"\nkernel_only={kernel_only}: {info}")
-        if kernel_only:
-            assert entry.memsets_replaced == 3 and info.types == {"kernel": 3}
-        else:
-            assert entry.memsets_replaced == 0 and info.types == {"memset": 3}
+        assert torch.equal(buf, expect), label
+        info = graph_info(graph)
+        print(f"\n{label}: {info}")
+        assert info.types == ({"kernel": 3} if label == "rewritten" else {"memset": 3})
         assert info.straight_line
+    assert entry.memsets_replaced == 3
 
 
 def test_cudnn_forward_graph_is_kernel_only_and_replays_like_eager():

@@ -57,9 +57,11 @@ def test_a_commit_whose_device_half_fails_can_be_retried(monkeypatch):
     twin = Twin()
     twin.chunk()
     twin.forward(M)
-    real = CausalKVCache.commit_device
+    from framekv.engine.cache.sequences import PoolState
+
+    real = PoolState.commit_device
     fault = Fault(real)
-    monkeypatch.setattr(CausalKVCache, "commit_device", lambda self, n, **kw: fault(self, n, **kw))
+    monkeypatch.setattr(PoolState, "commit_device", lambda self, *a: fault(self, *a))
     with pytest.raises(InjectedFault):
         twin.cache.commit(M)
     assert twin.cache.committed_tokens == M and twin.cache.staged_tokens == M

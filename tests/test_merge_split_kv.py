@@ -1,8 +1,8 @@
 """CPU tests of ``merge_split_kv_``: the torch reference against attention computed from
 scratch (each block's keys cut into S sub-rows, some empty, merged by the reference,
-compared with softmax attention over all keys), the public op and bound launcher on
-CPU (the reference path), padding rows, strided outputs, argument validation and
-torch.compile. Also the case builders shared by the simulator and GPU tests.
+compared with softmax attention over all keys), the public op on CPU (the reference
+path), padding rows, strided outputs, argument validation and torch.compile. Also the
+case builders shared by the simulator and GPU tests.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from framekv.ops import bind_merge_split_kv, merge_split_kv_, merge_split_kv_reference
+from framekv.ops import merge_split_kv_, merge_split_kv_reference
 
 CPU = torch.device("cpu")
 NAN = float("nan")
@@ -220,17 +220,16 @@ def test_packed_output_leaves_the_rest_alone():
     assert torch.equal(base[mask], before[mask])
 
 
-def test_bound_launcher_on_cpu_sees_new_contents():
+def test_merge_on_cpu_reads_the_current_contents():
     args, _ = merge_case(CPU, torch.bfloat16, S=2, nb=1, b=4, H=3, D=64, empty_every=0)
-    bound = bind_merge_split_kv(**args)
-    bound()
+    merge_split_kv_(**args)
     want = args["out"].clone()
     merge_split_kv_reference(want, *(args[k] for k in ("partial", "lse", "kv_lens")),
                              block_size=4, seq_len=4)
     assert torch.equal(args["out"], want)
     args["kv_lens"][1] = 0
     args["partial"].mul_(2)
-    bound()
+    merge_split_kv_(**args)
     merge_split_kv_reference(want, *(args[k] for k in ("partial", "lse", "kv_lens")),
                              block_size=4, seq_len=4)
     assert torch.equal(args["out"], want)
@@ -254,9 +253,6 @@ def test_seq_len_zero_and_empty_tensors():
     merge_split_kv_(out, torch.empty(2, 0, 3, 64, dtype=torch.bfloat16),
                     torch.empty(0, 3, 4), torch.empty(0, dtype=torch.int32),
                     block_size=4, seq_len=0)
-    bind_merge_split_kv(out, torch.empty(2, 0, 3, 64, dtype=torch.bfloat16),
-                        torch.empty(0, 3, 4), torch.empty(0, dtype=torch.int32),
-                        block_size=4, seq_len=0)()
 
 
 # --- validation ---------------------------------------------------------------------
@@ -317,8 +313,6 @@ def test_merge_rejects(case):
     args[name] = make(args)
     with pytest.raises(ValueError, match=f"^{name}: "):
         merge_split_kv_(**args)
-    with pytest.raises(ValueError, match=f"^{name}: "):
-        bind_merge_split_kv(**args)
 
 
 def test_merge_messages_say_expected_and_actual():

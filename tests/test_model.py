@@ -7,7 +7,7 @@ import msgspec
 import pytest
 import torch
 
-from framekv.engine import CausalKVCache, PagedKV, ReferenceKV
+from framekv.engine import CausalKVCache, ForwardContext, PagedKV, ReferenceKV
 from framekv.engine.attention import cudnn_frontend_available
 from framekv.engine.model import (CausalVideoDiT, default_backend, model_dtype, patchify,
                                   unpatchify)
@@ -24,19 +24,24 @@ def _model(spec=TINY.model, prompt=TINY.rollout.prompt_tokens, **kw):
 def _latents(frames=2, seed=1):
     m = TINY.model
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(frames, m.in_channels, m.latent_height, m.latent_width, generator=g)
+    return torch.randn(1, m.in_channels, frames, m.latent_height, m.latent_width, generator=g)
 
 
 def _frame(i):
     return torch.tensor([i], dtype=torch.int64)
 
 
+def _dense(i, recorder=None):
+    """The context of a forward without a store: dense over its own tokens, at frame i."""
+    return ForwardContext(None, seq_len=None, frame0=_frame(i), recorder=recorder)
+
+
 def test_forward_shapes_and_packed_qkv():
     m, spec = _model(), TINY.model
     seen = []
-    m.recorder = lambda layer, qkv, out, seq_len, b: seen.append((layer, qkv.shape, out.shape))
+    record = lambda layer, qkv, out, seq_len, b: seen.append((layer, qkv.shape, out.shape))  # noqa: E731
     x = _latents(frames=3)
-    v = m(x, torch.ones(1), _frame(0))
+    v = m(x, torch.ones(1), _dense(0, record))
     assert v.shape == x.shape and v.dtype == torch.float32 and torch.isfinite(v).all()
     S = 3 * spec.tokens_per_frame
     H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -45,9 +50,9 @@ def test_forward_shapes_and_packed_qkv():
 
 def test_output_depends_on_time_and_input():
     m, x = _model(), _latents()
-    v1, v0 = m(x, torch.ones(1), _frame(0)), m(x, torch.zeros(1), _frame(0))
+    v1, v0 = m(x, torch.ones(1), _dense(0)), m(x, torch.zeros(1), _dense(0))
     assert (v1 - v0).abs().max() > 1e-3                      # time conditioning acts
-    assert (m(x * 2, torch.ones(1), _frame(0)) - v1).abs().max() > 1e-3
+    assert (m(x * 2, torch.ones(1), _dense(0)) - v1).abs().max() > 1e-3
 
 
 def test_same_seed_same_weights_and_outputs():
@@ -55,7 +60,7 @@ def test_same_seed_same_weights_and_outputs():
     for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert na == nb and torch.equal(pa, pb), na
     x = _latents()
-    assert torch.equal(a(x, torch.ones(1), _frame(3)), b(x, torch.ones(1), _frame(3)))
+    assert torch.equal(a(x, torch.ones(1), _dense(3)), b(x, torch.ones(1), _dense(3)))
     c = _model(spec=msgspec.structs.replace(TINY.model, seed=1))
     assert not torch.equal(a.blocks[0].qkv.weight, c.blocks[0].qkv.weight)
     assert not torch.equal(a.prompt, c.prompt)
@@ -82,7 +87,7 @@ def test_dtype_and_backend_follow_the_device():
 def test_patchify_round_trip():
     x = _latents(frames=3)
     tokens = patchify(x, TINY.model.patch_size)
-    assert tokens.shape == (3 * TINY.model.tokens_per_frame, TINY.model.patch_dim)
+    assert tokens.shape == (1, 3 * TINY.model.tokens_per_frame, TINY.model.patch_dim)
     assert torch.equal(unpatchify(tokens, 3, TINY.model), x)
 
 
@@ -127,8 +132,8 @@ def test_keys_carry_absolute_frames_while_chunk_outputs_are_shift_invariant():
     H = TINY.model.num_heads
     keys = {}
     for f in (0, 50):
-        m.recorder = lambda layer, qkv, out, n, b, f=f: keys.setdefault((f, layer), qkv[0, :, H:].clone())
-        keys[f] = m(x, torch.ones(1), _frame(f))
+        record = lambda layer, qkv, out, n, b, f=f: keys.setdefault((f, layer), qkv[0, :, H:].clone())  # noqa: E731
+        keys[f] = m(x, torch.ones(1), _dense(f, record))
     # The K stored for later chunks depends on the absolute frame ...
     assert (keys[(0, 0)] - keys[(50, 0)]).abs().max() > 1e-3
     # ... while attention inside one chunk sees only frame distances.

@@ -1,14 +1,14 @@
 """CPU tests of the ops: references against plain torch formulas, the public ops and
-bound launchers on CPU tensors (the reference path), argument validation, and
-torch.compile over the custom ops."""
+the scatter's bound launcher on CPU tensors (the reference path), argument validation,
+and torch.compile over the custom ops."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from framekv.ops import (bind_copy_kv_slots, bind_rotate_rows, bind_scatter_kv_slots,
-                         copy_kv_slots_, copy_kv_slots_reference, rotate_rows_,
-                         rotate_rows_reference, scatter_kv_slots_, scatter_kv_slots_reference)
+from framekv.ops import (bind_scatter_kv_slots, copy_kv_slots_, copy_kv_slots_reference,
+                         rotate_rows_, rotate_rows_reference, scatter_kv_slots_,
+                         scatter_kv_slots_reference)
 from test_ops_cases import ROTATE_SHIFTS, assert_bits_equal, copy_case, scatter_case
 
 CPU = torch.device("cpu")
@@ -89,24 +89,21 @@ def test_public_ops_on_cpu_match_references():
     assert_bits_equal(got["v_pool"], want["v_pool"], "v_pool")
 
 
-def test_bound_launchers_on_cpu():
+def test_rotate_reads_the_shift_tensor_at_each_call():
     x = torch.arange(10, dtype=torch.int32)
     shift = torch.tensor(3)
-    rot = bind_rotate_rows(x, shift)
-    rot()
+    rotate_rows_(x, shift)
     shift.fill_(-3)
-    rot()
+    rotate_rows_(x, shift)
     assert torch.equal(x, torch.arange(10, dtype=torch.int32))
+
+
+def test_bound_scatter_on_cpu():
     got, want = (scatter_case(CPU, torch.bfloat16, T=4, H=2, D=8, slots=16, kv="fused",
                               dst2=True, seed=5) for _ in range(2))
     bind_scatter_kv_slots(got["k_pool"], got["v_pool"], got["dst"], got["dst2"])(
         got["k"], got["v"])
     scatter_kv_slots_reference(**want)
-    assert_bits_equal(got["k_pool"], want["k_pool"], "k_pool")
-    got, want = (copy_case(CPU, torch.bfloat16, L=2, slots=12, H=1, D=8, seed=6)
-                 for _ in range(2))
-    bind_copy_kv_slots(**got)()
-    copy_kv_slots_reference(**want)
     assert_bits_equal(got["k_pool"], want["k_pool"], "k_pool")
 
 
@@ -235,10 +232,6 @@ def test_copy_rejects(case):
     args[name] = make(args)
     with pytest.raises(ValueError, match=f"^{name}: "):
         copy_kv_slots_(**args)
-    args = _pools()
-    args[name] = make(args)
-    with pytest.raises(ValueError, match=f"^{name}: "):
-        bind_copy_kv_slots(**args)
 
 
 ROTATE_BAD = [
@@ -263,8 +256,6 @@ def test_rotate_rejects(i):
     x, shift = make()
     with pytest.raises(ValueError, match=f"^{name}: "):
         rotate_rows_(x, shift)
-    with pytest.raises(ValueError, match=f"^{name}: "):
-        bind_rotate_rows(x, shift)
 
 
 # --- torch.compile over the custom ops ----------------------------------------------

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from framekv.ops import (bind_copy_kv_slots, bind_rotate_rows, bind_scatter_kv_slots,
-                         copy_kv_slots_, copy_kv_slots_reference, rotate_rows_,
-                         rotate_rows_reference, scatter_kv_slots_, scatter_kv_slots_reference)
+from framekv.ops import (bind_scatter_kv_slots, copy_kv_slots_, copy_kv_slots_reference,
+                         rotate_rows_, rotate_rows_reference, scatter_kv_slots_,
+                         scatter_kv_slots_reference)
 from framekv.ops import _launch
 from test_ops_cases import (COPY_PARAMS, ROTATE_SHIFTS, assert_bits_equal, copy_case,
                             rotate_case, scatter_case, scatter_params)
@@ -81,16 +81,15 @@ def test_copy_matches_reference(dtype, D, pool):
     _check_pools(got, want)
 
 
-def test_bound_copy_sees_new_lists():
+def test_copy_sees_new_lists():
     got, want = (copy_case(CPU, torch.bfloat16, L=3, slots=12, H=1, D=8, seed=4)
                  for _ in range(2))
-    bound = bind_copy_kv_slots(**got)
-    bound()
+    copy_kv_slots_(**got)
     copy_kv_slots_reference(**want)
     for c in (got, want):
         c["src"][:3] = torch.tensor([7, -1, 0])
         c["dst"][:3] = torch.tensor([11, 2, -1])
-    bound()
+    copy_kv_slots_(**got)
     copy_kv_slots_reference(**want)
     _check_pools(got, want)
 
@@ -135,16 +134,15 @@ def test_rotate_tensor_shifts(shape, layout, shift_dtype, shift):
     assert torch.equal(got, want)
 
 
-def test_rotate_huge_int64_tensor_shift_and_bound_launcher():
+def test_rotate_huge_int64_tensor_shifts():
     x = rotate_case(CPU, torch.int64, shape=(3, 10), seed=1)
     want = x.clone()
     shift = torch.tensor([-(2 ** 63)])
-    bound = bind_rotate_rows(x, shift)
-    bound()
+    rotate_rows_(x, shift)
     rotate_rows_reference(want, shift)
     assert torch.equal(x, want)
-    shift.fill_(2 ** 63 - 1)  # the bound launcher reads the new value
-    bound()
+    shift.fill_(2 ** 63 - 1)  # the kernel reads the new value
+    rotate_rows_(x, shift)
     rotate_rows_reference(want, shift)
     assert torch.equal(x, want)
 
@@ -160,4 +158,4 @@ def test_rotate_many_rows_grid_strides():
 def test_rotate_empty_rows_are_noops():
     rotate_rows_(torch.empty(3, 0, dtype=torch.int32), torch.tensor([5]))
     rotate_rows_(torch.empty(0, 4, dtype=torch.int64), 3)
-    bind_rotate_rows(torch.empty(0, dtype=torch.int32), torch.tensor([1]))()
+    rotate_rows_(torch.empty(0, dtype=torch.int32), torch.tensor([1]))

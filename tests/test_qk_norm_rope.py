@@ -1,24 +1,20 @@
 """CPU tests of ``qk_norm_rope_stage_``: the torch reference against independent
 compositions of the unfused paths (the reference model's `RMSNorm` / `apply_rope` /
-`Rope3D`, Wan's all-heads RMSNorm / `rotate` / `WanRope`, a rotate-half formula), the
-staging into pool slots, strided packed tensors, the bound launcher, the custom op and
-every validation error (a refused call writes nothing). Also the case builder shared by
+`Rope3D`, Wan's all-heads RMSNorm with the same rope, a rotate-half formula), the
+staging into pool slots, strided packed tensors, the custom op and every validation
+error (a refused call writes nothing). Also the case builder shared by
 the simulator and GPU tests.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import types
 
 import pytest
 import torch
 
 from framekv.engine.model.blocks import RMSNorm, Rope3D, apply_rope
-from framekv.engine.wan.processors import WanRope, rotate
-from framekv.ops.qk_norm_rope import (RopeGrid, bind_qk_norm_rope_stage, qk_norm_rope_stage_,
-                                      qk_norm_rope_stage_reference)
+from framekv.ops.qk_norm_rope import RopeGrid, qk_norm_rope_stage_, qk_norm_rope_stage_reference
 
 CPU = torch.device("cpu")
 EPS = 1e-6
@@ -153,29 +149,26 @@ def model_path(qkv, q_w, k_w, H, Hkv, rope):
 
 
 def _wan_tables(rope, b, S):
-    """Wan's cos / sin [1, S, 1, D] of sequence b through `WanRope` (its own
-    frequencies, whole frames of a (1, 2, 2)-patched latent, then a slice)."""
+    """Wan's cos / sin [1, S, 1, D/2] of sequence b through `Rope3D`'s torch-glue tables
+    (the rope a Wan rollout runs: the stock table's angles, tested against diffusers'
+    in test_wan.py): whole frames of the grid, then a slice."""
     D = 2 * rope.inv_freq.shape[0]
     gh, gw = rope.grid
     frames = -(-(rope.token_offset + S) // (gh * gw))
-    ctx = types.SimpleNamespace(frame0=rope.frame0[b:b + 1], glue="torch")  # the tables
-    wr = WanRope(ctx, D, (1, 2, 2))
-    cos, sin = wr(torch.zeros(1, 1, frames, 2 * gh, 2 * gw))
+    r3 = Rope3D(D, (gh, gw), rope.frame0.device)
+    cos, sin = Rope3D.cos_sin(r3.angles(rope.frame0[b:b + 1], frames))
     sl = slice(rope.token_offset, rope.token_offset + S)
     return cos[:, sl], sin[:, sl]
 
 
 def wan_grid(D, grid, frame0, offset=0):
-    """A RopeGrid with `WanRope`'s frequencies and axis split."""
-    wr = WanRope(None, D, (1, 2, 2))
-    inv = torch.cat([wr._inv_freq(d, frame0.device) for d in wr.dims])
-    return RopeGrid(inv, tuple(d // 2 for d in wr.dims), tuple(grid), frame0, "interleaved",
-                    offset)
+    """A RopeGrid with Wan's frequencies and axis split (`Rope3D.grid`)."""
+    return Rope3D(D, tuple(grid), frame0.device).grid(frame0, offset)
 
 
 def wan_path(qkv, q_w, k_w, H, Hkv, rope):
-    """Wan's processor math: RMSNorm over all heads (torch.nn.RMSNorm, as diffusers'),
-    then `rotate` per sequence. Returns fp32 (q, k)."""
+    """Wan's attention math: RMSNorm over all heads (torch.nn.RMSNorm, as diffusers'),
+    then the torch glue's rope per sequence. Returns fp32 (q, k)."""
     B, S, _, D = qkv.shape
     x = qkv.float()
     out = []
@@ -184,7 +177,7 @@ def wan_path(qkv, q_w, k_w, H, Hkv, rope):
         norm.weight.data.copy_(w.float())
         y = norm(part.flatten(2)).unflatten(2, (n, D))
         if rope is not None:
-            y = torch.cat([rotate(y[b:b + 1], *_wan_tables(rope, b, S)) for b in range(B)])
+            y = torch.cat([apply_rope(y[b:b + 1], *_wan_tables(rope, b, S)) for b in range(B)])
         out.append(y)
     return out
 
@@ -347,7 +340,7 @@ def test_staging_with_every_slot_negative_writes_nothing():
     assert torch.equal(args["k_pool"], pools[0]) and torch.equal(args["v_pool"], pools[1])
 
 
-# --- layouts, bound launcher, custom op -----------------------------------------------
+# --- layouts, custom op ------------------------------------------------------------------
 
 @pytest.mark.parametrize("staging", [False, True])
 def test_strided_qkv_equals_contiguous_and_keeps_its_surroundings(staging):
@@ -366,20 +359,6 @@ def test_strided_qkv_equals_contiguous_and_keeps_its_surroundings(staging):
     assert torch.equal(args["qkv"], flat["qkv"])
     if staging:
         assert torch.equal(args["k_pool"], flat["k_pool"])
-
-
-@pytest.mark.parametrize("staging", [False, True])
-def test_bound_launcher_equals_the_public_op(staging):
-    make = lambda: qk_case(CPU, torch.float32, B=2, S=6, H=3, Hkv=1, D=8,  # noqa: E731
-                           staging=staging, dst2=True, src_rows=True, seed=5)[0]
-    got, want = make(), make()
-    qkv = got.pop("qkv")
-    bound = bind_qk_norm_rope_stage(**got)
-    bound(qkv)
-    qk_norm_rope_stage_(**want)
-    assert torch.equal(qkv, want["qkv"])
-    if staging:
-        assert torch.equal(got["k_pool"], want["k_pool"])
 
 
 def test_custom_op_is_registered_and_traces():
@@ -487,29 +466,8 @@ def test_sections_wider_than_a_cta_holds_are_refused():
     with pytest.raises(ValueError, match=r"^qkv: expected max\(num_heads, num_kv_heads\) \* D "
                                          f"<= {MAX_HEAD_VALUES} .* got {H} \\* {D}"):
         qk_norm_rope_stage_(qkv, w, w, num_heads=H, num_kv_heads=1)
-    with pytest.raises(ValueError, match=r"^q_weight: expected max\(num_heads, num_kv_heads\)"):
-        bind_qk_norm_rope_stage(w, w, num_heads=H, num_kv_heads=1)
     assert not qkv.any()
     qk_norm_rope_stage_(qkv[:, :, 1:], w, w, num_heads=H - 1, num_kv_heads=1)  # the widest
-
-
-def test_bound_launcher_checks_each_qkv():
-    args = _bad_case()
-    qkv = args.pop("qkv")
-    bound = bind_qk_norm_rope_stage(**args)
-    for bad, message in ((qkv.double(), "qkv: expected dtype torch.bfloat16"),
-                         (qkv.bfloat16(), "qkv: expected dtype torch.float32 (the bound"),
-                         (qkv[..., :4], "qkv: expected head dim 8"),
-                         (qkv[:1], "rope.frame0: expected length 1"),
-                         (qkv[:, :3], "tokens: expected an integer in [1, 3]")):
-        with pytest.raises(ValueError, match="^" + re.escape(message)):
-            bound(bad)
-    with pytest.raises(ValueError, match="^q_weight: expected an even head dim"):
-        bind_qk_norm_rope_stage(args["q_weight"][:3], args["k_weight"][:3], num_heads=2,
-                                num_kv_heads=1)
-    with pytest.raises(ValueError, match="^q_weight: expected a length divisible"):
-        bind_qk_norm_rope_stage(args["q_weight"][:7], args["k_weight"], num_heads=2,
-                                num_kv_heads=1, norm="all")
 
 
 def test_empty_batch_is_a_no_op():

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from framekv.ops import _launch
-from framekv.ops.qk_norm_rope import (bind_qk_norm_rope_stage, qk_norm_rope_stage_,
-                                      qk_norm_rope_stage_reference)
+from framekv.ops.qk_norm_rope import qk_norm_rope_stage_, qk_norm_rope_stage_reference
 from test_qk_norm_rope import assert_matches, compare_with_reference, entry_writes, qk_case
 
 pytestmark = pytest.mark.sim
@@ -79,15 +78,14 @@ def test_kernel_matches_reference_staging(case, variant, tokens, dst2, src_rows)
 
 
 @pytest.mark.parametrize("staging", [False, True])
-def test_bound_launcher_matches_reference_across_calls(staging):
-    """One bound launcher, three calls with new qkv, frame0 and lists in place (what a
+def test_op_matches_reference_across_calls(staging):
+    """Three calls on the same tensors with new qkv, frame0 and lists in place (what a
     graph replay sees)."""
     dtype = torch.bfloat16
     kw = dict(B=2, S=3, H=3, Hkv=1, D=8, norm="all", staging=staging, dst2=staging,
               src_rows=staging, tokens=2 if staging else None)
     got, _ = qk_case(CPU, dtype, seed=0, **kw)
-    qkv = got.pop("qkv")
-    bound = bind_qk_norm_rope_stage(**got)
+    qkv = got["qkv"]
     for trial in range(3):
         fresh, _ = qk_case(CPU, dtype, seed=trial + 1, **kw)
         qkv.copy_(fresh["qkv"])
@@ -99,7 +97,7 @@ def test_bound_launcher_matches_reference_across_calls(staging):
         if staging:
             want.update(k_pool=got["k_pool"].clone(), v_pool=got["v_pool"].clone())
         qk_norm_rope_stage_reference(**want)
-        bound(qkv)
+        qk_norm_rope_stage_(**got)
         assert_matches(qkv[:, :, :3], want["qkv"][:, :, :3], dtype, f"q {trial}")
         if staging:
             assert torch.equal(qkv[:, :, 3:], want["qkv"][:, :, 3:])
@@ -109,16 +107,15 @@ def test_bound_launcher_matches_reference_across_calls(staging):
             assert_matches(qkv[:, :, 3:4], want["qkv"][:, :, 3:4], dtype, f"k {trial}")
 
 
-def test_bound_launcher_serves_both_float_dtypes_without_pools():
+def test_fp32_weights_serve_both_float_dtypes_without_pools():
     for dtype in (torch.float32, torch.bfloat16):
         got, _ = qk_case(CPU, dtype, B=1, S=3, H=2, Hkv=2, D=8, seed=4)
         want, _ = qk_case(CPU, dtype, B=1, S=3, H=2, Hkv=2, D=8, seed=4)
-        qkv = got.pop("qkv")
-        bind_qk_norm_rope_stage(**dict(got, q_weight=got["q_weight"].float(),
-                                       k_weight=got["k_weight"].float()))(qkv)
+        qk_norm_rope_stage_(**dict(got, q_weight=got["q_weight"].float(),
+                                   k_weight=got["k_weight"].float()))
         qk_norm_rope_stage_reference(**dict(want, q_weight=want["q_weight"].float(),
                                             k_weight=want["k_weight"].float()))
-        assert_matches(qkv, want["qkv"], dtype, str(dtype))
+        assert_matches(got["qkv"], want["qkv"], dtype, str(dtype))
 
 
 def test_mixed_weight_dtypes():

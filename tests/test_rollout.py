@@ -31,7 +31,7 @@ def test_cached_rollout_equals_dense_recompute_over_visible_context():
     got = cached.run()
     dense = ReferenceRollout(spec, model=cached.model)
     want = dense.run()
-    assert len(got) == 22 and all(x.shape == (2, 4, 8, 8) for x in got)
+    assert len(got) == 22 and all(x.shape == (1, 4, 2, 8, 8) for x in got)
     # The window slid far past its size, so pages were recycled along the way.
     g = cached.geometry
     assert cached.cache.committed_tokens == g.pin_tokens + 22 * spec[1].chunk_tokens
@@ -63,8 +63,8 @@ def test_graphs_and_eager_agree_and_capture_does_not_corrupt():
 def test_reset_replays_the_same_rollout():
     r = Rollout("tiny")
     first = r.run(3)
-    r.reset()
-    assert r.cache.committed_tokens == 0 and r.frames_done == 0
+    r.reset()                                       # back to position 0, the prompt kept
+    assert r.cache.committed_tokens == TINY.rollout.prompt_tokens and r.frames_done == 0
     assert _max_err(first, r.run(3)) == 0.0
 
 
@@ -72,13 +72,13 @@ def test_shorter_last_chunk():
     spec = _specs(chunks=4, last_chunk_frames=1)
     r = Rollout(spec)
     out = r.run()
-    assert [x.shape[0] for x in out] == [2, 2, 2, 1]
+    assert [x.shape[2] for x in out] == [2, 2, 2, 1]
     assert len(r.graphs) == 2                                     # one graph per chunk length
     assert r.frames_done == 7
     want = ReferenceRollout(spec, model=r.model).run()
     assert _max_err(out, want) < 1e-4
     # Past the planned chunks the rollout goes on with full chunks.
-    assert r.step().shape[0] == 2
+    assert r.step().shape[2] == 2
 
 
 def test_frame_index_input_grows_with_the_rollout():
@@ -86,7 +86,7 @@ def test_frame_index_input_grows_with_the_rollout():
     r.prefill()
     seen = []
     for _ in range(4):
-        seen.append(int(r.inputs(r.chunk_index)["frame0"]))
+        seen.append(r.frames_done)                  # the next chunk's first frame
         r.step()
     assert seen == [0, 2, 4, 5]  # the short chunk is the third
 
@@ -157,29 +157,6 @@ def test_a_store_given_to_the_rollout_is_the_one_seam():
     assert isinstance(r.kv, KVStore) and ReferenceRollout("tiny").cache is None
 
 
-def test_resident_rollout_equals_the_replayed_one_and_keeps_a_runner_per_chunk_length():
-    spec = _specs(chunks=5, last_chunk_frames=1)
-    replayed = Rollout(spec)
-    resident = Rollout(spec, resident=True, model=replayed.model)
-    want, got = replayed.run(), resident.run()
-    assert [x.shape[0] for x in got] == [2, 2, 2, 2, 1]
-    assert _max_err(want, got) == 0.0
-    runners = resident._runners
-    assert sorted(runners) == sorted(spec[1].chunk_token_counts())
-    assert sorted(r.completed for r in runners.values()) == [1, 4]
-    assert all(r.eager for r in runners.values())
-    resident.reset()  # the runners stay open across a reset
-    assert _max_err(want[:2], resident.run(2)) == 0.0
-    assert not any(r.closed for r in runners.values())
-    resident.close()
-    assert all(r.closed for r in runners.values())
-
-
-def test_resident_needs_graphs():
-    with pytest.raises(ValueError, match="needs use_graphs=True, got use_graphs=False"):
-        Rollout("tiny", use_graphs=False, resident=True)
-
-
 def test_lifecycle_errors():
     r = Rollout("tiny")
     with pytest.raises(ValueError, match="prefill"):
@@ -187,7 +164,8 @@ def test_lifecycle_errors():
     r.prefill()
     with pytest.raises(ValueError, match="already prefilled"):
         r.prefill()
-    with pytest.raises(ValueError, match="before prefill"):
+    r.step()
+    with pytest.raises(ValueError, match="before the first chunk"):
         r.capture()
     with pytest.raises(ValueError, match="chunk lengths"):
         r.capture_request(16)

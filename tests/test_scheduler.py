@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from framekv.engine import Rollout
-from framekv.engine.scheduler import SchedulerFull, StreamScheduler, session_noise
+from framekv.engine.runner import chunk_noise
+from framekv.engine.scheduler import SchedulerFull, StreamScheduler
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +30,13 @@ def drain(sched, sessions, got):
 
 def alone_chunks(sched, seed, n, prompt=None, rewrite_at=None, new_prompt=None):
     """The same seed run alone: a one-stream rollout over the same model and noise."""
-    r = Rollout("tiny", device="cpu", model=sched.rollout.model, use_graphs=False)
-    r.model.prefill(r.kv, prompt)
+    r = Rollout("tiny", device="cpu", model=sched.runner.model, use_graphs=False)
+    r.set_prompt(r.model.prompt if prompt is None else prompt)
     out = []
     for i in range(n):
         if i == rewrite_at:
-            r.model.prefill(r.kv, new_prompt, rewrite=True)
-        out.append(r.chunk_fn(session_noise(seed, i, sched.chunk_shape),
-                              torch.tensor([i * sched.chunk_shape[0]])))
+            r.set_prompt(new_prompt)            # under way: the pinned prefix rewritten
+        out.append(r.step(chunk_noise(seed, i, sched.chunk_shape)[None])[0])
     return out
 
 
@@ -86,13 +86,13 @@ def test_a_failing_step_fails_its_sessions_and_the_others_go_on(sched, monkeypat
     _clear(sched)
     a, b = sched.open_session(seed=5), sched.open_session(seed=6)
     sched.step()
-    real = sched.rollout.step_rows
+    real = sched.runner.step_rows
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected device fault")
-    monkeypatch.setattr(sched.rollout, "step_rows", boom)
+    monkeypatch.setattr(sched.runner, "step_rows", boom)
     assert sched.step() == 0
-    monkeypatch.setattr(sched.rollout, "step_rows", real)
+    monkeypatch.setattr(sched.runner, "step_rows", real)
     for s in (a, b):
         assert s.state == "failed" and "injected device fault" in s.error
     c = sched.open_session(seed=7, chunks=3)
@@ -117,7 +117,7 @@ def test_slots_are_bounded_and_reused_clean(sched):
     with pytest.raises(KeyError):
         sched.close_session(sessions[3].id)
     again = sched.open_session(seed=11, chunks=2)
-    assert again.slot == sessions[3].slot
+    assert again.sequence == sessions[3].sequence
     got = {}
     while not again.finished:
         sched.step()
@@ -128,7 +128,7 @@ def test_slots_are_bounded_and_reused_clean(sched):
 
 def test_a_prompt_change_equals_the_same_recache_offline(sched):
     _clear(sched)
-    P, dim = sched.rollout.model.prompt.shape
+    P, dim = sched.runner.model.prompt.shape
     p1 = torch.randn(P, dim, generator=torch.Generator().manual_seed(1))
     p2 = torch.randn(P, dim, generator=torch.Generator().manual_seed(2))
     s = sched.open_session(seed=21, prompt=p1, chunks=5)

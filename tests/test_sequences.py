@@ -50,7 +50,7 @@ def test_one_sequence_pool_is_todays_cache():
     mod = CachedAttention(4, 2, 16)
     qkv = torch.randn(1, 12, 8, 16)
     a = mod(qkv, kv_cache=cache, seq_len=12, causal_block_size=4)
-    b = mod(qkv, kv_cache=cache, seq_len=12, causal_block_size=4, sequences=torch.tensor([0]))
+    b = mod(qkv, kv_cache=cache, seq_len=12, causal_block_size=4, sequences=[0])
     assert torch.equal(a, b)
     cache.commit(12)
     assert cache.committed_tokens == cache.sequence_committed_tokens(0) == 12
@@ -66,15 +66,15 @@ def test_a_pool_too_small_for_its_sequences_is_refused():
     assert not cache.is_open
 
 
-BAD_IDS = [
-    (lambda: torch.tensor([0, 3]), r"in \[0, 3\)"),
-    (lambda: torch.tensor([-1]), r"in \[0, 3\)"),
-    (lambda: torch.tensor([1, 1]), "distinct"),
-    (lambda: torch.tensor([0.0, 1.0]), "dtype"),
-    (lambda: torch.tensor([0, 1], device="meta"), "on cpu"),
-    (lambda: torch.tensor([0, 1, 2, 0]), r"1 <= B <= num_sequences=3"),
-    (lambda: torch.tensor([[0, 1]]), "shape"),
-    (lambda: "0,1", "int tensor"),
+BAD_IDS = [  # sequences are host ints, one type everywhere
+    (lambda: [0, 3], r"in \[0, 3\)"),
+    (lambda: [-1], r"in \[0, 3\)"),
+    (lambda: [1, 1], "distinct"),
+    (lambda: [0.0, 1.0], r"in \[0, 3\)"),
+    (lambda: torch.tensor([0, 1]), "host ints"),
+    (lambda: [0, 1, 2, 0], r"1 to 3 sequences"),
+    (lambda: [], r"1 to 3 sequences"),
+    (lambda: "0,1", "host ints"),
 ]
 
 
@@ -96,14 +96,14 @@ def test_bad_ids_are_clear_errors_that_change_nothing(i, call):
     g = G(6, 24, 12, (4, 12))
     cache = pool(g, 4, 3, D=16)
     mod = CachedAttention(4, 2, 16)
-    ok = torch.tensor([2, 0])
+    ok = [2, 0]
     mod(torch.randn(2, 12, 8, 16), kv_cache=cache, seq_len=12, causal_block_size=12, sequences=ok)
     cache.commit(12, sequences=ok)
     mod(torch.randn(2, 12, 8, 16), kv_cache=cache, seq_len=12, causal_block_size=12, sequences=ok)
     before = _state(cache)
     make, match = BAD_IDS[i]
     ids = make()
-    B = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 1 else 2
+    B = len(ids) if isinstance(ids, list) and 1 <= len(ids) <= 3 else 2
     with pytest.raises(ValueError, match=match):
         if call == "attention":
             mod(torch.randn(B, 12, 8, 16), kv_cache=cache, seq_len=12, causal_block_size=12,
@@ -120,15 +120,15 @@ def test_commit_moves_only_the_named_sequences_and_checks_each():
     cache = pool(g, 4, 3, D=16)
     mod = CachedAttention(4, 2, 16)
     mod(torch.randn(2, 12, 8, 16), kv_cache=cache, seq_len=12, causal_block_size=12,
-        sequences=torch.tensor([1, 2]))
+        sequences=[1, 2])
     before = _state(cache)
     # Sequence 0 staged nothing: committing it with 1 and 2 fails for all three.
     with pytest.raises(ValueError, match="staged=0"):
-        cache.commit(12, sequences=torch.tensor([1, 0, 2]))
+        cache.commit(12, sequences=[1, 0, 2])
     assert _same(before, _state(cache))
-    cache.commit(12, sequences=torch.tensor([2]))
+    cache.commit(12, sequences=[2])
     assert [cache.sequence_committed_tokens(i) for i in range(3)] == [0, 0, 12]
-    cache.reset_sequences(torch.tensor([2]))
+    cache.reset_sequences([2])
     assert cache.sequence_committed_tokens(2) == 0 and cache.sequence_staged_tokens(1) == 12
 
 
@@ -136,50 +136,55 @@ def test_a_plan_prepared_for_other_sequences_is_refused():
     g = G(6, 24, 12, (4, 12))
     cache = pool(g, 4, 3, D=16)
     mod = CachedAttention(4, 2, 16)
-    ids = torch.tensor([1, 2])
     plan = mod.plan_for(cache, 12, 12, batch=2)
-    plan.prepare(ids)
+    plan.prepare([1, 2])
     qkv = torch.randn(2, 12, 8, 16)
-    mod(qkv, kv_cache=cache, seq_len=12, causal_block_size=12, plan=plan, sequences=ids)
+    mod(qkv, kv_cache=cache, seq_len=12, causal_block_size=12, plan=plan, sequences=[1, 2])
     with pytest.raises(ValueError, match="prepared, with the sequences"):
         mod(qkv, kv_cache=cache, seq_len=12, causal_block_size=12, plan=plan,
-            sequences=torch.tensor([1, 2]))
+            sequences=[2, 1])
+    with pytest.raises(ValueError, match="plan is for a batch of 2"):
+        plan.prepare([1])
     with pytest.raises(ValueError, match="batch 3"):
         mod(torch.randn(3, 12, 8, 16), kv_cache=cache, seq_len=12, causal_block_size=12,
             plan=plan)
 
 
 def test_a_rollout_of_streams_equals_each_stream_alone():
-    """Rollout(sequences=3): every stream's chunks equal a one-stream rollout fed the same
-    noise, also after one stream restarts mid-rollout (the streams then sit at different
-    chunks and frame positions)."""
+    """Rollout(sequences=3): every sequence's chunks equal a one-sequence rollout fed the
+    same noise, also after one sequence restarts mid-rollout (the sequences then sit at
+    different chunks and frame positions)."""
     from framekv.engine import Rollout
+    from framekv.engine.runner import chunk_noise
 
     r = Rollout("tiny", device="cpu", sequences=3)
     alone = [Rollout("tiny", device="cpu", model=r.model) for _ in range(3)]
     r.prefill()
     for a in alone:
         a.prefill()
-    worst = 0.0
+    worst, shape = 0.0, r.chunk_shape
     for chunk in range(5):
         if chunk == 2:
-            r.reset_streams([1])
-            alone[1].reset()
-            alone[1].prefill()
-        inputs = r.inputs()
-        out = r.step()                                               # [3, F, C, H, W]
-        assert out.shape[0] == 3
+            r.prefill_rows([1])          # sequence 1 starts over under the model's prompt
+            alone[1].reset()             # back to position 0 under its prompt
+        noise = [chunk_noise((r.seed << 16) + s, i, shape) for s, i in enumerate(r.sequence_chunks)]
+        frames = list(r.sequence_frames)
+        out = r.step()                                               # [3, C, F, H, W]
+        assert out.shape == (3, *shape)
         for s, a in enumerate(alone):
-            want = a.chunk_fn(inputs["noise"][s], inputs["frame0"][s:s + 1])
-            worst = max(worst, (out[s] - want).abs().max().item())
-    assert r.stream_chunks == [5, 3, 5] and r.stream_frames[1] == 3 * r.spec.frames_per_chunk
+            want = a.chunk(noise[s][None], torch.tensor([frames[s]]))
+            worst = max(worst, (out[s] - want[0]).abs().max().item())
+    assert r.sequence_chunks == [5, 3, 5] and r.sequence_frames[1] == 3 * r.spec.frames_per_chunk
     assert r.kv.cache.sequence_committed_tokens(0) == alone[0].cache.committed_tokens
     assert r.kv.cache.sequence_committed_tokens(1) == alone[1].cache.committed_tokens
     assert worst <= 1e-5, worst
-    # Each stream draws its own noise; stream 0's is the one-stream rollout's.
-    noise = r.inputs(index=0, frame0=0)["noise"]
-    assert not torch.equal(noise[0], noise[1])
-    assert torch.equal(noise[0], alone[0].inputs(index=0, frame0=0)["noise"])
+    # Each sequence draws its own noise; sequence 0's is the one-sequence rollout's.
+    one = Rollout("tiny", device="cpu", model=r.model, use_graphs=False)
+    one.prefill()
+    many = Rollout("tiny", device="cpu", model=r.model, sequences=2, use_graphs=False)
+    many.prefill()
+    a, b = one.step(), many.step()
+    assert torch.equal(a[0], b[0]) and not torch.equal(b[0], b[1])
 
 
 def test_rollout_streams_refusals():
@@ -191,5 +196,5 @@ def test_rollout_streams_refusals():
         Rollout("tiny", device="cpu", sequences=2, kv="reference", use_graphs=False)
     r = Rollout("tiny", device="cpu")
     r.prefill()
-    with pytest.raises(ValueError, match="several streams"):
-        r.reset_streams([0])
+    with pytest.raises(ValueError, match="batch sizes"):
+        r.step_rows([0, 1], torch.zeros(2, *r.chunk_shape), [0, 0])

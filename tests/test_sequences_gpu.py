@@ -68,11 +68,12 @@ def test_batched_chunk_graphs_replay_bit_for_bit_as_streams_leave_and_join():
     for chunk in range(52):
         if chunk % 9 == 4:
             for r in (graphed, eager):
-                r.reset_streams([chunk % 4, (chunk + 1) % 4])
+                r.prefill_rows([chunk % 4, (chunk + 1) % 4])   # they start over
         a, b = graphed.step(), eager.step()
         assert graphed.path == "graphs", chunk
         assert torch.equal(a, b), f"chunk {chunk}: max |diff| {(a - b).abs().max().item()}"
-    assert graphed.stream_chunks == eager.stream_chunks and len(set(graphed.stream_chunks)) > 1
+    assert graphed.sequence_chunks == eager.sequence_chunks
+    assert len(set(graphed.sequence_chunks)) > 1
     assert graphed.graphs.stats().captures == 1  # one graph for every chunk of every stream
 
 
@@ -82,7 +83,6 @@ def test_one_captured_forward_and_commit_serve_any_choice_of_sequences():
     g, tpp, N, H, Hkv, D = G(40, 300, 96, (24, 96)), 32, 4, 8, 2, 128
     caches = [pool(g, tpp, N, layers=2, Hkv=Hkv, D=D, dtype=BF16, device="cuda") for _ in range(2)]
     mods = [CachedAttention(H, Hkv, D, backend="cudnn", layer_idx=i) for i in range(2)]
-    ids = torch.tensor([0, 1], device="cuda")
     qkv = torch.zeros(2, 96, H + 2 * Hkv, D, device="cuda", dtype=BF16)
     out = torch.zeros(2, 2, 96, H, D, device="cuda", dtype=BF16)
 
@@ -93,21 +93,22 @@ def test_one_captured_forward_and_commit_serve_any_choice_of_sequences():
         cache.commit(96, sequences=seqs)
 
     graphed, twin = caches
-    step(graphed, qkv, ids)                      # warm-up: plans, kernels, checks
+    step(graphed, qkv, [0, 1])                   # warm-up: plans, kernels, checks
     graphed.reset_sequences([0, 1])
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(graphed, qkv, ids)
+    with torch.cuda.graph(graph):                # the rows in use are a device buffer
+        step(graphed, qkv, [0, 1])
+    graphed.reset_sequences([0, 1])              # the capture ran the host half once
     gen = torch.Generator(device="cuda").manual_seed(0)
     choices = [(0, 1), (2, 3), (3, 0), (1, 2), (0, 2), (3, 1)] * 3
     for n, pick in enumerate(choices):
         qkv.copy_(torch.randn(qkv.shape, generator=gen, device="cuda"))
-        ids.copy_(torch.tensor(pick))
+        graphed.use_sequences(pick)              # written into the buffer the graph reads
         graph.replay()
-        graphed.note_staged(96, sequences=pick)
-        graphed.commit_mirror(96, sequences=pick)
+        graphed.note_staged(96)
+        graphed.commit_host(96)
         got = out.clone()
-        step(twin, qkv, torch.tensor(pick, device="cuda"))
+        step(twin, qkv, list(pick))
         assert torch.equal(got, out), f"replay {n} with sequences {pick}"
     for i in range(N):
         assert graphed.sequence_committed_tokens(i) == twin.sequence_committed_tokens(i)

@@ -21,7 +21,8 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 ws_client = pytest.importorskip("websockets.sync.client")
 
-from framekv.engine.scheduler import StreamScheduler, session_noise  # noqa: E402
+from framekv.engine.runner import chunk_noise  # noqa: E402
+from framekv.engine.scheduler import StreamScheduler  # noqa: E402
 from framekv.tools.serve import MAX_BODY_BYTES, build_app  # noqa: E402
 from test_scheduler import alone_chunks  # noqa: E402
 
@@ -110,24 +111,27 @@ def test_eight_concurrent_sessions_stream_in_order_and_equal_each_seed_alone(ser
 
 def test_a_prompt_change_mid_stream_equals_the_same_recache_offline(server):
     http, ws, sched = server
-    P, dim = sched.rollout.model.prompt.shape
-    sid = create(http, seed=77, chunks=6, prompt_seed=1)
+    P, dim = sched.runner.model.prompt.shape
+    # A budget well past the change: it applies at the next step the server takes after
+    # reading it, which races the chunks already under way.
+    sid = create(http, seed=77, chunks=16, prompt_seed=1)
 
     def change(sock, header):
         if header["index"] == 1:
             sock.send(json.dumps({"type": "prompt", "prompt_seed": 2}))
     chunks, end = stream(ws, sid, on_chunk=change)
-    assert end["state"] == "done" and [h["index"] for h, _ in chunks] == list(range(6)), (end, [h["index"] for h, _ in chunks])
+    assert end["state"] == "done" and [h["index"] for h, _ in chunks] == list(range(16)), \
+        (end, [h["index"] for h, _ in chunks])
     first_new = next(h["index"] for h, _ in chunks if h["prompt_version"] == 1)
     seeded = [torch.randn(P, dim, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
-    want = alone_chunks(sched, 77, 6, prompt=seeded[0], rewrite_at=first_new,
+    want = alone_chunks(sched, 77, 16, prompt=seeded[0], rewrite_at=first_new,
                         new_prompt=seeded[1])
     assert max(float((lat - w).abs().max()) for (_, lat), w in zip(chunks, want)) <= 1e-5
 
 
 def test_uploaded_embeddings_are_the_prompt(server):
     http, ws, sched = server
-    P, dim = sched.rollout.model.prompt.shape
+    P, dim = sched.runner.model.prompt.shape
     emb = torch.randn(P, dim, generator=torch.Generator().manual_seed(5))
     data = base64.b64encode(emb.numpy().tobytes()).decode()
     sid = create(http, seed=8, chunks=2, prompt={"shape": [P, dim], "data": data})
@@ -193,14 +197,14 @@ def test_a_failing_step_ends_its_sessions_with_the_error_and_the_others_go_on(se
     wait_sessions(http, 0)
     waiting = create(http, seed=11, chunks=3)
     sched.pause(waiting, True)                       # not in the failing step
-    real, fired = sched.rollout.step_rows, []
+    real, fired = sched.runner.step_rows, []
 
     def once(*args, **kwargs):
         if not fired:
             fired.append(True)
             raise RuntimeError("injected device fault")
         return real(*args, **kwargs)
-    monkeypatch.setattr(sched.rollout, "step_rows", once)
+    monkeypatch.setattr(sched.runner, "step_rows", once)
     victim = create(http, seed=12, chunks=3)
     chunks, end = stream(ws, victim)
     assert end["state"] == "failed" and "injected device fault" in end["error"] and not chunks
@@ -226,11 +230,13 @@ def test_wan_diffusers_mode_streams_sessions_and_recaches_a_prompt_change():
     import argparse
 
     from framekv.engine import WanRollout
-    from framekv.tools.serve import WAN_SIZES, wan_factory
+    from framekv.engine.wan import preset_sizes
+    from framekv.tools.serve import wan_factory
 
-    args = argparse.Namespace(config="tiny", weights=None, device="cpu", cache_dir=None)
+    args = argparse.Namespace(config="tiny", preset=None, weights=None, device="cpu",
+                              cache_dir=None)
     factory = wan_factory(args, use_graphs=False)
-    sched = StreamScheduler(max_sessions=2, device="cpu", queue_chunks=2, rollout_factory=factory)
+    sched = StreamScheduler(max_sessions=2, device="cpu", queue_chunks=2, runner_factory=factory)
     srv = uvicorn.Server(uvicorn.Config(build_app(sched), host="127.0.0.1", port=0,
                                         log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -260,20 +266,20 @@ def test_wan_diffusers_mode_streams_sessions_and_recaches_a_prompt_change():
                 t.start()
             for t in threads:
                 t.join(timeout=120)
-        (latent, frames, sink, window, _) = WAN_SIZES["tiny"]
+        sizes = preset_sizes("tiny")                 # the config's preset: one size table
+        frames = sizes["frames_per_chunk"]
         for sid, seed in zip(ids, (11, 12)):
             chunks, end = got[sid]
             assert end["state"] == "done" and [h["index"] for h, _ in chunks] == list(range(6))
             assert all(h["frames"] == frames and h["shape"] == list(sched.chunk_shape)
                        for h, _ in chunks)
-            r = WanRollout(sched.rollout.model, latent_size=latent, frames_per_chunk=frames,
-                           sink_frames=sink, window_frames=window, use_graphs=False)
-            r.set_prompt(sched.rollout.default_prompt()[None])
+            r = WanRollout(sched.runner.model, use_graphs=False, **sizes)
+            r.set_prompt(sched.runner.default_prompt()[None])
             versions = [h["prompt_version"] for h, _ in chunks]
             for h, lat in chunks:
                 if h["prompt_version"] and h["index"] == versions.index(1):
                     r.set_prompt(new[None], recache=True)
-                want = r.step(session_noise(seed, h["index"], sched.chunk_shape)[None])[0]
+                want = r.step(chunk_noise(seed, h["index"], sched.chunk_shape)[None])[0]
                 assert float((lat - want).abs().max()) <= 1e-5, (seed, h["index"])
         versions = [h["prompt_version"] for h, _ in got[ids[1]][0]]
         assert versions == sorted(versions) and versions[1] == 0 and versions[-1] == 1

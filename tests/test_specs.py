@@ -7,9 +7,9 @@ import re
 import msgspec
 import pytest
 
-from framekv.specs import (BENCH_VARIANTS, BenchSpec, Geometry, KVSpec, ModelSpec, Preset,
-                           RolloutSpec, WarmupEntry, WarmupOptions, WarmupPlan, decode_json,
-                           decode_toml, encode_json, list_presets, load, load_preset)
+from framekv.specs import (DTYPES, Geometry, ModelSpec, Preset, RolloutSpec, WarmupOptions,
+                           decode_json, decode_toml, encode_json, list_presets, load,
+                           load_preset)
 
 SHIPPED = ("seed-bench", "small-stream", "tiny", "wan-1.3b")
 
@@ -26,11 +26,6 @@ def geometry(**kw) -> Geometry:
     return Geometry(**{**args, **kw})
 
 
-def kv(**kw) -> KVSpec:
-    args = dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", tokens_per_page=8)
-    return KVSpec(**{**args, **kw})
-
-
 def model(**kw) -> ModelSpec:
     args = dict(name="m", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                 head_dim=16, ffn_size=128, in_channels=4, patch_size=(1, 2, 2),
@@ -45,20 +40,6 @@ def rollout(**kw) -> RolloutSpec:
     return RolloutSpec(**{**args, **kw})
 
 
-def entry(**kw) -> WarmupEntry:
-    args = dict(geometry=geometry(), token_counts=(32,), block_sizes=(16, 32))
-    return WarmupEntry(**{**args, **kw})
-
-
-def plan(**kw) -> WarmupPlan:
-    args = dict(kv=kv(), entries=(entry(),), cache_dir=None)
-    return WarmupPlan(**{**args, **kw})
-
-
-def bench(**kw) -> BenchSpec:
-    return BenchSpec(**kw)
-
-
 def preset(**kw) -> Preset:
     args = dict(name="p", model=model(), rollout=rollout())
     return Preset(**{**args, **kw})
@@ -66,17 +47,11 @@ def preset(**kw) -> Preset:
 
 SAMPLES = {
     "Geometry": geometry(),
-    "KVSpec": kv(),
     "ModelSpec": model(),
     "RolloutSpec": rollout(),
     "RolloutSpec-short-last": rollout(last_chunk_frames=1),
-    "WarmupEntry": entry(),
-    "WarmupPlan": plan(cache_dir="/tmp/framekv"),
-    "BenchSpec": bench(),
-    "BenchSpec-custom": bench(iterations=3, warmup=0, flush_l2=False,
-                              variants=("sdpa-flash", "framekv-paged"), seed=7),
     "WarmupOptions": WarmupOptions(cache_dir="cache"),
-    "Preset": preset(description="d", bench=bench(iterations=2)),
+    "Preset": preset(description="d", warmup=WarmupOptions(cache_dir="cache")),
 }
 
 
@@ -93,8 +68,6 @@ def test_json_round_trip(name):
 def test_preset_json_round_trip(name):
     p = load_preset(name)
     assert decode_json(encode_json(p), Preset) == p
-    plan_ = p.warmup_plan()
-    assert decode_json(encode_json(plan_), WarmupPlan) == plan_
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
@@ -155,50 +128,38 @@ def test_geometry_invalid(field, value, fragments):
         geometry(**{field: value})
 
 
-# --- KVSpec ----------------------------------------------------------------------------
+# --- dtypes, head sizes and pages (ModelSpec's rules) ----------------------------------
 
-def test_kv_derived():
-    k = kv(dtype="float32", tokens_per_page=4)
-    assert k.itemsize == 4
-    assert k.bytes_per_token == 2 * 2 * 2 * 16 * 4
-    assert k.bytes_per_page == k.bytes_per_token * 4
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_kv_torch_dtype(dtype):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_torch_dtype(dtype):
     torch = pytest.importorskip("torch")
-    assert kv(dtype=dtype).torch_dtype is getattr(torch, dtype)
     assert model(dtype=dtype).torch_dtype is getattr(torch, dtype)
 
 
 @pytest.mark.parametrize("tpp", [1, 2, 64, 1024])
-def test_kv_tokens_per_page_valid(tpp):
-    assert kv(tokens_per_page=tpp).tokens_per_page == tpp
+def test_model_tokens_per_page_valid(tpp):
+    assert model(tokens_per_page=tpp).tokens_per_page == tpp
 
 
 @pytest.mark.parametrize("field, value, fragments", [
-    ("num_layers", 0, ("KVSpec.num_layers", ">= 1", "0")),
-    ("num_layers", "2", ("KVSpec.num_layers", "integer", "'2'")),
-    ("num_kv_heads", 0, ("KVSpec.num_kv_heads", ">= 1", "0")),
-    ("head_dim", 0, ("KVSpec.head_dim", ">= 1", "0")),
-    ("head_dim", 12, ("KVSpec.head_dim", "multiple of 8", "12")),
-    ("dtype", "int8", ("KVSpec.dtype", "one of bfloat16, float16, float32", "'int8'")),
-    ("dtype", 16, ("KVSpec.dtype", "one of", "16")),
-    ("tokens_per_page", 48, ("KVSpec.tokens_per_page", "power of two", "48")),
-    ("tokens_per_page", 0, ("KVSpec.tokens_per_page", ">= 1", "0")),
-    ("tokens_per_page", 2048, ("KVSpec.tokens_per_page", "<= 1024", "2048")),
-    ("tokens_per_page", True, ("KVSpec.tokens_per_page", "integer", "True")),
+    ("head_dim", 12, ("ModelSpec.head_dim", "multiple of 8", "12")),
+    ("dtype", "int8", ("ModelSpec.dtype", "one of bfloat16, float16, float32", "'int8'")),
+    ("dtype", 16, ("ModelSpec.dtype", "one of", "16")),
+    ("tokens_per_page", 48, ("ModelSpec.tokens_per_page", "power of two", "48")),
+    ("tokens_per_page", 0, ("ModelSpec.tokens_per_page", ">= 1", "0")),
+    ("tokens_per_page", 2048, ("ModelSpec.tokens_per_page", "<= 1024", "2048")),
+    ("tokens_per_page", True, ("ModelSpec.tokens_per_page", "integer", "True")),
 ])
-def test_kv_invalid(field, value, fragments):
+def test_model_cache_fields_invalid(field, value, fragments):
     with raises(*fragments):
-        kv(**{field: value})
+        model(**{field: value})
 
 
 def test_decode_runs_validation():
-    data = b'{"num_layers":1,"num_kv_heads":1,"head_dim":8,"dtype":"float16","tokens_per_page":48}'
-    with pytest.raises(msgspec.ValidationError, match="KVSpec.tokens_per_page must be a power "
-                                                      "of two, got 48"):
-        decode_json(data, KVSpec)
+    data = encode_json(model(), indent=0).replace(b'"tokens_per_page":8', b'"tokens_per_page":48')
+    with pytest.raises(msgspec.ValidationError, match="ModelSpec.tokens_per_page must be a "
+                                                      "power of two, got 48"):
+        decode_json(data, ModelSpec)
 
 
 # --- ModelSpec -------------------------------------------------------------------------
@@ -207,7 +168,6 @@ def test_model_derived():
     m = model(latent_height=6, latent_width=10)
     assert m.tokens_per_frame == 3 * 5
     assert m.patch_dim == 4 * 1 * 2 * 2
-    assert m.kv_spec() == kv()
 
 
 @pytest.mark.parametrize("field, value, fragments", [
@@ -285,96 +245,7 @@ def test_rollout_short_lone_chunk_invalid():
         rollout(chunks=1, last_chunk_frames=1)
 
 
-# --- warm-up plans ---------------------------------------------------------------------
-
-def test_warmup_entry_normalises():
-    e = entry(token_counts=[32, 16, 32], block_sizes=[16, 16])
-    assert (e.token_counts, e.block_sizes) == ((16, 32), (16,))
-    assert e.pairs() == ((16, 16), (32, 16))
-
-
-@pytest.mark.parametrize("field, value, fragments", [
-    ("geometry", "g", ("WarmupEntry.geometry", "must be a Geometry", "str")),
-    ("token_counts", (), ("WarmupEntry.token_counts", "at least one", "()")),
-    ("token_counts", (0,), ("WarmupEntry.token_counts[0]", ">= 1", "0")),
-    ("token_counts", (32, 33), ("WarmupEntry.token_counts[1]", "max_staged_tokens (32)", "33")),
-    ("block_sizes", (), ("WarmupEntry.block_sizes", "at least one", "()")),
-    ("block_sizes", (8,), ("WarmupEntry.block_sizes[0]", "causal_block_sizes (16, 32)", "8")),
-    ("block_sizes", "x", ("WarmupEntry.block_sizes", "sequence", "'x'")),
-])
-def test_warmup_entry_invalid(field, value, fragments):
-    with raises(*fragments):
-        entry(**{field: value})
-
-
-def test_warmup_entry_block_must_divide():
-    with raises("WarmupEntry.block_sizes[1]", "divide every token count", "got 32",
-                "token count 16"):
-        entry(token_counts=(16, 32), block_sizes=(16, 32))
-
-
-@pytest.mark.parametrize("field, value, fragments", [
-    ("kv", None, ("WarmupPlan.kv", "must be a KVSpec", "NoneType")),
-    ("entries", (), ("WarmupPlan.entries", "at least one", "()")),
-    ("entries", "e", ("WarmupPlan.entries", "sequence of WarmupEntry", "'e'")),
-    ("entries", (1,), ("WarmupPlan.entries[0]", "must be a WarmupEntry", "int")),
-    ("cache_dir", "", ("WarmupPlan.cache_dir", "not be empty", "''")),
-    ("cache_dir", 3, ("WarmupPlan.cache_dir", "string", "3")),
-])
-def test_warmup_plan_invalid(field, value, fragments):
-    with raises(*fragments):
-        plan(**{field: value})
-
-
-def test_warmup_plan_from_rollout():
-    p = WarmupPlan.from_rollout(kv(), rollout(), cache_dir="c")
-    g = rollout().geometry()
-    assert p == WarmupPlan(kv(), (WarmupEntry(g, (32,), (32, 16)),), "c")
-    assert list(p.items()) == [(g, 32, 16), (g, 32, 32)]
-    assert p.num_forwards == 2
-
-
-def test_warmup_plan_from_rollout_short_last_chunk():
-    r = rollout(frames_per_chunk=3, last_chunk_frames=1, chunks=3)
-    p = WarmupPlan.from_rollout(kv(), r)
-    g = r.geometry()
-    assert [(e.token_counts, e.block_sizes) for e in p.entries] == [((48,), (16, 48)),
-                                                                     ((16,), (16,))]
-    assert all(e.geometry == g for e in p.entries)
-    assert p.num_forwards == 3 and p.cache_dir is None
-
-
-def test_warmup_plan_from_rollout_checks_types():
-    with raises("WarmupPlan.from_rollout.rollout", "RolloutSpec", "Geometry"):
-        WarmupPlan.from_rollout(kv(), geometry())
-    with raises("WarmupPlan.kv", "KVSpec"):
-        WarmupPlan.from_rollout(model(), rollout())
-
-
-# --- BenchSpec, WarmupOptions ------------------------------------------------------------
-
-def test_bench_defaults():
-    b = BenchSpec()
-    assert (b.iterations, b.flush_l2, b.variants) == (50, True, BENCH_VARIANTS)
-    assert BenchSpec(variants=["sdpa-flash"]).variants == ("sdpa-flash",)
-
-
-@pytest.mark.parametrize("field, value, fragments", [
-    ("iterations", 0, ("BenchSpec.iterations", ">= 1", "0")),
-    ("warmup", -1, ("BenchSpec.warmup", ">= 0", "-1")),
-    ("flush_l2", 1, ("BenchSpec.flush_l2", "boolean", "1")),
-    ("variants", (), ("BenchSpec.variants", "at least one", "()")),
-    ("variants", "sdpa-flash", ("BenchSpec.variants", "sequence", "'sdpa-flash'")),
-    ("variants", ("sdpa-flash", "xformers"), ("BenchSpec.variants[1]", "one of framekv-paged",
-                                              "'xformers'")),
-    ("variants", ("sdpa-flash", "sdpa-flash"), ("BenchSpec.variants[1]", "not repeat",
-                                                "'sdpa-flash'")),
-    ("seed", -2, ("BenchSpec.seed", ">= 0", "-2")),
-])
-def test_bench_invalid(field, value, fragments):
-    with raises(*fragments):
-        bench(**{field: value})
-
+# --- WarmupOptions ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("value, fragments", [
     ("", ("WarmupOptions.cache_dir", "not be empty", "''")),
@@ -389,20 +260,18 @@ def test_warmup_options_invalid(value, fragments):
 
 def test_preset_derived():
     p = preset(warmup=WarmupOptions(cache_dir="c"))
-    assert p.kv_spec() == kv()
     assert p.geometry() == rollout().geometry()
-    assert p.warmup_plan() == WarmupPlan.from_rollout(kv(), rollout(), cache_dir="c")
-    assert p.bench == BenchSpec() and p.description == ""
+    assert p.warmup.cache_dir == "c" and p.description == ""
+    assert preset().warmup == WarmupOptions()
 
 
 @pytest.mark.parametrize("field, value, fragments", [
     ("name", "", ("Preset.name", "not be empty", "''")),
-    ("model", kv(), ("Preset.model", "must be a ModelSpec", "KVSpec")),
+    ("model", rollout(), ("Preset.model", "must be a ModelSpec", "RolloutSpec")),
     ("rollout", None, ("Preset.rollout", "must be a RolloutSpec", "NoneType")),
     ("rollout", rollout(tokens_per_frame=12),
      ("Preset.rollout.tokens_per_frame", "equal Preset.model.tokens_per_frame (16)", "12")),
     ("description", 1, ("Preset.description", "string", "1")),
-    ("bench", {}, ("Preset.bench", "must be a BenchSpec", "dict")),
     ("warmup", None, ("Preset.warmup", "must be a WarmupOptions", "NoneType")),
 ])
 def test_preset_invalid(field, value, fragments):
@@ -435,7 +304,7 @@ def test_preset_seed_bench():
     assert r.window_tokens == 37824
     assert r.keys_per_forward == 39912
     assert p.geometry() == Geometry(512, 37824, 1576, (1576, 394))
-    assert p.kv_spec() == KVSpec(36, 8, 128, "bfloat16", 32)
+    assert m.tokens_per_page == 32
     assert r.denoising_steps == 4
 
 
@@ -447,7 +316,7 @@ def test_preset_wan():
     assert m.tokens_per_frame == 1560
     assert (r.chunk_tokens, r.window_tokens, r.keys_per_forward) == (4680, 28080, 33272)
     assert p.geometry() == Geometry(512, 28080, 4680, (4680, 1560))
-    assert p.kv_spec().tokens_per_page == 32
+    assert m.tokens_per_page == 32
 
 
 def test_preset_tiny():
@@ -458,7 +327,7 @@ def test_preset_tiny():
     tpp = m.tokens_per_page
     # Blocks and windows start mid-page, so the partly visible page paths are exercised.
     assert r.prompt_tokens % tpp and (r.prompt_tokens + r.window_tokens) % tpp
-    assert p.warmup_plan().num_forwards == 2
+    assert r.chunk_token_counts() == (32,) and p.geometry().causal_block_sizes == (16, 32)
 
 
 # --- loading files ---------------------------------------------------------------------
@@ -481,9 +350,9 @@ def test_load_preset_by_json_path(tmp_path):
 
 
 def test_load_generic(tmp_path):
-    path = tmp_path / "kv.json"
-    path.write_bytes(encode_json(kv()))
-    assert load(path, type=KVSpec) == kv()
+    path = tmp_path / "model.json"
+    path.write_bytes(encode_json(model()))
+    assert load(path, type=ModelSpec) == model()
     toml = tmp_path / "geometry.toml"
     toml.write_text("pin_tokens = 6\nwindow_tokens = 48\nmax_staged_tokens = 32\n"
                     "causal_block_sizes = [32, 16, 16]\n")
@@ -504,7 +373,7 @@ def test_missing_file_names_path(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
         load_preset(missing)
     with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
-        load(str(missing), type=KVSpec)
+        load(str(missing), type=ModelSpec)
 
 
 def test_bad_suffix_names_path(tmp_path):
@@ -528,6 +397,7 @@ def test_bad_suffix_names_path(tmp_path):
     (".toml", tiny_toml().decode().replace("latent_width = 8", "latent_width = 6"),
      ("Preset.rollout.tokens_per_frame must equal Preset.model.tokens_per_frame (12), got 16",)),
     (".json", '{"name": "x", "model": {}}', ("missing required field", "$.model")),
+    (".toml", tiny_toml().decode() + "\n[bench]\niterations = 3\n", ("unknown field `bench`",)),
 ])
 def test_malformed_file_names_file_and_field(tmp_path, suffix, text, fragments):
     path = tmp_path / f"broken{suffix}"

@@ -8,7 +8,7 @@ import torch
 from attention_harness import onehot_visible_sets, rollout_vs_reference
 from framekv import specs
 from framekv.engine.attention.cudnn import CudnnBackend
-from framekv.bench.stack import AttentionStack
+from framekv.bench.stack import AttentionStack, KVShape
 from framekv.graphs import GraphCache
 from framekv.specs import Geometry as G
 
@@ -64,8 +64,8 @@ def test_seed_geometry_auto_split_is_within_5e4_of_the_reference():
 def test_split_forwards_replay_bit_for_bit_across_104_commits(splits, pack):
     preset = specs.load_preset("seed-bench")
     g, T, frame = preset.rollout.geometry(), 1576, 394
-    kv = specs.KVSpec(num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16",
-                      tokens_per_page=32)
+    kv = KVShape(num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16",
+                 tokens_per_page=32)
     backend = CudnnBackend(split={1576: splits[0], 394: splits[1]}, pack=pack)
     stacks = [AttentionStack(kv, [g], device="cuda", num_heads=32, backend=backend)
               for _ in range(2)]

@@ -7,14 +7,14 @@ import torch
 
 from framekv import specs
 from framekv.engine.attention.cudnn import CudnnBackend
-from framekv.bench.stack import AttentionStack
+from framekv.bench.stack import AttentionStack, KVShape
 from framekv.graphs import GraphCache
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 SEED = specs.load_preset("seed-bench")
-KV = SEED.warmup_plan().kv
+KV = KVShape.of(SEED.model)
 GEOM = SEED.rollout.geometry()
 T, FRAME = GEOM.max_staged_tokens, SEED.rollout.tokens_per_frame
 WINDOW_CHUNKS = GEOM.window_tokens // T
@@ -83,8 +83,7 @@ def test_seed_stack_replays_bit_for_bit_over_100_chunks_and_a_reopen():
 
 def test_a_graph_is_never_served_for_another_geometry():
     short = specs.Geometry(GEOM.pin_tokens, GEOM.window_tokens // 4, T, GEOM.causal_block_sizes)
-    kv = specs.KVSpec(num_layers=4, num_kv_heads=KV.num_kv_heads, head_dim=KV.head_dim,
-                      tokens_per_page=KV.tokens_per_page, dtype=KV.dtype)
+    kv = KV._replace(num_layers=4)
     eager, graphed, graphs = make_pair(kv, [GEOM, short], CudnnBackend())
     long_key = capture_chunk(graphs, graphed, GEOM)
     short_key = graphed.chunk_key(short, T, denoise_steps=1, clean_block=FRAME, chain=True)
@@ -104,8 +103,7 @@ def test_a_graph_is_never_served_for_another_geometry():
 
 
 def test_plans_loaded_from_disk_give_the_built_plans_output(tmp_path):
-    kv = specs.KVSpec(num_layers=2, num_kv_heads=KV.num_kv_heads, head_dim=KV.head_dim,
-                      tokens_per_page=KV.tokens_per_page, dtype=KV.dtype)
+    kv = KV._replace(num_layers=2)
     outputs = []
     for expect_loaded in (False, True):
         backend = CudnnBackend(plan_dir=tmp_path)

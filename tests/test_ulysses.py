@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attention_harness import make
-from framekv.engine import CachedAttention, CausalKVCache, CausalVideoDiT, PagedKV
+from framekv.engine import CachedAttention, CausalKVCache, CausalVideoDiT, ForwardContext, PagedKV
 from framekv.engine.attention.ulysses import (PendingAttention, UlyssesAttention, gather_sequence,
                                               pad_to_multiple, shard_length, shard_sequence)
 from framekv.engine.attention.ulysses_kv import UlyssesKV
@@ -153,10 +153,10 @@ def test_model_forward_with_a_world_of_one_is_unchanged():
     model.prefill(plain)
     model.prefill(par)
     gen = torch.Generator().manual_seed(3)
-    lat = torch.randn(2, 4, 6, 6, generator=gen)
+    lat = torch.randn(1, 4, 2, 6, 6, generator=gen)
     t, f0 = torch.full((1,), 0.5), torch.zeros(1, dtype=torch.int64)
-    want = model(lat, t, f0, kv=plain, seq_len=18, causal_block_size=9)
-    got = model(lat, t, f0, kv=par, seq_len=18, causal_block_size=9)
+    want = model(lat, t, ForwardContext(plain, seq_len=18, block_size=9, frame0=f0))
+    got = model(lat, t, ForwardContext(par, seq_len=18, block_size=9, frame0=f0))
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="this rank's num_kv_heads / world_size"):
         UlyssesKV(model, caches[0], g, world_size=2, rank=0)

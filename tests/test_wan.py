@@ -94,43 +94,37 @@ def test_controls_that_break_the_contract_fail():
 
 
 def _with_frozen_rope(m, kw) -> float:
-    from framekv.engine.wan import processors
+    """The rollout with every forward's rope at frame 0 (tables or grid alike)."""
+    from framekv.engine.model.blocks import Rope3D
 
-    real = processors.WanRope.forward
+    real = Rope3D.for_forward
 
-    def frame_zero(self, hidden_states):
-        saved = self.ctx.frame0
-        self.ctx.frame0 = torch.zeros_like(saved)  # the rope (tables or grid) keeps it
-        try:
-            return real(self, hidden_states)
-        finally:
-            self.ctx.frame0 = saved
+    def frame_zero(self, frame0, frames, batch, fused, ctx):
+        return real(self, torch.zeros_like(frame0), frames, batch, fused, ctx)
 
-    processors.WanRope.forward = frame_zero
+    Rope3D.for_forward = frame_zero
     try:
         return run_pair(m, sink=1, window=2, frames=2)
     finally:
-        processors.WanRope.forward = real
+        Rope3D.for_forward = real
 
 
 def test_the_rope_equals_the_stock_table_at_frame_zero_and_shifts_after():
-    m = model()
-    stock = m.rope
-    x = torch.zeros(1, 4, 3, 4, 4)
-    want = stock(x)
-    r = WanRollout(m, latent_size=(4, 4), frames_per_chunk=3, window_frames=2, use_graphs=False,
-                   glue="torch")  # the table the torch glue reads; the fused glue's below
-    got = m.rope(x)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))   # bit for bit at frame 0
-    r.ctx.frame0.fill_(5)
-    cos, _ = m.rope(x)
-    big = stock.__class__(12, (1, 2, 2), 1024)(torch.zeros(1, 4, 8, 4, 4))
-    assert torch.equal(cos, big[0][:, 5 * 4:8 * 4])               # frames 5-7 of the table
-    # The fused glue's rope: positions for the kernel, the same angles as the table.
+    """`Rope3D` in a Wan rollout: the stock table's angles (its cos at even, sin at odd
+    columns: each angle stored twice there) bit for bit, at absolute frames past the
+    table's; the fused glue's `RopeGrid` the same angles."""
+    from framekv.engine import ForwardContext
     from framekv.ops.qk_norm_rope import _rope_cos_sin
 
-    r.ctx.glue = "fused"
-    grid = m.rope(x)
+    m = model()
+    big = m.rope.__class__(12, (1, 2, 2), 1024)(torch.zeros(1, 4, 8, 4, 4))  # stock, 8 frames
+    r = WanRollout(m, latent_size=(4, 4), frames_per_chunk=3, window_frames=2, use_graphs=False)
+    rope, ctx = r.chunk_model.rope, ForwardContext(None, seq_len=None)
+    for f0 in (0, 5):
+        cos, sin = rope.for_forward(torch.tensor([f0]), 3, 1, False, ctx)  # [1, S, 1, D/2]
+        assert torch.equal(cos[0, :, 0], big[0][0, f0 * 4:(f0 + 3) * 4, 0, 0::2])
+        assert torch.equal(sin[0, :, 0], big[1][0, f0 * 4:(f0 + 3) * 4, 0, 1::2])
+    grid = rope.for_forward(torch.tensor([5]), 3, 1, True, ctx)
     fcos, fsin = _rope_cos_sin(grid, 1, 12)                       # [1, S, 1, D/2]
     assert torch.equal(fcos[0, :, 0], big[0][0, 5 * 4:8 * 4, 0, 0::2])
     assert torch.equal(fsin[0, :, 0], big[1][0, 5 * 4:8 * 4, 0, 1::2])
@@ -273,7 +267,7 @@ def test_packed_projections_share_one_weight_and_give_the_same_qkv():
     """`pack_projections`: q, k, v become row blocks of one weight (no second copy), one
     GEMM gives what the three projections and a cat give; a load that replaces the
     tensors falls back to the cat, one that copies into them keeps the packing."""
-    from framekv.engine.wan.processors import _packed_parts, pack_projections, packed_qkv
+    from framekv.engine.wan.attention import _packed_parts, pack_projections, packed_qkv
 
     m = model(seed=3)
     a, b = m.blocks[0].attn1, m.blocks[1].attn1
@@ -300,7 +294,7 @@ def test_packed_projections_share_one_weight_and_give_the_same_qkv():
 
 
 def test_fused_projections_are_left_alone():
-    from framekv.engine.wan.processors import _packed_parts, pack_projections, packed_qkv
+    from framekv.engine.wan.attention import _packed_parts, pack_projections, packed_qkv
 
     a = model(fused=True).blocks[0].attn1
     pack_projections(a)

@@ -100,8 +100,7 @@ def test_wan_streams_replay_like_eager_with_joins_and_a_recache():
             frames[r_] += 3
         if i == 9:                                       # stream 1 restarts
             for r in rs:
-                r.kv.reset_sequences([1])
-                r.prefill_rows([1], prompt(2)[0])
+                r.prefill_rows([1], prompt(2)[0])            # starts over
             frames[1] = 0
         if i == 15:                                      # stream 2 re-cached
             for r in rs:

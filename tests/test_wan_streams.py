@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from framekv.engine import WanRollout
-from framekv.engine.scheduler import StreamScheduler, session_noise
+from framekv.engine.history import History, pieces
+from framekv.engine.runner import chunk_noise
+from framekv.engine.scheduler import StreamScheduler
 from framekv.engine.wan import CONFIGS, build_model
-from framekv.engine.wan.recache import History, pieces
 
 TS = (1000, 500)
 DIM = CONFIGS["tiny"]["text_dim"]
@@ -24,7 +25,7 @@ def text(seed: int, L: int = 5) -> torch.Tensor:
 
 
 def noise(seed: int, i: int) -> torch.Tensor:
-    return session_noise(seed, i, (4, 2, 4, 4))[None]                 # [1, C, F, H, W]
+    return chunk_noise(seed, i, (4, 2, 4, 4))[None]                   # [1, C, F, H, W]
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +53,7 @@ def test_pieces_cut_at_the_sink_the_chunk_grid_and_gaps():
 
 
 def test_history_keeps_the_sink_and_the_last_window_frames():
-    shape = type("S", (), {"sink_frames": 1, "window_frames": 3})()
-    h = History(2, shape)
+    h = History(2, sink_frames=1, window_frames=3)
     for f0 in (0, 2, 4):
         h.add(1, f0, torch.full((1, 2, 1, 1), float(f0)) + torch.tensor([0.0, 1.0])[None, :, None, None])
     assert [f for f, _ in h.visible(1)] == [0, 3, 4, 5]
@@ -84,7 +84,6 @@ def test_streams_in_one_batch_equal_each_stream_alone(model, glue):
             if step >= starts[i]:
                 got[i].append(out[b])
             else:  # an idle row moved its sequence: start it over, as a scheduler does
-                r.kv.reset_sequences([i])
                 r.prefill_rows([i], prompts[i])
     for i in range(3):
         want = alone(model, seeds[i], len(got[i]), prompts[i][None])   # torch glue
@@ -118,8 +117,12 @@ def test_recache_under_a_new_prompt_moves_the_stream(model):
 def test_stream_arguments_are_checked(model):
     with pytest.raises(ValueError, match="sequences must be None or an integer >= 1"):
         WanRollout(model, sequences=0, **KW)
-    with pytest.raises(ValueError, match="no guidance_scale"):
-        WanRollout(model, sequences=2, guidance_scale=3.0, **KW)
+    from framekv.bench.dense import DenseRollingKV
+
+    dense = DenseRollingKV(WanRollout(model, **KW).geometry, num_layers=2, num_kv_heads=2,
+                           head_dim=12)
+    with pytest.raises(ValueError, match="kv holds one sequence"):
+        WanRollout(model, sequences=2, kv=dense, **KW)
     r = WanRollout(model, sequences=2, prompt_tokens=5, **KW)
     with pytest.raises(ValueError, match="keep the prompt length"):
         r.prefill_rows([0], text(1, L=6)[0])
@@ -128,18 +131,15 @@ def test_stream_arguments_are_checked(model):
         r.step_rows([0, 1], torch.zeros(2, 4, 3, 4, 4), torch.zeros(2))
     with pytest.raises(ValueError, match="batch sizes"):
         r.step_rows([0], torch.zeros(1, 4, 2, 4, 4), torch.zeros(1))
-    with pytest.raises(ValueError, match="step_rows"):
-        r.step()
-    g = WanRollout(model, guidance_scale=2.0, **KW)
-    with pytest.raises(ValueError, match="recache needs a rollout without guidance_scale"):
-        g.set_prompt(text(1), recache=True)
+    with pytest.raises(ValueError, match="no prompt"):
+        WanRollout(model, sequences=2, prompt_tokens=5, **KW).step()
 
 
 def test_scheduler_sessions_over_wan_equal_each_seed_alone_with_a_prompt_change(model):
     """The server's Wan mode: 3 sessions stepped together (one joins late, one changes
     its prompt mid-stream) equal each seed run alone, the change re-cached offline."""
     make = functools.partial(WanRollout, model, prompt_tokens=5, **KW)
-    sched = StreamScheduler(max_sessions=3, device="cpu", rollout_factory=make, queue_chunks=8)
+    sched = StreamScheduler(max_sessions=3, device="cpu", runner_factory=make, queue_chunks=8)
     try:
         assert sched.chunk_shape == (4, 2, 4, 4) and sched.prompt_shape == (5, DIM)
         a = sched.open_session(seed=21, chunks=5)
@@ -151,7 +151,7 @@ def test_scheduler_sessions_over_wan_equal_each_seed_alone_with_a_prompt_change(
         sched.set_prompt(b.id, text(4)[0])      # before b's chunk 3
         while sched.step():
             pass
-        default = sched.rollout.default_prompt()[None]
+        default = sched.runner.default_prompt()[None]
         cases = [(a, default, None, None), (b, text(3), 3, text(4)), (c, default, None, None)]
         for s, prompt, at, new in cases:
             chunks = list(s.queue)

@@ -3,7 +3,6 @@ files, clear errors, and a rollout left at position 0 whose captured graphs are 
 the ones it replays."""
 from __future__ import annotations
 
-import argparse
 import importlib.resources
 import json
 import subprocess
@@ -16,17 +15,14 @@ import torch
 from framekv import specs
 from framekv.engine import Rollout, warm_up
 from framekv.graphs import decode_report
-from framekv.tools import warmup as tool
+from framekv.tools import cli as tool
 
 TINY_TOML = importlib.resources.files("framekv.specs") / "presets" / "tiny.toml"
 
 
 def cli(argv):
-    """Run ``framekv warmup ...`` in process, through the subparser `add_parser` registers."""
-    p = argparse.ArgumentParser(prog="framekv")
-    tool.add_parser(p.add_subparsers(dest="command"))
-    args = p.parse_args(["warmup", *argv])
-    return args.func(args)
+    """Run ``framekv warmup ...`` in process."""
+    return tool.main(["warmup", *argv])
 
 
 def two_lengths() -> specs.Preset:
@@ -84,13 +80,12 @@ def test_shipped_preset_file_path(capsys):
     assert "warm-up of" in capsys.readouterr().out
 
 
-def test_a_bare_warm_up_plan_is_refused_with_the_reason(tmp_path, capsys):
-    tiny = specs.load_preset("tiny")
+def test_a_json_that_is_no_preset_is_refused_with_the_reason(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    path.write_bytes(specs.encode_json(tiny.warmup_plan()))
+    path.write_text(json.dumps({"entries": []}))
     assert cli([str(path), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "is a warm-up plan, not a preset" in err and "a preset defines the rollout" in err
+    assert "not a preset file" in err and "plan.json" in err
 
 
 @pytest.mark.parametrize("name, words", [
@@ -144,11 +139,11 @@ def test_cuda_without_a_gpu_says_so(capsys):
 
 
 def test_module_entry_point_and_light_import():
-    out = subprocess.run([sys.executable, "-m", "framekv.tools.warmup", "tiny", "--no-progress"],
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "framekv.tools.cli", "warmup", "tiny",
+                          "--no-progress"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert tool.CPU_NOTE in out.stdout and "1 graphs on cpu" in out.stdout
-    code = ("import sys, framekv.tools.warmup\n"
+    code = ("import sys, framekv.tools.cli\n"
             "assert 'torch' not in sys.modules and 'cudnn' not in sys.modules\nprint('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

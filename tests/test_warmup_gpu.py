@@ -21,7 +21,7 @@ def run_tool(cache_dir: Path, json_path: Path, preset: str = "tiny") -> tuple[fl
     """``framekv warmup`` in a new process: (warm-up seconds from the report, process
     wall, stdout)."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "framekv.tools.warmup", preset, "--device", "cuda",
+    out = subprocess.run([sys.executable, "-m", "framekv.tools.cli", "warmup", preset, "--device", "cuda",
                           "--cache-dir", str(cache_dir), "--json", str(json_path), "--no-progress"],
                          capture_output=True, text=True)
     wall = time.perf_counter() - t0

@@ -14,7 +14,18 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from framekv.engine.wan.processors import qkv_projections
+from framekv.engine.wan.attention import qkv_projections
+
+
+def stock_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The stock processor's interleaved-pair rotary of x [B, S, H, D] by the stock
+    table's cos / sin [1, S, 1, D] (each angle twice)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * c - x2 * s
+    out[..., 1::2] = x1 * s + x2 * c
+    return out.type_as(x)
 
 
 class MaskedSelfAttention:
@@ -29,9 +40,7 @@ class MaskedSelfAttention:
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         if rotary_emb is not None:
-            from framekv.engine.wan.processors import rotate
-
-            q, k = rotate(q, *rotary_emb), rotate(k, *rotary_emb)
+            q, k = stock_rotary(q, *rotary_emb), stock_rotary(k, *rotary_emb)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                              v.transpose(1, 2), attn_mask=self.holder["mask"])
         out = out.transpose(1, 2).flatten(2, 3).type_as(q)
@@ -127,15 +136,15 @@ def guidance_pair(build, text, negative, *, g: float, chunks: int, latent_size, 
 
 @torch.no_grad()
 def _lockstep(cond, unc, noise, g: float) -> torch.Tensor:
+    """One chunk of two one-sequence rollouts, their velocities combined at every step
+    (the runners' own forwards and clean pass)."""
     frame0 = torch.tensor([cond.frames_done], device=cond.device)
-    for r in (cond, unc):
-        r.ctx.frame0 = frame0
     T, sig = cond.shape.chunk_tokens, cond.sigmas
     x = noise.to(cond.device, torch.float32)
     for i in range(len(cond._t)):
-        v_c, v_u = (r._forward(x, r._t[i], T, "") for r in (cond, unc))
+        v_c, v_u = (r._forward(x, r._t[i], frame0, T) for r in (cond, unc))
         x = x + (sig[i + 1] - sig[i]) * (v_u + g * (v_c - v_u))
     for r in (cond, unc):
-        r.clean_pass(x)
-        r.frames_done += r.shape.frames_per_chunk
+        r._clean_pass(x, frame0)
+        r.sequence_frames[0] += r.frames_per_chunk
     return x

@@ -1,12 +1,30 @@
-"""The `framekv` command line."""
+"""The `framekv` command line: info, demo, verify and warmup here; bench and serve in
+their own modules. Importing it imports neither torch nor the engine: a command does,
+when it runs.
+
+``framekv warmup PRESET`` captures every graph a preset's rollout replays, up front, and
+reports time and memory: a server runs it (or `framekv.engine.warm_up`) at start so that
+no request pays a capture. PRESET is a shipped preset's name or a ``.toml``/``.json``
+preset file; ``--json FILE`` writes the report (`framekv.graphs.decode_report` reads
+it); ``--cache-dir DIR`` (default: the preset's ``[warmup] cache_dir``) keeps the
+compiled numba kernels and built cuDNN plans, so a later process given the same folder
+(``framekv demo --cache-dir``, a server) builds nothing.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from . import bench, serve, warmup
+from . import bench, serve
 from .args import nonnegative_int, positive_int, tolerance, writable_file
+
+CPU_NOTE = "cpu: graphs run eagerly; nothing is captured"
+
+
+class PresetError(ValueError):
+    """PRESET names neither a readable preset file nor a shipped preset."""
 
 
 def _cmd_info(args) -> int:
@@ -17,9 +35,11 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _fail(command: str, exc: Exception) -> int:
-    print(f"framekv {command}: error: {exc}", file=sys.stderr)
-    return 2
+def _fail(command: str, exc: Exception, status: int = 2) -> int:
+    """Print ``exc`` (and its notes) as the command's error; returns ``status``."""
+    notes = "".join(f"\n  {note}" for note in getattr(exc, "__notes__", ()))
+    print(f"framekv {command}: error: {exc}{notes}", file=sys.stderr)
+    return status
 
 
 def _cmd_demo(args) -> int:
@@ -27,13 +47,14 @@ def _cmd_demo(args) -> int:
         if args.model == "wan-diffusers":
             from .wan_demo import run_wan_demo
 
-            report = run_wan_demo(args.config, weights=args.weights, chunks=args.chunks,
+            report = run_wan_demo(args.config, preset=args.preset, weights=args.weights,
+                                  chunks=args.chunks,
                                   device=args.device, backend=args.backend,
                                   check_chunks=args.check_chunks, cache_dir=args.cache_dir)
         else:
             from .demo import run_demo
 
-            report = run_demo(args.preset, chunks=args.chunks, device=args.device,
+            report = run_demo(args.preset or "tiny", chunks=args.chunks, device=args.device,
                               backend=args.backend, check_chunks=args.check_chunks,
                               progress=not args.no_progress, cache_dir=args.cache_dir)
     except (ValueError, FileNotFoundError) as exc:
@@ -48,7 +69,7 @@ def _cmd_verify(args) -> int:
     from .verify import run_verify
 
     try:
-        report = run_verify(args.preset, chunks=args.chunks, device=args.device,
+        report = run_verify(args.preset or "tiny", chunks=args.chunks, device=args.device,
                             backend=args.backend, tolerance=args.tolerance, glue=args.glue)
     except (ValueError, FileNotFoundError) as exc:
         return _fail("verify", exc)
@@ -56,13 +77,124 @@ def _cmd_verify(args) -> int:
 
 
 def _rollout_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny",
-                   help="preset name (tiny, seed-bench, wan-1.3b) or a .toml/.json file (default tiny)")
+    p.add_argument("--preset", default=None,
+                   help="preset name (tiny, seed-bench, wan-1.3b, small-stream) or a "
+                        ".toml/.json file (default tiny; with --model wan-diffusers the "
+                        "config's: tiny or wan-1.3b)")
     p.add_argument("--chunks", type=positive_int, default=None,
                    help="chunks to generate (default: the preset's)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--backend", default=None,
                    help="attention backend: cudnn or reference (default: cudnn on CUDA, reference on CPU)")
+
+
+def load_preset_arg(name: str):
+    """The `Preset` PRESET names (a file path or a shipped preset's name).
+
+    Raises `PresetError` saying what PRESET was taken for and why it failed.
+    """
+    from framekv import specs
+
+    if not _is_path(name):
+        try:
+            return specs.load_preset(name)
+        except ValueError as exc:
+            raise PresetError(f"PRESET must be a preset name or a .toml/.json preset file: "
+                              f"{exc}") from exc
+    try:
+        return specs.load(name, specs.Preset)
+    except FileNotFoundError as exc:
+        raise PresetError(f"preset file not found: {name}") from exc
+    except ValueError as exc:
+        raise PresetError(f"not a preset file: {exc}") from exc
+
+
+def _is_path(name: str) -> bool:
+    # Preset names may hold dots ("wan-1.3b"): only a spec suffix or a separator makes
+    # PRESET a path (the rule `framekv.specs.load_preset` uses).
+    return name.lower().endswith((".toml", ".json")) or "/" in name or os.sep in name
+
+
+def _cmd_warmup(args: argparse.Namespace) -> int:
+    """The command: warm up, print the table, write the JSON. Returns the exit status
+    (2 for a bad PRESET or device, 1 for a failed capture)."""
+    from framekv.graphs import GraphCaptureError, encode_report, format_report
+
+    try:
+        preset = load_preset_arg(args.preset)
+        device = pick_device(args.device)
+    except ValueError as exc:  # PresetError included
+        return _fail("warmup", exc)
+    from framekv.engine import warm_up
+
+    cache_dir = args.cache_dir or preset.warmup.cache_dir
+    try:
+        result = warm_up(preset, device=device, backend=args.backend, cache_dir=cache_dir,
+                         progress=not args.no_progress, stream=sys.stderr)
+    except GraphCaptureError as exc:  # its note names the graph
+        return _fail("warmup", exc, 1)
+    except ValueError as exc:
+        return _fail("warmup", exc)
+    try:
+        print(_header(args.preset, result, cache_dir))
+        print(format_report(result.report))
+        if args.json_path:
+            with open(args.json_path, "wb") as f:
+                f.write(encode_report(result.report))
+    finally:
+        result.rollout.close()  # the process ends here; a server keeps the rollout
+    return 0
+
+
+def pick_device(name: str | None):
+    """The torch device ``--device`` names (default cuda when visible, else cpu);
+    ValueError for a name torch does not know or a CUDA device that is not there."""
+    from framekv.engine.rollout import resolve_device
+
+    try:
+        return resolve_device(name)
+    except ValueError as exc:
+        raise ValueError(f"--device: {exc}") from exc
+
+
+def _header(name: str, result, cache_dir) -> str:
+    """What was warmed up, where, and what was built or loaded."""
+    r = result.rollout
+    m, s = r.model_spec, r.spec
+    lines = [f"warm-up of {name}: {len(result.report.records)} chunk graph(s) of "
+             f"{s.denoising_steps} denoising forwards + clean pass + commit; "
+             f"{m.num_layers} layers, {m.num_heads}/{m.num_kv_heads} heads of {m.head_dim}, "
+             f"{str(r.dtype).removeprefix('torch.')} on {r.device}, backend {r.backend}"]
+    if result.rollout.graphs.eager:
+        lines.append(CPU_NOTE)
+    if cache_dir:
+        lines.append(f"cache dir: {cache_dir}" + (" (unused on cpu: nothing is compiled)"
+                                                  if result.rollout.graphs.eager else ""))
+    b = result.builds
+    if not result.rollout.graphs.eager:
+        line = f"numba kernels: {b['numba_compiled']} compiled, {b['numba_loaded']} loaded from disk"
+        if "cudnn_plans_built" in b:
+            line += (f"; cuDNN plans: {b['cudnn_plans_built']} built, "
+                     f"{b['cudnn_plans_loaded']} loaded from disk")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _warmup_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("preset", metavar="PRESET",
+                   help="a preset name (tiny, seed-bench, wan-1.3b, small-stream) or a "
+                        ".toml/.json preset file")
+    p.add_argument("--device", default=None,
+                   help="cpu or cuda[:N] (default: cuda when a GPU is visible, else cpu)")
+    p.add_argument("--backend", default=None,
+                   help="attention backend: cudnn or reference (default: cudnn on CUDA)")
+    p.add_argument("--json", dest="json_path", metavar="FILE", type=writable_file, default=None,
+                   help="write the report as JSON to FILE")
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="keep compiled numba kernels and cuDNN plans in DIR "
+                        "(default: the preset's [warmup] cache_dir)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=_cmd_warmup)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--glue", choices=("fused", "torch"), default="fused",
                         help="the model's glue: framekv's fused ops (default) or torch ops")
     verify.set_defaults(func=_cmd_verify)
-    warmup.add_parser(sub)
+    _warmup_args(sub.add_parser("warmup", help="capture every graph a preset's rollout "
+                                "replays, up front"))
     bench.add_parser(sub)
     serve.add_parser(sub)
     return p

@@ -20,8 +20,9 @@ Routes (JSON errors name the problem; with ``--token`` every route but /health n
                                          | "prompt"}, {"type": "pause"}, {"type": "resume"}
 
 ``--model wan-diffusers`` serves diffusers' Wan transformer (``--config``, random weights,
-or ``--weights DIR``) at the sizes of `WAN_SIZES`; a prompt is then [L, text_dim] text
-embeddings, and a prompt change re-caches the session's visible frames by clean passes.
+or ``--weights DIR``) at the sizes of ``--preset`` (default the config's,
+`framekv.engine.wan.PRESETS`); a prompt is then [L, text_dim] text embeddings, and a
+prompt change re-caches the session's visible frames by clean passes.
 
 One thread runs the GPU loop (`StreamScheduler.run`); every graph is captured before
 the socket opens. A client that disconnects frees its slot; SIGTERM drains (uvicorn's
@@ -43,25 +44,22 @@ from .args import nonnegative_int, positive_int
 MAX_BODY_BYTES = 1 << 20   # a request body or control message: JSON, at most 1 MiB
 BODY_TIMEOUT_S = 10.0      # seconds a client may take to send its body
 CHUNK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-#: --model wan-diffusers per --config: latent (H, W), frames per chunk, sink and window
-#: frames, prompt tokens (1.3b: the small-stream geometry, 390 tokens per frame).
-WAN_SIZES = {"tiny": ((8, 8), 2, 1, 3, 7), "1.3b": ((30, 52), 3, 1, 18, 512)}
+#: --model wan-diffusers --config names (each rolls out at its preset's sizes by default)
+WAN_CONFIGS = ("tiny", "1.3b")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="streaming sessions over HTTP/WebSockets",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help="rollout preset of the reference model "
-                   "(default tiny)")
+    p.add_argument("--preset", default=None, help="the rollout's preset: the reference "
+                   "model's (default tiny), or the sizes diffusers' Wan runs at (default the "
+                   "config's: tiny or wan-1.3b)")
     p.add_argument("--model", choices=("reference", "wan-diffusers"), default="reference",
                    help="the reference DiT of --preset (default), or diffusers' Wan "
                         "transformer (needs the wan extra)")
-    p.add_argument("--config", choices=sorted(WAN_SIZES), default="tiny",
+    p.add_argument("--config", choices=WAN_CONFIGS, default="tiny",
                    help="with --model wan-diffusers: the shipped config (random weights "
-                        "unless --weights); sizes: " + "; ".join(
-                            f"{k}: latent {v[0][0]}x{v[0][1]}, {v[1]}-frame chunks, sink "
-                            f"{v[2]}, window {v[3]}, prompt {v[4]} tokens"
-                            for k, v in WAN_SIZES.items()))
+                        "unless --weights)")
     p.add_argument("--weights", metavar="DIR", default=None,
                    help="with --model wan-diffusers: a local diffusers folder")
     p.add_argument("--max-sessions", type=positive_int, default=8,
@@ -81,8 +79,9 @@ def run(args) -> int:
     from framekv.engine.scheduler import StreamScheduler
 
     factory = wan_factory(args) if args.model == "wan-diffusers" else None
-    sched = StreamScheduler(args.preset, max_sessions=args.max_sessions, device=args.device,
-                            cache_dir=args.cache_dir, progress=True, rollout_factory=factory)
+    sched = StreamScheduler(args.preset or "tiny", max_sessions=args.max_sessions,
+                            device=args.device, cache_dir=args.cache_dir, progress=True,
+                            runner_factory=factory)
     # uvicorn drains on SIGTERM, then puts back the handler it found and raises the
     # signal again; with this one in place that ends here, and the exit status is 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -92,19 +91,19 @@ def run(args) -> int:
 
 
 def wan_factory(args, *, use_graphs: bool = True):
-    """The scheduler's rollout for ``--model wan-diffusers``: a `WanRollout` of
-    ``--config`` (random weights) or ``--weights``, at that config's `WAN_SIZES`."""
+    """The scheduler's runner for ``--model wan-diffusers``: a `WanRollout` of
+    ``--config`` (random weights) or ``--weights``, at the sizes of ``--preset``
+    (default the config's)."""
     import functools
 
     from framekv.engine import WanRollout
-    from framekv.engine.wan import build_model, load_model
+    from framekv.engine.wan import PRESETS, build_model, load_model, preset_sizes
 
-    latent, frames, sink, window, tokens = WAN_SIZES[args.config]
+    sizes = preset_sizes(getattr(args, "preset", None) or PRESETS[args.config])
     model = (load_model(args.weights, device=args.device) if args.weights
              else build_model(args.config, device=args.device))
-    return functools.partial(WanRollout, model, latent_size=latent, frames_per_chunk=frames,
-                             sink_frames=sink, window_frames=window, prompt_tokens=tokens,
-                             cache_dir=args.cache_dir, use_graphs=use_graphs)
+    return functools.partial(WanRollout, model, cache_dir=args.cache_dir,
+                             use_graphs=use_graphs, **sizes)
 
 
 class _Error(Exception):
@@ -187,14 +186,15 @@ def metrics_text(sched) -> str:
     """Prometheus exposition text of the scheduler's counters."""
     import torch
 
-    m, stats = sched.metrics, sched.rollout.graphs.stats()
-    lines = [f"framekv_sessions {len(sched.sessions)}",
-             f"framekv_session_slots {sched.max_sessions}",
+    m = sched.metrics()
+    lines = [f"framekv_sessions {m['sessions']}",
+             f"framekv_session_slots {m['max_sessions']}",
              f"framekv_steps_total {m['steps']}", f"framekv_failed_steps_total {m['failed_steps']}",
-             f"framekv_chunks_total {m['chunks']}", f"framekv_graph_replays_total {stats.hits}",
-             f"framekv_graph_captures_total {stats.captures}",
-             f"framekv_pool_bytes {sched.rollout.cache.pool_bytes}"]
-    if sched.rollout.device.type == "cuda":
+             f"framekv_chunks_total {m['chunks']}",
+             f"framekv_graph_replays_total {m['graph_replays']}",
+             f"framekv_graph_captures_total {m['graph_captures']}",
+             f"framekv_pool_bytes {m['pool_bytes']}"]
+    if m["device"].startswith("cuda"):
         lines.append(f"framekv_gpu_allocated_bytes {torch.cuda.memory_allocated()}")
     secs = list(m["step_seconds"])
     lines += [f'framekv_chunk_seconds_bucket{{le="{b}"}} {sum(s <= b for s in secs)}'

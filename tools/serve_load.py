@@ -3,8 +3,9 @@
     python -m framekv.tools.serve_load [--preset small-stream] [--sessions 8]
         [--seconds 60] [--json FILE]
 
-A preset ``wan-diffusers:CONFIG`` serves diffusers' Wan transformer instead (the
-server's ``--model wan-diffusers --config CONFIG``, random weights).
+A preset ``wan-diffusers:CONFIG[:PRESET]`` serves diffusers' Wan transformer instead
+(the server's ``--model wan-diffusers --config CONFIG [--preset PRESET]``, random
+weights).
 
 Starts the server in this process on 127.0.0.1 (every graph captured before the socket
 opens), opens the sessions, and lets one client thread per session read its socket
@@ -58,11 +59,12 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
     progress(f"serve_load {preset}: building and capturing ({sessions} slots)")
     factory = None
     if preset.startswith("wan-diffusers:"):
-        factory = wan_factory(argparse.Namespace(config=preset.split(":", 1)[1], weights=None,
-                                                 device=device, cache_dir=None))
-    sched = StreamScheduler(preset, max_sessions=sessions, device=device,
-                            rollout_factory=factory)
-    captures0 = sched.rollout.graphs.stats().captures
+        _, config, *sizes = preset.split(":")
+        factory = wan_factory(argparse.Namespace(config=config, preset=(sizes or [None])[0],
+                                                 weights=None, device=device, cache_dir=None))
+    sched = StreamScheduler(preset if factory is None else "tiny", max_sessions=sessions,
+                            device=device, runner_factory=factory)
+    captures0 = sched.metrics()["graph_captures"]
     srv = uvicorn.Server(uvicorn.Config(build_app(sched), host="127.0.0.1", port=0,
                                         log_level="warning"))
     threading.Thread(target=srv.run, daemon=True).start()
@@ -93,7 +95,7 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
            "step_seconds_p50": _percentile(steps, 0.5), "step_seconds_p99": _percentile(steps, 0.99),
            "chunk_gap_p50": _percentile(gaps, 0.5), "chunk_gap_p99": _percentile(gaps, 0.99),
            "batch_sizes_seen": sorted({h["batch"] for r in received for _, h in r}),
-           "captures_after_start": sched.rollout.graphs.stats().captures - captures0}
+           "captures_after_start": sched.metrics()["graph_captures"] - captures0}
     time.sleep(1.0)
     sched.close()
     return res

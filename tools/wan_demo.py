@@ -2,8 +2,9 @@
 checked.
 
 A shipped config (``--config tiny|1.3b``) with random weights, or local weights
-(``--weights DIR``: a diffusers folder); a seeded random prompt embedding stands in for
-the text encoder's output. It generates ``--chunks`` chunks (one graph replay each on
+(``--weights DIR``: a diffusers folder), at the sizes of a preset (``--preset``,
+default the config's: `framekv.engine.wan.PRESETS`); a seeded random prompt embedding
+stands in for the text encoder's output. It generates ``--chunks`` chunks (one graph replay each on
 CUDA), prints per-chunk latency and latent frames per second, then re-runs the first
 chunks eagerly and with the reference attention backend and compares the latents.
 """
@@ -15,8 +16,6 @@ import time
 
 import torch
 
-#: Rollout sizes per shipped config: latent (H, W), frames per chunk, sink, window.
-SIZES = {"tiny": ((8, 8), 2, 1, 3), "1.3b": ((60, 104), 3, 1, 21)}
 #: A check passes when max|a - b| <= tolerance * max(1, max|b|).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
@@ -26,21 +25,23 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_wan_demo(config: str = "tiny", *, weights=None, chunks: int | None = None, device=None,
-                 backend=None, check_chunks: int = 2, stream=None, cache_dir=None) -> dict:
+def run_wan_demo(config: str = "tiny", *, preset=None, weights=None, chunks: int | None = None,
+                 device=None, backend=None, check_chunks: int = 2, stream=None,
+                 cache_dir=None) -> dict:
     """Run the demo; returns its report. Text goes to ``stream`` (default stdout)."""
     from framekv.engine import WanRollout
-    from framekv.engine.wan import build_model, load_model
+    from framekv.engine.wan import PRESETS, build_model, load_model, preset_sizes
 
-    if config not in SIZES:
-        raise ValueError(f"--config must be one of {sorted(SIZES)}, got {config!r}")
+    if config not in PRESETS:
+        raise ValueError(f"--config must be one of {sorted(PRESETS)}, got {config!r}")
     stream = stream or sys.stdout
-    (latent, frames, sink, window), n = SIZES[config], chunks or 6
+    kw, n = preset_sizes(preset or PRESETS[config]), chunks or 6
+    latent, frames = kw["latent_size"], kw["frames_per_chunk"]
+    sink, window = kw["sink_frames"], kw["window_frames"]
     t0 = time.perf_counter()
     model = load_model(weights, device=device) if weights else build_model(config, device=device)
-    kw = dict(latent_size=latent, frames_per_chunk=frames, sink_frames=sink, window_frames=window)
     r = WanRollout(model, backend=backend, cache_dir=cache_dir, **kw)
-    text = torch.randn(1, 512 if config == "1.3b" else 7, model.config.text_dim,
+    text = torch.randn(1, kw["prompt_tokens"], model.config.text_dim,
                        generator=torch.Generator().manual_seed(0))
     r.set_prompt(text)
     print(f"framekv demo: Wan {config} ({len(model.blocks)} layers, "
@@ -77,7 +78,7 @@ def run_wan_demo(config: str = "tiny", *, weights=None, chunks: int | None = Non
 
 def _checks(model, r, text, noises, kept, kw, stream) -> list[dict]:
     """The first chunks again: eagerly, and with the reference attention backend (each
-    a new rollout over the same model, which re-patches it: the replays above are done)."""
+    a new rollout over the same model)."""
     from framekv.engine import WanRollout
 
     out, tol = [], TOLERANCE.get(r.dtype, 5e-2)

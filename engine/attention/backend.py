@@ -7,14 +7,15 @@ of ``rows[j]`` in order, cut at ``seq_len_kv[j]`` keys, exactly what a paged ker
 reads. Cached attention is split as FlashInfer splits it::
 
     plan = backend.plan(cache, tokens=T, block_size=b, num_heads=H, scale=s, batch=B)  # once
-    plan.prepare(sequences=ids)         # once per forward (device work, graph-safe)
+    plan.prepare()                      # once per forward (device work, graph-safe)
     plan.run(q, layer, out)             # every layer of that forward
 
 `plan` is a host-side lookup (cached per cache, geometry, T, b, H, scale and the
 number B of sequences) that decides everything a forward's launches bake in;
-`prepare` selects the forward's sequences (`CausalKVCache.select`: the ids checked,
-their per-block tensors gathered) and refreshes what the plan derives from them (they
-change at every commit), so a forward captured in a graph holds its own refresh;
+`prepare` selects the forward's sequences (`CausalKVCache.select`: the cache's
+sequences in use, their per-block tensors gathered) and refreshes what the plan derives
+from them (they change at every commit), so a forward captured in a graph holds its
+own refresh;
 `run` launches one layer over all B sequences' blocks.
 The cuDNN backend lives in ``cudnn.py`` (cudnn-frontend is a GPU extra).
 """
@@ -36,7 +37,7 @@ class AttentionPlan(abc.ABC):
         batch: B, the sequences of each forward (rows of its query batch).
         splits: split-KV sub-rows per causal block row (1: none); graph keys hold it.
         packed: whether GQA query heads are stacked per K/V head row; graph keys hold it.
-        selected: the `SequenceBatch` of the last `prepare` (None before one).
+        selected: the `Selection` of the last `prepare` (None before one).
     """
 
     splits: int = 1
@@ -55,11 +56,14 @@ class AttentionPlan(abc.ABC):
                 and num_heads == self.num_heads and scale == self.scale and batch == self.batch)
 
     def prepare(self, sequences=None) -> None:
-        """Select this forward's sequences (int tensor [B] on the cache's device; None:
-        the first B) and refresh what the plan derives from their per-block tensors;
-        once per forward, before its layers run (capturable; outside a capture the ids
-        are read once to check them)."""
-        self.selected = self.cache.select(sequences, self.block_size, self.tokens, self.batch)
+        """Select this forward's sequences (the cache's sequences in use; ``sequences``,
+        host ints: put these in use first) and refresh what the plan derives from their
+        per-block tensors; once per forward, before its layers run (capturable)."""
+        selected = self.cache.select(self.block_size, self.tokens, sequences=sequences)
+        if selected.size != self.batch:
+            raise ValueError(f"the plan is for a batch of {self.batch} sequences, the cache "
+                             f"has {selected.size} in use ({selected.rows})")
+        self.selected = selected
         self.refresh()
 
     def refresh(self) -> None:

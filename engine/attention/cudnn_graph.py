@@ -16,8 +16,8 @@ With GQA query packing (``query_group`` g > 1, `packing`) Q, O and stats are
 A split over several blocks has rows n = s * nb + j that read block j's queries: no
 single batch stride maps n onto j, so Q's rows are ragged (``q_offsets``: cuDNN reads
 row n's queries at element ``q_offsets[n]`` of Q, its batch stride unused), and the S
-sub-rows of a block share one copy of its queries (measured on the H200 bit for bit
-equal to a launch over S copies).
+sub-rows of a block share one copy of its queries: they read what S copies would hold,
+and no copy is written.
 
 Built plans can be kept on disk (`PlanFiles`): one file per key, named by a hash of the
 key, the cuDNN and frontend versions and the GPU, so a plan is only ever loaded where it

@@ -4,9 +4,9 @@ Without a cache it is full attention over the S tokens of the call. With a cache
 stages the first ``seq_len`` rows' K/V (strided views: no copy, also for a packed
 QKV tensor), then attends each causal block over exactly its visible key set V(j)
 in one backend launch; rows >= seq_len are padding: neither staged nor attended,
-and come back zero. A batch of B query rows is B sequences of the cache
-(``sequences=ids``, default the first B): each row stages into and attends over its
-own sequence only, all of them in the same launches.
+and come back zero. A batch of B query rows is the B sequences in use of the cache
+(``sequences=`` host ints puts those in use first): each row stages into and attends
+over its own sequence only, all of them in the same launches.
 
 Backends (``backend=`` by name or instance): ``reference`` (torch fp32 math, any
 device; the oracle) and ``cudnn`` (cudnn-frontend paged SDPA, CUDA). A backend
@@ -82,9 +82,9 @@ class CachedAttention(torch.nn.Module):
             plan: this forward's `AttentionPlan`, already prepared (``plan()`` of
                 this module's backend for the same cache, seq_len, block size, heads
                 and B, ``prepare(sequences)``); default: planned and prepared here.
-            sequences: int tensor [B] on the cache's device, the sequence of each
-                batch row (distinct, < the cache's num_sequences); default the first
-                B. With a plan, the tensor it was prepared with (or None).
+            sequences: host ints, the sequence of each batch row (distinct, < the
+                cache's num_sequences), put in use first; default the cache's
+                sequences in use. With a plan: the rows it was prepared with (or None).
             prologue: None, or the fused QK norm and rope of a packed q whose q and
                 k are as projected: ``prologue(qkv, k_pool=, v_pool=, dst=, dst2=,
                 src_rows=, tokens=)`` (`framekv.ops.qk_norm_rope_stage_` with the
@@ -124,7 +124,7 @@ class CachedAttention(torch.nn.Module):
         # Inference only: the cache never records autograd history, nor does the output.
         stage = None if prologue is None else functools.partial(prologue, packed, tokens=T)
         with torch.no_grad():
-            kv_cache.write_staged(self.layer_idx, k[:, :T], v[:, :T], b, batch=plan.selected,
+            kv_cache.write_staged(self.layer_idx, k[:, :T], v[:, :T], b, selection=plan.selected,
                                   stage=stage)
             if not output:
                 return None
@@ -157,7 +157,7 @@ class CachedAttention(torch.nn.Module):
                              f"causal_block_size={b}, {self.num_heads} heads, scale {self.scale}, "
                              f"batch {B}), got {plan!r}")
         unselected = plan.selected is None and (cache.num_sequences > 1 or sequences is not None)
-        if unselected or (sequences is not None and plan.selected.source is not sequences):
+        if unselected or (sequences is not None and plan.selected.rows != tuple(sequences)):
             raise ValueError("plan must be prepared, with the sequences passed here, before the "
                              "forward: call plan.prepare(sequences)")
         return plan

@@ -22,8 +22,8 @@ Every sub-row of block j reads block j's queries. With one block they are a stri
 broadcast of q (or of its one packed copy); with several (the clean pass, B sequences)
 no batch stride maps n onto j, so the rows are ragged: cuDNN reads sub-row n's queries
 at element ``q_offsets[n]`` of q (unpacked: no copy at all) or of the one packed copy.
-On the H200 this is bit for bit the launch over S copies of Q that it replaced, and
-saves their writes (S x 12.9 MB at the seed clean pass).
+Either way a sub-row reads the queries that a copy of Q per split would hold, and no
+such copies are written.
 
 The sub-row tables and key counts are rebuilt from the cache's rows on the device once
 per forward (`SplitBuffers.rebuild`: one gather, one clamp, both graph-safe; the plan's
@@ -46,10 +46,9 @@ QUERY_TILE = 128
 #: Largest S considered by the wave model.
 MAX_SPLIT = 6
 #: A split must raise the wave fill by this fraction over the best smaller S: each
-#: sub-row costs a CTA prologue and a partial output more. On the H200 at the seed
-#: geometry (variants timed in turn, two runs) S = 5 (fill 0.985) beat S = 4 (0.969)
-#: by 1.2-1.4%, and S = 6 (0.995) lost 0.6-1.2% to S = 5: a 1.6% fill gain paid, a
-#: 1.1% one did not.
+#: sub-row costs a CTA prologue and a partial output more, which a smaller gain in fill
+#: does not repay. The value lies between the fill gains that paid and that did not at
+#: the seed geometry (docs/benchmarks.md, "Attention at the seed geometry").
 MIN_GAIN = 0.015
 #: Fewest keys a sub-row should hold; below, a CTA's fixed cost dominates.
 MIN_KEYS_PER_SPLIT = 2048
@@ -110,11 +109,11 @@ def choose_layout(*, num_blocks: int, block_size: int, num_heads: int, num_kv_he
     is chosen when it models no slower and launches fewer CTAs: the waves are not
     lockstep (rows differ in length), so fewer CTAs of equal work finish sooner even at
     an equal wave count. Unsplit it must be faster by `MIN_GAIN`: it copies Q in and
-    the output back. At the seed geometry (32 / 8 heads, 132 SMs; run of 2026-12-03)
-    the denoising forward (one block of 1576) packs at S = 5 (2000 CTAs against 2080,
-    both 3.2 row times; measured 1.5% faster), and the clean pass (four blocks of
-    394) packs at S = 5 (3.2 row times against 4.0 for 512 unpacked CTAs at S = 1;
-    measured 1.29x faster; packed S = 4, 3.25 row times, timed the same within 0.3%).
+    the output back. At the seed geometry (32 / 8 heads, 132 SMs) the denoising forward
+    (one block of 1576) packs at S = 5 (2000 CTAs against 2080, both 3.2 row times),
+    and the clean pass (four blocks of 394) packs at S = 5 (3.2 row times; packed S = 4
+    models 3.25, and 512 unpacked CTAs at S = 1 model 4.0). docs/benchmarks.md has the
+    timings of these layouts.
     """
     group = num_heads // num_kv_heads
     options = (False, True) if pack == "auto" else (bool(pack),)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..cache import CausalKVCache
-from ..kv import AttendFn, KVStore, PagedKV, check_prompt, stage_prompt
+from ..kv import AttendFn, KVStore, PagedKV, check_prompt, plain, stage_prompt
 from .ulysses import (UlyssesAttention, check_world_rank, gather_sequence, resolve_world_size,
                       shard_length, shard_sequence)
 
@@ -72,7 +72,7 @@ class UlyssesKV(KVStore):
                 plans[0].prepare()
             return u(qkv, kv_cache=cache, seq_len=seq_len, causal_block_size=block_size,
                      plan=plans[0])
-        return attend
+        return plain(attend)
 
     def prompt_forward(self, prompt_tokens: int) -> AttendFn:
         """The prompt, sharded: dense attention over its P tokens; this rank's K/V
@@ -85,11 +85,11 @@ class UlyssesKV(KVStore):
             q, k, v = u.to_heads(qkv)                                      # [1, W*S_l, h, D]
             kvs.append(torch.cat([k[0, :prompt_tokens], v[0, :prompt_tokens]], dim=1))
             return u.to_sequence(u.attend_heads(q, k, v, seq_len=prompt_tokens))
-        return attend
+        return plain(attend)
 
     def commit_prompt(self) -> None:
         kvs, self._prompt = self._prompt, []
-        stage_prompt(self.cache, kvs, self.num_kv_heads)
+        stage_prompt(self.cache, kvs)
 
     def commit(self, n: int) -> None:
         self.paged.commit(n)
@@ -104,5 +104,5 @@ class UlyssesKV(KVStore):
     def close(self) -> None:
         self.paged.close()
 
-    def key_layout(self, attn, tokens, block_sizes, batch=None):
-        return self.paged.key_layout(self.layers[0].attn, tokens, block_sizes)
+    def key_layout(self, attn, tokens, block_sizes, batch=1):
+        return self.paged.key_layout(self.layers[0].attn, tokens, block_sizes, batch)

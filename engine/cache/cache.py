@@ -11,13 +11,27 @@ to the kernels::
 
     pool (arena)   [L, 2, pages, tokens_per_page, H_kv, D]     K at [:, 0], V at [:, 1]
 
-Hot path (every forward, every chunk): ``write_staged`` is one scatter launch;
-``commit(n)`` on a CUDA device is four kernels that read only device memory: advance
-the counters, rotate the ring (``rotate_rows_``), rebuild every per-block tensor
-(``causal_layout_``), copy the committed private slots (``copy_kv_slots_``). The host
-keeps a mirror advanced by the same rule and never reads the device back, so a commit
-captured once in a CUDA graph replays for every later chunk. Edit path
-(``write_range`` / ``zero_values``): host-built slot lists, uploaded per call.
+Sequences: ``sequences`` is always host ints. The sequences in use (`use_sequences`,
+default every one, in order) are what forwards and commits act on: batch row r of a
+forward is sequence ``sequences[r]``. They are also kept in a fixed device buffer,
+written only when they change, which the device work reads when it runs; so a forward
+or commit captured once in a CUDA graph serves any choice of as many sequences (set
+them, then replay).
+
+Hot path (every forward, every chunk): ``write_staged`` is one scatter launch; a
+commit has two halves, one path for any number of sequences::
+
+    commit(n)          commit_host(n), then commit_device(n); all or nothing
+    commit_host(n)     each sequence's host mirror: C += n, the ring (never reads back)
+    commit_device(n)   on a CUDA device, kernels that read only device memory: advance
+                       the counters of the sequences in use, rotate the rings
+                       (``rotate_rows_``), rebuild every per-block tensor
+                       (``causal_layout_``), copy the committed private slots
+                       (``copy_kv_slots_``)
+
+A chunk captured with its commit replays the device half; its replay hook runs
+``note_staged`` and ``commit_host``. Edit path (``write_range`` / ``zero_values``):
+host-built slot lists, uploaded per call.
 
 One file: the cache's public surface (sizing, lifecycle, sequences, forwards, commit,
 edits) is one object; its rules, states and batches live in the modules beside it.
@@ -33,8 +47,7 @@ from framekv.specs import Geometry
 
 from ..arena import DEVICE_CHUNK_BYTES, carved_bytes, make_arena, round_up
 from .plan import LayoutPlan
-from .sequences import (PoolState, SequenceBatch, batch_bytes_specs, check_batch, flat_rows,
-                        layout_kernel)
+from .sequences import PoolState, Selection, batch_bytes_specs, check_rows, flat_rows
 from .state import BlockTensors, GeometryState, nbytes, state_specs
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -53,10 +66,8 @@ class CausalKVCache:
         pool_tokens: slots of the pool; ``pool_tokens_for(geometry, tokens_per_page,
             num_sequences=N)`` gives what a geometry needs (every private page included).
         device: "cpu" or a CUDA device.
-        num_sequences: N independent sequences on the pool (default 1). Calls without
-            ``sequences=`` act on sequence 0; with it, on the sequences an int tensor
-            ``ids`` [B] on the cache's device names (a graph input: its values are read
-            on the device when the launches run).
+        num_sequences: N independent sequences on the pool (default 1). Forwards and
+            commits act on the sequences in use (`use_sequences`; module doc).
 
     The constructor owns the pool; ``open(geometry)`` starts a rollout; ``close()``
     ends it and keeps the geometry's device state, so graphs captured over it replay
@@ -223,7 +234,9 @@ class CausalKVCache:
         `select` (sequence 0's own tensors when the pool holds one sequence)."""
         pool = self._require_open()
         pool.plan.block(causal_block_size)
-        check_batch(batch, self.num_sequences)
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= self.num_sequences:
+            raise ValueError(f"batch must hold 1 to num_sequences={self.num_sequences} "
+                             f"sequences, got {batch!r}")
         return pool.batch_view(batch, causal_block_size, tokens)
 
     def page_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,34 +253,56 @@ class CausalKVCache:
         return self._seq(sequence).host.slot_of(position)
 
     # ------------------------------------------------------------------ sequences
-    def select(self, sequences, causal_block_size: int, tokens: int,
-               batch: int | None = None) -> SequenceBatch:
-        """The `SequenceBatch` of a forward of ``tokens`` rows per sequence over the
-        sequences ``sequences`` (int tensor [B] on the cache's device; None: the first
-        ``batch``, default 1): ids checked, the batch's per-block tensors gathered on
-        the device. A forward selects once and passes it to every layer."""
+    @property
+    def sequences(self) -> tuple[int, ...]:
+        """The sequences in use (host ints; batch row r of a forward is sequences[r])."""
+        return self._require_open().rows
+
+    @property
+    def sequence_ids(self) -> torch.Tensor:
+        """The sequences in use as int64 [B] on the cache's device: the fixed buffer the
+        device work reads (graph replays read its contents then)."""
+        return self._require_open().ids
+
+    def use_sequences(self, sequences) -> None:
+        """Make ``sequences`` (host ints: distinct, in [0, num_sequences)) the ones the
+        next forwards and commits act on, batch row r on sequences[r]. Kept on the
+        device in a fixed buffer that captured graphs read, written only when they
+        change: set them before capturing or replaying a graph (a change during a
+        capture is a ValueError)."""
+        self._require_open().use(sequences)
+
+    def _rows(self, sequences) -> PoolState:
+        """The open pool state with ``sequences`` in use (None: those already in use)."""
         pool = self._require_open()
+        if sequences is not None:
+            pool.use(sequences)
+        return pool
+
+    def select(self, causal_block_size: int, tokens: int, *, sequences=None) -> Selection:
+        """The `Selection` of a forward of ``tokens`` rows per sequence over the
+        sequences in use (``sequences``: use these first): their per-block tensors
+        gathered on the device. A forward selects once and passes it to every layer."""
+        pool = self._rows(sequences)
         pool.plan.block(causal_block_size)
         M = pool.plan.geometry.max_staged_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= M:
             raise ValueError(f"tokens must be an integer in [1, {M}], got {tokens!r}")
-        ids, host = pool.resolve(sequences, batch, self.device)
-        return SequenceBatch(cache=self, source=sequences, ids=ids, host=host,
-                             block_size=causal_block_size, tokens=tokens,
-                             blocks=pool.gather(ids, causal_block_size, tokens))
+        return Selection(cache=self, rows=pool.rows, block_size=causal_block_size,
+                             tokens=tokens, blocks=pool.gather(causal_block_size, tokens))
 
     def reset_sequences(self, sequences) -> None:
-        """Sequences ``sequences`` (int tensor [B] on the cache's device, or host ints)
-        start over at position 0; the others keep their state. Graphs stay valid."""
+        """Sequences ``sequences`` (host ints) start over at position 0; the others
+        keep their state. Graphs stay valid."""
         pool = self._require_open()
-        pool.reset(pool.host_ids(sequences, self.device))
+        pool.reset(check_rows(sequences, self.num_sequences))
 
     # ------------------------------------------------------------------ forwards
     def write_staged(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                      causal_block_size: int, *, sequences=None,
-                     batch: SequenceBatch | None = None, stage=None) -> None:
+                     selection: Selection | None = None, stage=None) -> None:
         """Write this forward's T tokens of one layer at positions [C, C + T) of each
-        sequence it covers.
+        sequence in use.
 
         Each token goes to its shared slot (read by later blocks and commits) and to
         its block's private slots; earlier blocks' tokens on a partly visible page
@@ -276,13 +311,13 @@ class CausalKVCache:
 
         Args:
             layer: layer index.
-            k, v: [T, H_kv, D] (sequence 0, or the one sequence named) or [B, T, H_kv, D]
-                with any token/head strides (head dim contiguous), T a multiple of
-                ``causal_block_size`` and <= max_staged_tokens.
+            k, v: [B, T, H_kv, D], batch row r for the r-th sequence in use, or
+                [T, H_kv, D] with one in use; any token/head strides (head dim
+                contiguous), T a multiple of ``causal_block_size`` and <=
+                max_staged_tokens.
             causal_block_size: a block size declared by the open geometry.
-            sequences: int tensor [B] on the cache's device naming each row's sequence
-                (default the first B).
-            batch: the forward's `select` result (then ``sequences`` is not given).
+            sequences: host ints to put in use first (default: those in use).
+            selection: the forward's `select` result (then ``sequences`` is not given).
             stage: None, or a callable ``stage(k_pool=, v_pool=, dst=, dst2=,
                 src_rows=)`` that writes the K/V itself (a fused kernel computing them
                 on the way, `framekv.ops.qk_norm_rope_stage_`) with the slot lists the
@@ -297,108 +332,85 @@ class CausalKVCache:
             raise ValueError(
                 f"k must hold a positive multiple of causal_block_size={causal_block_size} "
                 f"tokens, at most max_staged_tokens={M}, got {T}")
-        if batch is None:
-            batch = self.select(sequences, causal_block_size, T, 1 if B is None else B)
+        if selection is None:
+            selection = self.select(causal_block_size, T, sequences=sequences)
         elif sequences is not None:
-            raise ValueError("pass sequences or batch, not both")
-        batch.check(self, causal_block_size, T, 1 if B is None else B)
+            raise ValueError("pass sequences or selection, not both")
+        selection.check(self, causal_block_size, T, 1 if B is None else B)
         with torch.no_grad():  # a cache write never records autograd history
             if stage is not None:
-                bt = batch.blocks
+                bt = selection.blocks
                 stage(k_pool=self.k_pool[layer], v_pool=self.v_pool[layer],
                       dst=bt.staged_dst, dst2=bt.staged_dst2, src_rows=bt.staged_src)
             else:
-                self._scatter(layer, causal_block_size, B, batch)(flat_rows(k.detach()),
-                                                                 flat_rows(v.detach()))
-        for i in batch.host or ():  # capturing: the replay hook notes the replays
+                self._scatter(layer, causal_block_size, B, selection)(flat_rows(k.detach()),
+                                                                     flat_rows(v.detach()))
+        for i in selection.rows:
             pool.seqs[i].host.note_staged(T, layer)
 
-    def _scatter(self, layer: int, b: int, B, batch: SequenceBatch):
+    def _scatter(self, layer: int, b: int, B, selection: Selection):
         """The bound scatter of one layer's staged K/V (made once per layer, b, B)."""
         pool = self._open
         key = ("scatter", layer, b, B)
         launch = pool.launchers.get(key)
         if launch is None:
-            bt = batch.blocks
+            bt = selection.blocks
             launch = ops.bind_scatter_kv_slots(self.k_pool[layer], self.v_pool[layer],
                                                bt.staged_dst, bt.staged_dst2, bt.staged_src)
             pool.launchers[key] = launch
         return launch
 
-    def note_staged(self, tokens: int, *, sequences=None) -> None:
-        """Advance the host mirror's staged count as a forward of ``tokens`` would, for
-        the sequences named (host ints, or a tensor: read, synchronising; default
-        every sequence).
-
-        For replays of a captured forward: the graph writes every layer's K/V on the
-        device, the host mirror learns of it here (it never reads the device back).
-        """
-        pool = self._require_open()
-        for i in pool.host_ids(sequences, self.device):
-            pool.seqs[i].host.note_staged(tokens)
-
     # ------------------------------------------------------------------ commit
     def commit(self, n: int, *, sequences=None) -> None:
-        """Make the first ``n`` staged tokens of each named sequence history: C += n,
-        its window slides; the other sequences do not move.
+        """Make the first ``n`` staged tokens of each sequence in use history: C += n,
+        its window slides; the other sequences do not move. `commit_host` then
+        `commit_device`, all or nothing.
 
-        ``sequences``: int tensor [B] on the cache's device (default: every sequence).
-        All or nothing: ValueError (nothing changed) unless n is in [0, staged] and every
-        layer staged n tokens since the last commit, for every named sequence; if the
-        device half fails part way, the host mirror and the device state are put back
-        as they were and the error is raised again, so the same commit can be retried.
-        While a CUDA graph is captured the ids are not read on the host: only the
-        device half is recorded (the replay hook's `commit_mirror` does the rest).
+        ValueError (nothing changed) unless n is in [0, staged] and every layer staged
+        n tokens since the last commit, for every sequence; if the device half fails
+        part way, the host mirrors and the device state are put back as they were and
+        the error is raised again, so the same commit can be retried. Captured in a
+        CUDA graph, its host half runs once at the capture (a rollout resets after
+        capturing) and a replay's hook runs `note_staged` and `commit_host`.
         """
-        pool = self._require_open()
-        ids, host = pool.resolve(sequences, None, self.device)
-        if host is None:
-            pool.commit_device(n, ids, self.k_pool, self.v_pool)
-            return
-        states = [pool.seqs[i] for i in host]
+        pool = self._rows(sequences)
+        states = [pool.seqs[i] for i in pool.rows]
         for st in states:
             st.host.check_commit(n)
         snaps = [st.host.snapshot() for st in states]
         try:
             for st in states:
                 st.host.commit(n)
-            self.commit_device(n, sequences=sequences)
+            pool.commit_device(n, self.k_pool, self.v_pool)
         except BaseException:
             for st, snap in zip(states, snaps):
                 self._recover(st, snap)
             raise
 
-    def commit_mirror(self, n: int, *, sequences=None) -> None:
-        """Advance the host mirror only (all or nothing over the named sequences: host
-        ints or a tensor, default every one): what a replay of a captured commit needs."""
-        pool = self._require_open()
-        states = [pool.seqs[i] for i in pool.host_ids(sequences, self.device)]
+    def commit_host(self, n: int, *, sequences=None) -> None:
+        """The host half of ``commit(n)`` alone (the mirrors of the sequences in use,
+        all or nothing): what a replayed commit leaves the host to do."""
+        pool = self._rows(sequences)
+        states = [pool.seqs[i] for i in pool.rows]
         for st in states:
             st.host.check_commit(n)
         for st in states:
             st.host.commit(n)
 
     def commit_device(self, n: int, *, sequences=None) -> None:
-        """The device side of commit(n), safe to capture: no host-computed argument
-        but the constant n (and the ids tensor, read on the device), no upload, no
-        synchronisation. On CPU it applies the host mirror (unless numba's simulator
-        runs the kernels), so it must follow ``commit_mirror(n)``."""
-        pool = self._require_open()
-        ids, host = pool.resolve(sequences, None, self.device)
-        self._commit_device(pool, n, ids, host)
+        """The device half of ``commit(n)`` alone, safe to capture: no host-computed
+        argument but the constant n, the ids read on the device, no upload, no
+        synchronisation (`PoolState.commit_device`). Without kernels (CPU) it applies
+        the host mirrors, so it must follow `commit_host`."""
+        self._rows(sequences).commit_device(n, self.k_pool, self.v_pool)
 
-    def _commit_device(self, pool: PoolState, n: int, ids, host) -> None:
-        if self.num_sequences > 1 and ops.use_kernel(self._pool):
-            pool.commit_device(n, ids, self.k_pool, self.v_pool)
-            return
-        for i in host:
-            state = pool.seqs[i]
-            if ops.use_kernel(self._pool):  # CUDA, or numba's simulator on CPU
-                _commit_kernels(state, n)
-            else:
-                state.upload_layout()
-            ops.copy_kv_slots_(self.k_pool, self.v_pool, state.flat["committed_src"],
-                               state.flat["committed_dst"])
+    def note_staged(self, tokens: int, *, sequences=None) -> None:
+        """Advance the host mirrors' staged count of the sequences in use as a forward
+        of ``tokens`` in every layer would: what a replayed forward leaves the host to
+        do (the graph wrote the K/V; the host never reads the device back)."""
+        pool = self._rows(sequences)
+        for i in pool.rows:
+            pool.seqs[i].host.note_staged(tokens)
 
     def _recover(self, state: GeometryState, snap: tuple) -> None:
         """After a failed commit: the host mirror back to ``snap``, the device state
@@ -479,16 +491,6 @@ class CausalKVCache:
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
         return int(k.shape[-3]), (int(k.shape[0]) if k.dim() == 4 else None)
-
-
-def _commit_kernels(state: GeometryState, n: int) -> None:
-    """advance counters -> rotate the ring -> rebuild every per-block tensor."""
-    plan, g, t = state.plan, state.plan.geometry, state.flat
-    ops.advance_commit_(t["counters"], n, pin_tokens=g.pin_tokens,
-                        window_tokens=g.window_tokens,
-                        tokens_per_page=plan.tokens_per_page, fixed_pages=plan.fixed_pages)
-    ops.rotate_rows_(t["table"][plan.fixed_pages:], t["counters"][2:3])
-    layout_kernel(state)
 
 
 def _check_sizes(**sizes) -> None:

@@ -23,7 +23,7 @@ from framekv import ops
 from framekv.specs import ModelSpec
 
 from ..attention import CachedAttention
-from ..kv import AttendFn
+from ..kv import ForwardContext
 
 #: Wan feeds the sampler's t in [0, 1] to the sinusoid as t * 1000.
 TIMESTEP_SCALE = 1000.0
@@ -46,19 +46,27 @@ def rope_split(head_dim: int) -> tuple[int, int, int]:
 
 
 class Rope3D:
-    """Rotary embedding over absolute (frame, row, col) positions.
+    """Rotary embedding over absolute (frame, row, col) positions: the one rope of both
+    models (the reference DiT's, and Wan's in place of its own table).
 
     Pairs of head dims (2i, 2i+1) rotate by ``position * inv_freq[i]``; the first
-    ``rope_split(D)[0]`` dims follow the frame axis, the rest the row and col axes.
-    Frame angles are computed in float64 from a device tensor, so positions can grow
-    over a long rollout without losing precision and without a host-side value that
-    a captured graph would bake in.
+    ``rope_split(D)[0]`` dims follow the frame axis, the rest the row and col axes
+    (Wan's split), ``inv_freq`` = theta^(-2i/d) per axis. Frame angles are computed in
+    float64 from a device tensor, so positions can grow over a long rollout without
+    losing precision and without a host-side value that a captured graph would bake in;
+    the torch glue gets fp32 cos/sin tables (`cos_sin`, applied by `apply_rope`), the
+    fused glue the positions themselves (`grid`, for `framekv.ops.qk_norm_rope_stage_`).
+
+    Args:
+        head_dim: D; grid: (h, w) patches of a frame; device: where the tables live;
+        theta: the frequency base.
     """
 
-    def __init__(self, head_dim: int, grid: tuple[int, int], device: torch.device):
+    def __init__(self, head_dim: int, grid: tuple[int, int], device: torch.device,
+                 theta: float = ROPE_THETA):
         self.dims = rope_split(head_dim)
-        self.inv_freq = [1.0 / ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float64,
-                                                           device=device) / d)
+        self.inv_freq = [1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64,
+                                                      device=device) / d)
                          for d in self.dims]                               # [d / 2] each
         h, w = grid
         rows = torch.arange(h, device=device, dtype=torch.float64).repeat_interleave(w)
@@ -93,6 +101,17 @@ class Rope3D:
         """fp32 cos and sin [B, S, 1, D/2] ready to broadcast over heads."""
         return (torch.cos(angles).float()[:, :, None],
                 torch.sin(angles).float()[:, :, None])
+
+    def for_forward(self, frame0: torch.Tensor, frames: int, batch: int, fused: bool,
+                    ctx: ForwardContext):
+        """A forward's rope: the `RopeGrid` of the fused glue, or the torch glue's cos/sin
+        tables; frame0 int64 [B] or [1] (every row), this process's share of the
+        tokens (`ForwardContext.shard` / ``token_offset``)."""
+        frame0 = frame0 if frame0.shape[0] == batch else frame0.expand(batch).contiguous()
+        if fused:
+            S = frames * self.hw[0] * self.hw[1]
+            return self.grid(frame0, ctx.token_offset(S))
+        return tuple(ctx.shard(c) for c in self.cos_sin(self.angles(frame0, frames)))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -169,14 +188,17 @@ class DiTBlock(torch.nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return torch.cat([q, k, v], dim=2)
 
-    def forward(self, x: torch.Tensor, time_mod: torch.Tensor, rope, attend: AttendFn,
-                fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, time_mod: torch.Tensor, rope, ctx: ForwardContext, *,
+                fused: bool = False, last: bool = False) -> torch.Tensor | None:
         """x [B, S, hidden]; time_mod [B, 6, 1, hidden]; rope (cos, sin), a `RopeGrid`
         (fused) or None. ``fused``: the glue through framekv's ops (module doc; x is
-        then updated in place); ``attend(attn, qkv, prologue)`` takes the QK prologue."""
+        then updated in place). ``last``: the model's last block, which in a forward
+        kept for its K/V only stops once they are staged (None back)."""
         mods = self._mods(x, time_mod, fused)
         qkv, prologue = self._attention_input(x, mods, rope, fused)
-        out = attend(self.attn, qkv, prologue)                             # [B, S, H, D]
+        out = ctx.attention(self.attn, qkv, prologue, last=last)           # [B, S, H, D]
+        if out is None:
+            return None
         shift1, scale1, gate1, shift2, scale2, gate2 = mods
         if fused:
             h = ops.adaln_(x, residual=self.proj(out.flatten(2)), gate=gate1, shift=shift2,
@@ -186,14 +208,6 @@ class DiTBlock(torch.nn.Module):
         x = x + gate1 * self.proj(out.flatten(2))
         h = modulate(x, shift2, scale2)
         return x + gate2 * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
-
-    def stage_kv(self, x: torch.Tensor, time_mod: torch.Tensor, rope, attend: AttendFn,
-                 fused: bool = False) -> None:
-        """Only this block's K/V: its packed QKV handed to ``attend(..., output=False)``
-        and nothing after it (the last block of a forward kept for its K/V alone, a
-        clean pass: its attention, projection and MLP feed nothing). x is unchanged."""
-        qkv, prologue = self._attention_input(x, self._mods(x, time_mod, fused), rope, fused)
-        attend(self.attn, qkv, prologue, output=False)
 
     def _mods(self, x, time_mod, fused: bool) -> list[torch.Tensor]:
         """shift, scale, gate of the attention, then of the MLP: [B, 1, hidden] each."""

@@ -4,13 +4,13 @@ No checkpoint is loaded: every weight is drawn from the `ModelSpec`'s seed, on t
 and then moved, so two models of one spec are equal on any device. What matters for
 the runtime is the shape of the work, which is the real one:
 
-    latents [B, F, C, H, W] -> patches [B, S = F*h*w, C*ph*pw] -> Linear -> [B, S, hidden]
+    latents [B, C, F, H, W] -> patches [B, S = F*h*w, C*ph*pw] -> Linear -> [B, S, hidden]
     per block: adaptive norm -> fused QKV [B, S, H + 2*H_kv, D] -> QK RMSNorm -> rope
                -> CachedAttention over the K/V cache -> gated residual -> GELU MLP
-    final adaptive norm -> Linear -> patches -> unpatchify -> velocity [B, F, C, H, W]
+    final adaptive norm -> Linear -> patches -> unpatchify -> velocity [B, C, F, H, W]
 
 B rows are B independent sequences of the K/V store (concurrent streams), each with
-its own time and first frame; a [F, C, H, W] call is one sequence.
+its own time and first frame.
 
 Rotary positions are absolute over the rollout (they grow forever, storage does not):
 video frame f sits at rope frame f + 1, row and col at its patch grid cell. Prompt
@@ -21,14 +21,14 @@ model width. `CausalVideoDiT.prefill` runs it through the blocks at t = 0 as one
 block (every prompt token sees every other, which is exactly V(j) of a block [0, P))
 and commits its K/V as the pinned prefix.
 
-Where each layer's K/V goes is the caller's `framekv.engine.kv.KVStore` (``kv=``): the
-paged cache, the fp32 reference, a store spread over ranks, a dense baseline. Without
-one, a forward attends densely over its own tokens.
+Where each layer's K/V goes is said by the forward's `framekv.engine.kv.ForwardContext`
+(its store: the paged cache, the fp32 reference, a store spread over ranks, a dense
+baseline; or none, dense attention over the forward's own tokens). `DiTChunks` is the
+model as a `framekv.engine.runner.ChunkModel`.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 
@@ -36,11 +36,8 @@ from framekv.specs import ModelSpec
 
 from ..attention import get_backend
 from ..attention.registry import default_backend
-from ..kv import AttendFn, KVStore
+from ..kv import ForwardContext, KVStore, Recorder
 from .blocks import DiTBlock, Rope3D, modulate, sinusoidal_embedding
-
-#: recorder(layer, packed_qkv [1, S, H+2Hkv, D], out [1, S, H, D], seq_len, block_size)
-Recorder = Callable[[int, torch.Tensor, torch.Tensor, int, int], None]
 
 
 def model_dtype(spec: ModelSpec, device) -> torch.dtype:
@@ -52,19 +49,20 @@ def model_dtype(spec: ModelSpec, device) -> torch.dtype:
 
 
 def patchify(latents: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
-    """[F, C, H, W] -> [F*h*w, C*ph*pw]: Conv3d-equivalent order (C, pt, ph, pw)."""
-    Fr, C, Hh, Ww = latents.shape
+    """[B, C, F, H, W] -> [B, F*h*w, C*ph*pw]: tokens frame-major, each in Conv3d order
+    (C, pt, ph, pw)."""
+    B, C, Fr, Hh, Ww = latents.shape
     _, ph, pw = patch
-    x = latents.reshape(Fr, C, Hh // ph, ph, Ww // pw, pw)
-    return x.permute(0, 2, 4, 1, 3, 5).reshape(Fr * (Hh // ph) * (Ww // pw), C * ph * pw)
+    x = latents.reshape(B, C, Fr, Hh // ph, ph, Ww // pw, pw)
+    return x.permute(0, 2, 3, 5, 1, 4, 6).reshape(B, Fr * (Hh // ph) * (Ww // pw), C * ph * pw)
 
 
 def unpatchify(tokens: torch.Tensor, frames: int, spec: ModelSpec) -> torch.Tensor:
-    """[F*h*w, C*ph*pw] -> [F, C, H, W] (inverse of `patchify`)."""
+    """[B, F*h*w, C*ph*pw] -> [B, C, F, H, W] (inverse of `patchify`)."""
     _, ph, pw = spec.patch_size
     h, w, C = spec.latent_height // ph, spec.latent_width // pw, spec.in_channels
-    x = tokens.reshape(frames, h, w, C, ph, pw).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(frames, C, h * ph, w * pw)
+    x = tokens.reshape(tokens.shape[0], frames, h, w, C, ph, pw).permute(0, 4, 1, 2, 5, 3, 6)
+    return x.reshape(tokens.shape[0], C, frames, h * ph, w * pw)
 
 
 class CausalVideoDiT(torch.nn.Module):
@@ -79,10 +77,9 @@ class CausalVideoDiT(torch.nn.Module):
             instance serves every layer (they share its plans and built kernels).
 
     Attributes:
-        recorder: None, or a `Recorder` called after every attention with the packed
-            QKV and the output (eager use only: a graph replay runs no Python).
         glue: "torch" (default: the blocks' glue as torch ops) or "fused" (through
-            framekv's ops, the QK norm and rope staged by stores that can; the same math).
+            framekv's ops, the QK norm and rope staged by stores that can; the same
+            math); a forward may name its own.
     """
 
     def __init__(self, spec: ModelSpec, *, prompt_tokens: int, device=None, dtype=None,
@@ -104,7 +101,6 @@ class CausalVideoDiT(torch.nn.Module):
         _, ph, pw = spec.patch_size
         self.grid = (spec.latent_height // ph, spec.latent_width // pw)
         self.rope = Rope3D(spec.head_dim, self.grid, device)
-        self.recorder: Recorder | None = None
         self.glue = "torch"
 
     @property
@@ -132,63 +128,46 @@ class CausalVideoDiT(torch.nn.Module):
         e = self.time_embed(sinusoidal_embedding(t, self.spec.freq_dim).to(self.dtype))
         return e, self.time_proj(e).view(t.shape[0], 6, 1, -1)
 
-    def forward(self, latents: torch.Tensor, t: torch.Tensor, frame0: torch.Tensor, *,
-                kv: KVStore | None = None, seq_len: int | None = None,
-                causal_block_size: int | None = None, output: bool = True) -> torch.Tensor | None:
+    def forward(self, latents: torch.Tensor, t: torch.Tensor, ctx: ForwardContext, *,
+                glue: str | None = None) -> torch.Tensor | None:
         """The velocity of a chunk's latents.
 
         Args:
-            latents: [F, C, H, W] or [B, F, C, H, W] (B sequences of the store), any
-                float dtype (cast to the model dtype).
+            latents: [B, C, F, H, W] (B sequences of the store), any float dtype (cast
+                to the model dtype).
             t: fp32 [1] or [B], the flow-matching time in [0, 1] (1 = noise).
-            frame0: int64 [1] or [B], absolute index of each sequence's first frame of
-                the chunk (a device tensor, so a captured graph replays for every chunk).
-            kv: the `KVStore` this forward stages into and attends over; None: dense
-                attention over the call's own tokens.
-            seq_len, causal_block_size: real tokens and block size of the forward
-                (default: all tokens, one block).
-            output: False (with ``kv``): the forward is kept only for the K/V it stages
-                (a clean pass). The last block stops once its K/V are staged (its
-                attention, projection and MLP feed nothing), the head does not run,
-                and None is returned.
+            ctx: the forward's `ForwardContext`: its store (or None: dense attention
+                over the call's own tokens), real tokens and block size, ``frame0``
+                (int64 [1] or [B]: each sequence's first frame of the chunk, a device
+                tensor so a captured graph replays for every chunk), and ``output``:
+                False for a forward kept only for the K/V it stages (a clean pass: the
+                last block stops once they are staged, the head does not run).
+            glue: "torch" or "fused" for this forward (default ``self.glue``).
         Returns:
-            velocity in the shape of ``latents``, in the model dtype; None with
-            ``output=False``.
+            velocity [B, C, F, H, W] in the model dtype; None without ``ctx.output``.
         """
-        if not output and kv is None:
-            raise ValueError("output=False needs kv: without a store the forward keeps nothing")
-        lat = latents if latents.dim() == 5 else latents[None]             # [B, F, C, H, W]
-        B, frames = lat.shape[:2]
-        x = self.patch_embed(patchify(lat.flatten(0, 1), self.spec.patch_size).to(self.dtype))
-        x = x.view(B, -1, x.shape[-1])                                     # [B, S, hidden]
-        S = x.shape[1]
-        seq_len = S if seq_len is None else seq_len
-        b = seq_len if causal_block_size is None else causal_block_size
+        B, _, frames = latents.shape[:3]
+        x = self.patch_embed(patchify(latents, self.spec.patch_size).to(self.dtype))
+        S = x.shape[1]                                                     # x [B, S, hidden]
+        fused = (glue or self.glue) == "fused"
         e, mod = self.time_conditioning(t)
-        rope = self._rope(frame0 + 1, frames, B, kv)                       # video at frame f + 1
-        if kv is None:
-            x = self._blocks(x, mod, rope, _self_attention, seq_len, b)
-        else:                                                              # [B, S(_l), ...]
-            x = kv.shard(x)
-            x = self._blocks(x, mod, rope, kv.forward(seq_len, b), seq_len, b,
-                             stages=kv.stages_prologue, skips=kv.stages_without_output,
-                             output=output)
-        if not output:
+        rope = self.rope.for_forward(ctx.frame0 + 1, frames, B, fused, ctx)  # video at f + 1
+        x = self._blocks(ctx.shard(x), mod, rope, ctx, fused)              # [B, S(_l), hidden]
+        if x is None:
             return None
         shift, scale = (self.head_modulation + e[:, None]).unbind(1)      # [B, hidden] each
         y = self.head(modulate(x, shift[:, None], scale[:, None]))        # [B, S(_l), patch_dim]
-        if kv is not None:
-            y = kv.gather(y, S)
-        v = unpatchify(y.flatten(0, 1), B * frames, self.spec)             # [B*F, C, H, W]
-        return v.view(lat.shape) if latents.dim() == 5 else v
+        return unpatchify(ctx.gather(y, S), frames, self.spec)            # [B, C, F, H, W]
 
     def prefill(self, kv: KVStore, prompt: torch.Tensor | None = None, *,
-                rewrite: bool = False) -> None:
+                rewrite: bool = False, glue: str | None = None,
+                recorder: Recorder | None = None) -> None:
         """Run the prompt at t = 0 as one causal block and commit its K/V (P tokens) as
-        ``kv``'s pinned prefix; the store must be at position 0. ``prompt``: [P, text_dim]
-        tokens instead of the model's own. ``rewrite``: write them over the pinned
-        region of a rollout under way instead (a prompt change; the store must support
-        it: `PagedKV.rewrite_prompt`)."""
+        the pinned prefix of ``kv``'s sequences in use, which must be at position 0.
+        ``prompt``: [P, text_dim] tokens instead of the model's own. ``rewrite``: write
+        them over the pinned region of sequences under way instead (a prompt change;
+        the store must support it: `PagedKV.rewrite_prompt`). Only the prompt's K/V
+        are kept: its last block stops once they are staged."""
         P = self.prompt_tokens
         if P == 0:
             return
@@ -199,62 +178,57 @@ class CausalVideoDiT(torch.nn.Module):
             got = list(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
             raise ValueError(f"prompt must be a {list(self.prompt.shape)} tensor, got {got}")
         attend = kv.prompt_forward(P, rewrite=True) if rewrite else kv.prompt_forward(P)
+        ctx = ForwardContext(kv, seq_len=P, output=False, recorder=recorder, attend=attend)
         x = self.text_embed(prompt.to(self.device, self.dtype))[None]      # [1, P, hidden]
-        x = kv.shard(x)                                                    # [1, P(_l), hidden]
         _, mod = self.time_conditioning(torch.zeros(1, device=self.device))
-        self._blocks(x, mod, None, attend, P, P, output=False)  # only its K/V are kept
+        self._blocks(ctx.shard(x), mod, None, ctx, (glue or self.glue) == "fused")
         kv.rewrite_prompt() if rewrite else kv.commit_prompt()
 
-    def _rope(self, frame0: torch.Tensor, frames: int, B: int, kv: KVStore | None):
-        """The blocks' rope: cos/sin tables (torch glue, sharded like the tokens) or the
-        fused kernel's `RopeGrid` (positions from frame0 [B] and the token index)."""
-        if self.glue == "fused":
-            S = frames * self.grid[0] * self.grid[1]
-            frame0 = frame0 if frame0.shape[0] == B else frame0.expand(B).contiguous()
-            return self.rope.grid(frame0, 0 if kv is None else kv.token_offset(S))
-        rope = Rope3D.cos_sin(self.rope.angles(frame0, frames))
-        return rope if kv is None else tuple(kv.shard(c) for c in rope)
-
-    def _blocks(self, x, mod, rope, attend: AttendFn, seq_len: int, b: int, *,
-                stages: bool = False, skips: bool = False, output: bool = True) -> torch.Tensor:
-        """The blocks over x; without ``output`` the last one only stages its K/V."""
-        fused = self.glue == "fused"
-        attend = self._attending(attend, seq_len, b, stages, skips)
-        *body, last = self.blocks
-        for blk in body:
-            x = blk(x, mod, rope, attend, fused)
-        if not output:
-            last.stage_kv(x, mod, rope, attend, fused)
-            return x
-        return last(x, mod, rope, attend, fused)
-
-    def _attending(self, attend: AttendFn, seq_len: int, b: int, stages: bool,
-                   skips: bool = False) -> AttendFn:
-        """The blocks' ``attend(attn, qkv, prologue=None, output=True)``: the QK
-        prologue goes to a store that ``stages`` it, or runs in place first (and always
-        with a recorder, which reads the packed K); ``output=False`` goes to a store that
-        ``skips`` the attention then, else the output is computed and dropped (and
-        always with a recorder, which checks it); the recorder is called after each
-        attention."""
-        recorder = self.recorder
-        stages, skips = stages and recorder is None, skips and recorder is None
-
-        def call(attn, qkv, prologue=None, output=True):
-            if prologue is not None and not stages:
-                with torch.no_grad():
-                    prologue(qkv)
-                prologue = None
-            args = (attn, qkv) if prologue is None else (attn, qkv, prologue)
-            out = attend(*args) if output or not skips else attend(*args, output=False)
-            if recorder is not None:
-                recorder(attn.layer_idx, qkv, out, seq_len, b)
-            return out if output else None
-        return call
+    def _blocks(self, x, mod, rope, ctx: ForwardContext, fused: bool) -> torch.Tensor | None:
+        """The blocks over x; None when the forward keeps only its K/V (the last block
+        stopped once they were staged)."""
+        last = len(self.blocks) - 1
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, mod, rope, ctx, fused=fused, last=i == last)
+            if x is None:
+                return None
+        return x
 
 
-def _self_attention(attn, qkv: torch.Tensor) -> torch.Tensor:
-    """Dense attention over the forward's own tokens (no K/V store)."""
-    return attn(qkv)
+class DiTChunks:
+    """A `CausalVideoDiT` as a `framekv.engine.runner.ChunkModel`: its forward, its
+    prompt as the pinned prefix (K/V committed into the sequences, rewritten in place
+    on a change), its latent shape, with its own glue (one model may serve runners of
+    both glues).
+
+    Args:
+        model: the `CausalVideoDiT`; glue: "fused" or "torch".
+    """
+
+    keeps_history = False  # a prompt change rewrites the prefix; the window's K/V stay
+    timestep_scale = 1.0   # the sampler's sigma is the model's t
+
+    def __init__(self, model: CausalVideoDiT, glue: str):
+        self.dit, self.glue = model, glue
+        s = model.spec
+        self.device, self.dtype = model.device, model.dtype
+        self.tokens_per_frame = (s.latent_height // s.patch_size[1]) * (s.latent_width // s.patch_size[2])
+        self.latent_shape = (s.in_channels, s.latent_height, s.latent_width)
+        self.prompt_shape, self.text_dim = tuple(model.prompt.shape), s.text_dim
+        self.attention = model.blocks[0].attn
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, ctx: ForwardContext):
+        return self.dit(x, t, ctx, glue=self.glue)
+
+    def write_prompt(self, kv: KVStore, rows, prompt: torch.Tensor, *, rewrite: bool = False,
+                     recorder: Recorder | None = None) -> None:
+        """The prompt [P, text_dim] as the pinned prefix of ``kv``'s sequences in use
+        (``rows``, already in use), committed at position 0 or written over it."""
+        self.dit.prefill(kv, prompt, rewrite=rewrite, glue=self.glue, recorder=recorder)
+
+    def default_prompt(self) -> torch.Tensor:
+        """The model's own prompt tokens [P, text_dim] (deterministic random)."""
+        return self.dit.prompt
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from framekv.specs import Geometry
+from framekv.specs import Geometry, load_preset
 
 #: diffusers' WanTransformer3DModel configs by name. "1.3b" is Wan 2.1 T2V 1.3B (and the
 #: Self-Forcing / CausVid checkpoints built on it); "tiny" runs on a CPU in seconds.
@@ -23,6 +23,27 @@ CONFIGS = {
                  in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960,
                  num_layers=30, cross_attn_norm=True, eps=1e-6, rope_max_seq_len=1024),
 }
+
+
+#: The preset each shipped config rolls out at unless another is named: the one table
+#: of sizes (latent, chunk, window, prompt length, steps) the demo and the server share.
+PRESETS = {"tiny": "tiny", "1.3b": "wan-1.3b"}
+
+
+def preset_sizes(preset) -> dict:
+    """`WanRollout` keyword arguments for a preset's sizes (a `framekv.specs.Preset`, or
+    a preset name or path): ``latent_size`` (the model spec's latent H, W),
+    ``frames_per_chunk``, ``window_frames``, ``prompt_tokens`` (the rollout spec's) and
+    ``timesteps`` (``denoising_steps`` of them, evenly spaced down from 1000); the sink
+    is one frame."""
+    if not hasattr(preset, "rollout"):
+        preset = load_preset(preset)
+    m, r = preset.model, preset.rollout
+    n = r.denoising_steps
+    return {"latent_size": (m.latent_height, m.latent_width),
+            "frames_per_chunk": r.frames_per_chunk, "sink_frames": 1,
+            "window_frames": r.window_frames, "prompt_tokens": r.prompt_tokens,
+            "timesteps": tuple(1000.0 * (n - i) / n for i in range(n))}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""Argument checks the runners share: each returns the value it accepts, or raises a
+ValueError naming the argument, what it must be and what it got."""
+from __future__ import annotations
+
+import torch
+
+def check_flag(name: str, value) -> bool:
+    """``value`` if it is a bool, else a ValueError naming ``name``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value, allowed: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``allowed``, else a ValueError naming ``name``."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    return value
+
+
+def check_count(name: str, value) -> int | None:
+    """None or an integer >= 1, else a ValueError naming ``name``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+    return value
+
+
+def check_guidance(g) -> float | None:
+    """None or a finite number (the guidance scale)."""
+    if g is None:
+        return None
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not g == g:
+        raise ValueError(f"guidance_scale must be None or a number, got {g!r}")
+    return float(g)
+
+
+def check_batch_sizes(batch_sizes, N: int) -> tuple[int, ...]:
+    """Sorted distinct batch sizes, each in [1, N]; default (N,)."""
+    if batch_sizes is None:
+        return (N,)
+    sizes = tuple(sorted(set(batch_sizes))) if isinstance(batch_sizes, (list, tuple)) else ()
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= N
+                        for b in sizes):
+        raise ValueError(f"batch_sizes must be integers in [1, {N}] (the sequences), "
+                         f"got {batch_sizes!r}")
+    return sizes
+
+
+def check_timesteps(timesteps, scale: float) -> list[float]:
+    """sigma_i = t_i / scale and a final 0; ValueError unless t decreases in (0, scale]."""
+    ts = [float(t) for t in timesteps] if isinstance(timesteps, (tuple, list)) else None
+    if not ts or any(not 0 < t <= scale for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
+        raise ValueError(f"timesteps must be a decreasing sequence in (0, {scale:g}], "
+                         f"got {timesteps!r}")
+    return [t / scale for t in ts] + [0.0]
+
+
+def check_shape(name: str, x, want: tuple[int, ...]) -> None:
+    """ValueError unless ``x`` is a tensor of shape ``want``."""
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(want):
+        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a {list(want)} tensor, got {got}")

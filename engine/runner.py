@@ -1,0 +1,534 @@
+"""`ChunkRunner`: the one chunk cycle of an autoregressive video model over a K/V store.
+
+A chunk of B sequences, from noise x [B, C, F, H, W] at rope frames frame0 [B], is one
+callable over static inputs, so on a GPU it is ONE graph replay::
+
+    for i, t_i in enumerate(timesteps):              # the chunk is one causal block
+        v = model.forward(x, t_i, ctx(T, T))         # guidance: both branches, one batch
+        x = sampler(x, v, i)
+    model.forward(x, 0, ctx(T, clean, output=False))  # the clean pass, kept for its K/V
+    kv.commit(T)                                     # the chunk becomes history
+
+Samplers over the schedule sigma_i = t_i / timestep_scale (0 after the last step)::
+
+    euler          x <- x + (sigma_{i+1} - sigma_i) * v(x, t_i)
+    self_forcing   x0 = x - sigma_i * v(x, t_i); x <- (1 - sigma_{i+1}) x0 + sigma_{i+1} e
+                   (fresh noise e from the device's default generator, which a graph
+                   replay advances); the chunk is x0 of the last step
+
+The clean pass is one block of the chunk (``clean_block="chunk"``) or one-frame
+blocks; with ``trim_clean_pass`` (default) its last layer stops once its K/V are staged
+(nothing reads its output). Models plug in through `ChunkModel` and reach the store
+only through the `ForwardContext` each forward gets; they know nothing of graphs.
+
+Graphs: `capture_requests` lists one whole-chunk graph per chunk length and batch
+size, keyed by `framekv.graphs.GraphKey`; `capture` runs them through the warm-up path
+(`framekv.graphs.run_warmup`, as ``framekv warmup`` does), then resets. `step` and
+`step_rows` replay them (a chunk runs eagerly on CPU, before a capture, or while the
+store cannot replay); the store's host half advances in the replay hook.
+
+Sequences: the pool holds ``sequences`` of them (one by default), twice as many with
+guidance (sequence s and its unconditional branch S + s, rows of one batch: v = v_u +
+g (v_c - v_u)). `step` runs all of them, positions kept here; `step_rows` any B (one of
+``batch_sizes``), positions kept by the caller (a scheduler). Each pool sequence has a
+prompt: the first one written after a reset starts it (`ChunkModel.write_prompt`), a
+later one changes it; a model whose finished frames' K/V depend on the prompt
+(``keeps_history``) has the clean latents of its visible frames kept, so that a
+change can re-cache them (clean passes over them under the new prompt).
+
+One file: the chunk cycle is one object (prompts, sequences, chunks, capture, steps)
+that both rollouts adapt; its argument checks, the history and the stores live in the
+modules beside it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import torch
+
+from framekv.graphs import CaptureRequest, GraphCache, WarmupReport, chunk_key, owner_token, run_warmup
+
+from .checks import (check_batch_sizes, check_choice, check_count, check_flag, check_guidance,
+                     check_shape, check_timesteps)
+from .history import History, pieces
+from .kv import ForwardContext, KVStore, Recorder
+
+SAMPLERS = ("euler", "self_forcing")
+CLEAN_BLOCKS = ("chunk", "frame")
+
+
+class ChunkModel(Protocol):
+    """What a model gives the runner (`framekv.engine.model.DiTChunks`,
+    `framekv.engine.wan.WanChunks`)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    tokens_per_frame: int
+    latent_shape: tuple[int, int, int]        # (C, H, W) of one latent frame
+    prompt_shape: tuple[int, int] | None      # (L, text_dim) of one prompt (None: L unknown)
+    text_dim: int                             # a prompt token's width
+    keeps_history: bool                       # finished frames' K/V depend on the prompt
+    timestep_scale: float                     # the model timestep at sigma = 1
+    attention: torch.nn.Module                # a layer's CachedAttention (every layer plans alike)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor | None:
+        """Velocity [B, C, F, H, W] of latents x [B, C, F, H, W] (model dtype) at model
+        timestep t (fp32 [1]); None when ``ctx.output`` is False."""
+
+    def write_prompt(self, kv: KVStore, rows: tuple[int, ...], prompt: torch.Tensor, *,
+                     rewrite: bool = False, recorder: Recorder | None = None) -> None:
+        """``prompt`` [L, text_dim] for pool sequences ``rows`` (in use on ``kv``):
+        starting them (at position 0), or ``rewrite`` for sequences under way."""
+
+    def default_prompt(self) -> torch.Tensor:
+        """The prompt a sequence gets when none is given: [L, text_dim]."""
+
+
+def chunk_noise(seed: int, index: int, shape) -> torch.Tensor:
+    """The starting noise of chunk ``index`` of a sequence seeded ``seed``: fp32, drawn
+    on the CPU so that every device sees the same."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed((int(seed) << 24) + int(index)))
+
+
+class ChunkRunner:
+    """The chunk cycle of one model over one K/V store (module doc).
+
+    Args:
+        model: the `ChunkModel`.
+        kv: the `KVStore` (its geometry the runner's).
+        frames_per_chunk: latent frames of a chunk.
+        timesteps: the model timesteps of the denoising steps, decreasing in
+            (0, timestep_scale].
+        sampler: "euler" or "self_forcing"; clean_block: "chunk" or "frame".
+        sink_frames: frames pinned at the start of each sequence (the history's sink).
+        use_graphs: replay whole-chunk graphs (eager calls on CPU); debug: the graph
+            cache's address checks at every replay.
+        sequences: None (one) or N >= 1 sequences stepped together by `step`.
+        batch_sizes: the batch sizes `step_rows` may run (each in [1, N], default (N,)).
+        guidance_scale: None, or g: classifier-free guidance (module doc).
+        trim_clean_pass: the clean pass stops once its last layer's K/V are staged.
+        seed: the noise seed of `step` (sequence s draws `chunk_noise` of seed
+            (seed << 16) + s).
+        last_chunk: None, or (index, frames): chunk ``index`` of each sequence is
+            shorter (the others full).
+    """
+
+    def __init__(self, model: ChunkModel, kv: KVStore, *, frames_per_chunk: int, timesteps,
+                 sampler: str = "euler", clean_block: str = "chunk", sink_frames: int = 0,
+                 use_graphs: bool = True, debug: bool = False, sequences: int | None = None,
+                 batch_sizes=None, guidance_scale: float | None = None,
+                 trim_clean_pass: bool = True, seed: int = 0, last_chunk=None):
+        self.chunk_model, self.kv, self.geometry = model, kv, kv.geometry
+        self.device, self.dtype = model.device, model.dtype
+        self.sampler = check_choice("sampler", sampler, SAMPLERS)
+        self.clean_block = check_choice("clean_block", clean_block, CLEAN_BLOCKS)
+        self.trim_clean_pass = check_flag("trim_clean_pass", trim_clean_pass)
+        self.guidance = check_guidance(guidance_scale)
+        self.sequences = check_count("sequences", sequences) or 1
+        self.pool = self.sequences * (1 if self.guidance is None else 2)
+        self.batch_sizes = check_batch_sizes(batch_sizes, self.sequences)
+        self.frames_per_chunk, self.sink_frames, self.last_chunk = frames_per_chunk, sink_frames, last_chunk
+        self.tokens_per_frame = model.tokens_per_frame
+        self.sigmas = check_timesteps(timesteps, model.timestep_scale)
+        self._t = [torch.full((1,), float(t), device=self.device) for t in timesteps]
+        self._t0 = torch.zeros(1, device=self.device)
+        if use_graphs and not kv.graph_safe:
+            raise ValueError(f"kv={type(kv).__name__} cannot be captured in graphs: "
+                             "pass use_graphs=False")
+        self.use_graphs, self.seed = use_graphs, seed
+        self.graphs = GraphCache(self.device, debug=debug)
+        self._keys: dict[tuple[int, int], object] = {}  # (tokens, batch) -> GraphKey
+        self.history = History(self.pool, sink_frames, kv.geometry.window_tokens
+                               // self.tokens_per_frame) if model.keeps_history else None
+        self._prompts: list[torch.Tensor | None] = [None] * self.pool  # written since reset
+        self.sequence_chunks, self.sequence_frames = [0] * self.sequences, [0] * self.sequences
+        #: None, or recorder(label, velocity) after every forward of an eager chunk
+        #: ("step 0", ..., "clean"; a clean pass kept for its K/V passes None)
+        self.recorder = None
+        #: None, or a `Recorder` after every attention of eager forwards and prompts
+        self.attention_recorder: Recorder | None = None
+        #: chunks run per path ("graphs", "eager"); ``path``: the last chunk's
+        self.paths, self.path = {"eager": 0, "graphs": 0}, None
+        self.closed = False
+
+    # ------------------------------------------------------------------ shapes
+    def chunk_frames(self, index: int) -> int:
+        """Frames of chunk ``index`` of a sequence (the open-ended rollout goes on with
+        full chunks past a short one)."""
+        last = self.last_chunk
+        return last[1] if last is not None and index == last[0] else self.frames_per_chunk
+
+    @property
+    def chunk_shape(self) -> tuple[int, int, int, int]:
+        """(C, F, H, W) of one sequence's full chunk of latents."""
+        C, H, W = self.chunk_model.latent_shape
+        return (C, self.frames_per_chunk, H, W)
+
+    @property
+    def prompt_shape(self) -> tuple[int, int] | None:
+        """(L, text_dim) of a prompt."""
+        return self.chunk_model.prompt_shape
+
+    @property
+    def cache(self):
+        """The store's paged `CausalKVCache`, or None for a store without one."""
+        return getattr(self.kv, "cache", None)
+
+    @property
+    def chunk_index(self) -> int:
+        """Chunks generated by sequence 0 since its start."""
+        return self.sequence_chunks[0]
+
+    @property
+    def frames_done(self) -> int:
+        """Frames generated by sequence 0 since its start."""
+        return self.sequence_frames[0]
+
+    def default_prompt(self) -> torch.Tensor:
+        """The prompt a sequence gets when none is given ([L, text_dim])."""
+        return self.chunk_model.default_prompt()
+
+    # ------------------------------------------------------------------ prompts
+    #: what `set_prompt`'s errors call its two arguments
+    _prompt_names = ("prompt", "negative")
+
+    @torch.no_grad()
+    def set_prompt(self, prompt: torch.Tensor, negative: torch.Tensor | None = None, *,
+                   recache: bool = False) -> None:
+        """The prompt of every sequence from the next chunk on: ``prompt`` [L, text_dim]
+        (or [1, L, text_dim]); ``negative``: the unconditional branch's (guidance only;
+        default zeros). A sequence under way keeps its history's K/V unless
+        ``recache`` (a model with ``keeps_history``: recomputed under the new prompt)."""
+        self._check_open()
+        name, neg_name = self._prompt_names
+        prompt = self._check_prompt(name, prompt)
+        S = self.sequences
+        if self.guidance is None:
+            if negative is not None:
+                raise ValueError(f"{neg_name} needs guidance_scale (classifier-free "
+                                 "guidance); this runner has none")
+        else:
+            negative = (torch.zeros_like(prompt) if negative is None
+                        else self._check_prompt(neg_name, negative))
+            if negative.shape != prompt.shape:
+                raise ValueError(f"{neg_name} must have the shape of {name} "
+                                 f"{list(prompt.shape)}, got {list(negative.shape)}")
+            self._write_prompt(range(S, 2 * S), negative, recache=recache)
+        self._write_prompt(range(S), prompt, recache=recache)
+
+    @torch.no_grad()
+    def prefill_rows(self, rows, prompt: torch.Tensor | None = None, *,
+                     rewrite: bool = False) -> None:
+        """The prompt of pool sequences ``rows`` (host ints): ``prompt`` [L, text_dim],
+        default `default_prompt`. Without ``rewrite`` they start over at position 0
+        (the others keep theirs); with it the prompt changes under way (their history
+        re-cached where the model keeps one)."""
+        self._check_open()
+        prompt = self._check_prompt("prompt", self.default_prompt() if prompt is None else prompt)
+        rows = tuple(rows)
+        if not rewrite:
+            self._reset_rows(rows)
+        self._write_prompt(rows, prompt, recache=rewrite)
+
+    def _write_prompt(self, rows, prompt: torch.Tensor, *, recache: bool) -> None:
+        fresh = [r for r in rows if self._prompts[r] is None]
+        going = [r for r in rows if self._prompts[r] is not None]
+        for group, rewrite in ((fresh, False), (going, True)):
+            if not group:
+                continue
+            self.kv.use_sequences(group)
+            self.chunk_model.write_prompt(self.kv, tuple(group), prompt, rewrite=rewrite,
+                                          recorder=self.attention_recorder)
+            for r in group:
+                self._prompts[r] = prompt
+        if recache and self.history is not None:
+            for r in going:
+                self._recache(r)
+
+    def _check_prompt(self, name: str, x) -> torch.Tensor:
+        """``x`` as [L, text_dim] if it is one (or [1, L, text_dim]) of the model's prompt
+        shape, else a ValueError naming ``name``."""
+        want = self.prompt_shape
+        if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 1:
+            x = x[0]
+        D = self.chunk_model.text_dim
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != D:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            L = "L" if want is None else want[0]
+            raise ValueError(f"{name} must be a [1, {L}, {D}] tensor (or [{L}, {D}]), got {got}")
+        if want is not None and x.shape[0] != want[0]:
+            raise ValueError(f"{name} must keep the prompt length of the first set_prompt "
+                             f"(or prompt_tokens): {want[0]} tokens, got {x.shape[0]}")
+        return x
+
+    def _require_prompt(self, rows) -> None:
+        missing = [r for r in rows if self._prompts[r] is None]
+        if missing:
+            raise ValueError(f"no prompt: call set_prompt(prompt) (Rollout: prefill()) before "
+                             f"a step; sequences without one: {missing}")
+
+    # ------------------------------------------------------------------ history
+    def recache(self, rows) -> None:
+        """Recompute the K/V of the visible history of pool sequences ``rows`` (host
+        ints) under their current prompts (a model that ``keeps_history``)."""
+        self._check_open()
+        if self.history is None:
+            raise ValueError(f"{type(self).__name__}'s model keeps no history to re-cache: "
+                             "its finished frames' K/V do not depend on the prompt")
+        for r in rows:
+            self._require_prompt((r,))
+            self._recache(r)
+
+    def _recache(self, seq: int) -> None:
+        """Sequence ``seq`` again at position 0 under its prompt, then clean passes over
+        its visible frames at their own rope frames, in runs cut at the sink and the
+        chunk grid (a whole chunk in the clean block, a shorter run in one-frame
+        blocks): it holds exactly the visible frames again, with K/V of its prompt."""
+        visible = dict(self.history.visible(seq))
+        self.kv.reset_sequences([seq])
+        self.kv.use_sequences([seq])
+        self.chunk_model.write_prompt(self.kv, (seq,), self._prompts[seq], rewrite=False)
+        for run in pieces(sorted(visible), self.sink_frames, self.frames_per_chunk):
+            x = torch.cat([visible[f] for f in run], dim=1)[None].to(self.device)  # [1, C, F', H, W]
+            self._clean_pass(x, torch.tensor([run[0]], dtype=torch.int64, device=self.device))
+
+    # ------------------------------------------------------------------ one chunk
+    def _forward(self, x: torch.Tensor, t: torch.Tensor, frame0: torch.Tensor, block: int, *,
+                 output: bool = True) -> torch.Tensor | None:
+        """One model forward over pool rows x [R, C, F, H, W] (fp32) at frame0 [R]."""
+        ctx = ForwardContext(self.kv, seq_len=x.shape[2] * self.tokens_per_frame,
+                             block_size=block, frame0=frame0, output=output,
+                             # one sequence (and its branch): rows 0.. of the prompt buffers
+                             rows=self.kv.ids if self.sequences > 1 else None,
+                             recorder=self.attention_recorder)
+        v = self.chunk_model.forward(x.to(self.dtype), t, ctx)
+        return None if v is None else v.float()
+
+    def _velocity(self, x: torch.Tensor, i: int, frame0: torch.Tensor) -> torch.Tensor:
+        """v(x, t_i) of B sequences (frame0: of every pool row); with guidance both
+        branches as 2B rows, combined."""
+        T = x.shape[2] * self.tokens_per_frame
+        if self.guidance is None:
+            v = self._forward(x, self._t[i], frame0, T)
+        else:
+            B = x.shape[0]
+            both = self._forward(torch.cat([x, x]), self._t[i], frame0, T)
+            v = both[B:] + self.guidance * (both[:B] - both[B:])
+        if self.recorder is not None:
+            self.recorder(f"step {i}", v)
+        return v
+
+    def _clean_pass(self, x: torch.Tensor, frame0: torch.Tensor) -> None:
+        """The forward at timestep 0 over clean latents x [R, C, F', H, W] (pool rows) and
+        the commit of its K/V: one block for a whole chunk with ``clean_block="chunk"``,
+        one-frame blocks otherwise."""
+        tpf, frames = self.tokens_per_frame, x.shape[2]
+        whole = self.clean_block == "chunk" and frames == self.frames_per_chunk
+        v = self._forward(x, self._t0, frame0, frames * tpf if whole else tpf,
+                          output=not self.trim_clean_pass)
+        if self.recorder is not None:
+            self.recorder("clean", v)
+        self.kv.commit(frames * tpf)
+
+    def chunk(self, noise: torch.Tensor, frame0: torch.Tensor) -> torch.Tensor:
+        """One whole chunk over static inputs, of the pool rows in use: the sampler's
+        steps, the clean pass, the commit. noise fp32 [B, C, F, H, W]; frame0 int64 [B]
+        -> clean latents fp32 [B, C, F, H, W]."""
+        sig, x = self.sigmas, noise.clone()
+        both = self.guidance is not None
+        frame0 = torch.cat([frame0, frame0]) if both else frame0           # [R] pool rows
+        for i in range(len(self._t)):
+            v = self._velocity(x, i, frame0)
+            if self.sampler == "euler":
+                x = x + (sig[i + 1] - sig[i]) * v
+            else:
+                x = x - sig[i] * v                                         # x0
+                if i + 1 < len(self._t):
+                    x = (1 - sig[i + 1]) * x + sig[i + 1] * torch.randn_like(x)
+        self._clean_pass(torch.cat([x, x]) if both else x, frame0)
+        return x
+
+    def _pool_rows(self, rows) -> tuple[int, ...]:
+        """The pool sequences of sequences ``rows``: themselves, then with guidance their
+        unconditional branches."""
+        rows = tuple(rows)
+        return rows if self.guidance is None else rows + tuple(r + self.sequences for r in rows)
+
+    # ------------------------------------------------------------------ capture
+    def capture_request(self, tokens: int, batch: int | None = None) -> CaptureRequest:
+        """What to capture for chunks of ``tokens`` real tokens over ``batch`` sequences
+        (one of ``batch_sizes``; default all): the whole chunk over the first ``batch``
+        as one graph, the store's host half as its replay hook."""
+        batch = self.sequences if batch is None else batch
+        if batch not in self.batch_sizes and batch != self.sequences:
+            raise ValueError(f"batch must be one of the batch sizes {self.batch_sizes}, "
+                             f"got {batch!r}")
+        counts = self._chunk_tokens()
+        if tokens not in counts:
+            raise ValueError(f"tokens must be one of the chunk lengths {counts}, got {tokens}")
+        C, H, W = self.chunk_model.latent_shape
+        inputs = {"noise": torch.zeros(batch, C, tokens // self.tokens_per_frame, H, W,
+                                       device=self.device),
+                  "frame0": torch.zeros(batch, dtype=torch.int64, device=self.device)}
+        rows = self._pool_rows(range(batch))
+        whole = self.clean_block == "chunk" and tokens == self.frames_per_chunk * self.tokens_per_frame
+        clean = tokens if whole else self.tokens_per_frame
+        blocks = (tokens,) * len(self._t) + (clean,)
+        splits, packed = self.kv.key_layout(self.chunk_model.attention, tokens, blocks, len(rows))
+        key = chunk_key(owner_token(self), self.geometry, tokens, denoise_steps=len(self._t),
+                        clean_block=clean, inputs=inputs, splits=splits, batch=len(rows),
+                        packed=packed)
+        return CaptureRequest(key, self.chunk, inputs,
+                              functools.partial(self.kv.after_replay, tokens))
+
+    def _chunk_tokens(self) -> tuple[int, ...]:
+        frames = [self.frames_per_chunk] + ([self.last_chunk[1]] if self.last_chunk else [])
+        return tuple(sorted({f * self.tokens_per_frame for f in frames}, reverse=True))
+
+    def capture_requests(self) -> list[CaptureRequest]:
+        """Every graph this runner replays: one whole chunk per chunk length and batch
+        size (each captured with the first ``batch`` sequences in use)."""
+        return [self.capture_request(t, b) for t, b in self._captured_shapes()]
+
+    def _captured_shapes(self) -> list[tuple[int, int]]:
+        sizes = sorted(set(self.batch_sizes) | {self.sequences})
+        return [(t, b) for t in self._chunk_tokens() for b in sizes]
+
+    def capture(self, *, progress: bool = False, stream=None) -> WarmupReport:
+        """Capture every graph of `capture_requests` not captured yet (``progress``: a
+        bar on ``stream``, default stderr), then `reset`; returns the warm-up report. Runs
+        before the first chunk (capturing moves the store)."""
+        self._check_open()
+        if not self.use_graphs:
+            raise ValueError("capture() needs use_graphs=True")
+        if any(self.sequence_chunks) or self.paths["graphs"] + self.paths["eager"]:
+            raise ValueError("capture() runs before the first chunk: it resets every sequence")
+        keys = []
+
+        def request(tokens: int, batch: int) -> CaptureRequest:
+            # Built right before its capture, its sequences in use (the graph reads the
+            # store's fixed ids buffer; a replay sets the rows it runs).
+            self.kv.use_sequences(self._pool_rows(range(batch)))
+            keys.append(self.capture_request(tokens, batch))
+            return keys[-1]
+
+        try:
+            with self.kv.capture_scope():
+                report = run_warmup(self.graphs, self._captured_shapes(), request,
+                                    progress=progress, stream=stream)
+            self._keys.update(((r.key.tokens, r.key.batch), r.key) for r in keys)
+        finally:
+            self.reset()
+        return report
+
+    # ------------------------------------------------------------------ steps
+    @torch.no_grad()
+    def step(self, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """The next chunk of every sequence; returns the clean latents, fp32
+        [N, C, F, H, W] (a copy). ``noise``: the chunks' starting noise in that shape,
+        default each sequence's own (`chunk_noise`)."""
+        self._check_open()
+        S = self.sequences
+        self._require_prompt(range(self.pool))
+        frames = {self.chunk_frames(i) for i in self.sequence_chunks}
+        if len(frames) > 1:
+            raise ValueError(f"the sequences' next chunks differ in length ({sorted(frames)} "
+                             f"frames at chunk indices {self.sequence_chunks}): a batched step "
+                             "needs one chunk length")
+        C, F, H, W = (self.chunk_shape[0], frames.pop(), *self.chunk_shape[2:])
+        if noise is None:
+            noise = torch.stack([chunk_noise((self.seed << 16) + s, i, (C, F, H, W))
+                                 for s, i in enumerate(self.sequence_chunks)])
+        check_shape("noise", noise, (S, C, F, H, W))
+        if self.use_graphs and not self._keys:
+            self.capture()  # every sequence at 0, and back at 0 after
+        out = self._run(tuple(range(S)), noise, self.sequence_frames)
+        self.sequence_chunks = [i + 1 for i in self.sequence_chunks]
+        self.sequence_frames = [f + F for f in self.sequence_frames]
+        return out
+
+    @torch.no_grad()
+    def step_rows(self, rows, noise: torch.Tensor, frame0) -> torch.Tensor:
+        """One chunk of sequences ``rows`` (host ints, as many as one of
+        ``batch_sizes``): batch row r is sequence rows[r], from noise[r] [C, F, H, W] at
+        rope frame frame0[r]; returns the clean latents [B, C, F, H, W] (a copy). One
+        graph replay (captured for that batch size); the caller keeps the positions."""
+        self._check_open()
+        rows = tuple(rows)
+        if len(rows) not in self.batch_sizes:
+            raise ValueError(f"rows must name as many sequences as one of the batch sizes "
+                             f"{self.batch_sizes}, got {len(rows)}")
+        C, F, H, W = self.chunk_shape
+        lengths = [t // self.tokens_per_frame for t in self._chunk_tokens()]
+        if isinstance(noise, torch.Tensor) and noise.dim() == 5 and noise.shape[2] in lengths:
+            F = noise.shape[2]
+        check_shape("noise", noise, (len(rows), C, F, H, W))
+        self._require_prompt(self._pool_rows(rows))
+        frames = torch.as_tensor(frame0).reshape(-1).tolist()  # read once, host ints
+        return self._run(rows, noise, frames)
+
+    def _run(self, rows: tuple[int, ...], noise: torch.Tensor, frames: list[int]) -> torch.Tensor:
+        pool = self._pool_rows(rows)
+        self.kv.use_sequences(pool)
+        inputs = {"noise": noise.to(self.device, torch.float32),
+                  "frame0": torch.tensor(frames, dtype=torch.int64, device=self.device)}
+        key = self._keys.get((noise.shape[2] * self.tokens_per_frame, len(pool)))
+        if self.use_graphs and key is not None and self.kv.replayable:
+            # Replay only: a capture here would run warm-up calls on the live store.
+            out, self.path = self.graphs.replay(key, inputs).clone(), "graphs"
+        else:
+            out, self.path = self.chunk(**inputs).clone(), "eager"
+        self.paths[self.path] += 1
+        if self.history is not None:
+            for r, seq in enumerate(pool):
+                self.history.add(seq, frames[r % len(rows)], out[r % len(rows)])
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        """Every sequence back to position 0 under its prompt (graphs stay valid)."""
+        self._check_open()
+        self.kv.reset()
+        prompts, self._prompts = self._prompts, [None] * self.pool
+        if self.history is not None:
+            self.history.clear()
+        self.sequence_chunks, self.sequence_frames = [0] * self.sequences, [0] * self.sequences
+        self.paths, self.path = {"eager": 0, "graphs": 0}, None
+        for prompt in {id(p): p for p in prompts if p is not None}.values():
+            self._write_prompt([r for r, p in enumerate(prompts) if p is prompt], prompt,
+                               recache=False)
+
+    def _reset_rows(self, rows) -> None:
+        """Pool sequences ``rows`` back to position 0 with no prompt; the others go on."""
+        self.kv.reset_sequences(rows)
+        for r in rows:
+            self._prompts[r] = None
+            if self.history is not None:
+                self.history.clear(r)
+            if r < self.sequences:
+                self.sequence_chunks[r] = self.sequence_frames[r] = 0
+
+    def stats(self) -> dict:
+        """Counters for metrics: graph replays and captures, chunks per path, the K/V
+        pool's mapped bytes (0 for a store without a pool)."""
+        g = self.graphs.stats()
+        cache = self.cache
+        return {"graph_replays": g.hits, "graph_captures": g.captures,
+                "graphs": g.graphs, "chunks_graphs": self.paths["graphs"],
+                "chunks_eager": self.paths["eager"],
+                "pool_bytes": 0 if cache is None else cache.pool_bytes}
+
+    def close(self) -> None:
+        """Free the store and the graphs; the runner is unusable after (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.graphs.clear()
+        self.kv.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} was closed: its cache and graphs "
+                               "are freed; build a new one")
