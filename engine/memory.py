@@ -34,7 +34,7 @@ def rollout_bytes(model: ModelSpec, rollout: RolloutSpec, dtype: torch.dtype, *,
                   weights: bool = True, paged_cache: bool = True,
                   reference_attention: bool = False, sequences: int = 1) -> dict[str, int]:
     """Bytes a rollout of these specs needs on its device, by part (see module doc);
-    ``sequences`` streams batched: B pools' worth of cache, B x the activations."""
+    ``sequences`` sequences batched: B pools' worth of cache, B x the activations."""
     size = torch.empty((), dtype=dtype).element_size()
     T, hid = sequences * rollout.chunk_tokens, model.hidden_size
     qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim

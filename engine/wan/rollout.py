@@ -12,7 +12,7 @@ A chunk (one graph replay on CUDA): the sampler's steps at the model's timesteps
 at timestep 0 (one block of the chunk, or one-frame blocks) whose K/V become history;
 then the commit. Classifier-free guidance (``guidance_scale``): each branch a sequence
 of the pool with its own prompt and history, both rows of every forward. Many
-sequences (``sequences=N``): N independent streams on one pool, each with its own
+sequences (``sequences=N``): N independent sequences on one pool, each with its own
 prompt, position and history; a prompt change can re-cache a sequence's history
 (`ChunkRunner.recache`).
 """
