@@ -143,6 +143,7 @@ class ChunkRunner:
         self.history = History(self.pool, sink_frames, kv.geometry.window_tokens
                                // self.tokens_per_frame) if model.keeps_history else None
         self._prompts: list[torch.Tensor | None] = [None] * self.pool  # written since reset
+        self._in_use: tuple[int, ...] = tuple(range(self.pool))          # the store's rows
         self.sequence_chunks, self.sequence_frames = [0] * self.sequences, [0] * self.sequences
         #: None, or recorder(label, velocity) after every forward of an eager chunk
         #: ("step 0", ..., "clean"; a clean pass kept for its K/V passes None)
@@ -238,7 +239,7 @@ class ChunkRunner:
         for group, rewrite in ((fresh, False), (going, True)):
             if not group:
                 continue
-            self.kv.use_sequences(group)
+            self._use(group)
             self.chunk_model.write_prompt(self.kv, tuple(group), prompt, rewrite=rewrite,
                                           recorder=self.attention_recorder)
             for r in group:
@@ -288,7 +289,7 @@ class ChunkRunner:
         blocks): it holds exactly the visible frames again, with K/V of its prompt."""
         visible = dict(self.history.visible(seq))
         self.kv.reset_sequences([seq])
-        self.kv.use_sequences([seq])
+        self._use([seq])
         self.chunk_model.write_prompt(self.kv, (seq,), self._prompts[seq], rewrite=False)
         for run in pieces(sorted(visible), self.sink_frames, self.frames_per_chunk):
             x = torch.cat([visible[f] for f in run], dim=1)[None].to(self.device)  # [1, C, F', H, W]
@@ -300,9 +301,7 @@ class ChunkRunner:
         """One model forward over pool rows x [R, C, F, H, W] (fp32) at frame0 [R]."""
         ctx = ForwardContext(self.kv, seq_len=x.shape[2] * self.tokens_per_frame,
                              block_size=block, frame0=frame0, output=output,
-                             # one sequence (and its branch): rows 0.. of the prompt buffers
-                             rows=self.kv.ids if self.sequences > 1 else None,
-                             recorder=self.attention_recorder)
+                             rows=self._prompt_rows(), recorder=self.attention_recorder)
         v = self.chunk_model.forward(x.to(self.dtype), t, ctx)
         return None if v is None else v.float()
 
@@ -349,6 +348,19 @@ class ChunkRunner:
                     x = (1 - sig[i + 1]) * x + sig[i + 1] * torch.randn_like(x)
         self._clean_pass(torch.cat([x, x]) if both else x, frame0)
         return x
+
+    def _use(self, rows) -> None:
+        """Put pool sequences ``rows`` in use on the store for the next forwards."""
+        self.kv.use_sequences(rows)
+        self._in_use = tuple(rows)
+
+    def _prompt_rows(self) -> torch.Tensor | None:
+        """What a forward passes as ``ForwardContext.rows``: the store's ids, or None
+        where the rows in use are 0 .. R-1, always, for every chunk (one sequence and its
+        branch): a slice of the prompt buffers, no gather. A chunk graph bakes this in,
+        so it is decided by the runner's shape and the rows in use alone."""
+        identity = self._in_use == tuple(range(len(self._in_use)))
+        return None if self.sequences == 1 and identity else self.kv.ids
 
     def _pool_rows(self, rows) -> tuple[int, ...]:
         """The pool sequences of sequences ``rows``: themselves, then with guidance their
@@ -410,7 +422,7 @@ class ChunkRunner:
         def request(tokens: int, batch: int) -> CaptureRequest:
             # Built right before its capture, its sequences in use (the graph reads the
             # store's fixed ids buffer; a replay sets the rows it runs).
-            self.kv.use_sequences(self._pool_rows(range(batch)))
+            self._use(self._pool_rows(range(batch)))
             keys.append(self.capture_request(tokens, batch))
             return keys[-1]
 
@@ -471,7 +483,7 @@ class ChunkRunner:
 
     def _run(self, rows: tuple[int, ...], noise: torch.Tensor, frames: list[int]) -> torch.Tensor:
         pool = self._pool_rows(rows)
-        self.kv.use_sequences(pool)
+        self._use(pool)
         inputs = {"noise": noise.to(self.device, torch.float32),
                   "frame0": torch.tensor(frames, dtype=torch.int64, device=self.device)}
         key = self._keys.get((noise.shape[2] * self.tokens_per_frame, len(pool)))

@@ -162,3 +162,39 @@ def test_scheduler_sessions_over_wan_equal_each_seed_alone_with_a_prompt_change(
         assert [k.prompt_version for k in b.queue] == [0, 0, 0, 1, 1]
     finally:
         sched.close()
+
+
+def test_guided_sequences_equal_each_guided_sequence_alone(model):
+    """guidance_scale with sequences=2: sequence s and its unconditional branch (pool
+    sequence 2 + s) run as rows of one batch; each equals a guided one-sequence rollout
+    of its own prompt, noise and frames (fp32)."""
+    many = WanRollout(model, sequences=2, guidance_scale=3.0, prompt_tokens=5, **KW)
+    alone_ = [WanRollout(model, guidance_scale=3.0, **KW) for _ in range(2)]
+    many.prefill_rows([0], text(1)[0])
+    many.prefill_rows([1], text(2)[0])
+    many.prefill_rows([2, 3], torch.zeros(5, DIM))                    # the branches: empty
+    for r, p in zip(alone_, (text(1), text(2))):
+        r.set_prompt(p)
+    for i in range(4):
+        nz = torch.cat([noise(30 + s, i) for s in range(2)])
+        got = many.step(nz)                                            # [2, C, F, H, W]
+        for s, r in enumerate(alone_):
+            want = r.step(noise(30 + s, i))
+            assert float((got[s] - want[0]).abs().max()) <= 1e-5, (i, s)
+    assert many.cache.num_sequences == 4 and many.sequence_frames == [8, 8]
+
+
+def test_a_guided_recache_under_the_same_prompt_changes_nothing(model):
+    """A re-cache recomputes both branches' history (each under its own prompt): under
+    the same prompts, before the window slides, the next chunks are unchanged."""
+    def run(change_at):
+        r = WanRollout(model, guidance_scale=2.0, **KW)
+        r.set_prompt(text(1), text(5))
+        out = []
+        for i in range(4):
+            if i == change_at:
+                r.set_prompt(text(1), text(5), recache=True)
+            out.append(r.step(noise(4, i))[0])
+        return out
+    base, again = run(None), run(3)
+    assert max(float((a - b).abs().max()) for a, b in zip(base, again)) <= 1e-5
