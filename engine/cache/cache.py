@@ -289,7 +289,7 @@ class CausalKVCache:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= M:
             raise ValueError(f"tokens must be an integer in [1, {M}], got {tokens!r}")
         return Selection(cache=self, rows=pool.rows, block_size=causal_block_size,
-                             tokens=tokens, blocks=pool.gather(causal_block_size, tokens))
+                         tokens=tokens, blocks=pool.gather(causal_block_size, tokens))
 
     def reset_sequences(self, sequences) -> None:
         """Sequences ``sequences`` (host ints) start over at position 0; the others
