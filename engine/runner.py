@@ -86,10 +86,32 @@ class ChunkModel(Protocol):
         """The prompt a sequence gets when none is given: [L, text_dim]."""
 
 
-def chunk_noise(seed: int, index: int, shape) -> torch.Tensor:
-    """The starting noise of chunk ``index`` of a sequence seeded ``seed``: fp32, drawn
-    on the CPU so that every device sees the same."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed((int(seed) << 24) + int(index)))
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def noise_seed(seed: int, index: int, sequence: int = 0) -> int:
+    """The generator seed of chunk ``index`` of sequence ``sequence`` under ``seed``: the
+    three hashed together (splitmix64) and folded to 32 bits, because torch's CPU
+    generator seeds its Mersenne Twister from the low 32 bits only (shifted sums of
+    seed and index would collide)."""
+    h = 0
+    for part in (seed, sequence, index):
+        h = _splitmix64(h ^ (int(part) & _MASK64))
+    return h & 0xFFFFFFFF
+
+
+def chunk_noise(seed: int, index: int, shape, sequence: int = 0) -> torch.Tensor:
+    """The starting noise of chunk ``index`` of sequence ``sequence`` seeded ``seed``:
+    fp32, drawn on the CPU so that every device sees the same."""
+    gen = torch.Generator().manual_seed(noise_seed(seed, index, sequence))
+    return torch.randn(*shape, generator=gen)
 
 
 class ChunkRunner:
@@ -109,8 +131,7 @@ class ChunkRunner:
         batch_sizes: the batch sizes `step_rows` may run (each in [1, N], default (N,)).
         guidance_scale: None, or g: classifier-free guidance (module doc).
         trim_clean_pass: the clean pass stops once its last layer's K/V are staged.
-        seed: the noise seed of `step` (sequence s draws `chunk_noise` of seed
-            (seed << 16) + s).
+        seed: the noise seed of `step` (sequence s draws ``chunk_noise(seed, i, shape, s)``).
         last_chunk: None, or (index, frames): chunk ``index`` of each sequence is
             shorter (the others full).
     """
@@ -451,7 +472,7 @@ class ChunkRunner:
                              "needs one chunk length")
         C, F, H, W = (self.chunk_shape[0], frames.pop(), *self.chunk_shape[2:])
         if noise is None:
-            noise = torch.stack([chunk_noise((self.seed << 16) + s, i, (C, F, H, W))
+            noise = torch.stack([chunk_noise(self.seed, i, (C, F, H, W), s)
                                  for s, i in enumerate(self.sequence_chunks)])
         check_shape("noise", noise, (S, C, F, H, W))
         if self.use_graphs and not self._keys:

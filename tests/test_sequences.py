@@ -167,7 +167,7 @@ def test_a_rollout_of_streams_equals_each_stream_alone():
         if chunk == 2:
             r.prefill_rows([1])          # sequence 1 starts over under the model's prompt
             alone[1].reset()             # back to position 0 under its prompt
-        noise = [chunk_noise((r.seed << 16) + s, i, shape) for s, i in enumerate(r.sequence_chunks)]
+        noise = [chunk_noise(r.seed, i, shape, s) for s, i in enumerate(r.sequence_chunks)]
         frames = list(r.sequence_frames)
         out = r.step()                                               # [3, C, F, H, W]
         assert out.shape == (3, *shape)
@@ -198,3 +198,35 @@ def test_rollout_streams_refusals():
     r.prefill()
     with pytest.raises(ValueError, match="batch sizes"):
         r.step_rows([0, 1], torch.zeros(2, *r.chunk_shape), [0, 0])
+
+
+def test_chunk_noise_differs_by_seed_sequence_and_chunk():
+    """Every (seed, sequence, chunk) draws its own noise, also for seeds whose shifted
+    sums would share their low 32 bits (the generator reads only those), and the same
+    triple draws the same noise again."""
+    from framekv.engine.runner import chunk_noise, noise_seed
+
+    shape = (2, 3, 4)
+    triples = [(0, 0, 0), (1, 0, 0), (1 << 8, 0, 0), (1 << 32, 0, 0), (0, 1, 0), (0, 0, 1),
+               (1, 0, 1), (1 << 16, 0, 0), (2**63 - 1, 7, 3)]
+    seeds = {noise_seed(seed, index, seq) for seed, seq, index in triples}
+    assert len(seeds) == len(triples)
+    draws = [chunk_noise(seed, index, shape, seq) for seed, seq, index in triples]
+    for i in range(len(draws)):
+        for j in range(i + 1, len(draws)):
+            assert not torch.equal(draws[i], draws[j]), (triples[i], triples[j])
+    assert torch.equal(chunk_noise(5, 2, shape, 1), chunk_noise(5, 2, shape, 1))
+    assert all(0 <= s < 1 << 32 for s in seeds)
+
+
+def test_runner_seed_changes_the_noise():
+    """Two rollouts seeded differently start their chunks from different noise."""
+    from framekv.engine import Rollout
+
+    outs = []
+    for seed in (0, 1):
+        r = Rollout("tiny", device="cpu", use_graphs=False)
+        r.seed = seed                    # the runner's attribute `step` reads
+        r.prefill()
+        outs.append(r.step())
+    assert not torch.allclose(outs[0], outs[1])
