@@ -1,16 +1,26 @@
-"""The Wan wing: diffusers' ``WanTransformer3DModel`` rolled out through framekv.
+"""The Wan wing: diffusers' Wan 2.1 models rolled out through framekv, prompt to pixels.
 
 - `WanRollout` (``rollout.py``): the model's `ChunkRunner` (geometry, prompts, graphs).
 - `WanChunks` (``model.py``): the model as a `ChunkModel` (its forward with framekv's
   context, rope and prompt K/V); ``blocks.py`` its blocks, ``attention.py`` its
   self-attention over the K/V store and cross-attention over the prompt's K/V.
-- ``setup.py``: shapes, shipped configs (`CONFIGS`), random or local weights.
+- ``setup.py``: shapes, shipped configs (`CONFIGS`), random weights.
+- ``weights.py``: local weights — a diffusers folder (`load_folder`) or a generator
+  checkpoint in the original Wan layout (`load_model`), keys checked both ways.
+- ``text.py``: `TextEncoder`, UMT5 from a local folder or random, prompts to embeddings.
+- ``vae.py``: the Wan VAE and `StreamingVAEDecoder`, a rollout's latents to frames chunk
+  by chunk with the causal cache in an arena; ``vae_graph.py`` its CUDA graphs.
 
-diffusers is imported on first use (``pip install 'framekv[wan]'``).
+diffusers and transformers are imported on first use (``pip install 'framekv[wan]'``).
 """
 from .model import WanChunks
 from .rollout import CLEAN_BLOCKS, SAMPLERS, WanRollout
-from .setup import CONFIGS, PRESETS, WanShape, build_model, load_model, preset_sizes
+from .setup import CONFIGS, PRESETS, WanShape, build_model, preset_sizes
+from .text import TEXT_CONFIGS, TextEncoder
+from .vae import VAE_CONFIGS, StreamingVAEDecoder, build_vae, load_vae
+from .weights import WanWeights, load_folder, load_model, save_original_checkpoint
 
-__all__ = ["CLEAN_BLOCKS", "CONFIGS", "PRESETS", "SAMPLERS", "WanChunks", "WanRollout",
-           "WanShape", "build_model", "load_model", "preset_sizes"]
+__all__ = ["CLEAN_BLOCKS", "CONFIGS", "PRESETS", "SAMPLERS", "TEXT_CONFIGS", "VAE_CONFIGS",
+           "StreamingVAEDecoder", "TextEncoder", "WanChunks", "WanRollout", "WanShape",
+           "WanWeights", "build_model", "build_vae", "load_folder", "load_model", "load_vae",
+           "preset_sizes", "save_original_checkpoint"]

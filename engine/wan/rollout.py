@@ -15,8 +15,14 @@ of the pool with its own prompt and history, both rows of every forward. Many
 sequences (``sequences=N``): N independent sequences on one pool, each with its own
 prompt, position and history; a prompt change can re-cache a sequence's history
 (`ChunkRunner.recache`).
+
+Prompts are embeddings [1, L, text_dim] or, with a ``text_encoder`` (`TextEncoder`, its
+``max_tokens`` the rollout's L), text: each text encoded once, as ``WanPipeline`` encodes
+it; under guidance a text prompt's negative defaults to the text "" (as the pipeline's).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -28,8 +34,10 @@ from ..kv import KVStore, PagedKV
 from ..checks import check_choice, check_count
 from ..runner import CLEAN_BLOCKS, SAMPLERS, ChunkRunner
 from .model import WanChunks
-from .setup import (PRESETS, WanShape, build_model, check_model, load_model, model_device_dtype,
+from .setup import (PRESETS, WanShape, build_model, check_model, model_device_dtype,
                     preset_sizes)
+from .text import TEXT_CONFIGS, TextEncoder, has_text_encoder
+from .weights import load_model
 
 __all__ = ["CLEAN_BLOCKS", "SAMPLERS", "WanRollout"]
 
@@ -55,10 +63,12 @@ class WanRollout(ChunkRunner):
         prompt_tokens: L of every prompt (default: what the first prompt has).
         glue: "fused" (default: the blocks' glue, QK norm and rope through framekv's
             ops) or "torch" (the stock math as torch ops).
+        text_encoder: a `TextEncoder` for text prompts (its ``max_tokens`` is L: it sets
+            ``prompt_tokens`` or must equal it; its ``d_model`` the model's text_dim).
 
     Attributes:
-        model: the diffusers model; shape: the `WanShape`; ``recorder``: see
-            `ChunkRunner`.
+        model: the diffusers model; shape: the `WanShape`; text_encoder: the
+            `TextEncoder` or None; ``recorder``: see `ChunkRunner`.
     """
 
     def __init__(self, model, *, latent_size, frames_per_chunk: int, sink_frames: int = 1,
@@ -66,10 +76,11 @@ class WanRollout(ChunkRunner):
                  clean_block: str = "chunk", device=None, backend=None, use_graphs: bool = True,
                  cache_dir=None, kv: KVStore | None = None, guidance_scale: float | None = None,
                  sequences: int | None = None, batch_sizes=None, prompt_tokens: int | None = None,
-                 glue: str = "fused", trim_clean_pass: bool = True):
+                 glue: str = "fused", trim_clean_pass: bool = True, text_encoder=None):
         check_model(model)
         check_choice("glue", glue, ("fused", "torch"))
         check_count("prompt_tokens", prompt_tokens)
+        prompt_tokens = _check_encoder(text_encoder, model, prompt_tokens)
         if kv is not None and (sequences is not None or guidance_scale is not None):
             raise ValueError("kv holds one sequence: it takes no sequences (got "
                              f"{sequences!r}) and no guidance_scale (got {guidance_scale!r})")
@@ -87,21 +98,47 @@ class WanRollout(ChunkRunner):
                          use_graphs=use_graphs, sequences=sequences, batch_sizes=batch_sizes,
                          guidance_scale=guidance_scale, trim_clean_pass=trim_clean_pass)
         self.model, self.backend, self.glue = model, attention, glue
+        self.text_encoder = text_encoder
 
     @classmethod
-    def from_config(cls, config="tiny", *, seed: int = 0, dtype=None, device=None, **kwargs):
+    def from_config(cls, config="tiny", *, seed: int = 0, dtype=None, device=None,
+                    text_encoder=None, **kwargs):
         """A rollout of a randomly initialised model: ``config`` a shipped name
         (`CONFIGS`: "tiny", "1.3b") or a config dict; ``kwargs`` as for the constructor,
-        by default at the sizes of the config's preset (`preset_sizes`, `PRESETS`)."""
-        if "latent_size" not in kwargs and config in PRESETS:
+        by default at the sizes of the config's preset (`preset_sizes`, `PRESETS`).
+        ``text_encoder``: None, a `TextEncoder`, or "random": a random one of the
+        config's `TEXT_CONFIGS` entry (seed ``seed``, L the rollout's prompt_tokens)."""
+        if "latent_size" not in kwargs and isinstance(config, str) and config in PRESETS:
             kwargs = {**preset_sizes(PRESETS[config]), **kwargs}
-        return cls(build_model(config, dtype=dtype, device=device, seed=seed), **kwargs)
+        model = build_model(config, dtype=dtype, device=device, seed=seed)
+        if isinstance(text_encoder, str):
+            if (text_encoder != "random" or not isinstance(config, str)
+                    or config not in TEXT_CONFIGS):
+                raise ValueError(f"text_encoder must be None, a TextEncoder or 'random' (with "
+                                 f"config one of {sorted(TEXT_CONFIGS)}), got "
+                                 f"text_encoder={text_encoder!r}, config={config!r}")
+            dev, dt = model_device_dtype(model)
+            text_encoder = TextEncoder.from_config(config, seed=seed, dtype=dt, device=dev,
+                                                   max_tokens=kwargs.get("prompt_tokens") or 512)
+        return cls(model, text_encoder=text_encoder, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, path, *, config=None, dtype=None, device=None, **kwargs):
-        """A rollout of local weights (`setup.load_model`: a diffusers folder, or a
-        single-file checkpoint with ``config`` a local folder of its shape)."""
-        return cls(load_model(path, dtype=dtype, device=device, config=config), **kwargs)
+    def from_pretrained(cls, path, *, config=None, dtype=None, device=None, key=None,
+                        text_encoder=None, **kwargs):
+        """A rollout of local weights (`weights.load_model`: a diffusers folder, or a
+        generator checkpoint with ``config`` its shape and ``key`` its entry). The text
+        encoder and tokenizer of the folder (``path``, or ``config`` when it is one) come
+        too where it has them, L the rollout's ``prompt_tokens`` (default 512);
+        ``text_encoder``: a `TextEncoder` instead, or False for none."""
+        model = load_model(path, dtype=dtype, device=device, config=config, key=key)
+        if text_encoder is None:
+            folder = next((p for p in (path, config) if isinstance(p, (str, os.PathLike))
+                           and has_text_encoder(p)), None)
+            if folder is not None:
+                dev, dt = model_device_dtype(model)
+                text_encoder = TextEncoder.from_pretrained(
+                    folder, max_tokens=kwargs.get("prompt_tokens") or 512, dtype=dt, device=dev)
+        return cls(model, text_encoder=text_encoder or None, **kwargs)
 
     def _cache(self, device, dtype, pool: int) -> CausalKVCache:
         s, tpp = self.shape, self.shape.tokens_per_page
@@ -112,11 +149,44 @@ class WanRollout(ChunkRunner):
 
     _prompt_names = ("text_embeds", "negative_embeds")
 
-    def set_prompt(self, text_embeds: torch.Tensor, negative_embeds: torch.Tensor | None = None,
-                   *, recache: bool = False) -> None:
+    def set_prompt(self, text_embeds: torch.Tensor | str,
+                   negative_embeds: torch.Tensor | str | None = None, *,
+                   recache: bool = False) -> None:
         """The prompt for the chunks from now on: ``text_embeds`` [1, L, text_dim] (a
-        text encoder's output), projected to every block's cross-attention K/V once,
-        here; the same L every time. ``negative_embeds``: the unconditional branch's
-        (guidance only; default zeros). ``recache``: also recompute the history's K/V
-        under it."""
+        text encoder's output) or text (encoded by ``text_encoder``), projected to every
+        block's cross-attention K/V once, here; the same L every time.
+        ``negative_embeds``: the unconditional branch's, embeddings or text (guidance
+        only; default the text "" for a text prompt, else zeros). ``recache``: also
+        recompute the history's K/V under it."""
+        if isinstance(text_embeds, str):
+            if negative_embeds is None and self.guidance is not None:
+                negative_embeds = ""
+            text_embeds = self.encode_prompt(text_embeds)
+        if isinstance(negative_embeds, str) and self.guidance is not None:
+            negative_embeds = self.encode_prompt(negative_embeds)
         super().set_prompt(text_embeds, negative_embeds, recache=recache)
+
+    def encode_prompt(self, text: str) -> torch.Tensor:
+        """[1, L, text_dim] embeddings of ``text`` by the rollout's text encoder."""
+        if self.text_encoder is None:
+            raise ValueError(f"a text prompt needs a text encoder: pass text_encoder= (a "
+                             f"TextEncoder) to WanRollout, got the text {text!r}")
+        return self.text_encoder.encode([text])
+
+
+def _check_encoder(encoder, model, prompt_tokens: int | None) -> int | None:
+    """The rollout's prompt length with ``encoder`` (its max_tokens); ValueError when it
+    is no `TextEncoder`, its max_tokens is not ``prompt_tokens`` or its width not the
+    model's text_dim."""
+    if encoder is None:
+        return prompt_tokens
+    if not isinstance(encoder, TextEncoder):
+        raise ValueError(f"text_encoder must be None or a TextEncoder, got "
+                         f"{type(encoder).__name__}")
+    if prompt_tokens is not None and encoder.max_tokens != prompt_tokens:
+        raise ValueError(f"text_encoder's max_tokens ({encoder.max_tokens}) must equal "
+                         f"prompt_tokens ({prompt_tokens}), the rollout's prompt length L")
+    if encoder.d_model != model.config.text_dim:
+        raise ValueError(f"text_encoder's d_model ({encoder.d_model}) must equal the model's "
+                         f"text_dim ({model.config.text_dim})")
+    return encoder.max_tokens

@@ -1,13 +1,10 @@
-"""Wan models for a rollout: their shapes, the shipped configs, and where weights come
-from (a local diffusers folder, a single-file checkpoint diffusers converts, or random
-initialisation from a config). diffusers is imported here, on first use: it is an
-optional extra (``pip install 'framekv[wan]'``). Nothing is ever fetched: every load
-is local (``local_files_only``).
+"""Wan models for a rollout: their shapes, the shipped configs, and random weights from
+a config (`build_model`; local weights: `framekv.engine.wan.weights`). diffusers is
+imported here, on first use: it is an optional extra (``pip install 'framekv[wan]'``).
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -143,39 +140,10 @@ def build_model(config="tiny", *, dtype=None, device=None, seed: int = 0):
 
 
 def _cast(model, dtype: torch.dtype):
-    """``dtype`` for everything but the modules diffusers keeps in fp32 (as loading
-    with ``torch_dtype`` does): a whole-model cast would also cast the rope tables,
-    ``scale_shift_table`` and norms."""
+    """``dtype`` for everything but the modules diffusers keeps in fp32, which are fp32
+    (as loading with ``torch_dtype`` does): a whole-model cast would also cast the rope
+    tables, ``scale_shift_table`` and norms."""
     keep = tuple(model._keep_in_fp32_modules or ())
     for name, p in model.named_parameters():
-        if not any(k in name.split(".") for k in keep):
-            p.data = p.data.to(dtype)
+        p.data = p.data.to(torch.float32 if any(k in name.split(".") for k in keep) else dtype)
     return model
-
-
-def load_model(path, *, dtype=None, device=None, config=None):
-    """A ``WanTransformer3DModel`` from local weights, never fetched: a diffusers folder
-    (its ``transformer`` subfolder when there is one), or a single checkpoint file
-    (original Wan / Self-Forcing layout) that diffusers converts, with ``config`` a
-    local diffusers folder of its shape."""
-    from diffusers import WanTransformer3DModel
-
-    from framekv.ops import resolve_device
-
-    dev = resolve_device(device)
-    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise ValueError(f"weights {path!r} do not exist (nothing is downloaded)")
-    if os.path.isdir(path):
-        sub = "transformer" if os.path.isdir(os.path.join(path, "transformer")) else None
-        # Loaded as stored, then cast by `_cast` (what torch_dtype would do, without
-        # needing accelerate for the fp32 modules).
-        model = WanTransformer3DModel.from_pretrained(path, subfolder=sub, local_files_only=True)
-    else:
-        if config is None or not os.path.isdir(os.fspath(config)):
-            raise ValueError(f"a single-file checkpoint needs config=<a local diffusers folder "
-                             f"of its shape> (nothing is downloaded), got config={config!r}")
-        model = WanTransformer3DModel.from_single_file(path, config=os.fspath(config),
-                                                       local_files_only=True)
-    return _cast(model.to(dev), dtype).eval().requires_grad_(False)

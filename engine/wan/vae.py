@@ -1,0 +1,313 @@
+"""Wan VAE: shipped configs, weights, and `StreamingVAEDecoder`, which decodes a video's
+latents chunk by chunk as a rollout returns them.
+
+A decoder holds S sequences, each with its own causal feature cache in one persistent
+arena (``vae_graph.py``). ``decode(latents)`` continues the named sequences' videos:
+the frames of a video decoded in chunks, concatenated along time, are the frames
+diffusers' ``WanPipeline`` decodes from the whole video::
+
+    z = latents / (1 / latents_std) + latents_mean    # in the vae's dtype, per channel
+    frames = vae.decode(z).sample                      # [B, 3, F', 8H, 8W], in [-1, 1]
+
+with F' = 1 + 4 (F - 1) for a chunk that starts a video and 4 F for a later chunk.
+Frames come back in the vae's dtype (as the pipeline's), a fresh tensor. Latents are
+cast to that dtype first (the pipeline does too); they must be on the decoder's device.
+The decode is untiled (the pipeline's default); Wan 2.2 VAEs (``patch_size``,
+``is_residual``) are refused.
+
+On CUDA each chunk is one graph replay (`framekv.graphs.GraphCache`), keyed on batch
+size, latent frames and stage: "first" (every row starts a video) or "steady" (every
+row continues one). The rows of one call must share a stage. On CPU, or with
+``use_graphs=False``, the same chunk program runs eagerly. diffusers is imported on
+first use (``pip install 'framekv[wan]'``); nothing is ever fetched.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from framekv.graphs import GraphCache, owner_token
+
+from ..checks import check_count, check_flag
+from .vae_graph import STAGES, CacheArena, CacheLayout, chunk_program, graph_key
+
+__all__ = ["VAE_CONFIGS", "StreamingVAEDecoder", "build_vae", "load_vae"]
+
+_WAN21_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+               0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
+_WAN21_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+              3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
+
+#: diffusers' AutoencoderKLWan configs by name. "1.3b" is the Wan 2.1 VAE (the one of
+#: Wan 2.1 T2V 1.3B); "tiny" pairs with the tiny transformer (4 latent channels) and
+#: keeps the 8x spatial, 4x temporal upsampling, decoding on a CPU in milliseconds.
+VAE_CONFIGS = {
+    "tiny": dict(base_dim=8, z_dim=4, dim_mult=(1, 2, 2, 2), num_res_blocks=1, attn_scales=(),
+                 temperal_downsample=(False, True, True), dropout=0.0,
+                 latents_mean=(0.31, -0.47, 0.12, 0.85), latents_std=(1.7, 0.6, 2.3, 1.1)),
+    "1.3b": dict(base_dim=96, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2, attn_scales=(),
+                 temperal_downsample=(False, True, True), dropout=0.0,
+                 latents_mean=tuple(_WAN21_MEAN), latents_std=tuple(_WAN21_STD)),
+}
+
+
+def _resolve(device) -> torch.device:
+    from framekv.ops import resolve_device
+
+    return resolve_device(device)
+
+
+def build_vae(config="tiny", *, dtype=None, device=None, seed: int = 0):
+    """A randomly initialised ``AutoencoderKLWan`` of a shipped config name or a config
+    dict, in ``dtype`` (default bf16 on CUDA, fp32 on CPU) on ``device``, in eval mode
+    without gradients."""
+    from diffusers import AutoencoderKLWan
+
+    cfg = VAE_CONFIGS.get(config) if isinstance(config, str) else dict(config)
+    if cfg is None:
+        raise ValueError(f"config must be one of {sorted(VAE_CONFIGS)} or a config dict, "
+                         f"got {config!r}")
+    dev = _resolve(device)
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        vae = AutoencoderKLWan(**cfg)
+    # torch's own `to`: diffusers' warns of fp32 modules even for a VAE that keeps none.
+    return torch.nn.Module.to(vae, dtype).eval().requires_grad_(False)
+
+
+def load_vae(path, *, dtype=None, device=None):
+    """An ``AutoencoderKLWan`` from a local diffusers folder (its ``vae`` subfolder when
+    there is one), never fetched; in ``dtype`` (default bf16 on CUDA, fp32 on CPU)."""
+    from diffusers import AutoencoderKLWan
+
+    dev = _resolve(device)
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"path must be a local diffusers folder (nothing is downloaded), "
+                         f"got {path!r}")
+    sub = "vae" if os.path.isdir(os.path.join(path, "vae")) else None
+    vae = AutoencoderKLWan.from_pretrained(path, subfolder=sub, local_files_only=True,
+                                           torch_dtype=dtype)
+    return vae.to(dev).eval().requires_grad_(False)
+
+
+def check_vae(vae) -> None:
+    """ValueError unless ``vae`` is a Wan 2.1 ``AutoencoderKLWan``."""
+    try:
+        from diffusers import AutoencoderKLWan
+    except ImportError as exc:
+        raise ValueError("StreamingVAEDecoder needs diffusers: pip install 'framekv[wan]'") from exc
+    if not isinstance(vae, AutoencoderKLWan):
+        raise ValueError(f"vae must be a diffusers AutoencoderKLWan, got {type(vae).__name__}")
+    if vae.config.patch_size is not None or vae.config.is_residual:
+        raise ValueError("vae must be a Wan 2.1 VAE: patch_size and is_residual (Wan 2.2) "
+                         f"are not supported, got patch_size={vae.config.patch_size}, "
+                         f"is_residual={vae.config.is_residual}")
+
+
+class StreamingVAEDecoder:
+    """Decode Wan latents chunk by chunk, each sequence's causal cache kept between calls.
+
+    Args:
+        vae: a diffusers ``AutoencoderKLWan`` (Wan 2.1), used as it is.
+        sequences: S, the sequences the decoder holds (default: the batch of the first
+            `decode` or `capture`).
+        use_graphs: replay each chunk as a CUDA graph (default True on CUDA; always
+            eager on CPU).
+        device: default the vae's (the vae is moved there otherwise).
+
+    Attributes:
+        vae, device, dtype (the vae's: frames come back in it), sequences (None until
+        known), use_graphs.
+    """
+
+    def __init__(self, vae, *, sequences=None, use_graphs=None, device=None):
+        check_vae(vae)
+        self.sequences = check_count("sequences", sequences)
+        self.device = _resolve(device if device is not None else next(vae.parameters()).device)
+        if next(vae.parameters()).device != self.device:
+            vae.to(self.device)
+        self.vae, self.dtype = vae, vae.dtype
+        graphs = True if use_graphs is None else check_flag("use_graphs", use_graphs)
+        self.use_graphs = graphs and self.device.type == "cuda"
+        cfg, shape = vae.config, (1, vae.config.z_dim, 1, 1, 1)
+        # WanPipeline's tensors, built as it builds them (1 / std in fp32, then cast).
+        self._mean = torch.tensor(cfg.latents_mean).view(shape).to(self.device, self.dtype)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std)
+        self._inv_std = inv_std.view(shape).to(self.device, self.dtype)
+        self._frames = None if sequences is None else [0] * sequences
+        self._cache: CacheArena | None = None
+        self._programs: dict = {}
+        self._graphs = GraphCache(self.device) if self.use_graphs else None
+        self.closed = False
+
+    # ------------------------------------------------------------------ state
+    def frames_decoded(self, row: int) -> int:
+        """Latent frames sequence ``row`` has decoded since its video started."""
+        S = self.sequences or 0
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < S:
+            raise ValueError(f"row must be an integer in [0, {S}) (the decoder's sequences), "
+                             f"got {row!r}")
+        return self._frames[row]
+
+    @property
+    def state(self) -> tuple[int, ...]:
+        """Latent frames decoded per sequence (empty while S is unknown)."""
+        return tuple(self._frames or ())
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes the cache arena maps (0 before the first decode and after `close`)."""
+        return 0 if self._cache is None else self._cache.nbytes
+
+    @property
+    def graph_count(self) -> int:
+        """Chunk graphs captured (0 when eager)."""
+        return 0 if self._graphs is None else len(self._graphs)
+
+    # ------------------------------------------------------------------ decode
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, rows=None) -> torch.Tensor:
+        """Decode the next chunk of sequences ``rows``: latents [B, C, F, H, W] (batch row
+        i is sequence rows[i]; host ints, default 0..B-1) -> frames [B, 3, F', 8H, 8W]
+        in [-1, 1], the vae's dtype (module doc). The rows must all start a video or all
+        continue one."""
+        self._check_open()
+        B, F, H, W = self._check_latents(latents)
+        S = self.sequences or B
+        rows = self._check_rows(range(B) if rows is None else rows, B, S)
+        self._ensure(S, (H, W))
+        stage = self._stage(rows)
+        inputs = {"latents": latents.to(self.dtype).contiguous(),  # [B, C, F, H, W]
+                  "rows": torch.tensor(rows, dtype=torch.int64, device=self.device)}
+        if self.use_graphs:
+            key = graph_key(owner_token(self), stage, inputs)
+            out = self._graphs.run(key, self._program(stage), inputs,
+                                   warmup_fn=self._program(stage, write=False)).clone()
+        else:
+            out = self._program(stage)(**inputs)
+        for r in rows:
+            self._frames[r] += F
+        return out
+
+    def reset(self, rows=None) -> None:
+        """Sequences ``rows`` (default all) start a new video at their next decode."""
+        self._check_open()
+        if rows is None:
+            self._frames = None if self._frames is None else [0] * len(self._frames)
+            return
+        for r in self._check_rows(rows, None, self.sequences or 0):
+            self._frames[r] = 0
+
+    @torch.no_grad()
+    def capture(self, batch: int, frames: int, latent_size) -> int:
+        """Capture the chunk graphs of both stages for ``batch`` sequences (the first
+        ``batch`` rows at capture; any rows at replay) and ``frames`` latent frames of
+        size ``latent_size`` (H, W), ahead of the first decode (a server's warm-up).
+        Sizes the arena as a decode would. No sequence's cache or position changes.
+        Returns the graphs captured by this call."""
+        self._check_open()
+        if not self.use_graphs:
+            raise ValueError(f"capture() needs use_graphs=True on a CUDA device, got "
+                             f"use_graphs={self.use_graphs} on {self.device}")
+        for name, v, high in (("batch", batch, self.sequences), ("frames", frames, None)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > (high or v):
+                raise ValueError(f"{name} must be an integer in [1, {high or 'inf'}], got {v!r}")
+        size = tuple(latent_size) if isinstance(latent_size, (tuple, list)) else ()
+        if len(size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                 for v in size):
+            raise ValueError(f"latent_size must be (H, W) positive integers, got {latent_size!r}")
+        self._ensure(self.sequences or batch, size)
+        inputs = {"latents": torch.zeros(batch, self.vae.config.z_dim, frames, *latent_size,
+                                         device=self.device, dtype=self.dtype),
+                  "rows": torch.arange(batch, device=self.device)}
+        captured = 0
+        for stage in STAGES:
+            key = graph_key(owner_token(self), stage, inputs)
+            if key not in self._graphs:
+                self._graphs.capture(key, self._program(stage), inputs,
+                                     warmup_fn=self._program(stage, write=False))
+                captured += 1
+        return captured
+
+    def close(self) -> None:
+        """Free the graphs and the arena; the decoder is unusable after (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._graphs is not None:
+            self._graphs.clear()
+        self._programs.clear()
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+
+    # ------------------------------------------------------------------ internals
+    def _ensure(self, sequences: int, latent_size: tuple[int, int]) -> None:
+        """Size the arena for S sequences at ``latent_size`` on first use."""
+        if self._cache is None:
+            layout = CacheLayout.probe(self.vae, latent_size, self.device)
+            self._cache = CacheArena(layout, sequences, self.device)
+            self.sequences = sequences
+            self._frames = self._frames or [0] * sequences
+        elif self._cache.layout.latent_size != latent_size:
+            raise ValueError(f"latents must be {list(self._cache.layout.latent_size)} (H, W), the "
+                             f"size the decoder's cache was sized for, got {list(latent_size)}")
+
+    def _program(self, stage: str, write: bool = True):
+        fn = self._programs.get((stage, write))
+        if fn is None:
+            fn = chunk_program(self.vae, self._cache, first=stage == "first", mean=self._mean,
+                               inv_std=self._inv_std, write=write)
+            self._programs[(stage, write)] = fn
+        return fn
+
+    def _stage(self, rows: tuple[int, ...]) -> str:
+        start = [r for r in rows if self._frames[r] == 0]
+        if start and len(start) < len(rows):
+            going = [r for r in rows if self._frames[r] > 0]
+            raise ValueError(f"rows must all start a video or all continue one: rows {start} "
+                             f"start, rows {going} continue (reset them, or decode them apart)")
+        return "first" if start else "steady"
+
+    def _check_latents(self, latents) -> tuple[int, int, int, int]:
+        if not isinstance(latents, torch.Tensor) or latents.dim() != 5:
+            got = (f"ndim {latents.dim()}" if isinstance(latents, torch.Tensor)
+                   else type(latents).__name__)
+            raise ValueError(f"latents must be a [B, C, F, H, W] tensor, got {got}")
+        B, C, F, H, W = latents.shape
+        z = self.vae.config.z_dim
+        if C != z or min(B, F, H, W) < 1 or not latents.is_floating_point():
+            raise ValueError(f"latents must be a floating [B, {z}, F, H, W] tensor (the vae's "
+                             f"z_dim channels, sizes >= 1), got {list(latents.shape)} "
+                             f"{latents.dtype}")
+        if latents.device != self.device:
+            raise ValueError(f"latents must be on the decoder's device {self.device}, got "
+                             f"{latents.device}")
+        return B, F, H, W
+
+    @staticmethod
+    def _check_rows(rows, batch: int | None, sequences: int) -> tuple[int, ...]:
+        """Distinct host ints in [0, sequences), ``batch`` of them when given."""
+        if isinstance(rows, torch.Tensor):
+            rows = rows.tolist()
+        try:
+            rows = tuple(rows)
+        except TypeError:
+            rows = (rows,)
+        bad = [r for r in rows if isinstance(r, bool) or not isinstance(r, int)
+               or not 0 <= r < sequences]
+        if bad or len(set(rows)) != len(rows) or (batch is not None and len(rows) != batch):
+            count = "" if batch is None else f"{batch} "
+            raise ValueError(f"rows must be {count}distinct integers in [0, {sequences}) (the "
+                             f"decoder's sequences), got {list(rows)}")
+        return rows
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this StreamingVAEDecoder was closed: its cache and graphs are "
+                               "freed; build a new one")

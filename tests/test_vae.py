@@ -1,0 +1,280 @@
+"""`StreamingVAEDecoder` on the CPU (fp32): a video decoded in chunks of any split equals
+diffusers' whole-video decode of ``latents * std + mean``; sequences decoded together,
+apart, or by row subsets equal each decoded alone; reset starts over; the arguments
+that must fail do. The graph path's plumbing runs through `GraphCache`'s eager stand-in."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from framekv.engine.arena import HOST_CHUNK_BYTES, carved_bytes, round_up
+from framekv.engine.wan import CONFIGS, VAE_CONFIGS, StreamingVAEDecoder, build_vae, load_vae
+from framekv.graphs import GraphCache
+
+H, W = 5, 6  # latent size: odd, not square
+
+
+@pytest.fixture(scope="module")
+def vae():
+    return build_vae("tiny", seed=3)
+
+
+def latents(seed: int, B: int = 1, F: int = 7, size=(H, W), stamp: float = 0.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 4, F, *size, generator=g) + stamp  # [B, C, F, H, W]
+
+
+def denorm(vae, z: torch.Tensor) -> torch.Tensor:
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    return z * std + mean
+
+
+@torch.no_grad()
+def whole(vae, z: torch.Tensor) -> torch.Tensor:
+    """The reference: diffusers' whole-video decode, denormalised here."""
+    return vae.decode(denorm(vae, z)).sample
+
+
+def chunked(dec, z: torch.Tensor, split, rows=None) -> torch.Tensor:
+    outs, f0 = [], 0
+    for f in split:
+        outs.append(dec.decode(z[:, :, f0:f0 + f], rows))
+        f0 += f
+    assert f0 == z.shape[2]
+    return torch.cat(outs, dim=2)
+
+
+def test_configs_pair_with_the_transformers_and_diffusers_defaults():
+    from diffusers import AutoencoderKLWan
+
+    assert VAE_CONFIGS["tiny"]["z_dim"] == CONFIGS["tiny"]["in_channels"]
+    assert VAE_CONFIGS["1.3b"]["z_dim"] == CONFIGS["1.3b"]["in_channels"]
+    defaults = {k: p.default for k, p in inspect.signature(AutoencoderKLWan).parameters.items()}
+    for k, v in VAE_CONFIGS["1.3b"].items():
+        assert list(v) == list(defaults[k]) if isinstance(v, tuple) else v == defaults[k], k
+    tiny = VAE_CONFIGS["tiny"]
+    assert len(tiny["latents_mean"]) == len(tiny["latents_std"]) == 4
+    assert len(tiny["dim_mult"]) == 4 and list(tiny["temperal_downsample"]) == [False, True, True]
+    assert len(set(tiny["latents_mean"])) == 4 and all(s not in (0, 1) for s in tiny["latents_std"])
+
+
+def test_the_decoders_cache_is_what_the_streaming_relies_on(vae):
+    """None, then one step or "Rep" after a video's first frame, two steps after."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    n = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+    cache, x = [None] * n, vae.post_quant_conv(latents(0, F=3))
+    seen = []
+    with torch.no_grad():
+        for i in range(3):
+            vae.decoder(x[:, :, i:i + 1], feat_cache=cache, feat_idx=[0], first_chunk=i == 0)
+            seen.append([c if c is None or isinstance(c, str) else c.shape[2] for c in cache])
+    used = sum(c is not None for c in seen[0])
+    assert set(seen[0][:used]) == {1, "Rep"} and seen[0].count("Rep") == 2
+    assert seen[1][:used] == seen[2][:used] == [2] * used and seen[2][used:] == [None] * (n - used)
+
+
+@pytest.fixture(scope="module")
+def video(vae):
+    z = latents(1, B=2)
+    return z, whole(vae, z)
+
+
+@pytest.mark.parametrize("split", [(1, 2, 4), (3, 3, 1), (1,) * 7, (2, 5), (7,)])
+def test_chunks_equal_the_whole_video_decode(vae, video, split):
+    z, ref = video
+    dec = StreamingVAEDecoder(vae)
+    got = chunked(dec, z, split)
+    assert got.shape == ref.shape == (2, 3, 1 + 4 * 6, 8 * H, 8 * W)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert dec.state == (7, 7) and dec.frames_decoded(1) == 7
+
+
+def test_denormalisation_is_wanpipelines_formula(vae):
+    """Bit for bit: latents / (1 / std) + mean, as WanPipeline builds them."""
+    z = latents(2, F=3)
+    mean = torch.tensor(vae.config.latents_mean).view(1, 4, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, 4, 1, 1, 1)
+    with torch.no_grad():
+        ref = vae.decode(z / inv_std + mean).sample
+        raw = vae.decode(z).sample
+    got = StreamingVAEDecoder(vae).decode(z)
+    assert torch.equal(got, ref)
+    assert (got - raw).abs().max() > 1e-2  # the denormalisation is not a no-op
+
+
+def test_output_shape_dtype_and_clamp():
+    loud = build_vae("tiny", seed=3)
+    loud.decoder.conv_out.weight.mul_(30)  # the decoder's raw output passes [-1, 1]
+    dec = StreamingVAEDecoder(loud)
+    first, later = dec.decode(latents(3, B=2, F=2)), dec.decode(latents(4, B=2, F=3))
+    assert first.shape == (2, 3, 5, 8 * H, 8 * W) and later.shape == (2, 3, 12, 8 * H, 8 * W)
+    for out in (first, later):
+        assert out.dtype == torch.float32 and out.min() == -1 and out.max() == 1
+        assert ((out.abs() < 1) & (out != 0)).any()  # clamped, not squashed to a sign
+    assert dec.decode(latents(5, B=2, F=1)).shape[2] == 4
+
+
+def test_bf16_vae_returns_bf16_frames_equal_to_its_own_whole_decode():
+    vae16 = build_vae("tiny", dtype=torch.bfloat16, seed=4)
+    z = latents(6, F=3, size=(3, 4))
+    mean = torch.tensor(vae16.config.latents_mean).view(1, 4, 1, 1, 1).to(torch.bfloat16)
+    inv_std = (1.0 / torch.tensor(vae16.config.latents_std).view(1, 4, 1, 1, 1)).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = vae16.decode(z.to(torch.bfloat16) / inv_std + mean).sample
+    got = chunked(StreamingVAEDecoder(vae16), z, (1, 2))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
+
+
+def test_reset_reproduces_a_fresh_decoder(vae):
+    z1, z2 = latents(7, F=4), latents(8, F=3)
+    dec = StreamingVAEDecoder(vae)
+    chunked(dec, z1, (2, 2))
+    dec.reset()
+    assert dec.state == (0,)
+    again = chunked(dec, z2, (1, 2))
+    fresh = chunked(StreamingVAEDecoder(vae), z2, (1, 2))
+    assert torch.equal(again, fresh)
+    dec.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        dec.decode(z2)
+
+
+def test_sequences_in_one_batch_equal_each_alone(vae):
+    z = torch.cat([latents(10 + s, stamp=s) for s in range(3)])  # [3, C, 7, H, W]
+    together = chunked(StreamingVAEDecoder(vae), z, (3, 1, 3))
+    for s in range(3):
+        alone = chunked(StreamingVAEDecoder(vae), z[s:s + 1], (3, 1, 3))
+        torch.testing.assert_close(together[s:s + 1], alone, rtol=0, atol=1e-5)
+
+
+def test_row_subsets_touch_only_their_rows(vae):
+    z = [latents(20 + s, F=6, stamp=0.5 * s) for s in range(3)]  # sequence s: its own latents
+    solo = [chunked(StreamingVAEDecoder(vae), z[s], (2, 1, 3)) for s in range(3)]
+    dec = StreamingVAEDecoder(vae, sequences=3)
+    got = {s: [] for s in range(3)}
+
+    def run(rows, f0, f):
+        out = dec.decode(torch.cat([z[s][:, :, f0:f0 + f] for s in rows]), rows)
+        for i, s in enumerate(rows):
+            got[s].append(out[i:i + 1])
+
+    run([1, 2, 0], 0, 2)
+    kept = [t[1].clone() for t in dec._cache.tensors]  # row 1's cache in the arena
+    run([2, 0], 2, 1)
+    assert all(torch.equal(t[1], k) for t, k in zip(dec._cache.tensors, kept))
+    assert dec.state == (3, 2, 3)
+    run([1], 2, 1)
+    run([0, 1, 2], 3, 3)
+    for s in range(3):
+        torch.testing.assert_close(torch.cat(got[s], 2), solo[s], rtol=0, atol=1e-5)
+    # Row 1 starts a new video; rows 0 and 2 are untouched by it.
+    dec.reset([1])
+    assert dec.state == (6, 0, 6)
+    new = latents(30, F=2)
+    torch.testing.assert_close(dec.decode(new, [1]), StreamingVAEDecoder(vae).decode(new),
+                               rtol=0, atol=1e-5)
+
+
+def test_rows_at_different_stages_are_refused_and_change_nothing(vae):
+    dec = StreamingVAEDecoder(vae, sequences=3)
+    dec.decode(latents(40, F=2), [2])
+    with pytest.raises(ValueError, match=r"rows \[0\] start, rows \[2\] continue"):
+        dec.decode(latents(41, B=2, F=1), [2, 0])
+    assert dec.state == (0, 0, 2)
+
+
+def test_the_graph_path_through_graphcaches_eager_stand_in(vae):
+    """Keys, warm-up without writes, static inputs: what a CUDA decoder runs, eagerly."""
+    z = latents(50, B=2)
+    dec = StreamingVAEDecoder(vae)
+    dec.use_graphs, dec._graphs = True, GraphCache("cpu")  # the CUDA path's wiring on CPU
+    assert dec.capture(2, 2, (H, W)) == 2 and dec.state == (0, 0)
+    assert dec.capture(2, 2, (H, W)) == 0
+    got = chunked(dec, z, (2, 2, 2, 1))
+    torch.testing.assert_close(got, whole(vae, z), rtol=0, atol=1e-5)
+    assert dec.graph_count == 3  # first:2, steady:2, steady:1
+    dec.reset()
+    assert torch.equal(chunked(dec, z, (2, 2, 2, 1)), got) and dec.graph_count == 3
+    with pytest.raises(ValueError, match=r"latent_size must be \(H, W\)"):
+        dec.capture(2, 1, (H, 0))
+    with pytest.raises(ValueError, match=r"batch must be an integer in \[1, 2\], got 3"):
+        dec.capture(3, 1, (H, W))
+    with pytest.raises(ValueError, match=r"frames must be an integer in \[1, inf\], got 0"):
+        dec.capture(2, 0, (H, W))
+
+
+def test_arena_holds_every_sequences_steady_cache(vae):
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    n = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+    cache, x = [None] * n, vae.post_quant_conv(latents(0, F=2))
+    with torch.no_grad():
+        for i in range(2):
+            vae.decoder(x[:, :, i:i + 1], feat_cache=cache, feat_idx=[0], first_chunk=i == 0)
+    sizes = [3 * c.nbytes for c in cache if c is not None]  # 3 sequences
+    dec = StreamingVAEDecoder(vae, sequences=3)
+    assert dec.arena_bytes == 0
+    dec.decode(latents(1, F=1))
+    assert dec.arena_bytes == round_up(carved_bytes(sizes), HOST_CHUNK_BYTES)
+    assert [tuple(t.shape) for t in dec._cache.tensors] == [(3, *c.shape[1:]) for c in cache
+                                                            if c is not None]
+    dec.close()
+    assert dec.arena_bytes == 0 and dec.graph_count == 0
+    dec.close()  # idempotent
+
+
+def test_bad_arguments(vae):
+    dec = StreamingVAEDecoder(vae, sequences=2)
+    z = latents(60, B=2, F=1)
+    cases = [
+        (lambda: dec.decode(z[:, :3]), r"latents must be a floating \[B, 4, F, H, W\].*\[2, 3, 1"),
+        (lambda: dec.decode(z[0]), r"latents must be a \[B, C, F, H, W\] tensor, got ndim 4"),
+        (lambda: dec.decode(z.long()), r"latents must be a floating"),
+        (lambda: dec.decode(z.to("meta")), r"latents must be on the decoder's device cpu"),
+        (lambda: dec.decode(z, [0, 2]), r"rows must be 2 distinct integers in \[0, 2\)"),
+        (lambda: dec.decode(z, [1, 1]), r"rows must be 2 distinct.*got \[1, 1\]"),
+        (lambda: dec.decode(z, [0]), r"rows must be 2 distinct"),
+        (lambda: dec.decode(latents(61, B=3, F=1)), r"rows must be 3 distinct.*\[0, 2\)"),
+        (lambda: dec.reset([5]), r"rows must be distinct integers in \[0, 2\)"),
+        (lambda: dec.frames_decoded(2), r"row must be an integer in \[0, 2\).*got 2"),
+        (lambda: dec.capture(1, 1, (H, W)), r"capture\(\) needs use_graphs=True"),
+        (lambda: StreamingVAEDecoder(vae, sequences=0), r"sequences must be None or an integer"),
+        (lambda: StreamingVAEDecoder(vae, use_graphs="yes"), r"use_graphs must be True or False"),
+        (lambda: StreamingVAEDecoder(torch.nn.Linear(2, 2)),
+         r"vae must be a diffusers AutoencoderKLWan, got Linear"),
+        (lambda: build_vae("huge"), r"config must be one of \['1.3b', 'tiny'\]"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    dec.decode(z)
+    with pytest.raises(ValueError, match=r"latents must be \[5, 6\] \(H, W\).*got \[6, 6\]"):
+        dec.decode(latents(62, B=2, F=1, size=(6, 6)))
+    assert dec.state == (1, 1)
+
+
+def test_wan22_vaes_are_refused():
+    from diffusers import AutoencoderKLWan
+
+    v22 = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                           patch_size=2, is_residual=True, in_channels=12, out_channels=12,
+                           latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    with pytest.raises(ValueError, match="vae must be a Wan 2.1 VAE.*patch_size=2"):
+        StreamingVAEDecoder(v22)
+
+
+def test_load_vae_reads_a_local_folder_and_its_vae_subfolder(vae, tmp_path):
+    vae.save_pretrained(tmp_path / "pipe" / "vae")
+    vae.save_pretrained(tmp_path / "alone")
+    for path in (tmp_path / "pipe", tmp_path / "alone"):
+        loaded = load_vae(path)
+        assert loaded.dtype == torch.float32 and not loaded.training
+        assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(),
+                                                     loaded.state_dict().values()))
+    assert load_vae(tmp_path / "alone", dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="path must be a local diffusers folder.*nowhere"):
+        load_vae(tmp_path / "nowhere")
