@@ -1,6 +1,6 @@
-"""The `framekv` command line: info, demo, verify and warmup here; bench and serve in
-their own modules. Importing it imports neither torch nor the engine: a command does,
-when it runs.
+"""The `framekv` command line: info, demo, verify and warmup here; bench, serve and
+generate in their own modules. Importing it imports neither torch nor the engine: a
+command does, when it runs.
 
 ``framekv warmup PRESET`` captures every graph a preset's rollout replays, up front, and
 reports time and memory: a server runs it (or `framekv.engine.warm_up`) at start so that
@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from . import bench, serve
+from . import bench, generate, serve
 from .args import nonnegative_int, positive_int, tolerance, writable_file
 
 CPU_NOTE = "cpu: graphs run eagerly; nothing is captured"
@@ -234,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "replays, up front"))
     bench.add_parser(sub)
     serve.add_parser(sub)
+    generate.add_parser(sub)
     return p
 
 

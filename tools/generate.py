@@ -1,0 +1,375 @@
+"""`framekv generate`: a text prompt in, an H.264 MP4 out.
+
+    framekv generate --prompt "a cat" --chunks 6 --out cat.mp4 [--config tiny|1.3b]
+                     [--weights DIR] [--checkpoint FILE] [--preset P] [--seed S] ...
+
+The prompt is encoded once (the text encoder), the transformer rolls out ``--chunks``
+chunks of latents (`WanRollout`, one graph replay per chunk on CUDA), and one
+`StreamingVAEDecoder` decodes each chunk as it comes, so the MP4 is written chunk by
+chunk and memory stays flat in the number of chunks. A video of N chunks of F latent
+frames (H x W) has 1 + 4 (F - 1) + 4 F (N - 1) frames of 8H x 8W pixels (the VAE's
+first chunk starts with one frame, then four per latent frame).
+
+Weights: ``--config`` (default tiny) builds transformer, VAE and text encoder with
+random weights (the video is noise, but the whole path runs); ``--weights DIR`` loads
+all three from a local diffusers folder; ``--checkpoint FILE`` replaces the
+transformer's weights with a Self-Forcing generator checkpoint (VAE and text encoder
+from ``--weights``, or random from ``--config``), sampled as Self-Forcing samples: the
+``self_forcing`` sampler over the preset's steps warped by shift 5 (1000, 937.5, 833.3,
+625 for four steps); ``--sampler`` and ``--shift`` override. Nothing is downloaded.
+
+The sizes are those of ``--preset`` (default: the config's, `framekv.engine.wan.PRESETS`;
+with ``--weights``, the shipped config the transformer matches). ``--seed`` seeds the
+chunks' noise as a server session of that seed draws it (`framekv.engine.runner.
+chunk_noise`) and the default generators the ``self_forcing`` sampler re-noises from;
+random weights are always those of seed 0, so that the same config is the same model.
+
+Progress goes to stderr, the summary line to stdout. A bad argument, missing weights
+or an unwritable ``--out`` exit 2 before any work, a failure during the run exits 1;
+either way nothing is left at ``--out`` (`MP4Writer` renames its file there only
+after a clean finish).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+
+from .args import nonnegative_int, positive_int, writable_file
+from .video import DEFAULT_CRF, check_mp4_path
+
+CONFIGS = ("tiny", "1.3b")
+SAMPLERS = ("euler", "self_forcing")  # `framekv.engine.runner.SAMPLERS`, checked up front
+#: Self-Forcing's schedule: its denoising steps warped by the flow-matching shift.
+SELF_FORCING_SHIFT = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """What `generate` wrote: ``frames`` of ``width`` x ``height`` at ``path`` (``size``
+    bytes), generated in ``seconds`` (rollout, decode and encode; ``setup_seconds``
+    loaded the models)."""
+
+    frames: int
+    width: int
+    height: int
+    seconds: float
+    path: str
+    size: int = 0
+    setup_seconds: float = 0.0
+
+    @property
+    def frames_per_second(self) -> float:
+        """Video frames generated per second of ``seconds``."""
+        return self.frames / self.seconds if self.seconds > 0 else float("inf")
+
+
+def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=None,
+             checkpoint=None, preset=None, negative_prompt: str | None = None,
+             guidance_scale: float | None = None, sampler: str | None = None,
+             shift: float | None = None, fps: int = 16, seed: int = 0, device=None,
+             use_graphs: bool | None = None, crf: int = DEFAULT_CRF, stream=None,
+             progress: bool = True, on_frames=None) -> GenerateResult:
+    """Generate ``chunks`` chunks for ``prompt`` and write them to the MP4 ``out``.
+
+    Args as for the command (module doc); ``use_graphs`` None: graphs on CUDA;
+    ``negative_prompt`` (default "") is the unconditional branch's prompt and needs
+    ``guidance_scale``; ``sampler`` and ``shift`` default to Self-Forcing's with a
+    checkpoint, else Euler at the preset's timesteps (shift 1); ``stream``: where the header and progress go (default stderr);
+    ``on_frames(index, frames)``: called with each chunk's uint8 frames [F', H, W, 3]
+    as they are written.
+
+    Raises ValueError (naming the argument) for a bad argument, before anything loads.
+    """
+    path = _check_args(prompt, chunks, out, config, weights, checkpoint, negative_prompt,
+                       guidance_scale, fps, seed, sampler, shift)
+    from framekv.engine.rollout import resolve_device
+
+    dev = resolve_device(device)
+    stream = stream or sys.stderr
+    t0 = time.perf_counter()
+    transformer, vae, encoder, name, sizes = _load(config, weights, checkpoint, preset, dev)
+    kw = _rollout_kwargs(sizes, checkpoint, sampler, shift, guidance_scale)
+    with contextlib.ExitStack() as stack:
+        r, decoder = _pipeline(stack, transformer, vae, encoder, kw, prompt, negative_prompt,
+                               dev, use_graphs)
+        setup = time.perf_counter() - t0
+        print(_header(name, weights, checkpoint, r, chunks, kw), file=stream)
+        t1 = time.perf_counter()
+        frames, width, height = _roll(stack, r, decoder, chunks, seed, path, fps, crf,
+                                      stream if progress else None, on_frames)
+    seconds = time.perf_counter() - t1
+    return GenerateResult(frames=frames, width=width, height=height, seconds=seconds,
+                          path=path, size=os.path.getsize(path), setup_seconds=setup)
+
+
+def _check_args(prompt, chunks, out, config, weights, checkpoint, negative_prompt,
+                guidance_scale, fps, seed, sampler, shift) -> str:
+    """ValueError naming the first bad argument; the absolute path of ``out``."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    for arg, value, low in (("chunks", chunks, 1), ("fps", fps, 1), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
+    path = check_mp4_path(out)
+    if weights is None and config not in CONFIGS:
+        raise ValueError(f"config must be one of {list(CONFIGS)}, got {config!r}")
+    if weights is not None and not os.path.isdir(weights):
+        raise ValueError(f"weights must be a local diffusers folder, got {os.fspath(weights)!r} "
+                         "(not a folder; nothing is downloaded)")
+    if checkpoint is not None and not os.path.isfile(checkpoint):
+        raise ValueError(f"checkpoint must be a generator checkpoint file, got "
+                         f"{os.fspath(checkpoint)!r} (no such file)")
+    if guidance_scale is not None and not (isinstance(guidance_scale, (int, float))
+                                           and guidance_scale > 0):
+        raise ValueError(f"guidance_scale must be a number > 0, got {guidance_scale!r}")
+    if sampler is not None and sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {list(SAMPLERS)}, got {sampler!r}")
+    if shift is not None and not (isinstance(shift, (int, float)) and 0 < shift < float("inf")):
+        raise ValueError(f"shift must be a number > 0, got {shift!r}")
+    if negative_prompt is not None and guidance_scale is None:
+        raise ValueError("negative_prompt needs guidance_scale (classifier-free guidance), "
+                         f"got negative_prompt={negative_prompt!r} and guidance_scale=None")
+    return path
+
+
+def _load(config, weights, checkpoint, preset, device):
+    """(transformer, VAE, text encoder, the name the header gives them, the sizes)."""
+    from framekv.engine.wan import TextEncoder, build_model, load_folder, load_model
+    from framekv.engine.wan.vae import build_vae
+
+    if weights is None:
+        sizes = _sizes(preset, config)
+        transformer = (build_model(config, device=device) if checkpoint is None
+                       else load_model(checkpoint, config=config, device=device))
+        encoder = TextEncoder.from_config(config, max_tokens=sizes["prompt_tokens"], device=device)
+        return transformer, build_vae(config, device=device), encoder, config, sizes
+    _check_folder(weights, checkpoint)
+    if checkpoint is None:
+        parts = load_folder(weights, device=device)
+        transformer, vae, encoder = parts.transformer, parts.vae, parts.text_encoder
+    else:
+        from framekv.engine.wan.vae import load_vae
+
+        # Only the folder's VAE and text encoder: its transformer would be replaced.
+        shape = weights if os.path.isdir(os.path.join(weights, "transformer")) else None
+        transformer = load_model(checkpoint, config=shape, device=device)
+        vae = load_vae(os.path.join(weights, "vae"), device=device)
+        encoder = TextEncoder.from_pretrained(weights, device=device)
+    name = _matching_config(transformer)
+    sizes = _sizes(preset, name)
+    encoder.max_tokens = sizes["prompt_tokens"]  # L of the rollout's prompts
+    return transformer, vae, encoder, name or os.path.basename(os.path.normpath(weights)), sizes
+
+
+def _check_folder(weights, checkpoint) -> None:
+    """ValueError naming what ``weights`` lacks, before anything loads."""
+    from framekv.engine.wan.text import has_text_encoder
+
+    need = ([] if checkpoint is not None else ["transformer"]) + ["vae"]
+    missing = [f"{p}/" for p in need if not os.path.isdir(os.path.join(weights, p))]
+    if not has_text_encoder(weights):
+        missing.append("text_encoder/ + tokenizer/")
+    if missing:
+        raise ValueError(f"weights {os.fspath(weights)!r} must be a diffusers Wan folder with "
+                         f"a transformer (unless --checkpoint), a VAE and a text encoder; it "
+                         f"lacks {', '.join(missing)}")
+
+
+def _matching_config(model) -> str | None:
+    """The shipped config (`framekv.engine.wan.CONFIGS`) whose every value ``model``'s
+    config shares, or None."""
+    from framekv.engine.wan import CONFIGS as SHIPPED
+
+    cfg = model.config
+    for name, values in SHIPPED.items():
+        if all(_same(getattr(cfg, k, None), v) for k, v in values.items()):
+            return name
+    return None
+
+
+def _same(a, b) -> bool:
+    return list(a) == list(b) if isinstance(b, (tuple, list)) else a == b
+
+
+def _sizes(preset, name) -> dict:
+    """The rollout's sizes: ``preset``'s, else those of the shipped config ``name``'s
+    preset."""
+    from framekv.engine.wan import PRESETS, preset_sizes
+
+    if preset is None:
+        if name not in PRESETS:
+            raise ValueError("preset is needed: the transformer's config matches no shipped "
+                             f"config {sorted(PRESETS)}, so no default sizes apply")
+        preset = PRESETS[name]
+    return preset_sizes(preset)
+
+
+def _rollout_kwargs(sizes, checkpoint, sampler, shift, guidance_scale) -> dict:
+    """`WanRollout` keywords: the preset's sizes, the sampler, the timesteps (the
+    preset's, each t = 1000 s warped to 1000 k s / (1 + (k - 1) s) by shift k, as
+    Self-Forcing warps its steps) and guidance."""
+    sf = checkpoint is not None
+    k = float(shift if shift is not None else (SELF_FORCING_SHIFT if sf else 1.0))
+    steps = [t / 1000.0 for t in sizes["timesteps"]]
+    return {**sizes, "sampler": sampler or ("self_forcing" if sf else "euler"),
+            "timesteps": tuple(1000.0 * k * s / (1.0 + (k - 1.0) * s) for s in steps),
+            "guidance_scale": guidance_scale}
+
+
+def _pipeline(stack, transformer, vae, encoder, kw, prompt, negative_prompt, device, use_graphs):
+    """The rollout under the encoded prompt, and the streaming decoder; both closed by
+    ``stack``."""
+    import torch
+
+    from framekv.engine.wan import WanRollout
+    from framekv.engine.wan.vae import StreamingVAEDecoder
+
+    with torch.no_grad():
+        text = encoder.encode([prompt])                                  # [1, L, text_dim]
+        negative = (encoder.encode([negative_prompt or ""]) if kw["guidance_scale"] is not None
+                    else None)                                           # [1, L, text_dim]
+    graphs = use_graphs if use_graphs is not None else device.type == "cuda"
+    r = WanRollout(transformer, device=device, use_graphs=graphs, **kw)
+    stack.callback(r.close)
+    r.set_prompt(text.to(device), None if negative is None else negative.to(device))
+    decoder = StreamingVAEDecoder(vae, use_graphs=use_graphs, device=device)
+    stack.callback(decoder.close)
+    return r, decoder
+
+
+def _roll(stack, r, decoder, chunks, seed, path, fps, crf, stream, on_frames):
+    """Roll out, decode and write ``chunks`` chunks; (frames, width, height). The writer
+    joins ``stack``: the video is finished (or discarded) when the stack closes."""
+    import torch
+
+    from framekv.engine.runner import chunk_noise
+
+    from .demo import Progress
+    from .video import MP4Writer, to_uint8
+
+    # The self_forcing sampler re-noises from the default generators: seeded here so that
+    # the same seed gives the same video.
+    torch.manual_seed(seed)
+    bar = Progress(chunks, stream, label="generate") if stream is not None else None
+    writer, frames, start = None, 0, time.perf_counter()
+    for i in range(chunks):
+        # A server session's noise for the same seed (`framekv.engine.scheduler`).
+        noise = chunk_noise(seed, i, r.chunk_shape)[None]               # [1, C, F, H, W]
+        latents = r.step(noise)                                          # [1, C, F, H, W]
+        video = to_uint8(decoder.decode(latents))[0]                     # [F', 8H, 8W, 3]
+        if writer is None:
+            writer = stack.enter_context(MP4Writer(path, fps=fps, width=video.shape[2],
+                                                   height=video.shape[1], crf=crf))
+        writer.write(video)
+        frames += video.shape[0]
+        if on_frames is not None:
+            on_frames(i, video)
+        if bar is not None:
+            rate = frames / max(time.perf_counter() - start, 1e-9)
+            bar.update(i + 1, f"chunk {i + 1}/{chunks}, {frames} frames, {rate:.1f} frames/s")
+    if bar is not None:
+        bar.finish()
+    return frames, writer.width, writer.height
+
+
+def _header(name, weights, checkpoint, r, chunks, kw) -> str:
+    s = r.shape
+    source = (f"weights {weights}" if weights is not None else "random weights")
+    if checkpoint is not None:
+        source += f", checkpoint {checkpoint}"
+    return (f"framekv generate: Wan {name} ({source}), device {r.device}, "
+            f"{str(r.dtype).removeprefix('torch.')}; latent {s.latent_size[0]}x"
+            f"{s.latent_size[1]}, {s.frames_per_chunk}-frame chunks, {chunks} chunk(s); "
+            f"{kw['sampler']} at t = {', '.join(f'{t:.1f}' for t in kw['timesteps'])}")
+
+
+def format_result(result: GenerateResult, fps: int) -> str:
+    """The summary line: frames, size, seconds, video frames per second, path."""
+    return (f"framekv generate: {result.frames} frames of {result.width}x{result.height} "
+            f"({result.frames / fps:.2f} s of video at {fps} fps, {result.size / 1024:.1f} KiB) "
+            f"in {result.seconds:.2f} s, {result.frames_per_second:.2f} video frames/s "
+            f"-> {result.path}")
+
+
+def mp4_file(text: str) -> str:
+    """A writable file path ending in ``.mp4`` (`framekv.tools.args.writable_file`)."""
+    if not text.lower().endswith(".mp4"):
+        raise argparse.ArgumentTypeError(f"must be a file ending in .mp4, got {text!r}")
+    return writable_file(text)
+
+
+def positive_number(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("generate", help="a text prompt in, an H.264 MP4 out",
+                              description=__doc__.split("\n\n")[0])
+    source = p.add_mutually_exclusive_group()
+    # default None: argparse sees a value equal to the default as absent, so "--config
+    # tiny --weights DIR" would pass the exclusive group.
+    source.add_argument("--config", choices=CONFIGS, default=None,
+                        help="random weights of a shipped config (default tiny)")
+    source.add_argument("--weights", metavar="DIR", default=None,
+                        help="a local diffusers folder (transformer, vae, text_encoder, tokenizer)")
+    p.add_argument("--checkpoint", metavar="FILE", default=None,
+                   help="a Self-Forcing generator checkpoint (.pt/.safetensors) replacing the "
+                        "transformer's weights")
+    p.add_argument("--preset", default=None,
+                   help="the sizes (a preset name or .toml/.json file; default the config's)")
+    p.add_argument("--prompt", required=True, help="the text prompt")
+    p.add_argument("--negative-prompt", default=None,
+                   help="the unconditional branch's prompt (needs --guidance-scale)")
+    p.add_argument("--guidance-scale", type=positive_number, default=None,
+                   help="classifier-free guidance scale (default: none, as Self-Forcing runs)")
+    p.add_argument("--sampler", choices=SAMPLERS, default=None,
+                   help="euler, or self_forcing (x0, then fresh noise; default with --checkpoint)")
+    p.add_argument("--shift", type=positive_number, default=None,
+                   help=f"timestep shift of the preset's steps (default {SELF_FORCING_SHIFT} "
+                        "with --checkpoint, as Self-Forcing samples; else 1)")
+    p.add_argument("--chunks", type=positive_int, required=True, help="chunks to generate")
+    p.add_argument("--out", type=mp4_file, required=True, metavar="FILE.mp4",
+                   help="the MP4 to write")
+    p.add_argument("--fps", type=positive_int, default=16, help="frames per second (default 16)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="noise seed (default 0)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--no-graphs", action="store_true", help="run every chunk eagerly")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=run)
+    return p
+
+
+def _fail(exc: BaseException, status: int) -> int:
+    notes = "".join(f"\n  {note}" for note in getattr(exc, "__notes__", ()))
+    print(f"framekv generate: error: {exc}{notes}", file=sys.stderr)
+    return status
+
+
+def run(args) -> int:
+    """The command; its exit status (2: bad arguments or weights, 1: the run failed)."""
+    try:
+        result = generate(args.prompt, chunks=args.chunks, out=args.out,
+                          config=args.config or "tiny",
+                          weights=args.weights, checkpoint=args.checkpoint, preset=args.preset,
+                          negative_prompt=args.negative_prompt,
+                          guidance_scale=args.guidance_scale, sampler=args.sampler,
+                          shift=args.shift, fps=args.fps, seed=args.seed,
+                          device=args.device, use_graphs=False if args.no_graphs else None,
+                          progress=not args.no_progress)
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        return _fail(exc, 2)
+    except (OSError, RuntimeError) as exc:
+        return _fail(exc, 1)
+    print(format_result(result, args.fps))
+    return 0
