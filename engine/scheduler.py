@@ -10,20 +10,30 @@ steps every ready session at once::
     rows  = the ready sessions' sequences, then B - len(ready) scratch sequences (idle
             rows: computed, dropped; they belong to no session)
     one `ChunkRunner.step_rows` = one whole-chunk graph replay for all B rows
+    with a decoder: one batched decode of the ready sessions on their first chunk, one
+            of those going on (decoder row = the session's sequence)
 
 The scheduler uses the runner through its interface alone: ``capture``,
 ``prefill_rows`` (a sequence started over under a prompt, or its prompt changed under
 way), ``step_rows``, ``stats``, ``close`` and the shapes. Every graph is captured when
-the scheduler is built (the warm-up path, ``cache_dir`` honoured); sessions join (a
-free sequence started over) and leave between steps without a capture. A consumer that
-does not fetch its chunks fills its bounded queue and only its session pauses. A step
-that raises fails the sessions in it (each keeps the error message; their sequences
-and the scratch rows start over) and the loop goes on with the others.
+the scheduler is built (the warm-up path, ``cache_dir`` honoured; the decoder comes
+captured from ``decoder_factory``); sessions join (a free sequence started over, its
+decoder row reset) and leave between steps without a capture. A consumer that does not
+fetch its chunks fills its bounded queue and only its session pauses. A step (or its
+decode) that raises fails the sessions in it (each keeps the error message; their
+sequences and the scratch rows start over) and the loop goes on with the others.
+
+A session's chunks are one video: its first chunk decodes to 1 + 4 (F - 1) frames,
+every later one to 4 F, going on from its decoder row's causal state (a prompt change
+keeps it). `SessionChunk.video` holds them as host uint8 [F', H, W, 3] (`video_uint8`,
+on the device: a sender only encodes images). A prompt is a tensor [L, text_dim], or
+text where the runner has a ``text_encoder`` (else ValueError), encoded outside the lock.
 
 Chunk i of a session starts from `chunk_noise(seed, i)`, so a session's stream is a
 function of its seed and prompt alone: the same seed run alone gives the same latents.
-No web imports here: `framekv.tools.serve` puts HTTP and WebSockets around it, and
-reads the server's metrics through `StreamScheduler.metrics`.
+A chunk's latency runs from its session being ready for it (opened, a queue place
+freed, resumed) to its being queued, decode included. No web imports here:
+`framekv.tools.serve` puts HTTP and WebSockets around it and reads `metrics`.
 """
 from __future__ import annotations
 
@@ -39,6 +49,9 @@ import torch
 from .rollout import Rollout
 from .runner import ChunkRunner, chunk_noise
 
+#: upper bounds (seconds) of the step and chunk latency histograms of `metrics`
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
 
 class SchedulerFull(Exception):
     """Every session sequence is taken."""
@@ -46,9 +59,11 @@ class SchedulerFull(Exception):
 
 @dataclass
 class SessionChunk:
-    """One finished chunk of a session: index, first frame, latents fp32 [C, F, H, W]
-    (host memory), seconds of the batched step that made it, its batch size, how many
-    prompt changes the session had had when it was made, and its frames."""
+    """One finished chunk of a session: index, first latent frame, latents fp32
+    [C, F, H, W] (host), seconds of the batched step that made it (decode included), its
+    batch size, the session's prompt changes then, its latent frames; with a decoder
+    ``video`` uint8 [F', H, W, 3] (host) from video frame ``video_frame0`` on;
+    ``requested``/``queued``: `time.monotonic` when the session was ready for it / got it."""
 
     index: int
     frame0: int
@@ -57,6 +72,10 @@ class SessionChunk:
     batch: int
     prompt_version: int = 0
     frames: int = 0
+    video: torch.Tensor | None = None
+    video_frame0: int = 0
+    requested: float = 0.0
+    queued: float = 0.0
 
 
 @dataclass
@@ -64,7 +83,8 @@ class Session:
     """A client's stream: its sequence of the pool, its position, its undelivered chunks.
 
     ``state``: "active", "done" (its chunk budget is spent), "failed" (``error`` says
-    why) or "closed". ``paused``: the client asked for a pause.
+    why) or "closed". ``paused``: the client asked for a pause. ``waiting_since``: when
+    it last became ready for a chunk (None while it is not).
     """
 
     id: str
@@ -73,10 +93,12 @@ class Session:
     budget: int | None
     chunks: int = 0
     frames: int = 0
+    video_frames: int = 0
     paused: bool = False
     prompt_version: int = 0
     state: str = "active"
     error: str | None = None
+    waiting_since: float | None = None
     queue: collections.deque = field(default_factory=collections.deque)
 
     @property
@@ -87,11 +109,32 @@ class Session:
 
 def default_batch_sizes(max_sessions: int) -> tuple[int, ...]:
     """Powers of two below ``max_sessions``, and ``max_sessions``."""
-    sizes, b = [], 1
-    while b < max_sessions:
-        sizes.append(b)
-        b *= 2
+    sizes = [1 << i for i in range(max_sessions.bit_length()) if 1 << i < max_sessions]
     return tuple(sizes) + (max_sessions,)
+
+
+def video_uint8(video: torch.Tensor) -> torch.Tensor:
+    """Decoded frames [B, 3, F, H, W] in [-1, 1] as uint8 [B, F, H, W, 3] on the same
+    device: (x + 1) * 127.5 clamped to [0, 255], rounded half to even (torch.round)."""
+    x = ((video.float() + 1) * 127.5).clamp_(0, 255).round_()
+    return x.to(torch.uint8).permute(0, 2, 3, 4, 1).contiguous()  # [B, F, H, W, 3]
+
+
+class Histogram:
+    """Counts of observed values under each of ``bounds``, their sum and number."""
+
+    def __init__(self, bounds=LATENCY_BUCKETS):
+        self.bounds, self.counts, self.sum, self.count = tuple(bounds), [0] * len(bounds), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        """Count one value."""
+        self.counts = [c + (value <= b) for c, b in zip(self.counts, self.bounds)]
+        self.sum, self.count = self.sum + value, self.count + 1
+
+    def snapshot(self) -> dict:
+        """{"buckets": [(bound, values <= bound), ...], "sum", "count"} (cumulative)."""
+        return {"buckets": list(zip(self.bounds, self.counts)), "sum": self.sum,
+                "count": self.count}
 
 
 class StreamScheduler:
@@ -106,14 +149,21 @@ class StreamScheduler:
         runner_factory: instead of the preset's `Rollout`, a callable
             ``(sequences=N, batch_sizes=sizes) -> ChunkRunner`` (e.g. a `WanRollout`
             partial).
+        decoder_factory: None (latents only), or a callable ``(max_sessions) ->`` a
+            streaming video decoder (``decode(latents [B, C, F, H, W], rows=...)`` ->
+            frames [B, 3, F', H', W'] in [-1, 1], ``reset(rows=...)``, ``close()``;
+            `framekv.engine.wan.StreamingVAEDecoder`), ready to decode.
     """
 
     def __init__(self, preset="tiny", *, max_sessions: int = 8, device=None, backend=None,
                  cache_dir=None, use_graphs: bool = True, queue_chunks: int = 4,
-                 batch_sizes=None, progress: bool = False, runner_factory=None):
+                 batch_sizes=None, progress: bool = False, runner_factory=None,
+                 decoder_factory=None):
         for name, v in (("max_sessions", max_sessions), ("queue_chunks", queue_chunks)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if decoder_factory is not None and not callable(decoder_factory):
+            raise ValueError(f"decoder_factory must be a callable, got {decoder_factory!r}")
         sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(max_sessions))))
         if sizes[-1] < max_sessions or sizes[0] < 1:
             raise ValueError(f"batch_sizes must reach max_sessions={max_sessions}, got {sizes}")
@@ -125,41 +175,66 @@ class StreamScheduler:
         if not isinstance(self.runner, ChunkRunner):
             raise ValueError(f"runner_factory must build a ChunkRunner, got "
                              f"{type(self.runner).__name__}")
-        self.report = self.runner.capture(progress=progress) if self.runner.use_graphs else None
-        self.runner.prefill_rows(range(max_sessions + scratch))
+        try:
+            self.report = self.runner.capture(progress=progress) if self.runner.use_graphs else None
+            self.runner.prefill_rows(range(max_sessions + scratch))
+            self.decoder = None if decoder_factory is None else decoder_factory(max_sessions)
+        except BaseException:
+            self.runner.close()
+            raise
         self._scratch = list(range(max_sessions, max_sessions + scratch))
         self._free = list(range(max_sessions))
         self.sessions: dict[str, Session] = {}
-        self.lock = threading.RLock()       # sessions and the runner
+        self.lock = threading.RLock()       # sessions, the runner and the decoder
         self.ready = threading.Condition(self.lock)
-        self._counts = {"steps": 0, "chunks": 0, "failed_steps": 0}
-        self._step_seconds: list[float] = []
+        self._text_lock = threading.Lock()
+        self._counts = {"steps": 0, "chunks": 0, "failed_steps": 0, "video_frames": 0}
+        self._step_seconds, self._chunk_seconds = Histogram(), Histogram()
         #: one chunk of a session, [C, F, H, W]; prompt: [L, text_dim]
         self.chunk_shape = tuple(self.runner.chunk_shape)
         self.frames_per_chunk = self.runner.frames_per_chunk
         self.prompt_shape = tuple(self.runner.prompt_shape)
+        #: chunks carry video frames; prompts may be text (the runner has a text_encoder)
+        self.decoding = self.decoder is not None
+        self.text_prompts = getattr(self.runner, "text_encoder", None) is not None
 
     # ------------------------------------------------------------------ sessions
-    def open_session(self, *, seed: int, prompt: torch.Tensor | None = None,
+    def _prompt(self, prompt):
+        """``prompt`` as the runner takes it: None, a tensor, or a string encoded here
+        (ValueError where the runner has no text encoder)."""
+        if not isinstance(prompt, str):
+            return prompt
+        if not self.text_prompts:
+            raise ValueError(f"prompt text needs a runner with a text encoder; "
+                             f"{type(self.runner).__name__} has none: give a "
+                             f"{list(self.prompt_shape)} tensor, got {prompt!r}")
+        with self._text_lock:  # the encoder's prompt cache is not thread safe
+            return self.runner.encode_prompt(prompt)                # [1, L, text_dim]
+
+    def open_session(self, *, seed: int, prompt: torch.Tensor | str | None = None,
                      chunks: int | None = None) -> Session:
-        """A new session at position 0 (``prompt``: `prompt_shape`, default the
-        runner's; ``chunks``: a budget, None for open-ended). Raises `SchedulerFull`
-        when every sequence is taken, ValueError for a bad argument."""
+        """A new session at position 0 (``prompt``: `prompt_shape` or text (module doc),
+        default the runner's; ``chunks``: a budget, None for open-ended). Raises
+        `SchedulerFull` when every sequence is taken, ValueError for a bad argument."""
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
             raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
         if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
                                    or chunks < 1):
             raise ValueError(f"chunks must be None or an integer >= 1, got {chunks!r}")
+        prompt = self._prompt(prompt)
         with self.lock:
             if not self._free:
                 raise SchedulerFull(f"all {self.max_sessions} session sequences are taken")
             seq = self._free.pop(0)
             try:
                 self.runner.prefill_rows([seq], prompt)
+                if self.decoder is not None:
+                    self.decoder.reset(rows=[seq])
             except BaseException:
                 self._free.insert(0, seq)
                 raise
-            s = Session(secrets.token_urlsafe(18), seq, seed, chunks)
+            s = Session(secrets.token_urlsafe(18), seq, seed, chunks,
+                        waiting_since=time.monotonic())
             self.sessions[s.id] = s
             self.ready.notify_all()
             return s
@@ -173,26 +248,41 @@ class StreamScheduler:
             self._free.append(s.sequence)
             self.ready.notify_all()
 
-    def set_prompt(self, session_id: str, prompt: torch.Tensor) -> None:
-        """Re-cache a session's history under a new prompt before its next chunk (the
-        reference model: its pinned prompt region rewritten, the window's K/V stay;
-        Wan: the visible frames' K/V recomputed by clean passes)."""
+    def set_prompt(self, session_id: str, prompt: torch.Tensor | str) -> int:
+        """Re-cache a session's history under a new prompt (a tensor, or text: module
+        doc) before its next chunk (the reference model: its pinned prompt region
+        rewritten, the window's K/V stay; Wan: the visible frames' K/V recomputed by
+        clean passes); its video goes on. Returns the session's new prompt version."""
+        if session_id not in self.sessions:
+            raise KeyError(session_id)
+        prompt = self._prompt(prompt)
         with self.lock:
             s = self.sessions[session_id]
             self.runner.prefill_rows([s.sequence], prompt, rewrite=True)
             s.prompt_version += 1
+            return s.prompt_version
 
     def pause(self, session_id: str, paused: bool = True) -> None:
         """Stop (or, ``paused=False``, restart) stepping a session."""
         with self.lock:
-            self.sessions[session_id].paused = paused
+            s = self.sessions[session_id]
+            s.paused = paused
+            self._mark_waiting(s)
             self.ready.notify_all()
 
     # ------------------------------------------------------------------ steps
+    def _is_ready(self, s: Session) -> bool:
+        return s.state == "active" and not s.paused and len(s.queue) < self.queue_chunks
+
     def _ready(self) -> list[Session]:
-        out = [s for s in self.sessions.values()
-               if s.state == "active" and not s.paused and len(s.queue) < self.queue_chunks]
-        return out[:self.max_sessions]
+        return [s for s in self.sessions.values() if self._is_ready(s)][:self.max_sessions]
+
+    def _mark_waiting(self, s: Session) -> None:
+        """Start (or stop) the clock of a session's next chunk as it turns ready (or not)."""
+        if not self._is_ready(s):
+            s.waiting_since = None
+        elif s.waiting_since is None:
+            s.waiting_since = time.monotonic()
 
     def step(self) -> int:
         """One batched chunk of every ready session; returns how many sessions got one."""
@@ -207,38 +297,66 @@ class StreamScheduler:
             frame0 = torch.tensor([s.frames for s in batch] + [0] * (B - len(batch)))
             t0 = time.perf_counter()
             try:
-                out = self.runner.step_rows(rows, noise, frame0).cpu()
+                out = self.runner.step_rows(rows, noise, frame0)      # [B, C, F, H, W]
+                video = self._decode(batch, out[:len(batch)])
+                out = out.cpu()
             except Exception as exc:  # the sessions of this step fail, the others go on
                 self._fail(batch, f"{type(exc).__name__}: {exc}")
                 return 0
-            seconds = time.perf_counter() - t0
+            seconds, now = time.perf_counter() - t0, time.monotonic()
             for r, s in enumerate(batch):
-                s.queue.append(SessionChunk(s.chunks, s.frames, out[r], seconds, B,
-                                            s.prompt_version, self.frames_per_chunk))
-                s.chunks += 1
-                s.frames += self.frames_per_chunk
-                if s.budget is not None and s.chunks >= s.budget:
-                    s.state = "done"
+                self._queue(s, SessionChunk(
+                    s.chunks, s.frames, out[r], seconds, B, s.prompt_version,
+                    self.frames_per_chunk, video[r], s.video_frames,
+                    s.waiting_since if s.waiting_since is not None else now, now))
             self._counts["steps"] += 1
             self._counts["chunks"] += len(batch)
-            self._step_seconds.append(seconds)
+            self._step_seconds.observe(seconds)
             self.ready.notify_all()
             return len(batch)
 
+    def _queue(self, s: Session, chunk: SessionChunk) -> None:
+        s.queue.append(chunk)
+        s.chunks += 1
+        s.frames += chunk.frames
+        if chunk.video is not None:
+            s.video_frames += chunk.video.shape[0]
+            self._counts["video_frames"] += chunk.video.shape[0]
+        if s.budget is not None and s.chunks >= s.budget:
+            s.state = "done"
+        self._chunk_seconds.observe(chunk.queued - chunk.requested)
+        s.waiting_since = None
+        self._mark_waiting(s)
+
+    def _decode(self, batch: list[Session], latents: torch.Tensor) -> list:
+        """Each session's frames of this step (host uint8 [F', H, W, 3], or None without
+        a decoder): one batched decode per stage, those on their first chunk and those
+        going on (the decoder takes one stage per call)."""
+        video = [None] * len(batch)
+        for first in ((True, False) if self.decoder is not None else ()):
+            idx = [i for i, s in enumerate(batch) if (s.chunks == 0) == first]
+            if idx:
+                frames = self.decoder.decode(latents[idx], rows=[batch[i].sequence for i in idx])
+                frames = video_uint8(frames).cpu()                # [b, F', H, W, 3]
+                for j, i in enumerate(idx):
+                    video[i] = frames[j]
+        return video
+
     def metrics(self) -> dict:
         """A snapshot for a server's metrics: sessions open and allowed, steps, chunks,
-        failed steps, the seconds of every step, the runner's device and its
-        `ChunkRunner.stats` (graph replays and captures, pool bytes)."""
+        failed steps, video frames decoded (``decoding``: whether any are), histograms
+        (`Histogram.snapshot`) of step seconds and chunk latency (``step_seconds``,
+        ``chunk_seconds``), the device and `ChunkRunner.stats` (graphs, pool bytes)."""
         with self.lock:
             return {"sessions": len(self.sessions), "max_sessions": self.max_sessions,
-                    "device": str(self.runner.device),
-                    **self._counts, "step_seconds": list(self._step_seconds),
-                    **self.runner.stats()}
+                    "device": str(self.runner.device), "decoding": self.decoding,
+                    **self._counts, "step_seconds": self._step_seconds.snapshot(),
+                    "chunk_seconds": self._chunk_seconds.snapshot(), **self.runner.stats()}
 
     def _fail(self, batch: list[Session], message: str) -> None:
         self._counts["failed_steps"] += 1
         for s in batch:
-            s.state, s.error = "failed", message
+            s.state, s.error, s.waiting_since = "failed", message, None
         # A step that failed part way may have moved these sequences: start them over.
         self.runner.prefill_rows([s.sequence for s in batch] + self._scratch)
         self.ready.notify_all()
@@ -259,6 +377,7 @@ class StreamScheduler:
             if not s.queue:
                 return None
             chunk = s.queue.popleft()
+            self._mark_waiting(s)
             self.ready.notify_all()  # its session may be ready again
             return chunk
 
@@ -272,6 +391,8 @@ class StreamScheduler:
                         self.ready.wait(idle_wait)
 
     def close(self) -> None:
-        """Free the pool and the graphs."""
+        """Free the pool, the graphs and the decoder."""
         with self.lock:
             self.runner.close()
+            if self.decoder is not None:
+                self.decoder.close()

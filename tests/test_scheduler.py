@@ -1,13 +1,23 @@
 """`StreamScheduler` on the CPU (fp32): batched sessions equal each seed run alone, chunks
-in order, bounded queues, faults contained, slots reused, prompt changes re-cached."""
+in order, bounded queues, faults contained, slots reused, prompt changes re-cached.
+
+With a tiny Wan runner and a tiny VAE decoder: each session's chunks come decoded (the
+first 1 + 4 (F - 1) frames, then 4 F) and equal its latents decoded by a fresh decoder
+as one video, sessions started at different times and a prompt change included; text
+prompts equal the same text set offline; a failing decode is contained; the latency
+clock and the histograms of `metrics`.
+"""
 from __future__ import annotations
+
+import functools
+import time
 
 import pytest
 import torch
 
 from framekv.engine import Rollout
 from framekv.engine.runner import chunk_noise
-from framekv.engine.scheduler import SchedulerFull, StreamScheduler
+from framekv.engine.scheduler import Histogram, SchedulerFull, StreamScheduler, video_uint8
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +163,205 @@ def test_a_prompt_change_equals_the_same_recache_offline(sched):
     (dict(seed=-1), "seed must be"), (dict(seed="1"), "seed must be"),
     (dict(seed=1, chunks=0), "chunks must be"),
     (dict(seed=1, prompt=torch.zeros(3)), "prompt must be"),
+    (dict(seed=1, prompt="a cat"), "prompt text needs a runner with a text encoder"),
 ])
 def test_bad_session_arguments_are_named_and_take_no_slot(sched, kwargs, match):
     _clear(sched)
     with pytest.raises(ValueError, match=match):
         sched.open_session(**kwargs)
     assert len(sched._free) == sched.max_sessions
+
+
+def test_text_needs_a_text_encoder_and_changes_nothing(sched):
+    _clear(sched)
+    s = sched.open_session(seed=2)
+    with pytest.raises(ValueError, match="prompt text needs a runner with a text encoder"):
+        sched.set_prompt(s.id, "a dog")
+    assert s.prompt_version == 0 and not sched.text_prompts and not sched.decoding
+
+
+def test_the_latency_clock_runs_while_a_session_is_ready_and_not_while_paused(sched):
+    _clear(sched)
+    s = sched.open_session(seed=3)
+    time.sleep(0.05)
+    sched.step()
+    first = sched.next_chunk(s.id, timeout=0)
+    assert first.queued - first.requested >= 0.05 and first.requested <= first.queued
+    sched.pause(s.id)
+    time.sleep(0.2)                             # paused: no clock
+    sched.pause(s.id, False)
+    sched.step()
+    second = sched.next_chunk(s.id, timeout=0)
+    assert second.queued - second.requested < 0.2 <= second.queued - first.queued
+    m = sched.metrics()
+    assert m["chunk_seconds"]["count"] == m["chunks"] and m["step_seconds"]["count"] == m["steps"]
+
+
+def test_histogram_counts_are_cumulative():
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    assert h.snapshot() == {"buckets": [(0.1, 2), (1.0, 3)], "sum": pytest.approx(3.65),
+                            "count": 4}
+
+
+def test_video_uint8_is_to_uint8_batched():
+    from framekv.tools.video import to_uint8
+
+    x = torch.randn(2, 3, 5, 7, 9) * 1.5                  # odd sizes, out of range too
+    x[0, 0, 0, 0, :4] = torch.tensor([-1.0, 1.0, 1 / 255, 3 / 255])   # 127.5 + k/2: ties
+    assert torch.equal(video_uint8(x), to_uint8(x))
+
+
+# ---------------------------------------------------------------- Wan + VAE decoder
+@pytest.fixture(scope="module")
+def wan():
+    """The tiny Wan transformer, text encoder and VAE (random, fp32) and their sizes."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from framekv.engine.wan import TextEncoder, build_model, preset_sizes
+    from framekv.engine.wan.vae import build_vae
+
+    sizes = preset_sizes("tiny")
+    text = TextEncoder.from_config("tiny", max_tokens=sizes["prompt_tokens"], device="cpu")
+    return build_model("tiny", device="cpu"), text, build_vae("tiny", device="cpu"), sizes
+
+
+@pytest.fixture(scope="module")
+def wan_sched(wan):
+    from framekv.engine.wan import WanRollout
+    from framekv.engine.wan.vae import StreamingVAEDecoder
+
+    model, text, vae, sizes = wan
+    s = StreamScheduler(max_sessions=3, queue_chunks=8, runner_factory=functools.partial(
+        WanRollout, model, use_graphs=False, text_encoder=text, **sizes),
+        decoder_factory=lambda n: StreamingVAEDecoder(vae, sequences=n))
+    yield s
+    s.close()
+
+
+def fresh_decode(vae, chunks) -> list[torch.Tensor]:
+    """Chunks' latents decoded as one video by a fresh one-sequence decoder: uint8."""
+    from framekv.engine.wan.vae import StreamingVAEDecoder
+    from framekv.tools.video import to_uint8
+
+    dec = StreamingVAEDecoder(vae, sequences=1)
+    return [to_uint8(dec.decode(c.latents[None].to(dec.device)))[0] for c in chunks]
+
+
+def assert_same_video(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to a rounding flip (a batched decode sums in another order)."""
+    assert got.shape == want.shape and got.dtype == torch.uint8
+    diff = (got.int() - want.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01, int(diff.max())
+
+
+def test_sessions_get_their_chunks_decoded_as_one_video_each(wan, wan_sched):
+    _clear(wan_sched)
+    vae = wan[2]
+    F, (H, W) = wan[3]["frames_per_chunk"], wan[3]["latent_size"]
+    a = wan_sched.open_session(seed=31, chunks=5)
+    got = {}
+    for _ in range(2):                                  # a alone: chunks 0, 1
+        wan_sched.step()
+    b = wan_sched.open_session(seed=32, chunks=4, prompt="a red fox")  # b joins later
+    wan_sched.step()                                    # a steady, b first: two decodes
+    wan_sched.set_prompt(a.id, "a blue whale")          # the video goes on
+    while not (a.finished and b.finished):
+        wan_sched.step()
+    drain(wan_sched, [a, b], got)
+    for s in (a, b):
+        chunks = got[s.id]
+        counts = [c.video.shape[0] for c in chunks]
+        assert counts == [1 + 4 * (F - 1)] + [4 * F] * (len(chunks) - 1), counts
+        assert [c.video_frame0 for c in chunks] == [sum(counts[:i]) for i in range(len(counts))]
+        assert all(c.video.shape[1:] == (8 * H, 8 * W, 3) for c in chunks)
+        for c, want in zip(chunks, fresh_decode(vae, chunks)):
+            assert_same_video(c.video, want)
+    assert [c.prompt_version for c in got[a.id]] == [0, 0, 0, 1, 1]
+    # The check can fail: b's chunks decoded after a's video are not b's frames.
+    mixed = fresh_decode(vae, got[a.id][:1] + got[b.id][1:2])[1]
+    assert int((mixed.int() - got[b.id][1].video.int()).abs().max()) > 8
+    m = wan_sched.metrics()
+    assert m["decoding"] and m["video_frames"] == sum(
+        c.video.shape[0] for c in got[a.id] + got[b.id])
+
+
+def test_text_prompts_equal_the_same_text_set_offline(wan, wan_sched):
+    from framekv.engine.wan import WanRollout
+
+    _clear(wan_sched)
+    model, text, _, sizes = wan
+    s = wan_sched.open_session(seed=41, chunks=4, prompt="a red fox")
+    got = {}
+    while not s.finished:
+        if s.chunks == 2 and s.prompt_version == 0:
+            assert wan_sched.set_prompt(s.id, "a blue whale") == 1
+        wan_sched.step()
+        drain(wan_sched, [s], got)
+    r = WanRollout(model, use_graphs=False, text_encoder=text, **sizes)
+    r.set_prompt("a red fox")
+    for i, c in enumerate(got[s.id]):
+        if i == 2:
+            r.set_prompt("a blue whale", recache=True)
+        want = r.step(chunk_noise(41, i, wan_sched.chunk_shape)[None])[0]
+        assert float((c.latents - want).abs().max()) <= 1e-5, i
+    r.close()
+
+
+def test_a_failing_decode_fails_its_sessions_and_the_others_go_on(wan, wan_sched, monkeypatch):
+    _clear(wan_sched)
+    a, b = wan_sched.open_session(seed=51), wan_sched.open_session(seed=52, chunks=3)
+    wan_sched.step()
+    wan_sched.pause(b.id)
+    real = wan_sched.decoder.decode
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected decode fault")
+    monkeypatch.setattr(wan_sched.decoder, "decode", boom)
+    assert wan_sched.step() == 0
+    monkeypatch.setattr(wan_sched.decoder, "decode", real)
+    assert a.state == "failed" and "injected decode fault" in a.error
+    wan_sched.pause(b.id, False)
+    got = {}
+    while not b.finished:
+        wan_sched.step()
+        drain(wan_sched, [b], got)
+    assert a.chunks == 1 and wan_sched.metrics()["failed_steps"] >= 1
+    for c, want in zip(got[b.id], fresh_decode(wan[2], got[b.id])):
+        assert_same_video(c.video, want)
+
+
+def test_a_bad_decoder_factory_is_named():
+    with pytest.raises(ValueError, match="decoder_factory must be a callable"):
+        StreamScheduler("tiny", max_sessions=1, device="cpu", decoder_factory=3)
+
+
+@pytest.mark.gpu
+def test_wan_decoding_on_the_gpu_replays_graphs_captured_up_front():
+    """CUDA, bf16, graphs: the decoder is captured for every batch before the first
+    session, decodes without a capture after, and matches a fresh eager decoder."""
+    import argparse
+
+    from framekv.tools.serve import wan_factory
+
+    parts = wan_factory(argparse.Namespace(config="tiny", preset=None, weights=None,
+                                           device="cuda", cache_dir=None))
+    s = StreamScheduler(max_sessions=2, queue_chunks=8, runner_factory=parts,
+                        decoder_factory=parts.decoder)
+    try:
+        graphs = s.decoder.graph_count
+        assert graphs == 4                              # batches 1 and 2, both stages
+        a = s.open_session(seed=1, chunks=3)
+        s.step()
+        b = s.open_session(seed=2, chunks=2, prompt="a cat")
+        while not (a.finished and b.finished):
+            s.step()
+        assert s.decoder.graph_count == graphs
+        for sess in (a, b):
+            chunks = list(sess.queue)
+            for c, want in zip(chunks, fresh_decode(parts.vae, chunks)):
+                diff = (c.video.int() - want.int()).abs().float()
+                assert float(diff.mean()) < 1.0, float(diff.mean())
+    finally:
+        s.close()

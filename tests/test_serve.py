@@ -2,8 +2,9 @@
 
 8 concurrent sessions stream their chunks in order, each equal to its seed run alone
 (fp32); a prompt change mid-stream equals the same re-cache offline; disconnects,
-overload, bad JSON, bad tokens, unknown ids, oversized uploads and a failing step are
-clear errors while the other sessions go on.
+overload, bad JSON, bad tokens, unknown ids, oversized uploads, text for a model without
+a text encoder and a failing step are clear errors while the other sessions go on.
+(``--output frames``: test_serve_frames.py; the page in a browser: test_serve_page.py.)
 """
 from __future__ import annotations
 
@@ -105,8 +106,14 @@ def test_eight_concurrent_sessions_stream_in_order_and_equal_each_seed_alone(ser
         assert err <= 1e-5, (seed, err)
     assert max(h["batch"] for sid in ids for h, _ in results[sid][0]) > 1  # batched steps
     wait_sessions(http, 0)
-    text = http.get("/metrics").text
-    assert "framekv_chunks_total" in text and 'framekv_chunk_seconds_bucket{le="+Inf"}' in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    m = sched.metrics()
+    assert fams["framekv_chunks"].type == "counter"
+    assert fams["framekv_chunks"].samples[0].value == m["chunks"] >= 48
+    assert fams["framekv_chunk_seconds"].type == "histogram"
+    assert "framekv_video_frames" not in fams and not m["decoding"]     # latents only
 
 
 def test_a_prompt_change_mid_stream_equals_the_same_recache_offline(server):
@@ -157,10 +164,18 @@ def test_errors_are_clear_and_change_nothing(server):
                     headers={"Authorization": "Bearer wrong"}), 401, "token"),
         (httpx.get(f"{base}/metrics"), 401, "token"),
         (http.delete("/v1/sessions/nope"), 404, "no such session"),
+        (http.post("/v1/sessions", json={"seed": 1, "text": "a cat"}), 422, "text encoder"),
+        (http.post("/v1/sessions", json={"seed": 1, "text": "a", "prompt_seed": 1}), 422,
+         "give one of text, prompt_seed or prompt, not text and prompt_seed"),
+        (http.post("/v1/sessions", json={"seed": 1, "text": 5}), 422, "text must be a string"),
+        (http.post("/v1/sessions", json={"seed": 1, "text": ""}), 422, "of 0"),
     ]
     for r, status, words in bad:
         assert r.status_code == status and words in r.json()["error"], (status, r.text)
     assert httpx.get(f"{base}/health").status_code == 200  # no token needed
+    page = httpx.get(f"{base}/")                           # nor for the page
+    assert page.status_code == 200 and 'id="status"' in page.text
+    assert httpx.get(f"{base}/health").json()["output"] == "latents"
     with pytest.raises(Exception):
         with ws_client.connect(f"{ws}/v1/sessions/nope/stream?token={TOKEN}") as sock:
             sock.recv(timeout=5)

@@ -61,7 +61,8 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
     if preset.startswith("wan-diffusers:"):
         _, config, *sizes = preset.split(":")
         factory = wan_factory(argparse.Namespace(config=config, preset=(sizes or [None])[0],
-                                                 weights=None, device=device, cache_dir=None))
+                                                 weights=None, device=device, cache_dir=None),
+                              decode=False)  # the load test streams latents
     sched = StreamScheduler(preset if factory is None else "tiny", max_sessions=sessions,
                             device=device, runner_factory=factory)
     captures0 = sched.metrics()["graph_captures"]

@@ -1,0 +1,85 @@
+"""/metrics of `framekv serve`: a `StreamScheduler`'s counters as Prometheus series.
+
+Each app has its own ``CollectorRegistry`` (`metrics_registry`) holding one collector
+that reads `StreamScheduler.metrics` at every scrape, so several apps in one process
+(tests) never share a series and nothing is counted twice::
+
+    framekv_sessions                 gauge      sessions open
+    framekv_session_slots            gauge      sessions allowed at once
+    framekv_pool_bytes               gauge      the K/V pool's mapped bytes
+    framekv_gpu_allocated_bytes      gauge      torch's allocated CUDA bytes (CUDA only)
+    framekv_steps_total              counter    batched steps
+    framekv_failed_steps_total       counter    steps that raised
+    framekv_chunks_total             counter    chunks made (all sessions)
+    framekv_graph_replays_total      counter    whole-chunk graph replays
+    framekv_graph_captures_total     counter    graphs captured
+    framekv_video_frames_total       counter    video frames decoded (decoding only)
+    framekv_step_seconds             histogram  a batched step, its decode included
+    framekv_chunk_seconds            histogram  a chunk's latency: its session ready
+                                                for it -> it is queued
+
+`render` writes them in the format the scraper's ``Accept`` asks for (Prometheus text,
+or OpenMetrics) with prometheus_client's content type.
+"""
+from __future__ import annotations
+
+GAUGES = (("sessions", "framekv_sessions", "Sessions open."),
+          ("max_sessions", "framekv_session_slots", "Sessions allowed at once."),
+          ("pool_bytes", "framekv_pool_bytes", "Bytes mapped by the K/V pool."))
+COUNTERS = (("steps", "framekv_steps", "Batched steps run."),
+            ("failed_steps", "framekv_failed_steps", "Batched steps that raised."),
+            ("chunks", "framekv_chunks", "Chunks made, all sessions."),
+            ("graph_replays", "framekv_graph_replays", "Whole-chunk graph replays."),
+            ("graph_captures", "framekv_graph_captures", "Graphs captured."))
+HISTOGRAMS = (("step_seconds", "framekv_step_seconds",
+               "Seconds of a batched step, its decode included."),
+              ("chunk_seconds", "framekv_chunk_seconds",
+               "Seconds from a session being ready for a chunk to the chunk queued."))
+
+
+class SchedulerCollector:
+    """A prometheus_client collector over ``sched.metrics()`` (module doc)."""
+
+    def __init__(self, sched):
+        self.sched = sched
+
+    def collect(self):
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
+
+        m = self.sched.metrics()
+        for key, name, doc in GAUGES:
+            yield GaugeMetricFamily(name, doc, value=m[key])
+        if m["device"].startswith("cuda"):
+            import torch
+
+            yield GaugeMetricFamily("framekv_gpu_allocated_bytes",
+                                    "Bytes torch has allocated on the server's GPU.",
+                                    value=torch.cuda.memory_allocated(m["device"]))
+        for key, name, doc in COUNTERS:
+            yield CounterMetricFamily(name, doc, value=m[key])
+        if m["decoding"]:
+            yield CounterMetricFamily("framekv_video_frames", "Video frames decoded.",
+                                      value=m["video_frames"])
+        for key, name, doc in HISTOGRAMS:
+            h = m[key]
+            buckets = [(repr(float(b)), n) for b, n in h["buckets"]] + [("+Inf", h["count"])]
+            yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
+
+
+def metrics_registry(sched):
+    """A fresh ``CollectorRegistry`` holding only ``sched``'s collector."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SchedulerCollector(sched))
+    return registry
+
+
+def render(registry, accept: str | None) -> tuple[bytes, str]:
+    """(body, content type) of a scrape: OpenMetrics when ``accept`` asks for it,
+    else Prometheus text."""
+    from prometheus_client.exposition import choose_encoder
+
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type
