@@ -5,6 +5,8 @@
 # Where no torch is installed, the CPU build is installed first (a plain `torch`
 # requirement would pull a multi-GB CUDA build); an existing torch is kept. Where torch
 # sees a CUDA device, the GPU extra (nvidia-cudnn-frontend, the cuDNN backend) comes too.
+# The test tools include a headless browser for the served page: Debian's chromium,
+# installed through apt-get where it is missing (as root, or through sudo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,6 +19,13 @@ extras=()
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
   echo "framekv: torch sees a CUDA device, installing the GPU extra (nvidia-cudnn-frontend)"
   extras+=(gpu)
+fi
+if [ "${1:-}" = "test" ] && ! command -v chromium >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  echo "framekv: installing Debian's chromium for the page tests"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get install -y -q chromium >/dev/null \
+    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q chromium >/dev/null; }
 fi
 spec="."
 [ ${#extras[@]} -gt 0 ] && spec=".[$(IFS=,; echo "${extras[*]}")]"

@@ -24,6 +24,10 @@ Sections (``--sections``, default all):
                 `WanRollout` at the Wan 1.3B config (21-frame windows), and one block's
                 glue as torch ops, under torch.compile (inductor) and through framekv's
                 fused ops (`framekv.bench.breakdown`, `framekv.bench.glue`)
+    pixels      prompt to pixels at 480x832: the Wan VAE's streaming decode, eager and
+                graphed, and text -> UMT5 -> `WanRollout` (1.3B, 21-frame window) ->
+                decoded frames on the host, the decode after each chunk or overlapped
+                with the next chunk's denoising (`framekv.bench.pixels`)
 
 Prints a table per section; ``--json FILE`` writes every number with the environment;
 ``--png FILE`` draws a chart (needs matplotlib, the ``plot`` extra). ``--chart-from
@@ -40,7 +44,7 @@ import sys
 
 from .args import writable_file
 
-SECTIONS = ("attention", "chunk", "e2e", "wan", "streams", "breakdown")
+SECTIONS = ("attention", "chunk", "e2e", "wan", "streams", "breakdown", "pixels")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -81,7 +85,7 @@ def _iters(text: str) -> int:
 def configure(p: argparse.ArgumentParser) -> None:
     """Add the command's arguments to ``p`` and set ``func``."""
     p.add_argument("--sections", type=_sections, default=list(SECTIONS),
-                   help="comma-separated: attention,chunk,e2e,wan,streams (default all)")
+                   help=f"comma-separated: {','.join(SECTIONS)} (default all)")
     p.add_argument("--preset", default="seed-bench",
                    help="geometry of the attention and chunk sections (default seed-bench)")
     p.add_argument("--e2e-preset", default="wan-1.3b", help="model of the e2e section")
@@ -174,6 +178,12 @@ def _run_sections(args, preset, splits, results, save) -> None:
         print(wan.format_wan(out["wan"]), flush=True)
     if "breakdown" in args.sections:
         _breakdown(args, out, save, progress)
+    if "pixels" in args.sections:
+        from framekv.bench import pixels
+
+        out["pixels"] = pixels.measure_pixels(chunks=min(args.chunks, 6), progress=progress)
+        save()
+        print(pixels.format_pixels(out["pixels"]), flush=True)
     if "streams" in args.sections:
         from framekv.bench import streams
 
