@@ -2,7 +2,10 @@
 ValueError naming the argument, what it must be and what it got."""
 from __future__ import annotations
 
+import numbers
+
 import torch
+
 
 def check_flag(name: str, value) -> bool:
     """``value`` if it is a bool, else a ValueError naming ``name``."""
@@ -60,3 +63,32 @@ def check_shape(name: str, x, want: tuple[int, ...]) -> None:
     if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(want):
         got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name} must be a {list(want)} tensor, got {got}")
+
+
+def check_finite(name: str, x: torch.Tensor) -> None:
+    """ValueError naming ``name`` unless every value of ``x`` is finite (no NaN, no inf):
+    one reduction, read back once."""
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        bad = int(finite.numel() - finite.sum())
+        raise ValueError(f"{name} must hold finite values only, got {bad} NaN or inf of "
+                         f"{finite.numel()}")
+
+
+def check_frames(name: str, value, count: int) -> list[int]:
+    """``value`` as ``count`` host ints >= 0 (a list, tuple or range of integers, or an
+    integer tensor or array of ``count`` entries, read once); else a ValueError naming
+    ``name``: a float, even a whole one, is refused, never truncated."""
+    values = None
+    if isinstance(value, (list, tuple, range)):
+        values = list(value)
+    elif isinstance(value, torch.Tensor) or hasattr(value, "__array__"):
+        t = torch.as_tensor(value)
+        if t.dim() <= 1 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            values = t.reshape(-1).tolist()
+    if (values is None or len(values) != count
+            or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0
+                   for v in values)):
+        raise ValueError(f"{name} must be {count} integers >= 0 (host ints or an integer "
+                         f"tensor), one per row, got {value!r}")
+    return [int(v) for v in values]

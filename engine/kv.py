@@ -102,9 +102,10 @@ class KVStore(abc.ABC):
     def use_sequences(self, rows) -> None:
         """Make batch row r of the next forwards sequence ``rows[r]``; a store of one
         sequence takes (0,) only."""
-        if tuple(rows) != (0,):
+        if not isinstance(rows, (list, tuple, range)) or tuple(rows) != (0,):
+            got = tuple(rows) if isinstance(rows, (list, tuple, range)) else repr(rows)
             raise ValueError(f"{type(self).__name__} holds one sequence: rows must be (0,), "
-                             f"got {tuple(rows)}")
+                             f"got {got}")
 
     def reset_sequences(self, rows) -> None:
         """Sequences ``rows`` back to position 0, no prompt (here: the one sequence)."""
@@ -307,12 +308,16 @@ class PagedKV(KVStore):
     def rewrite_prompt(self) -> None:
         """The prompt forward's K/V written over positions [0, P) of every sequence in
         use (their committed history stays): `CausalKVCache.write_range`, private
-        copies included, so the next forward sees the new prompt."""
+        copies included, so the next forward sees the new prompt. All or nothing: if a
+        write fails, every sequence's old prompt K/V are put back in every layer."""
         kvs, self._prompt = self._prompt, []
-        Hkv = self.cache.num_kv_heads
-        for i in self.rows:
-            for layer, kv in enumerate(kvs):                              # [P, 2*H_kv, D]
-                self.cache.write_range(layer, 0, kv[:, :Hkv], kv[:, Hkv:], sequence=i)
+        if not kvs:
+            return
+        Hkv, P = self.cache.num_kv_heads, self.geometry.pin_tokens
+        with self.cache.keeping(0, P, sequences=self.rows):
+            for i in self.rows:
+                for layer, kv in enumerate(kvs):                          # [P, 2*H_kv, D]
+                    self.cache.write_range(layer, 0, kv[:, :Hkv], kv[:, Hkv:], sequence=i)
 
     def commit(self, n: int) -> None:
         self.cache.commit(n)
@@ -327,8 +332,8 @@ class PagedKV(KVStore):
         self.cache.open(self.geometry)
 
     def reset_sequences(self, rows) -> None:
-        """Sequences ``rows`` (host ints) back to position 0, no prompt; the others keep
-        their state."""
+        """Sequences ``rows`` (host ints) back to position 0, no prompt, their pages zeroed
+        (`CausalKVCache.reset_sequences`); the others keep their state."""
         self.cache.reset_sequences(rows)
 
     def close(self) -> None:

@@ -34,7 +34,15 @@ g (v_c - v_u)). `step` runs all of them, positions kept here; `step_rows` any B 
 prompt: the first one written after a reset starts it (`ChunkModel.write_prompt`), a
 later one changes it; a model whose finished frames' K/V depend on the prompt
 (``keeps_history``) has the clean latents of its visible frames kept, so that a
-change can re-cache them (clean passes over them under the new prompt).
+change can re-cache them (clean passes over them under the new prompt). A prompt write
+is all or nothing: if it fails part way, every sequence it reached is put back (a
+sequence it started starts over without a prompt, a rewritten one has its old prompt
+back, a re-cached one is re-cached under it). A sequence reset leaves nothing of its
+past to read, in the store or the model.
+
+Inputs are checked before anything runs: NaN or inf in a prompt or in noise is a
+ValueError naming it, as are noise of another chunk shape, a frame0 that is not
+integers >= 0 and rows that are not distinct host ints.
 
 One file: the chunk cycle is one object (prompts, sequences, chunks, capture, steps)
 that both rollouts adapt; its argument checks, the history and the stores live in the
@@ -49,8 +57,9 @@ import torch
 
 from framekv.graphs import CaptureRequest, GraphCache, WarmupReport, chunk_key, owner_token, run_warmup
 
-from .checks import (check_batch_sizes, check_choice, check_count, check_flag, check_guidance,
-                     check_shape, check_timesteps)
+from .cache.sequences import check_rows
+from .checks import (check_batch_sizes, check_choice, check_count, check_finite, check_flag,
+                     check_frames, check_guidance, check_shape, check_timesteps)
 from .history import History, pieces
 from .kv import ForwardContext, KVStore, Recorder
 
@@ -80,7 +89,14 @@ class ChunkModel(Protocol):
     def write_prompt(self, kv: KVStore, rows: tuple[int, ...], prompt: torch.Tensor, *,
                      rewrite: bool = False, recorder: Recorder | None = None) -> None:
         """``prompt`` [L, text_dim] for pool sequences ``rows`` (in use on ``kv``):
-        starting them (at position 0), or ``rewrite`` for sequences under way."""
+        starting them (at position 0), or ``rewrite`` for sequences under way. A rewrite
+        is all or nothing: if it fails, the old prompt's K/V are back, store and model
+        alike. A start that fails may leave part of it (the runner resets the rows)."""
+
+    def clear_prompt(self, rows: tuple[int, ...]) -> None:
+        """Forget the prompt of pool sequences ``rows`` (host ints) where the model
+        keeps it: nothing of it is left for a later forward to read (the store's K/V
+        of them are reset by the runner)."""
 
     def default_prompt(self) -> torch.Tensor:
         """The prompt a sequence gets when none is given: [L, text_dim]."""
@@ -222,11 +238,14 @@ class ChunkRunner:
         """The prompt of every sequence from the next chunk on: ``prompt`` [L, text_dim]
         (or [1, L, text_dim]); ``negative``: the unconditional branch's (guidance only;
         default zeros). A sequence under way keeps its history's K/V unless
-        ``recache`` (a model with ``keeps_history``: recomputed under the new prompt)."""
+        ``recache`` (a model with ``keeps_history``: recomputed under the new prompt).
+        All or nothing (`_write_prompts`); NaN or inf in a prompt is a ValueError."""
         self._check_open()
         name, neg_name = self._prompt_names
         prompt = self._check_prompt(name, prompt)
+        check_flag("recache", recache)
         S = self.sequences
+        writes = [(range(S), prompt)]
         if self.guidance is None:
             if negative is not None:
                 raise ValueError(f"{neg_name} needs guidance_scale (classifier-free "
@@ -237,8 +256,8 @@ class ChunkRunner:
             if negative.shape != prompt.shape:
                 raise ValueError(f"{neg_name} must have the shape of {name} "
                                  f"{list(prompt.shape)}, got {list(negative.shape)}")
-            self._write_prompt(range(S, 2 * S), negative, recache=recache)
-        self._write_prompt(range(S), prompt, recache=recache)
+            writes.insert(0, (range(S, 2 * S), negative))
+        self._write_prompts(writes, recache=recache)
 
     @torch.no_grad()
     def prefill_rows(self, rows, prompt: torch.Tensor | None = None, *,
@@ -246,15 +265,30 @@ class ChunkRunner:
         """The prompt of pool sequences ``rows`` (host ints): ``prompt`` [L, text_dim],
         default `default_prompt`. Without ``rewrite`` they start over at position 0
         (the others keep theirs); with it the prompt changes under way (their history
-        re-cached where the model keeps one)."""
+        re-cached where the model keeps one), all or nothing (`_write_prompts`). NaN or
+        inf in the prompt is a ValueError."""
         self._check_open()
         prompt = self._check_prompt("prompt", self.default_prompt() if prompt is None else prompt)
-        rows = tuple(rows)
+        rows = check_rows(rows, self.pool, name="rows")
+        check_flag("rewrite", rewrite)
         if not rewrite:
             self._reset_rows(rows)
-        self._write_prompt(rows, prompt, recache=rewrite)
+        self._write_prompts([(rows, prompt)], recache=rewrite)
 
-    def _write_prompt(self, rows, prompt: torch.Tensor, *, recache: bool) -> None:
+    def _write_prompts(self, writes, *, recache: bool) -> None:
+        """Each (rows, prompt) of ``writes``: a sequence without a prompt starts with it,
+        one with a prompt has it rewritten (and, with ``recache``, its history
+        re-cached). All or nothing: if any part fails, every sequence of ``writes`` is
+        put back as it was (`_put_back`) and the error raised again."""
+        before, recached = list(self._prompts), []
+        try:
+            for rows, prompt in writes:
+                self._write_prompt(rows, prompt, recache=recache, recached=recached)
+        except BaseException:
+            self._put_back(before, [r for rows, _ in writes for r in rows], recached)
+            raise
+
+    def _write_prompt(self, rows, prompt: torch.Tensor, *, recache: bool, recached: list) -> None:
         fresh = [r for r in rows if self._prompts[r] is None]
         going = [r for r in rows if self._prompts[r] is not None]
         for group, rewrite in ((fresh, False), (going, True)):
@@ -267,11 +301,36 @@ class ChunkRunner:
                 self._prompts[r] = prompt
         if recache and self.history is not None:
             for r in going:
+                recached.append(r)
                 self._recache(r)
+
+    def _put_back(self, before: list, rows, recached: list) -> None:
+        """After a failed prompt write: pool sequences ``rows`` back to their prompts
+        ``before``. One that had none starts over (position 0, no prompt); one whose
+        prompt was rewritten gets its old one written back (a rewrite that failed put
+        itself back), and one whose re-cache ran is re-cached under its old prompt. If
+        that fails too, those sequences start over without a prompt (a step refuses
+        them until they get one)."""
+        fresh = [r for r in rows if before[r] is None]
+        moved = [r for r in rows if before[r] is not None and self._prompts[r] is not before[r]]
+        if fresh:
+            self._reset_rows(fresh)
+        again = list(dict.fromkeys(r for r in recached if before[r] is not None))
+        try:
+            for r in moved:
+                self._prompts[r] = before[r]
+            for prompt in {id(before[r]): before[r] for r in moved if r not in again}.values():
+                group = [r for r in moved if before[r] is prompt and r not in again]
+                self._use(group)
+                self.chunk_model.write_prompt(self.kv, tuple(group), prompt, rewrite=True)
+            for r in again:
+                self._recache(r)
+        except Exception:
+            self._reset_rows(list(dict.fromkeys(moved + again)))
 
     def _check_prompt(self, name: str, x) -> torch.Tensor:
         """``x`` as [L, text_dim] if it is one (or [1, L, text_dim]) of the model's prompt
-        shape, else a ValueError naming ``name``."""
+        shape with finite values only, else a ValueError naming ``name``."""
         want = self.prompt_shape
         if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 1:
             x = x[0]
@@ -283,6 +342,7 @@ class ChunkRunner:
         if want is not None and x.shape[0] != want[0]:
             raise ValueError(f"{name} must keep the prompt length of the first set_prompt "
                              f"(or prompt_tokens): {want[0]} tokens, got {x.shape[0]}")
+        check_finite(name, x)
         return x
 
     def _require_prompt(self, rows) -> None:
@@ -299,7 +359,7 @@ class ChunkRunner:
         if self.history is None:
             raise ValueError(f"{type(self).__name__}'s model keeps no history to re-cache: "
                              "its finished frames' K/V do not depend on the prompt")
-        for r in rows:
+        for r in check_rows(rows, self.pool, name="rows"):
             self._require_prompt((r,))
             self._recache(r)
 
@@ -354,8 +414,17 @@ class ChunkRunner:
 
     def chunk(self, noise: torch.Tensor, frame0: torch.Tensor) -> torch.Tensor:
         """One whole chunk over static inputs, of the pool rows in use: the sampler's
-        steps, the clean pass, the commit. noise fp32 [B, C, F, H, W]; frame0 int64 [B]
-        -> clean latents fp32 [B, C, F, H, W]."""
+        steps, the clean pass, the commit. noise fp32 [B, C, F, H, W] (B: the sequences
+        in use, per branch); frame0 int64 [B] -> clean latents fp32 [B, C, F, H, W].
+        Shapes and dtypes are checked (host metadata only: a capture runs it)."""
+        B = len(self._in_use) // (1 if self.guidance is None else 2)
+        self._check_noise(noise, B)
+        if (not isinstance(frame0, torch.Tensor) or frame0.dtype != torch.int64
+                or tuple(frame0.shape) != (B,)):
+            got = (f"{frame0.dtype} {list(frame0.shape)}" if isinstance(frame0, torch.Tensor)
+                   else type(frame0).__name__)
+            raise ValueError(f"frame0 must be an int64 [{B}] tensor (each row's first rope "
+                             f"frame), got {got}")
         sig, x = self.sigmas, noise.clone()
         both = self.guidance is not None
         frame0 = torch.cat([frame0, frame0]) if both else frame0           # [R] pool rows
@@ -474,7 +543,8 @@ class ChunkRunner:
         if noise is None:
             noise = torch.stack([chunk_noise(self.seed, i, (C, F, H, W), s)
                                  for s, i in enumerate(self.sequence_chunks)])
-        check_shape("noise", noise, (S, C, F, H, W))
+        self._check_noise(noise, S, frames=F)
+        check_finite("noise", noise)
         if self.use_graphs and not self._keys:
             self.capture()  # every sequence at 0, and back at 0 after
         out = self._run(tuple(range(S)), noise, self.sequence_frames)
@@ -484,23 +554,37 @@ class ChunkRunner:
 
     @torch.no_grad()
     def step_rows(self, rows, noise: torch.Tensor, frame0) -> torch.Tensor:
-        """One chunk of sequences ``rows`` (host ints, as many as one of
-        ``batch_sizes``): batch row r is sequence rows[r], from noise[r] [C, F, H, W] at
-        rope frame frame0[r]; returns the clean latents [B, C, F, H, W] (a copy). One
-        graph replay (captured for that batch size); the caller keeps the positions."""
+        """One chunk of sequences ``rows`` (distinct host ints in [0, sequences), as many
+        as one of ``batch_sizes``): batch row r is sequence rows[r], from noise[r]
+        [C, F, H, W] (F: a chunk's frames; finite values only) at rope frame frame0[r]
+        (integers >= 0: host ints or an integer tensor); returns the clean latents
+        [B, C, F, H, W] (a copy). One graph replay (captured for that batch size); the
+        caller keeps the positions. Every argument is checked before anything runs."""
         self._check_open()
-        rows = tuple(rows)
-        if len(rows) not in self.batch_sizes:
+        if not isinstance(rows, (list, tuple, range)) or len(rows) not in self.batch_sizes:
+            got = len(rows) if isinstance(rows, (list, tuple, range)) else repr(rows)
             raise ValueError(f"rows must name as many sequences as one of the batch sizes "
-                             f"{self.batch_sizes}, got {len(rows)}")
+                             f"{self.batch_sizes}, got {got}")
+        rows = check_rows(rows, self.sequences, name="rows")
+        self._check_noise(noise, len(rows))
+        check_finite("noise", noise)
+        frames = check_frames("frame0", frame0, len(rows))  # read once, host ints
+        self._require_prompt(self._pool_rows(rows))
+        return self._run(rows, noise, frames)
+
+    def _check_noise(self, noise, batch: int, frames: int | None = None) -> None:
+        """ValueError naming ``noise`` (the shape wanted and the one given) unless it is
+        a floating [batch, C, F, H, W] tensor of the chunk shape, F ``frames`` or (None)
+        the frames of a full chunk or of the short last one."""
         C, F, H, W = self.chunk_shape
         lengths = [t // self.tokens_per_frame for t in self._chunk_tokens()]
-        if isinstance(noise, torch.Tensor) and noise.dim() == 5 and noise.shape[2] in lengths:
+        if frames is not None:
+            F = frames
+        elif isinstance(noise, torch.Tensor) and noise.dim() == 5 and noise.shape[2] in lengths:
             F = noise.shape[2]
-        check_shape("noise", noise, (len(rows), C, F, H, W))
-        self._require_prompt(self._pool_rows(rows))
-        frames = torch.as_tensor(frame0).reshape(-1).tolist()  # read once, host ints
-        return self._run(rows, noise, frames)
+        check_shape("noise", noise, (batch, C, F, H, W))
+        if not noise.is_floating_point():
+            raise ValueError(f"noise must be a floating-point tensor, got {noise.dtype}")
 
     def _run(self, rows: tuple[int, ...], noise: torch.Tensor, frames: list[int]) -> torch.Tensor:
         pool = self._pool_rows(rows)
@@ -524,18 +608,21 @@ class ChunkRunner:
         """Every sequence back to position 0 under its prompt (graphs stay valid)."""
         self._check_open()
         self.kv.reset()
+        self.chunk_model.clear_prompt(tuple(range(self.pool)))
         prompts, self._prompts = self._prompts, [None] * self.pool
         if self.history is not None:
             self.history.clear()
         self.sequence_chunks, self.sequence_frames = [0] * self.sequences, [0] * self.sequences
         self.paths, self.path = {"eager": 0, "graphs": 0}, None
-        for prompt in {id(p): p for p in prompts if p is not None}.values():
-            self._write_prompt([r for r, p in enumerate(prompts) if p is prompt], prompt,
-                               recache=False)
+        distinct = {id(p): p for p in prompts if p is not None}.values()
+        self._write_prompts([([r for r, q in enumerate(prompts) if q is p], p) for p in distinct],
+                            recache=False)
 
     def _reset_rows(self, rows) -> None:
-        """Pool sequences ``rows`` back to position 0 with no prompt; the others go on."""
-        self.kv.reset_sequences(rows)
+        """Pool sequences ``rows`` back to position 0 with no prompt, nothing of their
+        past left in the store or the model; the others go on."""
+        self.kv.reset_sequences(list(rows))
+        self.chunk_model.clear_prompt(tuple(rows))
         for r in rows:
             self._prompts[r] = None
             if self.history is not None:

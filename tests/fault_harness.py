@@ -51,6 +51,13 @@ class Fault:
         raise InjectedFault(f"injected fault in call {self.calls} of {getattr(self.fn, '__name__', self.fn)}")
 
 
+def patch_method(monkeypatch, cls, name: str, fault: Fault) -> Fault:
+    """Route ``cls.name`` through ``fault`` (which receives ``self`` first)."""
+    fault.fn = getattr(cls, name)
+    monkeypatch.setattr(cls, name, lambda self, *a, **kw: fault(self, *a, **kw))
+    return fault
+
+
 class Twin:
     """A cache and the fp32 reference fed the same K/V; see the module doc.
 

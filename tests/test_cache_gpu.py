@@ -64,7 +64,9 @@ def test_ten_thousand_commits_constant_memory():
 def test_pool_bytes_for_equals_driver_allocation():
     g, tpp = G(512, 37824, 1576, (394, 1576)), 32
     kw = dict(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, tokens_per_page=tpp)
-    _cache(G(1, 1, 1, (1,)), 1).shutdown()  # one-time driver and kernel-module costs first
+    warm = _cache(G(1, 1, 1, (1,)), 1)      # one-time driver and kernel-module costs first
+    warm.open(G(1, 1, 1, (1,)))              # (an open's uploads and page zeroing included)
+    warm.shutdown()
     free0 = _free()
     cache = CausalKVCache(**kw, pool_tokens=CausalKVCache.pool_tokens_for(g, tpp), device="cuda")
     cache.open(g)

@@ -1,6 +1,6 @@
 """Faults injected into every public mutation, on the CPU: the cache is left as before or
 as after the call, never in between, and the next forwards are exact against the fp32
-exact-window reference (`fault_harness.Twin.verify`).
+exact-window reference (`fault_harness.Twin.verify`). Prompt changes: `test_faults_prompt.py`.
 
 The simulator suite (`test_faults_sim.py`) injects into the commit kernels' steps, the
 GPU suite (`test_faults_gpu.py`) into the device halves and captured chunks.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fault_harness import (GEOMETRY, LAYERS, Fault, InjectedFault, Twin, first_scatter_fails,
-                           half_copy)
+                           half_copy, patch_method)
 from framekv import ops
 from framekv.engine import CachedAttention, CausalKVCache, Rollout
 from framekv.engine.cache import GeometryState, HostLayout
@@ -19,13 +19,6 @@ from framekv.engine.cache.sequences import PoolState
 
 M = GEOMETRY.max_staged_tokens
 COPY = ops.copy_kv_slots_  # the real op, for faults that do part of its work
-
-
-def patch_method(monkeypatch, cls, name: str, fault: Fault) -> Fault:
-    """Route ``cls.name`` through ``fault`` (which receives ``self`` first)."""
-    fault.fn = getattr(cls, name)
-    monkeypatch.setattr(cls, name, lambda self, *a, **kw: fault(self, *a, **kw))
-    return fault
 
 
 def table_only(state):
@@ -227,3 +220,4 @@ def test_every_layer_commit_needs_every_layer_on_a_fresh_cache():
         twin.forward_layer(layer, M)
     twin.commit()
     twin.verify()
+

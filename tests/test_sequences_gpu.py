@@ -42,7 +42,11 @@ def test_cudnn_batch_equals_each_sequence_alone(g, tpp, chunk, frame, N):
 def test_pool_bytes_for_equals_driver_allocation_with_sequences():
     g, tpp = G(512, 37824, 1576, (394, 1576)), 32
     kw = dict(num_layers=4, num_kv_heads=8, head_dim=128, dtype=BF16, tokens_per_page=tpp)
-    CausalKVCache(**kw, pool_tokens=32, device="cuda").shutdown()  # one-time costs first
+    small = G(1, 1, 1, (1,))                 # one-time costs first, an open's included
+    warm = CausalKVCache(**kw, device="cuda", num_sequences=2,
+                         pool_tokens=CausalKVCache.pool_tokens_for(small, tpp, num_sequences=2))
+    warm.open(small)
+    warm.shutdown()
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
     cache = CausalKVCache(**kw, device="cuda", num_sequences=3,

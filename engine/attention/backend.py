@@ -104,11 +104,16 @@ def attend_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """softmax(q k^T * scale) v in fp32, GQA, chunked over queries.
 
     q [n, H, D]; k, v [L, H_kv, D]; key_mask bool [L] (False: not a key) -> [n, H, D] fp32.
+    A masked key contributes nothing, whatever its K and V hold (a NaN or inf included):
+    its score is -inf and its value row zero, so no 0 * NaN reaches the output.
     """
     n, H, D = q.shape
     group = H // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)  # [L, H, D]
-    vf = v.float().repeat_interleave(group, dim=1)
+    vf = v.float()
+    if key_mask is not None:
+        vf = vf.masked_fill(~key_mask[:, None, None], 0.0)  # a new tensor: v stays as it is
+    vf = vf.repeat_interleave(group, dim=1)
     out = torch.empty(n, H, D, dtype=torch.float32, device=q.device)
     for i in range(0, n, _QUERY_CHUNK):
         qf = q[i:i + _QUERY_CHUNK].float()

@@ -30,8 +30,11 @@ commit has two halves, one path for any number of sequences::
                        (``copy_kv_slots_``)
 
 A chunk captured with its commit replays the device half; its replay hook runs
-``note_staged`` and ``commit_host``. Edit path (``write_range`` / ``zero_values``):
-host-built slot lists, uploaded per call.
+``note_staged`` and ``commit_host``. Edit path (``write_range`` / ``zero_values``, several
+of them all or nothing inside ``keeping``): host-built slot lists, uploaded per call.
+A sequence that starts over (``open``, ``reset_sequences``) has every page it owns
+zeroed: nothing of an earlier rollout, a NaN included, is left where a kernel reads,
+not even a padding slot it masks.
 
 One file: the cache's public surface (sizing, lifecycle, sequences, forwards, commit,
 edits) is one object; its rules, states and batches live in the modules beside it.
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from framekv import ops
@@ -168,7 +172,8 @@ class CausalKVCache:
         return self._seq(i).host.staged
 
     def open(self, geometry: Geometry) -> None:
-        """Start a rollout of ``geometry`` at position 0.
+        """Start a rollout of ``geometry`` at position 0, every sequence in use, the
+        pages of every sequence zero (K and V, every layer).
 
         The geometry's tensors are carved the first time and reused after, at the
         same addresses. Raises ValueError (already open, a bad geometry, or a pool
@@ -189,7 +194,10 @@ class CausalKVCache:
         state = self._states.get(geometry) or PoolState.carve(self._arena, plan,
                                                               self.num_layers, N)
         self._states[geometry] = state
-        state.reset()  # a failure here leaves the cache closed; the next open resets again
+        # A failure here leaves the cache closed; the next open resets again.
+        self._zero_pages(state, range(N))
+        state.reset(range(N))
+        state.use(range(N))
         self._open = state
 
     def close(self) -> None:
@@ -292,10 +300,26 @@ class CausalKVCache:
                          tokens=tokens, blocks=pool.gather(causal_block_size, tokens))
 
     def reset_sequences(self, sequences) -> None:
-        """Sequences ``sequences`` (host ints) start over at position 0; the others
-        keep their state. Graphs stay valid."""
+        """Sequences ``sequences`` (host ints; every one: ``range(num_sequences)``) start
+        over at position 0; the others keep their state. Every page they own (fixed,
+        ring and private pages, K and V, every layer) is zeroed, so nothing of their
+        past, a NaN or inf included, is left for a later forward to read, not even a
+        padding slot a kernel masks. Graphs stay valid."""
         pool = self._require_open()
-        pool.reset(check_rows(sequences, self.num_sequences))
+        if sequences is None:
+            raise ValueError(f"sequences must name the sequences to reset (host ints; every "
+                             f"one: range({self.num_sequences})), got None")
+        rows = check_rows(sequences, self.num_sequences)
+        self._zero_pages(pool, rows)
+        pool.reset(rows)
+
+    def _zero_pages(self, pool: PoolState, rows) -> None:
+        """Zero K and V of every page sequences ``rows`` own in ``pool``'s layout."""
+        pages = pool.plan.total_pages
+        with torch.no_grad():
+            for i in rows:
+                base = pool.seqs[i].plan.page_base
+                self._pool[:, :, base:base + pages].zero_()
 
     # ------------------------------------------------------------------ forwards
     def write_staged(self, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -459,15 +483,34 @@ class CausalKVCache:
             self.v_pool[layer].index_fill_(0, slots, 0)
 
     @contextlib.contextmanager
-    def _restoring(self, layer: int, slots: torch.Tensor):
-        """Keep the K/V of ``slots`` of ``layer``; put them back if the block raises."""
+    def keeping(self, start: int, n: int, *, sequences):
+        """Keep the K/V of resident positions [start, start + n) of sequences
+        ``sequences`` (host ints) in every layer, their private copies included, and put
+        them back if the block raises: several edits (`write_range`, `zero_values`) made
+        all or nothing together."""
+        pool = self._require_open()
+        rows = check_rows(sequences, self.num_sequences)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        dst = [pool.seqs[i].host.edit_targets(start, n)[1] for i in rows]
+        slots = torch.from_numpy(np.concatenate(dst)).to(self.device)
+        with self._restoring(None, slots):
+            yield
+
+    @contextlib.contextmanager
+    def _restoring(self, layer: int | None, slots: torch.Tensor):
+        """Keep the K/V of ``slots`` of ``layer`` (None: every layer); put them back if
+        the block raises."""
+        dim = 1 if layer is None else 0
+        k, v = (self.k_pool, self.v_pool) if layer is None else (self.k_pool[layer],
+                                                                 self.v_pool[layer])
         with torch.no_grad():
-            k_old, v_old = self.k_pool[layer][slots], self.v_pool[layer][slots]  # [n, H_kv, D]
+            k_old, v_old = k.index_select(dim, slots), v.index_select(dim, slots)
             try:
                 yield
             except BaseException:
-                self.k_pool[layer].index_copy_(0, slots, k_old)
-                self.v_pool[layer].index_copy_(0, slots, v_old)
+                k.index_copy_(dim, slots, k_old)
+                v.index_copy_(dim, slots, v_old)
                 raise
 
     # ------------------------------------------------------------------ checks

@@ -75,13 +75,10 @@ class PoolState:
             arena.release_to(mark)
             raise
 
-    def reset(self, rows=None) -> None:
-        """Sequences ``rows`` (host ints; default all) back to position 0; with no rows
-        given, every sequence is in use again (in order)."""
-        for i in range(self.num_sequences) if rows is None else rows:
+    def reset(self, rows) -> None:
+        """Sequences ``rows`` (host ints, checked by the caller) back to position 0."""
+        for i in rows:
             self.seqs[i].reset()
-        if rows is None:
-            self.use(range(self.num_sequences))
 
     # ------------------------------------------------------------------ rows
     def use(self, rows) -> tuple[int, ...]:
@@ -203,20 +200,20 @@ class Selection:
                              f"cache; this forward is {batch} x {tokens} in blocks of {block_size}")
 
 
-def check_rows(rows, num_sequences: int) -> tuple[int, ...]:
+def check_rows(rows, num_sequences: int, name: str = "sequences") -> tuple[int, ...]:
     """``rows`` as a tuple of host ints if it names 1 to N distinct sequences in
-    [0, num_sequences), else ValueError."""
+    [0, num_sequences), else a ValueError naming the argument ``name``."""
     if isinstance(rows, torch.Tensor) or not isinstance(rows, (list, tuple, range)):
-        raise ValueError(f"sequences must be host ints (a list, tuple or range), got "
+        raise ValueError(f"{name} must be host ints (a list, tuple or range), got "
                          f"{type(rows).__name__}")
     values = list(rows)
     bad = [i for i in values if isinstance(i, bool) or not isinstance(i, int)
            or not 0 <= i < num_sequences]
     if bad or not 1 <= len(values) <= num_sequences:
-        raise ValueError(f"sequences must name 1 to {num_sequences} sequences in "
+        raise ValueError(f"{name} must name 1 to {num_sequences} sequences in "
                          f"[0, {num_sequences}), got {values}")
     if len(set(values)) != len(values):
-        raise ValueError(f"sequences must be distinct (one batch row per sequence), got {values}")
+        raise ValueError(f"{name} must be distinct (one batch row per sequence), got {values}")
     return tuple(values)
 
 

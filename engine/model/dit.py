@@ -223,8 +223,14 @@ class DiTChunks:
     def write_prompt(self, kv: KVStore, rows, prompt: torch.Tensor, *, rewrite: bool = False,
                      recorder: Recorder | None = None) -> None:
         """The prompt [P, text_dim] as the pinned prefix of ``kv``'s sequences in use
-        (``rows``, already in use), committed at position 0 or written over it."""
+        (``rows``, already in use), committed at position 0 or written over it. A
+        rewrite is all or nothing: its forward writes nothing, and its writes put the
+        old prompt's K/V back if one fails (`PagedKV.rewrite_prompt`)."""
         self.dit.prefill(kv, prompt, rewrite=rewrite, glue=self.glue, recorder=recorder)
+
+    def clear_prompt(self, rows) -> None:
+        """Nothing to do: the prompt's K/V live in the store, whose reset of ``rows``
+        zeroes them."""
 
     def default_prompt(self) -> torch.Tensor:
         """The model's own prompt tokens [P, text_dim] (deterministic random)."""

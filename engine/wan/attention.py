@@ -155,6 +155,26 @@ class PromptKV:
         self.k[list(rows)] = k
         self.v[list(rows)] = v
 
+    def kept(self, rows) -> tuple | None:
+        """What `put_back` needs to undo writes to sequences ``rows`` (host ints): a copy
+        of their K/V, or None before the buffers exist."""
+        if self.k is None:
+            return None
+        return self.k[list(rows)].clone(), self.v[list(rows)].clone()
+
+    def put_back(self, rows, kept: tuple | None) -> None:
+        """Sequences ``rows`` as `kept` found them (no buffers again if there were none)."""
+        if kept is None:
+            self.k = self.v = None
+        else:
+            self.k[list(rows)], self.v[list(rows)] = kept
+
+    def clear(self, rows) -> None:
+        """Zero the K/V of sequences ``rows`` (host ints): no prompt left to read."""
+        if self.k is not None:
+            self.k[list(rows)] = 0
+            self.v[list(rows)] = 0
+
     def __call__(self, attn, hidden_states: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """``attn2`` over hidden_states [B, S, dim] and the prompts of the forward's rows."""
         q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))

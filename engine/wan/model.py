@@ -83,11 +83,24 @@ class WanChunks:
     def write_prompt(self, kv: KVStore, rows, prompt: torch.Tensor, *, rewrite: bool = False,
                      recorder: Recorder | None = None) -> None:
         """The prompt [L, text_dim] (a text encoder's output) of pool sequences ``rows``:
-        embedded and projected to every block's cross-attention K/V, once."""
+        embedded and projected to every block's cross-attention K/V, once. All or
+        nothing: if a block's write fails, every block's K/V of ``rows`` are put back."""
         text = prompt.to(self.device, self.dtype)[None].expand(len(rows), -1, -1)
         emb = self.model.condition_embedder.text_embedder(text)              # [R, L, dim]
-        for block, p in zip(self.model.blocks, self.prompts):
-            p.write(block.attn2, emb, rows)
+        kept = [p.kept(rows) for p in self.prompts]
+        try:
+            for block, p in zip(self.model.blocks, self.prompts):
+                p.write(block.attn2, emb, rows)
+        except BaseException:
+            for p, old in zip(self.prompts, kept):
+                p.put_back(rows, old)
+            raise
+
+    def clear_prompt(self, rows) -> None:
+        """Zero every block's cross-attention K/V of pool sequences ``rows``: nothing of
+        their prompt is left for a later forward to read."""
+        for p in self.prompts:
+            p.clear(rows)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor | None:
