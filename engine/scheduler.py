@@ -21,7 +21,10 @@ captured from ``decoder_factory``); sessions join (a free sequence started over,
 decoder row reset) and leave between steps without a capture. A consumer that does not
 fetch its chunks fills its bounded queue and only its session pauses. A step (or its
 decode) that raises fails the sessions in it (each keeps the error message; their
-sequences and the scratch rows start over) and the loop goes on with the others.
+sequences and the scratch rows start over) and the loop goes on with the others; a
+start-over that raises too is logged, and the scratch rows are started over before
+their next step. A loop that ends by an exception fails every session and refuses new
+ones (`StreamScheduler.loop_error`, `LoopStopped`).
 
 A session's chunks are one video: its first chunk decodes to 1 + 4 (F - 1) frames,
 every later one to 4 F, going on from its decoder row's causal state (a prompt change
@@ -37,80 +40,31 @@ freed, resumed) to its being queued, decode included. No web imports here:
 """
 from __future__ import annotations
 
-import collections
 import functools
+import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from .rollout import Rollout
 from .runner import ChunkRunner, chunk_noise
+from .sessions import (LATENCY_BUCKETS, Histogram, Session, SessionChunk,
+                       default_batch_sizes)
 
-#: upper bounds (seconds) of the step and chunk latency histograms of `metrics`
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+__all__ = ["Histogram", "LATENCY_BUCKETS", "LoopStopped", "SchedulerFull", "Session",
+           "SessionChunk", "StreamScheduler", "default_batch_sizes", "video_uint8"]
+log = logging.getLogger("framekv.scheduler")
 
 
 class SchedulerFull(Exception):
     """Every session sequence is taken."""
 
 
-@dataclass
-class SessionChunk:
-    """One finished chunk of a session: index, first latent frame, latents fp32
-    [C, F, H, W] (host), seconds of the batched step that made it (decode included), its
-    batch size, the session's prompt changes then, its latent frames; with a decoder
-    ``video`` uint8 [F', H, W, 3] (host) from video frame ``video_frame0`` on;
-    ``requested``/``queued``: `time.monotonic` when the session was ready for it / got it."""
-
-    index: int
-    frame0: int
-    latents: torch.Tensor
-    seconds: float
-    batch: int
-    prompt_version: int = 0
-    frames: int = 0
-    video: torch.Tensor | None = None
-    video_frame0: int = 0
-    requested: float = 0.0
-    queued: float = 0.0
-
-
-@dataclass
-class Session:
-    """A client's stream: its sequence of the pool, its position, its undelivered chunks.
-
-    ``state``: "active", "done" (its chunk budget is spent), "failed" (``error`` says
-    why) or "closed". ``paused``: the client asked for a pause. ``waiting_since``: when
-    it last became ready for a chunk (None while it is not).
-    """
-
-    id: str
-    sequence: int
-    seed: int
-    budget: int | None
-    chunks: int = 0
-    frames: int = 0
-    video_frames: int = 0
-    paused: bool = False
-    prompt_version: int = 0
-    state: str = "active"
-    error: str | None = None
-    waiting_since: float | None = None
-    queue: collections.deque = field(default_factory=collections.deque)
-
-    @property
-    def finished(self) -> bool:
-        """No chunk will come any more (done, failed or closed)."""
-        return self.state != "active"
-
-
-def default_batch_sizes(max_sessions: int) -> tuple[int, ...]:
-    """Powers of two below ``max_sessions``, and ``max_sessions``."""
-    sizes = [1 << i for i in range(max_sessions.bit_length()) if 1 << i < max_sessions]
-    return tuple(sizes) + (max_sessions,)
+class LoopStopped(RuntimeError):
+    """The GPU loop (`StreamScheduler.run`) ended by an exception: no session can be
+    stepped any more; the message says why."""
 
 
 def video_uint8(video: torch.Tensor) -> torch.Tensor:
@@ -118,23 +72,6 @@ def video_uint8(video: torch.Tensor) -> torch.Tensor:
     device: (x + 1) * 127.5 clamped to [0, 255], rounded half to even (torch.round)."""
     x = ((video.float() + 1) * 127.5).clamp_(0, 255).round_()
     return x.to(torch.uint8).permute(0, 2, 3, 4, 1).contiguous()  # [B, F, H, W, 3]
-
-
-class Histogram:
-    """Counts of observed values under each of ``bounds``, their sum and number."""
-
-    def __init__(self, bounds=LATENCY_BUCKETS):
-        self.bounds, self.counts, self.sum, self.count = tuple(bounds), [0] * len(bounds), 0.0, 0
-
-    def observe(self, value: float) -> None:
-        """Count one value."""
-        self.counts = [c + (value <= b) for c, b in zip(self.counts, self.bounds)]
-        self.sum, self.count = self.sum + value, self.count + 1
-
-    def snapshot(self) -> dict:
-        """{"buckets": [(bound, values <= bound), ...], "sum", "count"} (cumulative)."""
-        return {"buckets": list(zip(self.bounds, self.counts)), "sum": self.sum,
-                "count": self.count}
 
 
 class StreamScheduler:
@@ -188,7 +125,11 @@ class StreamScheduler:
         self.lock = threading.RLock()       # sessions, the runner and the decoder
         self.ready = threading.Condition(self.lock)
         self._text_lock = threading.Lock()
-        self._counts = {"steps": 0, "chunks": 0, "failed_steps": 0, "video_frames": 0}
+        self._counts = {"steps": 0, "chunks": 0, "failed_steps": 0, "failed_resets": 0,
+                        "video_frames": 0}
+        self._stale: set[int] = set()       # scratch rows to start over before a step
+        #: why the GPU loop ended by an exception (`run`); None while it has not
+        self.loop_error: str | None = None
         self._step_seconds, self._chunk_seconds = Histogram(), Histogram()
         #: one chunk of a session, [C, F, H, W]; prompt: [L, text_dim]
         self.chunk_shape = tuple(self.runner.chunk_shape)
@@ -215,7 +156,11 @@ class StreamScheduler:
                      chunks: int | None = None) -> Session:
         """A new session at position 0 (``prompt``: `prompt_shape` or text (module doc),
         default the runner's; ``chunks``: a budget, None for open-ended). Raises
-        `SchedulerFull` when every sequence is taken, ValueError for a bad argument."""
+        `SchedulerFull` when every sequence is taken, ValueError for a bad argument,
+        `LoopStopped` once the GPU loop has ended by an exception (`run`)."""
+        if self.loop_error is not None:
+            raise LoopStopped(f"the GPU loop stopped ({self.loop_error}): no session can "
+                              "be stepped; restart the server")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
             raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
         if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
@@ -297,6 +242,7 @@ class StreamScheduler:
             frame0 = torch.tensor([s.frames for s in batch] + [0] * (B - len(batch)))
             t0 = time.perf_counter()
             try:
+                self._restart_stale(rows[len(batch):])
                 out = self.runner.step_rows(rows, noise, frame0)      # [B, C, F, H, W]
                 video = self._decode(batch, out[:len(batch)])
                 out = out.cpu()
@@ -344,7 +290,8 @@ class StreamScheduler:
 
     def metrics(self) -> dict:
         """A snapshot for a server's metrics: sessions open and allowed, steps, chunks,
-        failed steps, video frames decoded (``decoding``: whether any are), histograms
+        failed steps and failed start-overs (``failed_resets``), video frames decoded
+        (``decoding``: whether any are), histograms
         (`Histogram.snapshot`) of step seconds and chunk latency (``step_seconds``,
         ``chunk_seconds``), the device and `ChunkRunner.stats` (graphs, pool bytes)."""
         with self.lock:
@@ -354,12 +301,32 @@ class StreamScheduler:
                     "chunk_seconds": self._chunk_seconds.snapshot(), **self.runner.stats()}
 
     def _fail(self, batch: list[Session], message: str) -> None:
+        """Fail the sessions of a step that raised (each keeps ``message``) and start
+        their rows and the scratch rows over (a step that failed part way may have moved
+        them). Never raises: a failing restart is logged and counted (``failed_resets``);
+        the scratch rows then stay stale until `_restart_stale` starts them over, and a
+        session's row is started over anyway when a new session takes it."""
         self._counts["failed_steps"] += 1
         for s in batch:
             s.state, s.error, s.waiting_since = "failed", message, None
-        # A step that failed part way may have moved these sequences: start them over.
-        self.runner.prefill_rows([s.sequence for s in batch] + self._scratch)
+        rows = [s.sequence for s in batch] + self._scratch
+        try:
+            self.runner.prefill_rows(rows)
+            self._stale.clear()
+        except Exception:
+            self._counts["failed_resets"] += 1
+            self._stale.update(self._scratch)
+            log.exception("starting rows %s over after a failed step (%s) raised too; the "
+                          "scratch rows are retried before their next step", rows, message)
         self.ready.notify_all()
+
+    def _restart_stale(self, scratch: list[int]) -> None:
+        """Start over those of a step's ``scratch`` rows a failed restart left stale
+        (`_fail`); raises as `ChunkRunner.prefill_rows` does, failing that step."""
+        stale = [r for r in scratch if r in self._stale]
+        if stale:
+            self.runner.prefill_rows(stale)
+            self._stale.difference_update(stale)
 
     def next_chunk(self, session_id: str, timeout: float | None = None) -> SessionChunk | None:
         """The session's oldest undelivered chunk, waiting up to ``timeout`` seconds for
@@ -383,12 +350,29 @@ class StreamScheduler:
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
-        """Step until ``stop`` is set (the GPU loop of a server, in its own thread)."""
-        while not stop.is_set():
-            if self.step() == 0:
-                with self.ready:
-                    if not self._ready() and not stop.is_set():
-                        self.ready.wait(idle_wait)
+        """Step until ``stop`` is set (the GPU loop of a server, in its own thread). A
+        failing step fails its sessions and the loop goes on (`step`); should the loop
+        itself raise, `loop_error` keeps why, every session still going fails with it,
+        `open_session` raises `LoopStopped` from then on, and the exception propagates."""
+        try:
+            while not stop.is_set():
+                if self.step() == 0:
+                    with self.ready:
+                        if not self._ready() and not stop.is_set():
+                            self.ready.wait(idle_wait)
+        except BaseException as exc:
+            self._stopped(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _stopped(self, reason: str) -> None:
+        """Record that the loop ended by an exception (`run`) and fail the sessions."""
+        with self.lock:
+            self.loop_error = reason
+            for s in self.sessions.values():
+                if not s.finished:
+                    s.state, s.waiting_since = "failed", None
+                    s.error = f"the GPU loop stopped: {reason}"
+            self.ready.notify_all()
 
     def close(self) -> None:
         """Free the pool, the graphs and the decoder."""

@@ -38,6 +38,28 @@ def tolerance(text: str) -> float:
     return value
 
 
+def seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
+def bearer_token(text: str) -> str:
+    """A bearer token: one or more printable ASCII characters, no space (an HTTP
+    header carries them unchanged; anything else could never match a request's)."""
+    bad = sum(not "!" <= c <= "~" for c in text)     # the token itself is never echoed
+    if not text or bad:
+        raise argparse.ArgumentTypeError(f"must be 1 or more printable ASCII characters "
+                                         f"without spaces, got {len(text)} characters of "
+                                         f"which {bad} are not")
+    return text
+
+
 def writable_file(text: str) -> str:
     """A file path this process can write: its folder exists and is writable, it is not
     a folder, and an existing file is writable. Checked before the run, so a long run's

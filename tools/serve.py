@@ -1,12 +1,15 @@
 """`framekv serve`: streaming sessions over HTTP and WebSockets around a `StreamScheduler`.
 
 Routes (JSON errors name the problem; with ``--token`` every route but / and /health
-needs ``Authorization: Bearer T``, on the WebSocket also ``?token=T``)::
+needs ``Authorization: Bearer T``, on the WebSocket and the docs also ``?token=T``)::
 
     GET    /                             the page: a prompt box, start / stop, the live
                                          video on a canvas (``--output frames``)
     GET    /health                       liveness, sessions open / max, output, fps,
-                                         whether a token and text prompts apply
+                                         whether a token and text prompts apply; 503
+                                         and "error" once the GPU loop has died or
+                                         while the server shuts down
+    GET    /docs, /redoc, /openapi.json  the API's docs (FastAPI)
     GET    /metrics                      Prometheus (prometheus_client): sessions, slots,
                                          steps, chunks, chunk latency histogram, graph
                                          replays and captures, pool and GPU bytes,
@@ -15,7 +18,7 @@ needs ``Authorization: Bearer T``, on the WebSocket also ``?token=T``)::
                                           of "text": str | "prompt_seed": int |
                                           "prompt": {"shape": [L, D], "data": base64
                                           float32}} -> 201 {"id": ...}; full: 503 +
-                                          Retry-After
+                                          Retry-After; the GPU loop dead: 503
     DELETE /v1/sessions/{id}             204
     WS     /v1/sessions/{id}/stream      binary, one message per chunk: a 4-byte
                                          big-endian header length, a JSON header, then
@@ -27,12 +30,15 @@ needs ``Authorization: Bearer T``, on the WebSocket also ``?token=T``)::
                                          dtype, shape, seconds, batch, prompt_version}
                                          and the latents (fp32, C order)
                                          (`framekv.tools.serve_wire`); a last text
-                                         message {"type": "end", "state", "error"}.
-                                         Control (text): {"type": "prompt", "text" |
-                                         "prompt_seed" | "prompt"} (answered {"type":
-                                         "prompt", "prompt_version"}), {"type":
-                                         "pause"}, {"type": "resume"}; a bad one is
-                                         answered {"type": "error", "error"}
+                                         message {"type": "end", "state", "error"}
+                                         (on SIGTERM with "reason": "shutdown").
+                                         Control (text): {"type": "prompt",
+                                         "text" | "prompt_seed" | "prompt"} (answered
+                                         {"type": "prompt", "prompt_version"}),
+                                         {"type": "pause"}, {"type": "resume"}; a bad
+                                         one (binary included) is answered {"type":
+                                         "error", "error"}. One socket per session: a
+                                         second is closed with code 4409
 
 ``--model wan-diffusers`` serves diffusers' Wan transformer (``--config``, random weights,
 or ``--weights DIR``, a diffusers folder with its VAE and text encoder) at the sizes of
@@ -45,8 +51,11 @@ images. The reference model (``--model reference``, default) has no VAE: it stre
 latents, and ``--output frames`` is a startup error.
 
 One thread runs the GPU loop (`StreamScheduler.run`); every graph is captured before
-the socket opens. A client that disconnects frees its slot; SIGTERM drains (uvicorn's
-graceful shutdown, then the loop stops and the pool is freed).
+the socket opens. A client that disconnects frees its slot. Request bodies are JSON of
+at most 1 MiB, counted as they arrive (a Content-Length, no Transfer-Encoding); a
+request head must arrive within ``--head-timeout`` seconds (`framekv.tools.serve_net`).
+SIGTERM drains: every socket gets its queued chunks and an end message with reason
+"shutdown", then uvicorn's graceful shutdown, then the loop stops and the pool is freed.
 """
 
 import argparse
@@ -54,7 +63,7 @@ import dataclasses
 import signal
 import sys
 
-from .args import nonnegative_int, positive_int
+from .args import bearer_token, nonnegative_int, positive_int, seconds
 from .serve_app import FRAME_FORMATS, OUTPUTS, build_app, page_html
 from .serve_wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
 
@@ -92,8 +101,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="session slots (default 8)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=nonnegative_int, default=8000)
-    p.add_argument("--token", default=None,
-                   help="bearer token every route but / and /health needs")
+    p.add_argument("--token", type=bearer_token, default=None,
+                   help="bearer token every route but / and /health needs (printable "
+                        "ASCII, no spaces)")
+    p.add_argument("--head-timeout", type=seconds, default=10.0,
+                   help="seconds a client may take to send a request head before its "
+                        "connection is closed (default 10)")
     p.add_argument("--cache-dir", default=None, help="kernels and cuDNN plans kept on disk")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.set_defaults(func=run)
@@ -113,9 +126,9 @@ def output_of(args) -> str:
 def run(args) -> int:
     """``framekv serve``: build, capture, serve until SIGTERM; the exit status (2 for a
     bad option combination, before anything is built)."""
-    import uvicorn
-
     from framekv.engine.scheduler import StreamScheduler
+
+    from .serve_net import DrainingServer, server_config
 
     try:
         output = output_of(args)
@@ -130,11 +143,13 @@ def run(args) -> int:
                             decoder_factory=parts.decoder if output == "frames" else None)
     app = build_app(sched, token=args.token, output=output, frame_format=args.frame_format,
                     fps=args.fps)
+    server = DrainingServer(server_config(app, host=args.host, port=args.port,
+                                          head_timeout=args.head_timeout))
     # uvicorn drains on SIGTERM, then puts back the handler it found and raises the
     # signal again; with this one in place that ends here, and the exit status is 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
-    return 0
+    server.run()
+    return 0 if server.started else 3   # 3: uvicorn's status for a failed startup
 
 
 @dataclasses.dataclass

@@ -10,6 +10,8 @@ that reads `StreamScheduler.metrics` at every scrape, so several apps in one pro
     framekv_gpu_allocated_bytes      gauge      torch's allocated CUDA bytes (CUDA only)
     framekv_steps_total              counter    batched steps
     framekv_failed_steps_total       counter    steps that raised
+    framekv_failed_resets_total      counter    failed steps whose rows could not be
+                                                started over (retried later)
     framekv_chunks_total             counter    chunks made (all sessions)
     framekv_graph_replays_total      counter    whole-chunk graph replays
     framekv_graph_captures_total     counter    graphs captured
@@ -28,6 +30,8 @@ GAUGES = (("sessions", "framekv_sessions", "Sessions open."),
           ("pool_bytes", "framekv_pool_bytes", "Bytes mapped by the K/V pool."))
 COUNTERS = (("steps", "framekv_steps", "Batched steps run."),
             ("failed_steps", "framekv_failed_steps", "Batched steps that raised."),
+            ("failed_resets", "framekv_failed_resets",
+             "Failed steps whose rows could not be started over."),
             ("chunks", "framekv_chunks", "Chunks made, all sessions."),
             ("graph_replays", "framekv_graph_replays", "Whole-chunk graph replays."),
             ("graph_captures", "framekv_graph_captures", "Graphs captured."))

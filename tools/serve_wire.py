@@ -59,13 +59,25 @@ def parse_prompt(body: dict, shape):
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
             raise RequestError(422, f"prompt_seed must be an integer in [0, 2**31), got {seed!r}")
         return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-    if "prompt" not in body:
-        return None
-    p = body["prompt"]
-    if not isinstance(p, dict) or list(p.get("shape", [])) != list(shape) \
-            or not isinstance(p.get("data"), str):
-        raise RequestError(422, f"prompt must be {{\"shape\": {list(shape)}, "
-                                f"\"data\": base64 float32}}")
+    return _embeddings(body["prompt"], shape) if "prompt" in body else None
+
+
+def _embeddings(p, shape):
+    """An uploaded prompt ``{"shape": [L, D], "data": base64 float32}`` as a tensor
+    ``shape``: exactly those keys, integer sizes equal to ``shape``, finite values."""
+    import torch
+
+    want = f"{{\"shape\": {list(shape)}, \"data\": base64 float32}}"
+    if not isinstance(p, dict):
+        raise RequestError(422, f"prompt must be {want}, got a {_json_kind(p)}")
+    unknown = sorted(set(p) - {"shape", "data"})
+    if unknown:
+        raise RequestError(422, f"prompt takes the keys shape and data, got unknown {unknown}")
+    got = p.get("shape")
+    if not isinstance(got, list) or any(type(n) is not int for n in got) \
+            or got != list(shape) or not isinstance(p.get("data"), str):
+        raise RequestError(422, f"prompt must be {want}, got shape {got!r} and data a "
+                                f"{_json_kind(p.get('data'))}")
     try:
         raw = base64.b64decode(p["data"], validate=True)
     except ValueError:
@@ -73,15 +85,25 @@ def parse_prompt(body: dict, shape):
     if len(raw) != 4 * shape[0] * shape[1]:
         raise RequestError(422, f"prompt.data must hold {shape[0] * shape[1]} float32 "
                                 f"values, got {len(raw)} bytes")
-    return torch.frombuffer(bytearray(raw), dtype=torch.float32).view(*shape)
+    emb = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(*shape)
+    bad = int((~torch.isfinite(emb)).sum())
+    if bad:
+        raise RequestError(422, f"prompt.data must hold finite float32 values, got {bad} "
+                                f"NaN or infinite of {emb.numel()}")
+    return emb
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (JSON numbers are finite)")
 
 
 def json_body(raw: bytes) -> dict:
-    """A request body or control message as a JSON object (400/413 otherwise)."""
+    """A request body or control message as a JSON object (400/413 otherwise): strict
+    JSON, so NaN, Infinity and -Infinity (which Python's json takes) are refused."""
     if len(raw) > MAX_BODY_BYTES:
         raise RequestError(413, f"body over {MAX_BODY_BYTES} bytes")
     try:
-        body = json.loads(raw or b"{}")
+        body = json.loads(raw or b"{}", parse_constant=_no_constant)
     except RecursionError:
         raise RequestError(400, "the body is nested too deeply") from None
     except ValueError as exc:
@@ -96,19 +118,39 @@ def _json_kind(x) -> str:
             type(None): "null", dict: "object"}.get(type(x), type(x).__name__)
 
 
+#: the unread rest of a refused body is not worth reading: the connection closes
+CLOSE = {"Connection": "close"}
+
+
 async def read_body(request, timeout: float) -> bytes:
-    """The request body, after its Content-Length says it may be read."""
+    """The request body: a Content-Length in [0, MAX_BODY_BYTES] and no
+    Transfer-Encoding (411/413 before any byte is read), then at most MAX_BODY_BYTES
+    counted as they arrive (413), within ``timeout`` seconds (408). The headers never
+    bound the read: a body longer than its Content-Length stops at the cap all the same."""
     length = request.headers.get("content-length")
-    if length is None:
-        raise RequestError(411, "a Content-Length is needed: chunked request bodies are not "
-                                "accepted")
+    if length is None or "transfer-encoding" in request.headers:
+        raise RequestError(411, "a Content-Length and no Transfer-Encoding are needed: "
+                                "chunked request bodies are not accepted, got Transfer-"
+                                f"Encoding {request.headers.get('transfer-encoding')!r} and "
+                                f"Content-Length {length!r}", CLOSE)
     if not length.isdigit() or int(length) > MAX_BODY_BYTES:
         raise RequestError(413, f"Content-Length must be in [0, {MAX_BODY_BYTES}] bytes, "
-                                f"got {length}")
+                                f"got {length}", CLOSE)
     try:
-        return await asyncio.wait_for(request.body(), timeout)
+        return await asyncio.wait_for(_read_capped(request, length), timeout)
     except asyncio.TimeoutError:
-        raise RequestError(408, f"the body did not arrive within {timeout} s") from None
+        raise RequestError(408, f"the body did not arrive within {timeout} s", CLOSE) from None
+
+
+async def _read_capped(request, length: str) -> bytes:
+    parts, n = [], 0
+    async for piece in request.stream():
+        n += len(piece)
+        if n > MAX_BODY_BYTES:
+            raise RequestError(413, f"the body must be at most {MAX_BODY_BYTES} bytes, got "
+                                    f"{n} and more (Content-Length said {length})", CLOSE)
+        parts.append(piece)
+    return b"".join(parts)
 
 
 def _message(header: dict, payload: bytes) -> bytes:

@@ -1,0 +1,93 @@
+"""The connections of `framekv serve`: uvicorn's config with deadlines (`server_config`)
+and a server that ends every stream cleanly before it closes them (`DrainingServer`).
+
+Deadlines: a connection must send each request head within ``head_timeout`` seconds of
+opening, or of its previous response ending (`HeadDeadline`), however slowly it
+trickles, else it is closed; an idle keep-alive connection closes after ``keep_alive``
+seconds (uvicorn's ``timeout_keep_alive``); a request body has the app's
+``body_timeout`` (`build_app`), and h11 bounds a head's size (16 KiB).
+
+Shutdown (SIGTERM): `DrainingServer` stops accepting, then awaits the app's
+``state.drain`` (every socket gets its queued chunks and an end message with reason
+"shutdown"), at most ``drain_timeout`` seconds, then shuts down as uvicorn does.
+"""
+from __future__ import annotations
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEAD_TIMEOUT_S = 10.0     # seconds a client may take to send a request head
+KEEP_ALIVE_S = 5          # seconds an idle keep-alive connection stays open
+DRAIN_TIMEOUT_S = 10.0    # seconds the streams get to end on shutdown
+
+
+class HeadDeadline(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head (module doc); the
+    subclasses `server_config` makes set ``head_timeout``."""
+
+    head_timeout = HEAD_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._deadline = None
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not self._waiting or self.transport.get_protocol() is not self:
+            self._disarm()                     # a request began, or a WebSocket took over
+
+    def on_response_complete(self) -> None:
+        cycle = self.cycle
+        super().on_response_complete()
+        if self.cycle is cycle and not self.transport.is_closing():
+            self._arm()                        # no pipelined request began: wait for one
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._waiting = self.cycle
+        self._deadline = self.loop.call_later(self.head_timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.logger.info("closing a connection whose request head took over %s s",
+                             self.head_timeout)
+            self.transport.close()
+
+
+def server_config(app, *, host: str = "127.0.0.1", port: int = 8000,
+                  head_timeout: float = HEAD_TIMEOUT_S, keep_alive: int = KEEP_ALIVE_S,
+                  log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's config for ``app`` with the deadlines of the module doc (h11)."""
+    if not head_timeout > 0 or not keep_alive > 0:
+        raise ValueError(f"head_timeout and keep_alive must be > 0 seconds, got "
+                         f"{head_timeout} and {keep_alive}")
+    protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": head_timeout})
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                          timeout_keep_alive=keep_alive)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose shutdown ends every stream first (module doc)."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout: float = DRAIN_TIMEOUT_S):
+        super().__init__(config)
+        self.drain_timeout = drain_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in getattr(self, "servers", []):
+            server.close()                     # no new connection while the streams end
+        drain = getattr(getattr(self.config.app, "state", None), "drain", None)
+        if drain is not None:
+            await drain(self.drain_timeout)
+        await super().shutdown(sockets=sockets)

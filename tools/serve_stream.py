@@ -1,0 +1,104 @@
+"""One session's WebSocket in `framekv serve` (`serve_socket`): its chunks pushed as they
+come, its control messages applied, its end message, its slot freed when it goes.
+
+The messages are those of `framekv.tools.serve`'s module doc. Control messages are
+JSON text; a binary one, bad JSON or a bad value is answered ``{"type": "error",
+"error"}`` and the session goes on. The last message is ``{"type": "end", "state",
+"error"}``, with ``"reason": "shutdown"`` added when the server drains.
+"""
+import asyncio
+import contextlib
+import json
+
+from .serve_wire import PROMPT_KEYS, RequestError, json_body, parse_prompt
+
+#: the socket's close code once the server drains (going away)
+GOING_AWAY = 1001
+
+
+async def serve_socket(ws, sched, sid: str, encode, draining) -> None:
+    """Push the session's chunks as they come (``encode(chunk) -> bytes`` on a worker
+    thread); apply its control messages; free the slot when the client goes. Once
+    ``draining`` (a `threading.Event`) is set the session stops, its queued chunks go
+    out, then an end message with reason "shutdown", and the socket closes (1001)."""
+    from fastapi import WebSocketDisconnect
+
+    tasks = [asyncio.create_task(_send(ws, sched, sid, encode, draining)),
+             asyncio.create_task(_receive(ws, sched, sid))]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if t.exception() is not None and not isinstance(t.exception(), WebSocketDisconnect):
+                raise t.exception()
+    finally:
+        for t in tasks:
+            t.cancel()
+        if sid in sched.sessions:
+            await asyncio.to_thread(sched.close_session, sid)
+        with contextlib.suppress(Exception):
+            await ws.close(GOING_AWAY if draining.is_set() else 1000)
+
+
+def _end(s, reason: str | None = None) -> str:
+    """The end message of session ``s`` (None: closed meanwhile), with ``reason`` if any."""
+    state = s.state if s is not None and s.finished else "closed"
+    end = {"type": "end", "state": state, "error": s.error if s else None}
+    return json.dumps(end if reason is None else {**end, "reason": reason})
+
+
+async def _send(ws, sched, sid: str, encode, draining) -> None:
+    while not draining.is_set():
+        chunk = await asyncio.to_thread(sched.next_chunk, sid, 0.25)
+        if chunk is not None:
+            await ws.send_bytes(await asyncio.to_thread(encode, chunk))
+            continue
+        s = sched.sessions.get(sid)
+        if s is None or s.finished:
+            return await ws.send_text(_end(s))
+    with contextlib.suppress(KeyError):       # paused: no chunk comes after those queued
+        await asyncio.to_thread(sched.pause, sid, True)
+    while (chunk := await asyncio.to_thread(sched.next_chunk, sid, 0)) is not None:
+        await ws.send_bytes(await asyncio.to_thread(encode, chunk))
+    await ws.send_text(_end(sched.sessions.get(sid), "shutdown"))
+
+
+async def _receive(ws, sched, sid: str) -> None:
+    from fastapi import WebSocketDisconnect
+
+    while True:
+        msg = await ws.receive()
+        if msg["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(msg.get("code", 1000), msg.get("reason"))
+        try:
+            if msg.get("text") is None:
+                raise RequestError(400, f"a control message must be JSON text, got a binary "
+                                        f"message of {len(msg.get('bytes') or b'')} bytes")
+            reply = await _control(sched, sid, json_body(msg["text"].encode()))
+        except KeyError:  # the session ended meanwhile: the sender says how
+            return await asyncio.Event().wait()
+        except RequestError as exc:
+            reply = {"type": "error", "error": exc.message}
+        if reply is not None:
+            await ws.send_text(json.dumps(reply))
+
+
+async def _control(sched, sid: str, msg: dict) -> dict | None:
+    """Apply one control message; the reply to send (a prompt change: its version)."""
+    kind = msg.get("type")
+    if kind not in ("prompt", "pause", "resume"):
+        raise RequestError(422, f"type must be prompt, pause or resume, got {kind!r}")
+    keys = {"type", *PROMPT_KEYS} if kind == "prompt" else {"type"}
+    if set(msg) - keys:
+        raise RequestError(422, f"a {kind} message takes {sorted(keys)}, got unknown "
+                                f"{sorted(set(msg) - keys)}")
+    if kind != "prompt":
+        await asyncio.to_thread(sched.pause, sid, kind == "pause")
+        return None
+    prompt = parse_prompt(msg, sched.prompt_shape)
+    if prompt is None:
+        raise RequestError(422, "a prompt message needs text, prompt_seed or prompt")
+    try:
+        version = await asyncio.to_thread(sched.set_prompt, sid, prompt)
+    except ValueError as exc:
+        raise RequestError(422, str(exc)) from None
+    return {"type": "prompt", "prompt_version": version}
