@@ -1,28 +1,29 @@
 """framekv.bench: every measurement of framekv, as `framekv bench` sections and as
 modules run on their own.
 
-`framekv bench` sections (each a module with ``run(args) -> dict``):
-
-    attention   one layer's attention at a spec's geometry: framekv's paged cuDNN
-                path against dense torch SDPA variants, errors checked first
-    chunk       the chunk cycle over every layer: forwards, clean pass, commit, as
-                per-forward graphs and as one whole-chunk graph
-    e2e         the reference model end to end: framekv against a dense rolling cache
-    wan         diffusers' Wan transformer through `WanRollout` against dense baselines
-    streams     concurrent streams: B sequences batched on one pool against B in turn
+`framekv bench` sections (`framekv.tools.bench.SECTIONS`, which ``framekv bench
+--help`` lists): attention, chunk, e2e, wan, streams, breakdown, pixels.
 
 Modules run as ``python -m framekv.bench.NAME [--json FILE]`` (each checks its results
-against a reference before timing and writes JSON):
+against a reference before timing and writes JSON; ``--help`` says what it takes). Each
+needs a CUDA GPU: without one it says so in one line and exits with status 2
+(`framekv.bench.timing.require_cuda`, called once its arguments are checked):
 
+    clean_pass      a clean pass kept for its K/V only against the whole clean pass
     commit          the commit at the seed geometry: kernels, uploads, device and host time
+    cudnn_plans     cuDNN's execution plans for the paged forwards, each timed
     glue_ops        the fused glue ops, one call each at a model's chunk shape, against
                     a copy_ of their bytes
     graphs          host cost of a graph replay against many small launches
     launch          host cost of launching big graphs: node kinds, launch methods
     merge           the fused split-KV merge against torch merges
     ops             the ops at the seed geometry against torch equivalents
+    pixels          prompt to pixels: the Wan VAE's streaming decode, text to frames
+    startup         process start to the first replayed chunk, cold and warm
+    streams         concurrent streams: B sequences batched on one pool against B in turn
     ulysses         Ulysses attention over several GPUs (under torchrun)
     wait            what a launch after a host wait costs, and what changes it
+    wan             diffusers' Wan transformer end to end against dense baselines
 
 Timing follows `framekv.bench.timing`: CUDA events around graph replays after
 warm-up, the L2 flushed before each, medians and spreads. Results: docs/benchmarks.md.

@@ -20,8 +20,8 @@ import statistics
 
 import torch
 
-from framekv.bench.timing import (interleaved_device_times, matmul_ceiling, stderr_progress,
-                                  write_result)
+from framekv.bench.timing import (interleaved_device_times, matmul_ceiling, require_cuda,
+                                  stderr_progress, write_result)
 
 VARIANTS = ("trimmed", "whole")
 
@@ -118,8 +118,7 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--models: expected reference and/or wan, got {args.models!r}")
     if args.rounds < 3:
         ap.error(f"--rounds: expected at least 3, got {args.rounds}")
-    if not torch.cuda.is_available():
-        raise SystemExit("framekv.bench.clean_pass needs a CUDA GPU")
+    require_cuda("framekv.bench.clean_pass")
     progress = stderr_progress("clean_pass")
     ceiling = matmul_ceiling()
     measure = {"reference": measure_reference, "wan": measure_wan}

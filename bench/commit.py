@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from framekv.bench.timing import require_cuda
 from framekv.engine import CausalKVCache
 from framekv.specs import Geometry
 
@@ -175,6 +176,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--repeats", type=int, default=200)
     args = ap.parse_args(argv)
+    require_cuda("framekv.bench.commit")
     out = measure(args.repeats)
     report(out)
     if args.json:

@@ -26,8 +26,8 @@ from framekv.engine.attention.cudnn import CudnnBackend
 from framekv.engine.attention.cudnn_graph import candidate_plans
 
 from .attention import Setup
-from .timing import (Flusher, interleaved_device_times, matmul_ceiling, stderr_progress, summary,
-                     write_result)
+from .timing import (Flusher, interleaved_device_times, matmul_ceiling, require_cuda,
+                     stderr_progress, summary, write_result)
 
 
 def plan_calls(backend: CudnnBackend, plan, q, out) -> tuple[dict, dict]:
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=30, help="timed rounds (default 30)")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
+    require_cuda("framekv.bench.cudnn_plans")
     out = []
     for name in args.preset or ("seed-bench", "wan-1.3b"):
         out.append(measure_plans(name, iters=args.iters, progress=stderr_progress("plans")))

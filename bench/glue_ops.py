@@ -32,7 +32,7 @@ import torch
 
 from framekv import ops
 from framekv.bench.timing import (captured_graph, check_bf16_close, interleaved_device_times,
-                                  stderr_progress, write_result)
+                                  require_cuda, stderr_progress, write_result)
 
 _BF16 = 2  # bytes
 
@@ -177,8 +177,7 @@ def main(argv=None) -> dict:
         ap.error(f"--rounds: expected at least 5, got {args.rounds}")
     if args.launches < 1:
         ap.error(f"--launches: expected at least 1, got {args.launches}")
-    if not torch.cuda.is_available():
-        raise SystemExit("framekv.bench.glue_ops needs a CUDA GPU")
+    require_cuda("framekv.bench.glue_ops")
     res = measure_glue_ops(args.preset, rounds=args.rounds, launches=args.launches,
                            progress=stderr_progress("glue_ops"))
     print(format_glue_ops(res), flush=True)

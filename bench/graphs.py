@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from framekv.bench.timing import require_cuda
 from framekv.graphs import GraphCache, GraphKey
 
 
@@ -92,6 +93,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kernels", default="1,10,100,1000", help="kernels per graph, comma-separated")
     ap.add_argument("--repeats", type=int, default=200, help="timed batches per number")
     args = ap.parse_args(argv)
+    require_cuda("framekv.bench.graphs")
     rows = [measure(int(n), args.repeats) for n in args.kernels.split(",")]
     cols = [("kernels", "kernels", "{:>9}"), ("eager_host_us", "eager", "{:>9.1f}"),
             ("cudagraph_replay_host_us", "CUDAGraph", "{:>9.2f}"),

@@ -30,7 +30,7 @@ import torch
 from numba import cuda
 
 from framekv import specs
-from framekv.bench.timing import interleaved_host_times, summary, write_result
+from framekv.bench.timing import interleaved_host_times, require_cuda, summary, write_result
 from framekv.bench.stack import AttentionStack, KVShape
 from framekv.engine.attention.cudnn import CudnnBackend
 from framekv.graphs.inspect import graph_info
@@ -250,17 +250,18 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", default="chains,kinds,stack",
                     help="comma-separated groups of rows to run (chains, kinds, params, stack)")
     args = ap.parse_args(argv)
-    print("host µs per launch (medians of 60 rounds, methods in turn): torch replay, the same "
-          "while the device is busy, runtime launch, device-launch instantiation, conditional "
-          "parent; then device µs per launch: plain, conditional parent")
-    print(f"{'graph':<40}{'nodes':>6}{'torch':>8}{'busy':>8}{'rt':>8}{'devfl':>8}{'cond':>8}"
-          f"{'dev plain':>11}{'dev cond':>11}  shape, node types")
     groups = {"chains": chain_rows, "kinds": kind_rows, "params": param_rows,
               "stack": stack_rows}
     wanted = [g for g in args.rows.split(",") if g]
     bad = sorted(set(wanted) - groups.keys())
     if bad:
         ap.error(f"--rows: unknown groups {bad}; choose from {sorted(groups)}")
+    require_cuda("framekv.bench.launch")
+    print("host µs per launch (medians of 60 rounds, methods in turn): torch replay, the same "
+          "while the device is busy, runtime launch, device-launch instantiation, conditional "
+          "parent; then device µs per launch: plain, conditional parent")
+    print(f"{'graph':<40}{'nodes':>6}{'torch':>8}{'busy':>8}{'rt':>8}{'devfl':>8}{'cond':>8}"
+          f"{'dev plain':>11}{'dev cond':>11}  shape, node types")
     rows: list = []
     for name in wanted:
         groups[name](rows)

@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from framekv.bench.timing import captured_graph, check_bf16_close
+from framekv.bench.timing import captured_graph, check_bf16_close, require_cuda
 from framekv.ops import merge_split_kv_, merge_split_kv_reference
 
 T, H, D = 1576, 32, 128
@@ -144,8 +144,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.iters < 50:
         ap.error("--iters: expected at least 50")
-    if not torch.cuda.is_available():
-        raise SystemExit("framekv.bench.merge needs a CUDA GPU")
+    require_cuda("framekv.bench.merge")
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     shapes = [bench_shape(S, nb, args.iters, flush, gen) for S, nb in SHAPES]

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from framekv.bench.timing import captured_graph
+from framekv.bench.timing import captured_graph, require_cuda
 from framekv.ops import (bind_scatter_kv_slots, copy_kv_slots_, copy_kv_slots_reference,
                          rotate_rows_, rotate_rows_reference, scatter_kv_slots_,
                          scatter_kv_slots_reference)
@@ -190,8 +190,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--launches", type=int, default=20, help="launches per graph")
     ap.add_argument("--repeats", type=int, default=50, help="graph replays timed")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("framekv.bench.ops needs a CUDA GPU")
+    require_cuda("framekv.bench.ops")
     dev = torch.device("cuda")
     ops = {}
     for name, fn in (("scatter_kv_slots_", lambda: bench_scatter(dev, args.launches, args.repeats)),

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from .timing import interleaved_device_times, stderr_progress, summary, write_result
+from .timing import (interleaved_device_times, require_cuda, stderr_progress, summary,
+                     write_result)
 
 MODES = ("sequential", "overlapped")
 
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-iters", type=int, default=10, help="decode chunks timed per variant")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
+    require_cuda("framekv.bench.pixels")
     res = measure_pixels(window_frames=args.window, chunks=args.chunks,
                          decode_iters=args.decode_iters, progress=stderr_progress("pixels"))
     print(format_pixels(res))

@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", default="tiny,wan-1.3b", help="comma-separated preset names")
     p.add_argument("--json", dest="json_path", metavar="FILE", default=None)
     args = p.parse_args(argv)
-    from framekv.bench.timing import stderr_progress, write_result
+    from framekv.bench.timing import require_cuda, stderr_progress, write_result
 
+    require_cuda("framekv.bench.startup")
     res = measure_startup([s for s in args.presets.split(",") if s],
                           progress=stderr_progress("startup"))
     print(format_startup(res))

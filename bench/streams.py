@@ -31,7 +31,7 @@ from framekv.engine.rollout import Rollout
 
 from .breakdown import reference_chunk_flops
 from .e2e import with_window
-from .timing import matmul_ceiling, stderr_progress, summary, write_result
+from .timing import matmul_ceiling, require_cuda, stderr_progress, summary, write_result
 
 BATCHES = (1, 2, 4, 8)
 #: What `framekv bench` runs: the small streams at every B, the 1.3B model at B = 1, 2.
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=6, help="timed rounds per B")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
+    require_cuda("framekv.bench.streams")
     runs = DEFAULT_RUNS if args.preset is None else tuple(
         (name, BATCHES if name == "small-stream" else (1, 2)) for name in args.preset)
     out = []

@@ -288,6 +288,19 @@ def environment() -> dict[str, str]:
     return env
 
 
+def require_cuda(module: str) -> None:
+    """What ``python -m framekv.bench.NAME`` does first (after its arguments are checked)
+    where torch sees no CUDA GPU: one line on stderr, naming ``module`` and why, and
+    exit status 2; no traceback."""
+    if torch.cuda.is_available():
+        return
+    why = ("torch was built without CUDA" if torch.version.cuda is None
+           else "torch sees no CUDA device")
+    print(f"python -m {module}: needs a CUDA GPU; {why} (torch {torch.__version__})",
+          file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def stderr_progress(tag: str) -> Callable[[str], None]:
     """A progress callback printing ``[tag] message`` to stderr (stdout keeps the tables)."""
     return lambda message: print(f"[{tag}] {message}", file=sys.stderr, flush=True)

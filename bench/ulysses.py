@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from framekv import specs
 from framekv.bench.attention import Setup
-from framekv.bench.timing import Flusher, captured_graph, environment, summary
+from framekv.bench.timing import Flusher, captured_graph, environment, require_cuda, summary
 from framekv.engine import CachedAttention, CausalKVCache
 from framekv.engine.attention.ulysses import UlyssesAttention, shard_sequence
 
@@ -102,6 +102,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-flush", action="store_true", help="do not flush the L2 before each call")
     ap.add_argument("--json", help="rank 0 writes the results here")
     args = ap.parse_args(argv)
+    require_cuda("framekv.bench.ulysses")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))

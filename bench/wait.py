@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from framekv.bench.timing import one_kernel_launcher, write_result
+from framekv.bench.timing import one_kernel_launcher, require_cuda, write_result
 from framekv.bench.stack import AttentionStack
 from framekv.graphs import GraphCache
 
@@ -190,6 +190,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    require_cuda("framekv.bench.wait")
     host = {"numa_balancing": _read("/proc/sys/kernel/numa_balancing"),
             "numa_nodes": len([d for d in os.listdir("/sys/devices/system/node")
                                if d.startswith("node")]) if os.path.isdir(

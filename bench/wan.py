@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .timing import stderr_progress, summary, write_result
+from .timing import require_cuda, stderr_progress, summary, write_result
 
 VARIANTS = ("stock-recompute", "framekv-graphs", "framekv-fused-graphs", "framekv-eager",
             "dense-eager", "dense-graphs")
@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=5, help="timed chunks per variant")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
+    require_cuda("framekv.bench.wan")
     res = measure_wan(args.config, window_frames=args.window, chunks=args.chunks,
                       progress=stderr_progress("wan"))
     print(format_wan(res))

@@ -165,11 +165,15 @@ def test_the_length_check_takes_a_stated_reason(tmp_path):
 
 def test_every_package_folder_is_installed():
     """pyproject lists packages one by one: a new sub-package missing there would be left
-    out of a (non-editable) install."""
+    out of a (non-editable) install. The root package `framekv` (its version) is the
+    folder package-dir maps it to, and holds no floor."""
     import tomllib
 
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-                 ["packages"])
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
     folders = {"framekv." + ".".join(f.parent.relative_to(ROOT).parts)
                for pkg in ALLOWED for f in (ROOT / pkg).rglob("__init__.py")}
+    root = ROOT / setuptools["package-dir"]["framekv"]
+    assert (root / "__init__.py").is_file() and not list(root.glob("*/__init__.py"))
+    folders.add("framekv")
     assert folders - listed == set() and listed - folders == set()

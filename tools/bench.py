@@ -1,11 +1,12 @@
 """`framekv bench`: framekv against what users run instead, in one run, on one GPU.
 
-Sections (``--sections``, default all):
+Sections (``--sections``, default all; `SECTIONS`, which the help lists):
 
-    attention   one layer at the ``--preset`` geometry (default seed-bench): framekv's
-                paged cuDNN forward and clean pass, split-KV rows, torch SDPA cuDNN over
-                a contiguous buffer, concatenate-then-SDPA, torch SDPA flash
-    chunk       the ``--preset`` chunk cycle over all its layers: per-forward graphs, one
+    attention   one layer at the geometry of PRESET (``framekv bench PRESET`` or
+                ``--preset``, default seed-bench): framekv's paged cuDNN forward and
+                clean pass, split-KV rows, torch SDPA cuDNN over a contiguous buffer,
+                concatenate-then-SDPA, torch SDPA flash
+    chunk       the PRESET chunk cycle over all its layers: per-forward graphs, one
                 whole-chunk graph, the commit; the warm-up of its plan cold and warm
     e2e         the ``--e2e-preset`` model (default wan-1.3b) end to end: framekv with
                 graphs and eager against a dense rolling cache with torch SDPA, at each
@@ -43,6 +44,7 @@ import json
 import sys
 
 from .args import writable_file
+from .conventions import add_preset_arguments, preset_help
 
 SECTIONS = ("attention", "chunk", "e2e", "wan", "streams", "breakdown", "pixels")
 
@@ -86,17 +88,23 @@ def configure(p: argparse.ArgumentParser) -> None:
     """Add the command's arguments to ``p`` and set ``func``."""
     p.add_argument("--sections", type=_sections, default=list(SECTIONS),
                    help=f"comma-separated: {','.join(SECTIONS)} (default all)")
-    p.add_argument("--preset", default="seed-bench",
-                   help="geometry of the attention and chunk sections (default seed-bench)")
-    p.add_argument("--e2e-preset", default="wan-1.3b", help="model of the e2e section")
+    add_preset_arguments(p, default="seed-bench",
+                         note="the attention and chunk sections' geometry; default seed-bench")
+    p.add_argument("--e2e-preset", metavar="PRESET", default="wan-1.3b",
+                   help=preset_help("the model of the e2e and breakdown sections; "
+                                    "default wan-1.3b"))
     p.add_argument("--windows", type=_windows, default=[21, 60],
                    help="e2e window sizes in frames (default 21,60)")
-    p.add_argument("--chunks", type=_iters, default=8, help="e2e timed chunks per variant")
+    p.add_argument("--chunks", type=_iters, default=8,
+                   help="e2e timed chunks per variant (default 8)")
     p.add_argument("--iters", type=_iters, default=50, help="attention iterations (default 50)")
-    p.add_argument("--chunk-iters", type=_iters, default=10, help="chunk-cycle iterations")
-    p.add_argument("--splits", default="2,3,4,5,6", help="split-KV sub-row counts to time")
+    p.add_argument("--chunk-iters", type=_iters, default=10,
+                   help="chunk-cycle iterations (default 10)")
+    p.add_argument("--splits", default="2,3,4,5,6",
+                   help="split-KV sub-row counts to time (default 2,3,4,5,6)")
     p.add_argument("--no-warmup", action="store_true", help="skip the cold/warm warm-up runs")
-    p.add_argument("--json", dest="json_path", metavar="FILE", type=writable_file, default=None)
+    p.add_argument("--json", dest="json_path", metavar="FILE", type=writable_file, default=None,
+                   help="write every number, with the environment, to FILE")
     p.add_argument("--png", metavar="FILE", type=writable_file, default=None,
                    help="write a chart (matplotlib)")
     p.add_argument("--chart-from", metavar="JSON", default=None,

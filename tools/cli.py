@@ -2,13 +2,18 @@
 generate in their own modules. Importing it imports neither torch nor the engine: a
 command does, when it runs.
 
+Every command that runs a preset takes it as its positional argument or as ``--preset``
+(`framekv.tools.conventions`): ``framekv demo wan-1.3b`` is ``framekv demo --preset
+wan-1.3b``. ``framekv --version`` prints ``framekv X.Y.Z``.
+
 ``framekv warmup PRESET`` captures every graph a preset's rollout replays, up front, and
 reports time and memory: a server runs it (or `framekv.engine.warm_up`) at start so that
-no request pays a capture. PRESET is a shipped preset's name or a ``.toml``/``.json``
-preset file; ``--json FILE`` writes the report (`framekv.graphs.decode_report` reads
-it); ``--cache-dir DIR`` (default: the preset's ``[warmup] cache_dir``) keeps the
-compiled numba kernels and built cuDNN plans, so a later process given the same folder
-(``framekv demo --cache-dir``, a server) builds nothing.
+no request pays a capture. PRESET (required) is a shipped preset's name or a
+``.toml``/``.json`` preset file; ``--json FILE`` writes the report
+(`framekv.graphs.decode_report` reads it); ``--cache-dir DIR`` (default: the preset's
+``[warmup] cache_dir``) keeps the compiled numba kernels and built cuDNN plans, so a
+later process given the same folder (``framekv demo --cache-dir``, a server) builds
+nothing.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import sys
 
 from . import bench, generate, serve
 from .args import nonnegative_int, positive_int, tolerance, writable_file
+from .conventions import add_backend_argument, add_preset_arguments, preset_help, version_line
 
 CPU_NOTE = "cpu: graphs run eagerly; nothing is captured"
 
@@ -76,16 +82,12 @@ def _cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
-def _rollout_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=None,
-                   help="preset name (tiny, seed-bench, wan-1.3b, small-stream) or a "
-                        ".toml/.json file (default tiny; with --model wan-diffusers the "
-                        "config's: tiny or wan-1.3b)")
+def _rollout_args(p: argparse.ArgumentParser, note: str) -> None:
+    add_preset_arguments(p, default=None, note=note)
     p.add_argument("--chunks", type=positive_int, default=None,
                    help="chunks to generate (default: the preset's)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--backend", default=None,
-                   help="attention backend: cudnn or reference (default: cudnn on CUDA, reference on CPU)")
+    add_backend_argument(p, "cudnn on CUDA, reference on CPU")
 
 
 def load_preset_arg(name: str):
@@ -121,6 +123,9 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     from framekv.graphs import GraphCaptureError, encode_report, format_report
 
     try:
+        if args.preset is None:
+            raise PresetError(f"PRESET (or --preset) is required: expected {preset_help()}, "
+                              "got none")
         preset = load_preset_arg(args.preset)
         device = pick_device(args.device)
     except ValueError as exc:  # PresetError included
@@ -181,13 +186,10 @@ def _header(name: str, result, cache_dir) -> str:
 
 
 def _warmup_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("preset", metavar="PRESET",
-                   help="a preset name (tiny, seed-bench, wan-1.3b, small-stream) or a "
-                        ".toml/.json preset file")
+    add_preset_arguments(p, default=None, note="required")
     p.add_argument("--device", default=None,
                    help="cpu or cuda[:N] (default: cuda when a GPU is visible, else cpu)")
-    p.add_argument("--backend", default=None,
-                   help="attention backend: cudnn or reference (default: cudnn on CUDA)")
+    add_backend_argument(p, "cudnn on CUDA, reference on CPU")
     p.add_argument("--json", dest="json_path", metavar="FILE", type=writable_file, default=None,
                    help="write the report as JSON to FILE")
     p.add_argument("--cache-dir", metavar="DIR", default=None,
@@ -197,34 +199,40 @@ def _warmup_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_cmd_warmup)
 
 
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    _rollout_args(p, "default tiny; with --model wan-diffusers the config's: tiny or "
+                     "wan-1.3b")
+    p.add_argument("--json", metavar="FILE", type=writable_file, default=None,
+                   help="also write the report as JSON to FILE")
+    p.add_argument("--check-chunks", type=nonnegative_int, default=2,
+                   help="chunks re-run eagerly and with the reference backend (default 2)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--model", choices=("reference", "wan-diffusers"), default="reference",
+                   help="the reference DiT of PRESET (default), or diffusers' Wan "
+                        "transformer (needs the wan extra)")
+    p.add_argument("--config", default="tiny",
+                   help="with --model wan-diffusers: tiny or 1.3b (random weights)")
+    p.add_argument("--weights", metavar="DIR", default=None,
+                   help="with --model wan-diffusers: a local diffusers folder")
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="load and keep compiled kernels and cuDNN plans in DIR "
+                        "(framekv warmup --cache-dir fills it)")
+    p.set_defaults(func=_cmd_demo)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="framekv",
         description="framekv: a CUDA-graph-centric runtime for autoregressive video diffusion.")
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info", help="versions, the device, and which backends are usable")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(func=_cmd_info)
-    demo = sub.add_parser("demo", help="the main job: a timed, checked rollout of the reference model")
-    _rollout_args(demo)
-    demo.add_argument("--json", metavar="FILE", type=writable_file, default=None,
-                      help="also write the report as JSON to FILE")
-    demo.add_argument("--check-chunks", type=nonnegative_int, default=2,
-                      help="chunks re-run eagerly and with the reference backend (default 2)")
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    demo.add_argument("--model", choices=("reference", "wan-diffusers"), default="reference",
-                      help="the reference DiT of --preset (default), or diffusers' Wan "
-                           "transformer (needs the wan extra)")
-    demo.add_argument("--config", default="tiny",
-                      help="with --model wan-diffusers: tiny or 1.3b (random weights)")
-    demo.add_argument("--weights", metavar="DIR", default=None,
-                      help="with --model wan-diffusers: a local diffusers folder")
-    demo.add_argument("--cache-dir", metavar="DIR", default=None,
-                      help="load and keep compiled kernels and cuDNN plans in DIR "
-                           "(framekv warmup --cache-dir fills it)")
-    demo.set_defaults(func=_cmd_demo)
+    _demo_args(sub.add_parser("demo", help="the main job: a timed, checked rollout of the "
+                              "reference model"))
     verify = sub.add_parser("verify", help="replay-correctness harness: eager vs graphs vs the fp32 reference")
-    _rollout_args(verify)
+    _rollout_args(verify, "default tiny")
     verify.add_argument("--tolerance", type=tolerance, default=None,
                         help="max abs error allowed (default: 1e-4 in fp32, 2e-2 in bf16)")
     verify.add_argument("--glue", choices=("fused", "torch"), default="fused",

@@ -1,7 +1,7 @@
 """`framekv generate`: a text prompt in, an H.264 MP4 out.
 
     framekv generate --prompt "a cat" --chunks 6 --out cat.mp4 [--config tiny|1.3b]
-                     [--weights DIR] [--checkpoint FILE] [--preset P] [--seed S] ...
+                     [--weights DIR] [--checkpoint FILE] [PRESET] [--seed S] ...
 
 The prompt is encoded once (the text encoder), the transformer rolls out ``--chunks``
 chunks of latents (`WanRollout`, one graph replay per chunk on CUDA), and one
@@ -18,11 +18,12 @@ from ``--weights``, or random from ``--config``), sampled as Self-Forcing sample
 ``self_forcing`` sampler over the preset's steps warped by shift 5 (1000, 937.5, 833.3,
 625 for four steps); ``--sampler`` and ``--shift`` override. Nothing is downloaded.
 
-The sizes are those of ``--preset`` (default: the config's, `framekv.engine.wan.PRESETS`;
-with ``--weights``, the shipped config the transformer matches). ``--seed`` seeds the
-chunks' noise as a server session of that seed draws it (`framekv.engine.runner.
-chunk_noise`) and the default generators the ``self_forcing`` sampler re-noises from;
-random weights are always those of seed 0, so that the same config is the same model.
+The sizes are those of PRESET (or ``--preset``; default: the config's,
+`framekv.engine.wan.PRESETS`; with ``--weights``, the shipped config the transformer
+matches). ``--seed`` seeds the chunks' noise as a server session of that seed draws it
+(`framekv.engine.runner.chunk_noise`) and the default generators the ``self_forcing``
+sampler re-noises from; random weights are always those of seed 0, so that the same
+config is the same model.
 
 Progress goes to stderr, the summary line to stdout. A bad argument, missing weights
 or an unwritable ``--out`` exit 2 before any work, a failure during the run exits 1;
@@ -39,6 +40,7 @@ import sys
 import time
 
 from .args import nonnegative_int, positive_int, writable_file
+from .conventions import add_preset_arguments
 from .video import DEFAULT_CRF, check_mp4_path
 
 CONFIGS = ("tiny", "1.3b")
@@ -326,8 +328,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", metavar="FILE", default=None,
                    help="a Self-Forcing generator checkpoint (.pt/.safetensors) replacing the "
                         "transformer's weights")
-    p.add_argument("--preset", default=None,
-                   help="the sizes (a preset name or .toml/.json file; default the config's)")
+    add_preset_arguments(p, default=None, note="the sizes; default the config's")
     p.add_argument("--prompt", required=True, help="the text prompt")
     p.add_argument("--negative-prompt", default=None,
                    help="the unconditional branch's prompt (needs --guidance-scale)")

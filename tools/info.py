@@ -77,13 +77,14 @@ def collect() -> dict:
     """Everything `framekv info` prints, as a JSON-friendly dict."""
     import torch
 
+    import framekv
     from framekv.ops import driver
 
     device = _device_info()
     cudnn = _cudnn_probe(device)
     numba = _numba_probe()
     return {
-        "framekv": _version("framekv"),
+        "framekv": framekv.__version__,
         "python": platform.python_version(),
         "versions": {
             "torch": torch.__version__, "torch_cuda": torch.version.cuda,

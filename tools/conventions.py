@@ -1,0 +1,104 @@
+"""The conventions every command follows, in one place.
+
+A preset is given the same way to every command that runs one (demo, verify, warmup,
+bench, generate): as the command's one positional argument or as ``--preset``, so
+``framekv warmup tiny`` and ``framekv warmup --preset tiny`` are the same command.
+Giving both is allowed only when they name the same preset.
+
+Help names what a registry holds, read from the registry, so that a new preset, backend
+or bench section shows up in every help without an edit here: the shipped presets
+(`framekv.specs.list_presets`), the attention backends
+(`framekv.engine.attention.BACKENDS`, read only when a help is printed or a
+``--backend`` value checked: importing the engine imports torch) and the bench sections
+(`framekv.tools.bench.SECTIONS`).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable, Sequence
+
+#: The namespace attribute that remembers which of PRESET / --preset set the preset.
+_PRESET_SOURCE = "_preset_given_as"
+
+
+def version_line() -> str:
+    """What ``framekv --version`` prints: ``framekv X.Y.Z``."""
+    import framekv
+
+    return f"framekv {framekv.__version__}"
+
+
+def preset_names() -> list[str]:
+    """The shipped presets' names, sorted (`framekv.specs.list_presets`)."""
+    from framekv.specs import list_presets
+
+    return list_presets()
+
+
+def preset_help(note: str | None = None) -> str:
+    """Help for a preset argument: every shipped preset by name, and ``note`` (its
+    default, say) in parentheses."""
+    text = f"a preset: {', '.join(preset_names())}, or a .toml/.json preset file"
+    return text + (f" ({note})" if note else "")
+
+
+class RegistryNames(Sequence):
+    """A registry's names, read on first use (a membership test, iteration), so that a
+    parser can offer them as ``choices`` without importing the registry when built."""
+
+    def __init__(self, load: Callable[[], Sequence[str]]):
+        self._load = load
+
+    @functools.cached_property
+    def _names(self) -> tuple[str, ...]:
+        return tuple(self._load())
+
+    def __getitem__(self, index):
+        return self._names[index]
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _backend_registry() -> Sequence[str]:
+    from framekv.engine.attention.registry import BACKENDS
+
+    return BACKENDS
+
+
+#: The attention backends `framekv.engine.attention.get_backend` takes.
+BACKEND_NAMES = RegistryNames(_backend_registry)
+
+
+def add_backend_argument(p: argparse.ArgumentParser, default: str) -> None:
+    """``--backend NAME``, one of the registered attention backends (checked at parse
+    time; the help lists them). ``default`` says what None picks."""
+    p.add_argument("--backend", choices=BACKEND_NAMES, metavar="NAME", default=None,
+                   help=f"attention backend: %(choices)s (default: {default})")
+
+
+class _PresetAction(argparse.Action):
+    """Stores PRESET or ``--preset``; the two naming different presets is a usage error."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        given_as = option_string or "PRESET"
+        earlier = getattr(namespace, _PRESET_SOURCE, None)
+        current = getattr(namespace, self.dest, None)
+        if earlier is not None and current != value:
+            parser.error(f"{given_as}: {earlier} already names {current!r}; expected the "
+                         f"same preset or none, got {value!r}")
+        setattr(namespace, _PRESET_SOURCE, given_as)
+        setattr(namespace, self.dest, value)
+
+
+def add_preset_arguments(p: argparse.ArgumentParser, default: str | None,
+                         note: str | None = None) -> None:
+    """PRESET (an optional positional) and ``--preset PRESET``, both into
+    ``args.preset`` (``default`` when neither is given). The help lists the shipped
+    presets and ``note`` (default: "default DEFAULT")."""
+    note = note or (f"default {default}" if default else None)
+    p.add_argument("preset", metavar="PRESET", nargs="?", default=argparse.SUPPRESS,
+                   action=_PresetAction, help=preset_help(note))
+    p.add_argument("--preset", dest="preset", metavar="PRESET", default=default,
+                   action=_PresetAction, help="the same as PRESET, as an option")
