@@ -238,4 +238,4 @@ def test_license_is_apache_2_and_pyproject_names_it():
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text and "Copyright 2026 framekv authors" in text
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert project["license"] == {"text": "Apache-2.0"}
