@@ -35,7 +35,8 @@ text where the runner has a ``text_encoder`` (else ValueError), encoded outside 
 Chunk i of a session starts from `chunk_noise(seed, i)`, so a session's stream is a
 function of its seed and prompt alone: the same seed run alone gives the same latents.
 A chunk's latency runs from its session being ready for it (opened, a queue place
-freed, resumed) to its being queued, decode included. No web imports here:
+freed, resumed) to its being queued, decode included. A closed session leaves its
+`Session.info` in `ended` (`session_info`). No web imports here:
 `framekv.tools.serve` puts HTTP and WebSockets around it and reads `metrics`.
 """
 from __future__ import annotations
@@ -50,11 +51,11 @@ import torch
 
 from .rollout import Rollout
 from .runner import ChunkRunner, chunk_noise
-from .sessions import (LATENCY_BUCKETS, Histogram, Session, SessionChunk,
-                       default_batch_sizes)
+from .sessions import (LATENCY_BUCKETS, EndedSessions, Histogram, PromptChange, Session,
+                       SessionChunk, default_batch_sizes, video_uint8)
 
-__all__ = ["Histogram", "LATENCY_BUCKETS", "LoopStopped", "SchedulerFull", "Session",
-           "SessionChunk", "StreamScheduler", "default_batch_sizes", "video_uint8"]
+__all__ = ["Histogram", "LATENCY_BUCKETS", "LoopStopped", "PromptChange", "SchedulerFull",
+           "Session", "SessionChunk", "StreamScheduler", "default_batch_sizes", "video_uint8"]
 log = logging.getLogger("framekv.scheduler")
 
 
@@ -65,13 +66,6 @@ class SchedulerFull(Exception):
 class LoopStopped(RuntimeError):
     """The GPU loop (`StreamScheduler.run`) ended by an exception: no session can be
     stepped any more; the message says why."""
-
-
-def video_uint8(video: torch.Tensor) -> torch.Tensor:
-    """Decoded frames [B, 3, F, H, W] in [-1, 1] as uint8 [B, F, H, W, 3] on the same
-    device: (x + 1) * 127.5 clamped to [0, 255], rounded half to even (torch.round)."""
-    x = ((video.float() + 1) * 127.5).clamp_(0, 255).round_()
-    return x.to(torch.uint8).permute(0, 2, 3, 4, 1).contiguous()  # [B, F, H, W, 3]
 
 
 class StreamScheduler:
@@ -90,13 +84,15 @@ class StreamScheduler:
             streaming video decoder (``decode(latents [B, C, F, H, W], rows=...)`` ->
             frames [B, 3, F', H', W'] in [-1, 1], ``reset(rows=...)``, ``close()``;
             `framekv.engine.wan.StreamingVAEDecoder`), ready to decode.
+        ended_records: the closed sessions' infos `ended` keeps (the latest).
     """
 
     def __init__(self, preset="tiny", *, max_sessions: int = 8, device=None, backend=None,
                  cache_dir=None, use_graphs: bool = True, queue_chunks: int = 4,
                  batch_sizes=None, progress: bool = False, runner_factory=None,
-                 decoder_factory=None):
-        for name, v in (("max_sessions", max_sessions), ("queue_chunks", queue_chunks)):
+                 decoder_factory=None, ended_records: int = 1024):
+        for name, v in (("max_sessions", max_sessions), ("queue_chunks", queue_chunks),
+                        ("ended_records", ended_records)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if decoder_factory is not None and not callable(decoder_factory):
@@ -122,6 +118,7 @@ class StreamScheduler:
         self._scratch = list(range(max_sessions, max_sessions + scratch))
         self._free = list(range(max_sessions))
         self.sessions: dict[str, Session] = {}
+        self.ended = EndedSessions(ended_records)     # the sessions closed last
         self.lock = threading.RLock()       # sessions, the runner and the decoder
         self.ready = threading.Condition(self.lock)
         self._text_lock = threading.Lock()
@@ -153,9 +150,10 @@ class StreamScheduler:
             return self.runner.encode_prompt(prompt)                # [1, L, text_dim]
 
     def open_session(self, *, seed: int, prompt: torch.Tensor | str | None = None,
-                     chunks: int | None = None) -> Session:
+                     chunks: int | None = None, paused: bool = False) -> Session:
         """A new session at position 0 (``prompt``: `prompt_shape` or text (module doc),
-        default the runner's; ``chunks``: a budget, None for open-ended). Raises
+        default the runner's; ``chunks``: a budget, None for open-ended; ``paused``: no
+        chunk until `pause` (..., False), e.g. after a `set_prompt`). Raises
         `SchedulerFull` when every sequence is taken, ValueError for a bad argument,
         `LoopStopped` once the GPU loop has ended by an exception (`run`)."""
         if self.loop_error is not None:
@@ -178,26 +176,41 @@ class StreamScheduler:
             except BaseException:
                 self._free.insert(0, seq)
                 raise
-            s = Session(secrets.token_urlsafe(18), seq, seed, chunks,
-                        waiting_since=time.monotonic())
+            s = Session(secrets.token_urlsafe(18), seq, seed, chunks, paused=bool(paused),
+                        waiting_since=None if paused else time.monotonic())
             self.sessions[s.id] = s
             self.ready.notify_all()
             return s
 
-    def close_session(self, session_id: str) -> None:
-        """End a session and free its sequence (unknown ids: KeyError)."""
+    def close_session(self, session_id: str, reason: str = "closed") -> None:
+        """End a session ("closed" unless done or failed), drop its undelivered chunks
+        and free its sequence; its `Session.info`, ``end_reason`` = ``reason``, goes to
+        `ended`. Raises KeyError for an id that is not open (unknown, or closed before),
+        so of two racing closes exactly one succeeds. `metrics` counts ``reason`` by
+        value (``ended``): callers use a fixed vocabulary."""
         with self.lock:
             s = self.sessions.pop(session_id)
             if s.state == "active":
                 s.state = "closed"
+            s.end_reason, s.waiting_since = reason, None
+            s.queue.clear()
             self._free.append(s.sequence)
+            self.ended.add(s.info())
             self.ready.notify_all()
 
-    def set_prompt(self, session_id: str, prompt: torch.Tensor | str) -> int:
+    def session_info(self, session_id: str) -> dict | None:
+        """`Session.info` of an open session, else the one `ended` keeps, else None."""
+        with self.lock:
+            s = self.sessions.get(session_id)
+            return s.info() if s is not None else self.ended.get(session_id)
+
+    def set_prompt(self, session_id: str, prompt: torch.Tensor | str) -> PromptChange:
         """Re-cache a session's history under a new prompt (a tensor, or text: module
         doc) before its next chunk (the reference model: its pinned prompt region
         rewritten, the window's K/V stay; Wan: the visible frames' K/V recomputed by
-        clean passes); its video goes on. Returns the session's new prompt version."""
+        clean passes); its video goes on. Returns its new prompt version and the index
+        of the first chunk made under it: the next one, as the change happens between
+        steps (`PromptChange`). KeyError for an id that is not open."""
         if session_id not in self.sessions:
             raise KeyError(session_id)
         prompt = self._prompt(prompt)
@@ -205,7 +218,7 @@ class StreamScheduler:
             s = self.sessions[session_id]
             self.runner.prefill_rows([s.sequence], prompt, rewrite=True)
             s.prompt_version += 1
-            return s.prompt_version
+            return PromptChange(s.prompt_version, s.chunks)
 
     def pause(self, session_id: str, paused: bool = True) -> None:
         """Stop (or, ``paused=False``, restart) stepping a session."""
@@ -291,12 +304,14 @@ class StreamScheduler:
     def metrics(self) -> dict:
         """A snapshot for a server's metrics: sessions open and allowed, steps, chunks,
         failed steps and failed start-overs (``failed_resets``), video frames decoded
-        (``decoding``: whether any are), histograms
-        (`Histogram.snapshot`) of step seconds and chunk latency (``step_seconds``,
-        ``chunk_seconds``), the device and `ChunkRunner.stats` (graphs, pool bytes)."""
+        (``decoding``: whether any are), sessions closed by reason (``ended``),
+        histograms (`Histogram.snapshot`) of step seconds and chunk latency
+        (``step_seconds``, ``chunk_seconds``), the device and `ChunkRunner.stats`
+        (graphs, pool bytes)."""
         with self.lock:
             return {"sessions": len(self.sessions), "max_sessions": self.max_sessions,
                     "device": str(self.runner.device), "decoding": self.decoding,
+                    "ended": dict(self.ended.by_reason),
                     **self._counts, "step_seconds": self._step_seconds.snapshot(),
                     "chunk_seconds": self._chunk_seconds.snapshot(), **self.runner.stats()}
 
@@ -344,6 +359,7 @@ class StreamScheduler:
             if not s.queue:
                 return None
             chunk = s.queue.popleft()
+            s.delivered += 1
             self._mark_waiting(s)
             self.ready.notify_all()  # its session may be ready again
             return chunk

@@ -25,11 +25,11 @@ from framekv.tools.cli import build_parser, main
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH_DIR = pathlib.Path(framekv.bench.__path__[0])
 #: Arguments each command needs besides its preset (generate's --out is checked writable).
-PRESET_COMMANDS = {"demo": [], "verify": [], "warmup": [], "bench": [],
+PRESET_COMMANDS = {"demo": [], "verify": [], "warmup": [], "bench": [], "serve": [],
                    "generate": ["--prompt", "p", "--chunks", "1", "--out", "{tmp}/v.mp4"]}
 #: The preset each command runs when given none (warmup: none, then an error).
 DEFAULT_PRESET = {"demo": None, "verify": None, "warmup": None, "bench": "seed-bench",
-                  "generate": None}
+                  "generate": None, "serve": None}
 BACKEND_COMMANDS = ("demo", "verify", "warmup")
 #: ``python -m framekv.bench.NAME`` modules, found in their sources.
 RUNNABLE = sorted(f.stem for f in BENCH_DIR.glob("*.py")

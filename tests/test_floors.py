@@ -26,6 +26,7 @@ ALLOWED = {
     "engine": {"engine", "graphs", "ops", "specs"},
     "bench": {"bench", "engine", "graphs", "ops", "specs"},
     "tools": {"tools", "bench", "engine", "graphs", "ops", "specs"},
+    "client": {"client", "tools", "bench", "engine", "graphs", "ops", "specs"},
 }
 #: Lines a file may hold before its module docstring must say why it is one file.
 MAX_LINES = 400

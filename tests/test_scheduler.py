@@ -115,6 +115,26 @@ def test_a_failing_step_fails_its_sessions_and_the_others_go_on(sched, monkeypat
     assert max(float((x.latents - w).abs().max()) for x, w in zip(got[c.id], want)) <= 1e-5
 
 
+def test_a_closed_session_leaves_a_bounded_record_of_how_it_ended(sched):
+    from framekv.engine.sessions import EndedSessions
+
+    _clear(sched)
+    s = sched.open_session(seed=5, chunks=3)
+    sched.step()
+    assert sched.next_chunk(s.id, 0).index == 0
+    assert sched.set_prompt(s.id, sched.runner.model.prompt) == (1, 1)   # version, from
+    sched.close_session(s.id, "idle")
+    assert sched.session_info(s.id) == {
+        "id": s.id, "state": "closed", "paused": False, "seed": 5, "chunks": 1, "delivered": 1,
+        "budget": 3, "prompt_version": 1, "error": None, "ended": True, "end_reason": "idle"}
+    assert not s.queue and sched.metrics()["ended"]["idle"] >= 1 and sched.session_info("x") is None
+    kept = EndedSessions(2)
+    for i in range(3):
+        kept.add({"id": str(i), "end_reason": "deleted"})
+    assert [kept.get(str(i)) is not None for i in range(3)] == [False, True, True]
+    assert len(kept) == 2 and kept.by_reason == {"deleted": 3}
+
+
 def test_slots_are_bounded_and_reused_clean(sched):
     _clear(sched)
     sessions = [sched.open_session(seed=i) for i in range(8)]
@@ -296,7 +316,7 @@ def test_text_prompts_equal_the_same_text_set_offline(wan, wan_sched):
     got = {}
     while not s.finished:
         if s.chunks == 2 and s.prompt_version == 0:
-            assert wan_sched.set_prompt(s.id, "a blue whale") == 1
+            assert wan_sched.set_prompt(s.id, "a blue whale") == (1, 2)   # version, from
         wan_sched.step()
         drain(wan_sched, [s], got)
     r = WanRollout(model, use_graphs=False, text_encoder=text, **sizes)

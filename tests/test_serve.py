@@ -168,7 +168,8 @@ def test_errors_are_clear_and_change_nothing(server):
         (http.post("/v1/sessions", json={"seed": 1, "text": "a", "prompt_seed": 1}), 422,
          "give one of text, prompt_seed or prompt, not text and prompt_seed"),
         (http.post("/v1/sessions", json={"seed": 1, "text": 5}), 422, "text must be a string"),
-        (http.post("/v1/sessions", json={"seed": 1, "text": ""}), 422, "of 0"),
+        (http.post("/v1/sessions", json={"seed": 1, "text": ""}), 422,
+         "text must be a string of 1 or more characters, got ''"),
     ]
     for r, status, words in bad:
         assert r.status_code == status and words in r.json()["error"], (status, r.text)

@@ -147,8 +147,9 @@ def test_a_text_prompt_change_is_acknowledged_and_the_video_goes_on(server):
     chunks, texts, end = stream(ws, sid, on_chunk=change)
     assert end["state"] == "done" and len(chunks) == 8
     assert texts[0]["type"] == "error" and "give one of" in texts[0]["error"]
-    assert texts[1:] == [{"type": "prompt", "prompt_version": 1}]
+    assert [t["type"] for t in texts[1:]] == ["prompt_ack"] and texts[1]["prompt_version"] == 1
     versions = [h["prompt_version"] for h, _ in chunks]
+    assert versions.index(1) == texts[1]["applies_from"]       # the first chunk under it
     assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
     assert [h["frames"] for h, _ in chunks[1:]] == [4 * F] * 7    # not a new video
 

@@ -3,7 +3,8 @@ wan-diffusers --config tiny --output frames`` process (CPU, a bearer token): the
 asks for the token, starts a session from its prompt box, draws the decoded video on
 its canvas at the video's frame rate, changes the prompt mid-stream (the server's
 acknowledged prompt_version shown, frames of it drawn after), stops (the server frees
-the slot), and logs no console or page error on the way.
+the slot), and logs no console or page error on the way. /docs renders the API from
+/openapi.json with every request to the server itself.
 """
 from __future__ import annotations
 
@@ -140,4 +141,34 @@ def test_the_page_streams_changes_its_prompt_and_stops(server):
     while httpx.get(f"{base}/health").json()["sessions"] != 0:     # the slot is freed
         assert time.monotonic() < deadline, "the stopped session kept its slot"
         time.sleep(0.1)
+    assert problems == []
+
+
+def test_the_docs_page_renders_the_api_from_this_server_alone(server):
+    """/docs?token=T in the browser: every route and schema of /openapi.json rendered,
+    every request to this server, no console or page error."""
+    from playwright.sync_api import sync_playwright
+
+    base, _ = server
+    problems, requests = [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
+                    if m.type in ("error", "warning") else None)
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page.on("request", lambda r: requests.append(r.url))
+            page.goto(f"{base}/docs?token={TOKEN}")
+            _wait(page, "document.querySelectorAll('#routes details').length >= 8")
+            texts = "es => es.map(e => e.textContent)"
+            routes = page.eval_on_selector_all("#routes summary", texts)
+            schemas = page.eval_on_selector_all("#schemas summary", texts)
+            assert page.text_content("#status") == ""
+        finally:
+            browser.close()
+    assert any(r.startswith("DELETE/v1/sessions/{sid}") for r in routes), routes
+    assert any(r.startswith("PUT/v1/sessions/{sid}/prompt") for r in routes), routes
+    assert {"CreateSession", "ErrorBody", "ServerInfo", "SessionInfo"} <= set(schemas)
+    assert requests and all(u.startswith(base + "/") for u in requests), requests
     assert problems == []

@@ -1,7 +1,7 @@
 """The conventions every command follows, in one place.
 
 A preset is given the same way to every command that runs one (demo, verify, warmup,
-bench, generate): as the command's one positional argument or as ``--preset``, so
+bench, generate, serve): as the command's one positional argument or as ``--preset``, so
 ``framekv warmup tiny`` and ``framekv warmup --preset tiny`` are the same command.
 Giving both is allowed only when they name the same preset.
 

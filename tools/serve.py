@@ -1,7 +1,9 @@
 """`framekv serve`: streaming sessions over HTTP and WebSockets around a `StreamScheduler`.
 
-Routes (JSON errors name the problem; with ``--token`` every route but / and /health
-needs ``Authorization: Bearer T``, on the WebSocket and the docs also ``?token=T``)::
+Routes (every error is ``{"error": ...}`` naming the argument, the value expected and
+the value given; with a token, from ``FRAMEKV_TOKEN`` or ``--token``, every route but /
+and /health needs ``Authorization: Bearer T`` (any case of "Bearer"; a 401 carries
+``WWW-Authenticate: Bearer``), the WebSocket and /docs also ``?token=T``)::
 
     GET    /                             the page: a prompt box, start / stop, the live
                                          video on a canvas (``--output frames``)
@@ -9,17 +11,27 @@ needs ``Authorization: Bearer T``, on the WebSocket and the docs also ``?token=T
                                          whether a token and text prompts apply; 503
                                          and "error" once the GPU loop has died or
                                          while the server shuts down
-    GET    /docs, /redoc, /openapi.json  the API's docs (FastAPI)
-    GET    /metrics                      Prometheus (prometheus_client): sessions, slots,
-                                         steps, chunks, chunk latency histogram, graph
-                                         replays and captures, pool and GPU bytes,
-                                         video frames decoded
-    POST   /v1/sessions                  {"seed": int, "chunks": int?, and at most one
-                                          of "text": str | "prompt_seed": int |
-                                          "prompt": {"shape": [L, D], "data": base64
-                                          float32}} -> 201 {"id": ...}; full: 503 +
-                                          Retry-After; the GPU loop dead: 503
-    DELETE /v1/sessions/{id}             204
+    GET    /docs, /openapi.json          the API's schema and a local page rendering it
+    GET    /metrics                      Prometheus (prometheus_client, text/plain):
+                                         sessions, slots, steps, chunks, latency
+                                         histograms, sessions ended by reason, graph
+                                         replays and captures, pool and GPU bytes
+    GET    /v1/info                      model, prompt shape and dtype, latent layout
+                                         [C, F, H, W], frames per chunk (video frames
+                                         too when decoding), fps, output
+    POST   /v1/sessions                  {"seed": int, "chunks": int?, "paused": bool?,
+                                          and at most one of "text": str |
+                                          "prompt_seed": int | "prompt": {"shape": [L,
+                                          D], "data": base64 float32}} -> 201 {"id"};
+                                          full: 503 + Retry-After; the GPU loop dead: 503
+    GET    /v1/sessions/{id}             state, paused, connected, seed, chunks made and
+                                         delivered, prompt_version, error, end_reason
+                                         (also for the last ended sessions)
+    PUT    /v1/sessions/{id}/prompt      raw little-endian values, X-Prompt-Shape: L,D
+                                         and X-Prompt-Dtype: bf16 | fp16 | fp32; body
+                                         capped at the prompt's bytes -> {"type":
+                                         "prompt_ack", "prompt_version", "applies_from"}
+    DELETE /v1/sessions/{id}             204; 404 once it has ended (idempotent)
     WS     /v1/sessions/{id}/stream      binary, one message per chunk: a 4-byte
                                          big-endian header length, a JSON header, then
                                          --output frames: {"type": "frames", index,
@@ -31,14 +43,17 @@ needs ``Authorization: Bearer T``, on the WebSocket and the docs also ``?token=T
                                          and the latents (fp32, C order)
                                          (`framekv.tools.serve_wire`); a last text
                                          message {"type": "end", "state", "error"}
-                                         (on SIGTERM with "reason": "shutdown").
+                                         (+ "reason": "shutdown", "deleted", "idle"
+                                         when it did not end by itself).
                                          Control (text): {"type": "prompt",
                                          "text" | "prompt_seed" | "prompt"} (answered
-                                         {"type": "prompt", "prompt_version"}),
+                                         {"type": "prompt_ack", "prompt_version",
+                                         "applies_from"}: the first chunk under it),
                                          {"type": "pause"}, {"type": "resume"}; a bad
                                          one (binary included) is answered {"type":
-                                         "error", "error"}. One socket per session: a
-                                         second is closed with code 4409
+                                         "error", "error"}. Refused sockets close with
+                                         a reason: 1008 (token), 4404 (no such session
+                                         open), 4409 (a second socket on a session)
 
 ``--model wan-diffusers`` serves diffusers' Wan transformer (``--config``, random weights,
 or ``--weights DIR``, a diffusers folder with its VAE and text encoder) at the sizes of
@@ -51,19 +66,25 @@ images. The reference model (``--model reference``, default) has no VAE: it stre
 latents, and ``--output frames`` is a startup error.
 
 One thread runs the GPU loop (`StreamScheduler.run`); every graph is captured before
-the socket opens. A client that disconnects frees its slot. Request bodies are JSON of
-at most 1 MiB, counted as they arrive (a Content-Length, no Transfer-Encoding); a
-request head must arrive within ``--head-timeout`` seconds (`framekv.tools.serve_net`).
+the socket opens. A client that disconnects frees its slot; a session no socket has
+taken for ``--session-idle-timeout`` seconds is ended (reason "idle"). A session holds
+at most ``--queue-chunks`` undelivered chunks. Request bodies are JSON of at most 1 MiB
+(a prompt upload: its prompt's bytes), counted as they arrive (a Content-Length, no
+Transfer-Encoding); a request head must arrive within ``--head-timeout`` seconds
+(`framekv.tools.serve_net`). Token values never reach the logs (`redact_tokens`).
 SIGTERM drains: every socket gets its queued chunks and an end message with reason
 "shutdown", then uvicorn's graceful shutdown, then the loop stops and the pool is freed.
+Python clients: `framekv.tools.client` (``framekv.client``).
 """
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 
 from .args import bearer_token, nonnegative_int, positive_int, seconds
+from .conventions import add_preset_arguments
 from .serve_app import FRAME_FORMATS, OUTPUTS, build_app, page_html
 from .serve_wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
 
@@ -77,9 +98,9 @@ WAN_CONFIGS = ("tiny", "1.3b")
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="streaming sessions over HTTP/WebSockets",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default=None, help="the rollout's preset: the reference "
-                   "model's (default tiny), or the sizes diffusers' Wan runs at (default the "
-                   "config's: tiny or wan-1.3b)")
+    add_preset_arguments(p, default=None, note="the rollout's: the reference model's, "
+                         "default tiny; or the sizes diffusers' Wan runs at, default the "
+                         "config's: tiny or wan-1.3b")
     p.add_argument("--model", choices=("reference", "wan-diffusers"), default="reference",
                    help="the reference DiT of --preset (default), or diffusers' Wan "
                         "transformer (needs the wan extra)")
@@ -97,20 +118,32 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --output frames: the images' format (default jpeg)")
     p.add_argument("--fps", type=positive_int, default=16,
                    help="the video's frame rate the page plays at (default 16)")
-    p.add_argument("--max-sessions", type=positive_int, default=8,
-                   help="session slots (default 8)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=nonnegative_int, default=8000)
-    p.add_argument("--token", type=bearer_token, default=None,
-                   help="bearer token every route but / and /health needs (printable "
-                        "ASCII, no spaces)")
-    p.add_argument("--head-timeout", type=seconds, default=10.0,
-                   help="seconds a client may take to send a request head before its "
-                        "connection is closed (default 10)")
+    _session_options(p)
     p.add_argument("--cache-dir", default=None, help="kernels and cuDNN plans kept on disk")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.set_defaults(func=run)
     return p
+
+
+def _session_options(p: argparse.ArgumentParser) -> None:
+    """Slots, queues, timeouts, the address and the token."""
+    p.add_argument("--max-sessions", type=positive_int, default=8,
+                   help="session slots (default 8)")
+    p.add_argument("--queue-chunks", type=positive_int, default=4,
+                   help="undelivered chunks a session may hold before it waits for its "
+                        "client (default 4)")
+    p.add_argument("--session-idle-timeout", type=seconds, default=60.0, metavar="SECONDS",
+                   help="a session no socket has taken for this long is ended and its "
+                        "slot freed (default 60)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=nonnegative_int, default=8000)
+    p.add_argument("--token", type=bearer_token, default=None,
+                   help="bearer token every route but / and /health needs (printable "
+                        "ASCII, no spaces); prefer the FRAMEKV_TOKEN environment "
+                        "variable: an option is visible to every user in ps")
+    p.add_argument("--head-timeout", type=seconds, default=10.0,
+                   help="seconds a client may take to send a request head before its "
+                        "connection is closed (default 10)")
 
 
 def output_of(args) -> str:
@@ -123,6 +156,33 @@ def output_of(args) -> str:
     return output
 
 
+def token_of(args) -> str | None:
+    """The bearer token: ``--token`` (with a warning on stderr: every user of the machine
+    sees a process's arguments), else ``FRAMEKV_TOKEN``, else None. ValueError for a
+    set but malformed FRAMEKV_TOKEN (an empty one included)."""
+    if args.token is not None:
+        print("framekv serve: warning: --token is visible to every user of this machine "
+              "(ps, /proc); set FRAMEKV_TOKEN instead", file=sys.stderr)
+        return args.token
+    token = os.environ.get("FRAMEKV_TOKEN")
+    if token is None:
+        return None
+    try:
+        return bearer_token(token)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"FRAMEKV_TOKEN {exc}") from None
+
+
+def model_name(args) -> str:
+    """The model's name in /v1/info: "reference:PRESET" or "wan-diffusers:CONFIG" (or
+    ":" + the weights folder's name)."""
+    if args.model != "wan-diffusers":
+        return f"reference:{args.preset or 'tiny'}"
+    import pathlib
+
+    return "wan-diffusers:" + (pathlib.Path(args.weights).name if args.weights else args.config)
+
+
 def run(args) -> int:
     """``framekv serve``: build, capture, serve until SIGTERM; the exit status (2 for a
     bad option combination, before anything is built)."""
@@ -131,6 +191,7 @@ def run(args) -> int:
     from .serve_net import DrainingServer, server_config
 
     try:
+        token = token_of(args)
         output = output_of(args)
         parts = (wan_factory(args, decode=output == "frames") if args.model == "wan-diffusers"
                  else None)
@@ -139,10 +200,11 @@ def run(args) -> int:
         return 2
     sched = StreamScheduler(args.preset or "tiny", max_sessions=args.max_sessions,
                             device=args.device, cache_dir=args.cache_dir, progress=True,
-                            runner_factory=parts,
+                            queue_chunks=args.queue_chunks, runner_factory=parts,
                             decoder_factory=parts.decoder if output == "frames" else None)
-    app = build_app(sched, token=args.token, output=output, frame_format=args.frame_format,
-                    fps=args.fps)
+    app = build_app(sched, token=token, output=output, frame_format=args.frame_format,
+                    fps=args.fps, idle_timeout=args.session_idle_timeout,
+                    model=model_name(args))
     server = DrainingServer(server_config(app, host=args.host, port=args.port,
                                           head_timeout=args.head_timeout))
     # uvicorn drains on SIGTERM, then puts back the handler it found and raises the

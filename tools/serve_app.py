@@ -1,43 +1,54 @@
-"""The FastAPI app of `framekv serve` (`build_app`): its routes, the page at ``/``. The
-routes and messages are those of `framekv.tools.serve`'s module doc; a session's socket
-is `framekv.tools.serve_stream`'s, the chunk messages `framekv.tools.serve_wire`'s.
+"""The FastAPI app of `framekv serve` (`build_app`): the server's state, its lifespan (the
+GPU loop thread, the idle-session reaper), the routes outside a session (the page at
+``/``, /health, /metrics, /v1/info, the docs) and the error shape. The routes and
+messages are those of `framekv.tools.serve`'s module doc; the session routes and the
+WebSocket are `framekv.tools.serve_routes`', the chunk messages
+`framekv.tools.serve_wire`'s, the models `framekv.tools.serve_models`'.
 
 The GPU loop (`StreamScheduler.run`) runs in a thread the app's lifespan starts and
 stops; should it end by an exception, /health answers 503 and new sessions are refused
-(503), both with the reason. A session has at most one socket: a second is closed 4409.
-With a token, every route but / and /health needs it, the docs (/docs, /redoc,
-/openapi.json) included; tokens compare as bytes, a non-ASCII one is wrong (401).
-``app.state.drain`` ends every stream cleanly on shutdown (`DrainingServer`).
-(No ``from __future__ import annotations``: FastAPI reads the routes' annotations.)
+(503), both with the reason. Every error is ``{"error": ...}``, a validation error
+(422) included. With a token, every route but / and /health needs it (`BearerAuth`),
+the docs (/docs, /openapi.json) included. /docs is a local page (``page/docs.html``)
+that renders /openapi.json and loads nothing from elsewhere. A session with no socket
+for ``idle_timeout`` seconds (created and never connected) is ended with reason
+"idle"; a socket that ends ends its session at once. ``app.state.drain`` ends every
+stream cleanly on shutdown (`DrainingServer`).
+(No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
+FastAPI, pydantic and uvicorn are imported when an app is built, so the command line
+parses without the ``serve`` extra.)
 """
 import asyncio
 import contextlib
-import secrets
 import threading
 import time
-import urllib.parse
 
 from .serve_metrics import metrics_registry, render
-from .serve_stream import serve_socket
-from .serve_wire import (BODY_TIMEOUT_S, RequestError, chunk_frame, frames_message, json_body,
-                         parse_prompt, read_body)
+from .serve_wire import BODY_TIMEOUT_S, PROMPT_DTYPES, RequestError, chunk_frame, frames_message
 
 OUTPUTS = ("frames", "latents")
 FRAME_FORMATS = ("jpeg", "webp")
-SESSION_KEYS = {"seed", "chunks", "text", "prompt", "prompt_seed"}
-#: a second socket on a session is closed with this code (and a reason)
-SESSION_TAKEN = 4409
+IDLE_TIMEOUT_S = 60.0    # seconds a session may go without a socket
+API_DOC = ("Streaming sessions of an autoregressive video model. Create a session (POST "
+           "/v1/sessions), then connect to WS /v1/sessions/{id}/stream: one binary message "
+           "per chunk (a 4-byte big-endian header length, a JSON header, the payload), "
+           "text control messages {\"type\": \"prompt\" | \"pause\" | \"resume\"}, a "
+           "prompt change answered {\"type\": \"prompt_ack\", \"prompt_version\", "
+           "\"applies_from\"}, a last {\"type\": \"end\"}. The socket takes ?token= where "
+           "the server has a token; it closes 1008 for a bad token, 4404 for an unknown "
+           "session, 4409 for a second socket.")
 
 
-def page_html() -> str:
-    """The page served at ``/`` (``tools/page/index.html``, package data)."""
+def page_html(name: str = "index.html") -> str:
+    """A page of ``tools/page/`` (package data): the page at ``/`` by default."""
     from importlib.resources import files
 
-    return (files("framekv.tools") / "page" / "index.html").read_text(encoding="utf-8")
+    return (files("framekv.tools") / "page" / name).read_text(encoding="utf-8")
 
 
-def _check_options(sched, output, frame_format, fps, quality, token) -> str:
+def _check_options(sched, output, frame_format, fps, quality, token, idle_timeout) -> str:
     import argparse
+    import math
 
     from .args import bearer_token
 
@@ -52,6 +63,10 @@ def _check_options(sched, output, frame_format, fps, quality, token) -> str:
     for name, v, hi in (("fps", fps, 240), ("quality", quality, 100)):
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
             raise ValueError(f"{name} must be an integer in [1, {hi}], got {v!r}")
+    if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float)) \
+            or not (math.isfinite(idle_timeout) and idle_timeout > 0):
+        raise ValueError(f"idle_timeout must be a finite number of seconds > 0, got "
+                         f"{idle_timeout!r}")
     if token is not None and not isinstance(token, str):
         raise ValueError(f"token must be a string or None, got a {type(token).__name__}")
     if token is not None:
@@ -64,27 +79,22 @@ def _check_options(sched, output, frame_format, fps, quality, token) -> str:
 
 class _Server:
     """What the routes share: the scheduler, the options, the sockets open (session
-    ids), whether the server drains."""
+    ids), the sessions created and not yet connected (id -> when), whether the server
+    drains."""
 
-    def __init__(self, sched, token, body_timeout, output, encode, fps):
-        self.sched, self.body_timeout, self.output, self.fps = sched, body_timeout, output, fps
-        self.encode, self.streams, self.draining = encode, set(), threading.Event()
-        self.token = None if token is None else f"Bearer {token}".encode()
+    def __init__(self, sched, auth, *, body_timeout, output, encode, fps, frame_format,
+                 idle_timeout, model):
+        self.sched, self.auth, self.body_timeout, self.output = sched, auth, body_timeout, output
+        self.encode, self.fps, self.frame_format = encode, fps, frame_format
+        self.idle_timeout, self.model = float(idle_timeout), model
+        self.streams: set[str] = set()
+        self.unattached: dict[str, float] = {}
+        self.draining = threading.Event()
 
-    def check_token(self, auth: str | None) -> None:
-        """401 unless ``auth`` is "Bearer <token>" (no token set: anything goes)."""
-        if self.token is None:
-            return
-        if not auth:
-            raise RequestError(401, "missing bearer token: send Authorization: Bearer <token>")
-        if not auth.isascii() or not secrets.compare_digest(auth.encode(), self.token):
-            raise RequestError(401, "wrong bearer token")
-
-    def check_request(self, request) -> None:
-        """The token of an HTTP request: its Authorization header, else ``?token=``."""
-        self.check_token(request.headers.get("authorization") or (
-            f"Bearer {request.query_params['token']}" if "token" in request.query_params
-            else None))
+    def check_open(self) -> None:
+        """503 once the server drains: no new sessions."""
+        if self.draining.is_set():
+            raise RequestError(503, "the server is shutting down: no new sessions")
 
     async def drain(self, timeout: float) -> None:
         """End every open stream (`serve_socket`: queued chunks, then an end message
@@ -94,6 +104,29 @@ class _Server:
         while self.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
+    async def reap_idle(self) -> None:
+        """Forever: end (reason "idle") each session created ``idle_timeout`` s ago
+        that no socket has taken; forget those that ended otherwise."""
+        while True:
+            await asyncio.sleep(min(1.0, self.idle_timeout / 4))
+            now, idle = time.monotonic(), []
+            for sid, since in list(self.unattached.items()):
+                gone = sid not in self.sched.sessions
+                if gone or now - since >= self.idle_timeout:
+                    del self.unattached[sid]
+                    if not gone:
+                        idle.append(sid)
+            if idle:
+                await asyncio.to_thread(self._close_all, idle, "idle", self.streams)
+
+    def _close_all(self, ids, reason: str, skip=()) -> None:
+        """Close the sessions ``ids`` not in ``skip`` (a socket took them meanwhile) and
+        still open."""
+        for sid in ids:
+            if sid not in skip:
+                with contextlib.suppress(KeyError):       # ended meanwhile
+                    self.sched.close_session(sid, reason)
+
     def health(self):
         """/health: 200 while the GPU loop runs and the server takes sessions, else 503
         with ``error`` saying why."""
@@ -101,7 +134,7 @@ class _Server:
 
         s = self.sched
         body = {"sessions": len(s.sessions), "max_sessions": s.max_sessions,
-                "output": self.output, "fps": self.fps, "token": self.token is not None,
+                "output": self.output, "fps": self.fps, "token": self.auth.enabled,
                 "text": s.text_prompts}
         error = (f"the GPU loop stopped: {s.loop_error}" if s.loop_error is not None
                  else "the server is shutting down" if self.draining.is_set() else None)
@@ -109,157 +142,149 @@ class _Server:
             return {"status": "ok", **body}
         return JSONResponse({"status": "error", "error": error, **body}, 503)
 
+    def info(self) -> dict:
+        """/v1/info (`ServerInfo`)."""
+        s, F = self.sched, self.sched.frames_per_chunk
+        video = {"first": 1 + 4 * (F - 1), "later": 4 * F} if s.decoding else None  # Wan VAE
+        return {"model": self.model,
+                "prompt": {"shape": list(s.prompt_shape), "dtype": str(s.runner.dtype).removeprefix("torch."),
+                           "upload_dtypes": sorted({v[0] for v in PROMPT_DTYPES.values()}),
+                           "text": s.text_prompts},
+                "latents": {"layout": ["C", "F", "H", "W"], "shape": list(s.chunk_shape),
+                            "dtype": "float32"},
+                "frames_per_chunk": F, "video_frames_per_chunk": video, "fps": self.fps,
+                "output": self.output,
+                "frame_format": self.frame_format if self.output == "frames" else None,
+                "max_sessions": s.max_sessions, "queue_chunks": s.queue_chunks,
+                "session_idle_timeout": self.idle_timeout}
+
 
 def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIMEOUT_S,
               output: str | None = None, frame_format: str = "jpeg", fps: int = 16,
-              quality: int = 85):
-    """The FastAPI app over ``sched``; its lifespan runs the GPU loop thread.
+              quality: int = 85, idle_timeout: float = IDLE_TIMEOUT_S,
+              model: str | None = None):
+    """The FastAPI app over ``sched``; its lifespan runs the GPU loop thread and the idle
+    reaper, and at its end closes every session left (reason "shutdown").
 
     ``output``: "frames" (images of the decoded video, ``frame_format`` at JPEG/WebP
     ``quality``; needs a scheduler with a decoder) or "latents"; default frames where
     the scheduler decodes. ``fps``: the video's frame rate, which the page plays at.
     ``token``: printable ASCII without spaces (ValueError otherwise), or None: no auth.
+    ``idle_timeout``: seconds a session may go without a socket. ``model``: its name in
+    /v1/info (default the runner's class). Installs `redact_tokens` on uvicorn's loggers.
     """
     from fastapi import FastAPI
 
-    output = _check_options(sched, output, frame_format, fps, quality, token)
+    from .serve_auth import BearerAuth
+    from .serve_net import redact_tokens
+    from .serve_routes import session_routes, stream_route
+
+    output = _check_options(sched, output, frame_format, fps, quality, token, idle_timeout)
     encode = (chunk_frame if output == "latents"
               else lambda c: frames_message(c, frame_format, quality))
-    srv = _Server(sched, token, body_timeout, output, encode, fps)
-    stop = threading.Event()
+    srv = _Server(sched, BearerAuth(token), body_timeout=body_timeout, output=output,
+                  encode=encode, fps=fps, frame_format=frame_format,
+                  idle_timeout=idle_timeout, model=model or type(sched.runner).__name__)
+    app = FastAPI(title="framekv", version=_version(), description=API_DOC,
+                  lifespan=_lifespan(srv), docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.drain = srv.drain
+    redact_tokens()
+    _handlers(app)
+    _http_routes(app, srv, page_html())
+    session_routes(app, srv)
+    stream_route(app, srv)
+    _docs_routes(app, srv, page_html("docs.html"))
+    return app
+
+
+def _lifespan(srv: _Server):
+    """The app's lifespan: the GPU loop thread and the idle reaper run while it serves;
+    then both stop and every session left is closed (reason "shutdown")."""
+    sched, stop = srv.sched, threading.Event()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         loop = threading.Thread(target=sched.run, args=(stop,), name="framekv-gpu", daemon=True)
         loop.start()
+        reaper = asyncio.create_task(srv.reap_idle())
         yield
+        reaper.cancel()
         stop.set()
         loop.join()
-        for sid in list(sched.sessions):
-            sched.close_session(sid)
-
-    docs = {} if token is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="framekv", lifespan=lifespan, **docs)
-    app.state.drain = srv.drain
-    _http_routes(app, srv, page_html())
-    _stream_route(app, srv)
-    if token is not None:
-        _docs_routes(app, srv)
-    return app
+        srv._close_all(list(sched.sessions), "shutdown")
+    return lifespan
 
 
-def _http_routes(app, srv: _Server, page: str) -> None:
-    from fastapi import Request
-    from fastapi.responses import HTMLResponse, JSONResponse, Response
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-    registry = metrics_registry(srv.sched)
+    try:
+        return version("framekv")
+    except PackageNotFoundError:
+        return "0"
+
+
+def _handlers(app) -> None:
+    """Every error as ``{"error": ...}``: the server's own, and FastAPI's validation
+    errors (422, one line naming the field, expected and actual value)."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    from .serve_models import validation_message
 
     @app.exception_handler(RequestError)
     async def _err(request, exc: RequestError):
         return JSONResponse({"error": exc.message}, exc.status, headers=exc.headers)
 
-    @app.get("/")
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        return JSONResponse({"error": validation_message(exc.errors())}, 422)
+
+
+def _http_routes(app, srv: _Server, page: str) -> None:
+    from fastapi import Depends, Request
+    from fastapi.responses import HTMLResponse, PlainTextResponse, Response
+
+    from .serve_models import Health, ServerInfo, errors
+
+    registry, auth = metrics_registry(srv.sched), [Depends(srv.auth.dependency())]
+
+    @app.get("/", response_class=HTMLResponse, summary="The page: watch and steer a stream")
     async def index():
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, response_model_exclude_none=True,
+             responses={503: {"model": Health}},
+             summary="Liveness: 503 once the GPU loop died or while shutting down")
     async def health():
         return srv.health()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=auth,
+             responses=errors(401, plain=True),
+             summary="Prometheus metrics (text or OpenMetrics)")
     async def metrics(request: Request):
-        srv.check_token(request.headers.get("authorization"))
         body, content_type = await asyncio.to_thread(render, registry,
                                                      request.headers.get("accept"))
         return Response(body, media_type=content_type)
 
-    @app.post("/v1/sessions", status_code=201)
-    async def create(request: Request):
-        srv.check_token(request.headers.get("authorization"))
-        if srv.draining.is_set():
-            raise RequestError(503, "the server is shutting down: no new sessions")
-        body = json_body(await read_body(request, srv.body_timeout))
-        return {"id": await _create(srv.sched, body)}
-
-    @app.delete("/v1/sessions/{sid}")
-    async def delete(sid: str, request: Request):
-        srv.check_token(request.headers.get("authorization"))
-        if sid not in srv.sched.sessions:
-            raise RequestError(404, "no such session")
-        await asyncio.to_thread(srv.sched.close_session, sid)
-        return Response(status_code=204)
+    @app.get("/v1/info", response_model=ServerInfo, dependencies=auth, responses=errors(401),
+             summary="What the server streams: model, prompt and chunk shapes, output")
+    async def info():
+        return srv.info()
 
 
-def _stream_route(app, srv: _Server) -> None:
-    from fastapi import WebSocket
-
-    @app.websocket("/v1/sessions/{sid}/stream")
-    async def stream(ws: WebSocket, sid: str):
-        try:
-            srv.check_request(ws)
-            if sid not in srv.sched.sessions:
-                raise RequestError(404, "no such session")
-        except RequestError as exc:
-            await ws.close(code=1008, reason=exc.message)
-            return
-        if sid in srv.streams:              # checked and taken with no await between
-            await ws.accept()
-            await ws.close(code=SESSION_TAKEN, reason="session already has a stream: one "
-                                                      "socket per session")
-            return
-        srv.streams.add(sid)
-        try:
-            await ws.accept()
-            await serve_socket(ws, srv.sched, sid, srv.encode, srv.draining)
-        finally:
-            srv.streams.discard(sid)
-
-
-def _docs_routes(app, srv: _Server) -> None:
-    """/openapi.json, /docs and /redoc behind the token (header or ``?token=``, which
-    the docs pages pass on to their fetch of /openapi.json)."""
+def _docs_routes(app, srv: _Server, page: str) -> None:
+    """/openapi.json and /docs (the local page), behind the token where there is one
+    (header or ``?token=``, which the page passes on to its fetch of /openapi.json)."""
     from fastapi import Request
-    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-    from fastapi.responses import JSONResponse
-
-    def schema_url(request) -> str:
-        token = request.query_params.get("token")
-        return "/openapi.json" + ("" if token is None else
-                                  "?" + urllib.parse.urlencode({"token": token}))
+    from fastapi.responses import HTMLResponse, JSONResponse
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request):
-        srv.check_request(request)
+        srv.auth.check_connection(request)
         return JSONResponse(app.openapi())
 
     @app.get("/docs", include_in_schema=False)
     async def docs(request: Request):
-        srv.check_request(request)
-        return get_swagger_ui_html(openapi_url=schema_url(request), title="framekv - docs")
-
-    @app.get("/redoc", include_in_schema=False)
-    async def redoc(request: Request):
-        srv.check_request(request)
-        return get_redoc_html(openapi_url=schema_url(request), title="framekv - ReDoc")
-
-
-async def _create(sched, body: dict) -> str:
-    """Open the session a POST body asks for; its id."""
-    from framekv.engine.scheduler import LoopStopped, SchedulerFull
-
-    unknown = set(body) - SESSION_KEYS
-    if unknown or "seed" not in body:
-        takes = sorted(SESSION_KEYS - {"seed"})
-        raise RequestError(422, f"body needs \"seed\" and takes {takes}; unknown: "
-                                f"{sorted(unknown)}")
-    prompt = parse_prompt(body, sched.prompt_shape)
-    try:
-        s = await asyncio.to_thread(sched.open_session, seed=body["seed"],
-                                    chunks=body.get("chunks"), prompt=prompt)
-    except SchedulerFull as exc:
-        raise RequestError(503, str(exc), {"Retry-After": "5"}) from None
-    except LoopStopped as exc:
-        raise RequestError(503, str(exc)) from None
-    except ValueError as exc:
-        raise RequestError(422, str(exc)) from None
-    return s.id
+        srv.auth.check_connection(request)
+        return HTMLResponse(page, headers={"Cache-Control": "no-store"})

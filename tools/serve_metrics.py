@@ -16,12 +16,16 @@ that reads `StreamScheduler.metrics` at every scrape, so several apps in one pro
     framekv_graph_replays_total      counter    whole-chunk graph replays
     framekv_graph_captures_total     counter    graphs captured
     framekv_video_frames_total       counter    video frames decoded (decoding only)
+    framekv_sessions_ended_total     counter    sessions closed, label reason (deleted,
+                                                idle, disconnected, done, failed, ...)
     framekv_step_seconds             histogram  a batched step, its decode included
     framekv_chunk_seconds            histogram  a chunk's latency: its session ready
                                                 for it -> it is queued
 
 `render` writes them in the format the scraper's ``Accept`` asks for (Prometheus text,
-or OpenMetrics) with prometheus_client's content type.
+or OpenMetrics) with prometheus_client's content type. Every series is a fixed-size
+snapshot (histograms are bucket counts, the reasons a fixed vocabulary), so a scrape's
+size does not grow with uptime.
 """
 from __future__ import annotations
 
@@ -65,6 +69,11 @@ class SchedulerCollector:
         if m["decoding"]:
             yield CounterMetricFamily("framekv_video_frames", "Video frames decoded.",
                                       value=m["video_frames"])
+        ended = CounterMetricFamily("framekv_sessions_ended", "Sessions closed, by reason.",
+                                    labels=["reason"])
+        for reason, n in sorted(m["ended"].items()):
+            ended.add_metric([reason], n)
+        yield ended
         for key, name, doc in HISTOGRAMS:
             h = m[key]
             buckets = [(repr(float(b)), n) for b, n in h["buckets"]] + [("+Inf", h["count"])]

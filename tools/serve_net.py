@@ -10,8 +10,15 @@ seconds (uvicorn's ``timeout_keep_alive``); a request body has the app's
 Shutdown (SIGTERM): `DrainingServer` stops accepting, then awaits the app's
 ``state.drain`` (every socket gets its queued chunks and an end message with reason
 "shutdown"), at most ``drain_timeout`` seconds, then shuts down as uvicorn does.
+
+Logs: uvicorn's access and error loggers print a request's path with its query, and a
+browser's WebSocket and docs pages carry ``?token=``; `redact_tokens` installs
+`RedactTokens` on both, so no token value reaches a log line.
 """
 from __future__ import annotations
+
+import logging
+import re
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -19,6 +26,34 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 HEAD_TIMEOUT_S = 10.0     # seconds a client may take to send a request head
 KEEP_ALIVE_S = 5          # seconds an idle keep-alive connection stays open
 DRAIN_TIMEOUT_S = 10.0    # seconds the streams get to end on shutdown
+#: the loggers uvicorn writes request paths to (access lines; WebSocket lines)
+UVICORN_LOGGERS = ("uvicorn.access", "uvicorn.error")
+
+
+class RedactTokens(logging.Filter):
+    """Rewrites a record's message and string arguments so that the value of every
+    ``token=`` query parameter reads ``[redacted]``; never drops a record."""
+
+    PATTERN = re.compile(r"(token=)[^&\s\"'#]*", re.IGNORECASE)
+
+    def _clean(self, x):
+        return self.PATTERN.sub(r"\1[redacted]", x) if isinstance(x, str) else x
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = self._clean(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(self._clean(a) for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: self._clean(v) for k, v in record.args.items()}
+        return True
+
+
+def redact_tokens() -> None:
+    """Install one `RedactTokens` on each of `UVICORN_LOGGERS` (again: no change)."""
+    for name in UVICORN_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactTokens) for f in logger.filters):
+            logger.addFilter(RedactTokens())
 
 
 class HeadDeadline(H11Protocol):
@@ -73,8 +108,10 @@ def server_config(app, *, host: str = "127.0.0.1", port: int = 8000,
         raise ValueError(f"head_timeout and keep_alive must be > 0 seconds, got "
                          f"{head_timeout} and {keep_alive}")
     protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": head_timeout})
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
-                          timeout_keep_alive=keep_alive)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                            timeout_keep_alive=keep_alive)
+    redact_tokens()              # after uvicorn's logging setup, which keeps filters
+    return config
 
 
 class DrainingServer(uvicorn.Server):

@@ -3,8 +3,13 @@ come, its control messages applied, its end message, its slot freed when it goes
 
 The messages are those of `framekv.tools.serve`'s module doc. Control messages are
 JSON text; a binary one, bad JSON or a bad value is answered ``{"type": "error",
-"error"}`` and the session goes on. The last message is ``{"type": "end", "state",
-"error"}``, with ``"reason": "shutdown"`` added when the server drains.
+"error"}`` and the session goes on. A prompt change is answered ``{"type":
+"prompt_ack", "prompt_version", "applies_from"}``: chunks from index ``applies_from`` on
+are made under it. The last message is ``{"type": "end", "state", "error"}``, with a
+``"reason"`` when the session did not end by itself: "shutdown" when the server drains,
+"deleted" or "idle" when it was closed under the socket. When the socket goes, its
+session ends (reason: its state if it had finished, "disconnected" if not, "shutdown"
+on a drain).
 """
 import asyncio
 import contextlib
@@ -33,16 +38,23 @@ async def serve_socket(ws, sched, sid: str, encode, draining) -> None:
     finally:
         for t in tasks:
             t.cancel()
-        if sid in sched.sessions:
-            await asyncio.to_thread(sched.close_session, sid)
+        s = sched.sessions.get(sid)
+        reason = ("shutdown" if draining.is_set() else s.state if s is not None and s.finished
+                  else "disconnected")
+        with contextlib.suppress(KeyError):      # closed meanwhile (DELETE, idle)
+            await asyncio.to_thread(sched.close_session, sid, reason)
         with contextlib.suppress(Exception):
             await ws.close(GOING_AWAY if draining.is_set() else 1000)
 
 
-def _end(s, reason: str | None = None) -> str:
-    """The end message of session ``s`` (None: closed meanwhile), with ``reason`` if any."""
-    state = s.state if s is not None and s.finished else "closed"
-    end = {"type": "end", "state": state, "error": s.error if s else None}
+def _end(sched, sid: str, reason: str | None = None) -> str:
+    """The end message of session ``sid``: open and finished, or open and stopped by
+    the drain (``reason`` "shutdown", state "closed"), or closed under the socket (its
+    record's state and end reason)."""
+    info = sched.session_info(sid) or {"state": "closed", "error": None, "end_reason": None}
+    reason = reason or info["end_reason"]
+    state = "closed" if info["state"] == "active" else info["state"]
+    end = {"type": "end", "state": state, "error": info["error"]}
     return json.dumps(end if reason is None else {**end, "reason": reason})
 
 
@@ -54,12 +66,12 @@ async def _send(ws, sched, sid: str, encode, draining) -> None:
             continue
         s = sched.sessions.get(sid)
         if s is None or s.finished:
-            return await ws.send_text(_end(s))
+            return await ws.send_text(_end(sched, sid))
     with contextlib.suppress(KeyError):       # paused: no chunk comes after those queued
         await asyncio.to_thread(sched.pause, sid, True)
     while (chunk := await asyncio.to_thread(sched.next_chunk, sid, 0)) is not None:
         await ws.send_bytes(await asyncio.to_thread(encode, chunk))
-    await ws.send_text(_end(sched.sessions.get(sid), "shutdown"))
+    await ws.send_text(_end(sched, sid, "shutdown"))
 
 
 async def _receive(ws, sched, sid: str) -> None:
@@ -83,7 +95,7 @@ async def _receive(ws, sched, sid: str) -> None:
 
 
 async def _control(sched, sid: str, msg: dict) -> dict | None:
-    """Apply one control message; the reply to send (a prompt change: its version)."""
+    """Apply one control message; the reply to send (a prompt change: its ack)."""
     kind = msg.get("type")
     if kind not in ("prompt", "pause", "resume"):
         raise RequestError(422, f"type must be prompt, pause or resume, got {kind!r}")
@@ -98,7 +110,8 @@ async def _control(sched, sid: str, msg: dict) -> dict | None:
     if prompt is None:
         raise RequestError(422, "a prompt message needs text, prompt_seed or prompt")
     try:
-        version = await asyncio.to_thread(sched.set_prompt, sid, prompt)
+        change = await asyncio.to_thread(sched.set_prompt, sid, prompt)
     except ValueError as exc:
         raise RequestError(422, str(exc)) from None
-    return {"type": "prompt", "prompt_version": version}
+    return {"type": "prompt_ack", "prompt_version": change.version,
+            "applies_from": change.applies_from}

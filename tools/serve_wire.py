@@ -14,7 +14,9 @@ header, then the payload::
 from the moment the session was ready for the chunk to the message built (images
 encoded). A prompt is at most one of ``"text"`` (a string, for a runner with a text
 encoder), ``"prompt_seed"`` (random embeddings of that seed) or ``"prompt"`` (uploaded
-float32 embeddings).
+float32 embeddings). A binary prompt upload (``PUT /v1/sessions/{id}/prompt``) is the
+raw little-endian values, ``X-Prompt-Shape: L,D`` and ``X-Prompt-Dtype: bf16 | fp16 |
+fp32`` (`upload_spec`, `upload_prompt`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ MAX_BODY_BYTES = 1 << 20   # a request body or control message: JSON, at most 1 
 BODY_TIMEOUT_S = 10.0      # seconds a client may take to send its body
 MAX_TEXT_CHARS = 2000      # a text prompt's length
 PROMPT_KEYS = ("text", "prompt_seed", "prompt")
+#: X-Prompt-Dtype -> (canonical name, numpy little-endian dtype of the raw values)
+PROMPT_DTYPES = {"bf16": ("bf16", "<u2"), "bfloat16": ("bf16", "<u2"),
+                 "fp16": ("fp16", "<f2"), "float16": ("fp16", "<f2"),
+                 "fp32": ("fp32", "<f4"), "float32": ("fp32", "<f4")}
 
 
 class RequestError(Exception):
@@ -122,35 +128,76 @@ def _json_kind(x) -> str:
 CLOSE = {"Connection": "close"}
 
 
-async def read_body(request, timeout: float) -> bytes:
-    """The request body: a Content-Length in [0, MAX_BODY_BYTES] and no
-    Transfer-Encoding (411/413 before any byte is read), then at most MAX_BODY_BYTES
-    counted as they arrive (413), within ``timeout`` seconds (408). The headers never
-    bound the read: a body longer than its Content-Length stops at the cap all the same."""
+async def read_body(request, timeout: float, cap: int = MAX_BODY_BYTES) -> bytes:
+    """The request body: a Content-Length in [0, cap] and no Transfer-Encoding (411/413
+    before any byte is read), then at most ``cap`` bytes counted as they arrive (413),
+    within ``timeout`` seconds (408). The headers never bound the read: a body longer
+    than its Content-Length stops at the cap all the same."""
     length = request.headers.get("content-length")
     if length is None or "transfer-encoding" in request.headers:
         raise RequestError(411, "a Content-Length and no Transfer-Encoding are needed: "
                                 "chunked request bodies are not accepted, got Transfer-"
                                 f"Encoding {request.headers.get('transfer-encoding')!r} and "
                                 f"Content-Length {length!r}", CLOSE)
-    if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-        raise RequestError(413, f"Content-Length must be in [0, {MAX_BODY_BYTES}] bytes, "
-                                f"got {length}", CLOSE)
+    if not length.isdigit() or int(length) > cap:
+        raise RequestError(413, f"Content-Length must be in [0, {cap}] bytes, got {length}",
+                           CLOSE)
     try:
-        return await asyncio.wait_for(_read_capped(request, length), timeout)
+        return await asyncio.wait_for(_read_capped(request, length, cap), timeout)
     except asyncio.TimeoutError:
         raise RequestError(408, f"the body did not arrive within {timeout} s", CLOSE) from None
 
 
-async def _read_capped(request, length: str) -> bytes:
+async def _read_capped(request, length: str, cap: int) -> bytes:
     parts, n = [], 0
     async for piece in request.stream():
         n += len(piece)
-        if n > MAX_BODY_BYTES:
-            raise RequestError(413, f"the body must be at most {MAX_BODY_BYTES} bytes, got "
-                                    f"{n} and more (Content-Length said {length})", CLOSE)
+        if n > cap:
+            raise RequestError(413, f"the body must be at most {cap} bytes, got {n} and "
+                                    f"more (Content-Length said {length})", CLOSE)
         parts.append(piece)
     return b"".join(parts)
+
+
+def upload_spec(shape: str | None, dtype: str | None, want) -> tuple[str, int]:
+    """(canonical dtype, body bytes) of a binary prompt upload's headers: X-Prompt-Shape
+    must be the model's prompt shape ``want`` as "L,D", X-Prompt-Dtype one of
+    `PROMPT_DTYPES` (422 otherwise)."""
+    import numpy as np
+
+    want_text = ",".join(str(n) for n in want)
+    got = [p.strip() for p in (shape or "").split(",")]
+    if not all(p.isdigit() for p in got) or [int(p) for p in got] != list(want):
+        raise RequestError(422, f"X-Prompt-Shape must be {want_text} (the model's prompt "
+                                f"shape [L, text_dim]), got {shape!r}")
+    if (dtype or "").lower() not in PROMPT_DTYPES:
+        raise RequestError(422, f"X-Prompt-Dtype must be one of bf16, fp16 or fp32, got "
+                                f"{dtype!r}")
+    name, np_dtype = PROMPT_DTYPES[dtype.lower()]
+    return name, int(np.prod(want)) * np.dtype(np_dtype).itemsize
+
+
+def upload_prompt(raw: bytes, dtype: str, shape):
+    """A binary prompt upload (``dtype`` from `upload_spec`) as float32 [L, D]: exactly
+    L·D little-endian values of ``dtype`` and all finite (422 otherwise). bf16 and fp16
+    widen to float32 exactly."""
+    import numpy as np
+    import torch
+
+    np_dtype = np.dtype(PROMPT_DTYPES[dtype][1])
+    want = int(np.prod(shape)) * np_dtype.itemsize
+    if len(raw) != want:
+        raise RequestError(422, f"the body must be {want} bytes ({'x'.join(map(str, shape))} "
+                                f"{dtype} values), got {len(raw)}")
+    values = np.frombuffer(raw, np_dtype)
+    if dtype == "bf16":                      # the high half of a float32
+        values = (values.astype("<u4") << 16).view("<f4")
+    emb = torch.from_numpy(values.astype(np.float32)).view(*shape)
+    bad = int((~torch.isfinite(emb)).sum())
+    if bad:
+        raise RequestError(422, f"the prompt must hold finite values, got {bad} NaN or "
+                                f"infinite of {emb.numel()}")
+    return emb
 
 
 def _message(header: dict, payload: bytes) -> bytes:

@@ -1,0 +1,273 @@
+"""Python clients of `framekv serve` (``framekv.client``): `Client` (blocking) and
+`AsyncClient` (asyncio), each handing out sessions (`Session`, `AsyncSession`)::
+
+    from framekv.client import Client
+
+    with Client("http://127.0.0.1:8000") as client:         # token: FRAMEKV_TOKEN
+        session = client.create(seed=1, chunks=6, text="a red fox")
+        for chunk in session.stream():
+            use(chunk.latents)       # --output latents: float32 [C, F, H, W]
+            use(chunk.video())       # --output frames: uint8 [F', H, W, 3] (Pillow)
+            if chunk.index == 1:
+                ack = session.change_prompt(text="a blue whale")   # ack["applies_from"]
+        session.close()              # DELETE: True, or False when it had ended
+
+Contracts. An HTTP error raises `ServerError` (``status``, the server's ``error``
+message); so does a socket the server refuses (``status`` its close code: 1008 token,
+4404 no such session open, 4409 a second socket), or one that closes before its end
+message. `Session.stream` yields the chunks in order until the end message, then
+stops; ``session.end`` holds that message (``state`` "done", "failed" with ``error``,
+or "closed" with a ``reason``). Control messages go over the session's socket (opened
+on first use), a tensor prompt over ``PUT /v1/sessions/{id}/prompt`` (bf16 and fp16
+as they are, anything else as float32); `Session.change_prompt` returns the server's
+``{"type": "prompt_ack", "prompt_version", "applies_from"}``, and the chunks that
+arrive while it waits are kept for `stream`. ``create(prompt=tensor)`` opens the
+session paused, uploads the prompt, and resumes it once its socket opens, so every
+chunk is made under that prompt. One task or thread uses a session at a time. Needs
+httpx and websockets >= 13 (the ``serve`` extra).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+
+from .client_wire import (Chunk, ServerError, SessionState, auth_headers, check_response,
+                          create_body, decode_chunk, env_token, prompt_message, prompt_upload)
+
+__all__ = ["AsyncClient", "AsyncSession", "Chunk", "Client", "ServerError", "Session",
+           "decode_chunk"]
+
+
+class Session(SessionState):
+    """A session of a `Client` (module doc): ``id``, ``end``, ``errors`` (error messages
+    the socket answered), ``pending`` (chunks received, not yet streamed)."""
+
+    def __init__(self, client, sid: str, resume: bool):
+        super().__init__(client, sid, resume)
+        self._exit = contextlib.ExitStack()       # the socket, once open
+
+    def info(self) -> dict:
+        """``GET /v1/sessions/{id}``: state, chunks made and delivered, end reason..."""
+        return check_response(self.client.http.get(f"/v1/sessions/{self.id}")).json()
+
+    def connect(self) -> None:
+        """Open the session's socket (once); resume a session created for an upload."""
+        from websockets.exceptions import InvalidStatus
+        from websockets.sync.client import connect
+
+        if self._ws is not None:
+            return
+        try:
+            self._ws = self._exit.enter_context(connect(
+                self._ws_url(), additional_headers=auth_headers(self.client.token),
+                open_timeout=self.client.timeout, max_size=None))
+        except InvalidStatus as exc:
+            raise ServerError(exc.response.status_code, "the socket was refused") from None
+        if self._resume:
+            self._resume = False
+            self.resume()
+
+    def _read(self, timeout) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            self._take(self._ws.recv(timeout=timeout))
+        except ConnectionClosed as exc:
+            raise self._closed(exc) from None
+
+    def stream(self, timeout: float | None = None):
+        """Yield each chunk (`Chunk`) as it comes, until the end message (``end``);
+        ``timeout``: seconds to wait for one message (TimeoutError past it)."""
+        self.connect()
+        while True:
+            while self.pending:
+                yield self.pending.popleft()
+            if self.end is not None:
+                return
+            self._read(timeout)
+
+    def change_prompt(self, text: str | None = None, *, prompt=None,
+                      prompt_seed: int | None = None, timeout: float | None = None) -> dict:
+        """Change the prompt (text, a seed's random embeddings, or a tensor [L, D]);
+        the server's ack ``{"type": "prompt_ack", "prompt_version", "applies_from"}``."""
+        if prompt is not None:
+            raw, headers = prompt_upload(prompt)
+            return check_response(self.client.http.put(f"/v1/sessions/{self.id}/prompt",
+                                               content=raw, headers=headers)).json()
+        message = prompt_message(text, prompt_seed)
+        self.connect()
+        self._ws.send(message)
+        while not self._acks:
+            if self.end is not None:
+                raise ServerError(409, f"the session ended ({self.end}) before the ack")
+            self._read(timeout)
+        return self._ack()
+
+    def pause(self) -> None:
+        """Stop its chunks coming (the server makes none until `resume`)."""
+        self.connect()
+        self._ws.send(json.dumps({"type": "pause"}))
+
+    def resume(self) -> None:
+        """Let its chunks come again."""
+        self.connect()
+        self._ws.send(json.dumps({"type": "resume"}))
+
+    def close(self) -> bool:
+        """``DELETE`` the session, then close its socket: True, or False (404) when it
+        had ended already."""
+        r = self.client.http.delete(f"/v1/sessions/{self.id}")
+        self._exit.close()
+        return r.status_code != 404 and check_response(r) is r
+
+
+class Client:
+    """A blocking client of the server at ``url``; ``token`` default ``FRAMEKV_TOKEN``;
+    ``timeout``: seconds for an HTTP request or a socket to open."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", *, token: str | None = None,
+                 timeout: float = 30.0):
+        import httpx
+
+        self.url, self.token, self.timeout = url.rstrip("/"), env_token(token), timeout
+        self.http = httpx.Client(base_url=self.url, headers=auth_headers(self.token),
+                                 timeout=timeout)
+
+    def info(self) -> dict:
+        """``GET /v1/info``: model, prompt shape and dtype, chunk layout, output."""
+        return check_response(self.http.get("/v1/info")).json()
+
+    def create(self, *, seed: int, chunks: int | None = None, text: str | None = None,
+               prompt=None, prompt_seed: int | None = None, paused: bool = False) -> Session:
+        """Open a session (at most one of ``text``, ``prompt`` (a tensor [L, D]) or
+        ``prompt_seed``); ``paused``: no chunk until `Session.resume`."""
+        body = create_body(seed, chunks, text, prompt_seed, prompt, paused)
+        sid = check_response(self.http.post("/v1/sessions", json=body)).json()["id"]
+        s = Session(self, sid, resume=prompt is not None and not paused)
+        if prompt is not None:
+            s.change_prompt(prompt=prompt)
+        return s
+
+    def session(self, sid: str) -> Session:
+        """A `Session` for an id opened elsewhere."""
+        return Session(self, sid, resume=False)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncSession(SessionState):
+    """A session of an `AsyncClient`: `Session`'s methods, awaited."""
+
+    async def info(self) -> dict:
+        return check_response(await self.client.http.get(f"/v1/sessions/{self.id}")).json()
+
+    async def connect(self) -> None:
+        from websockets.asyncio.client import connect
+        from websockets.exceptions import InvalidStatus
+
+        if self._ws is not None:
+            return
+        try:
+            self._ws = await connect(self._ws_url(), max_size=None,
+                                     additional_headers=auth_headers(self.client.token),
+                                     open_timeout=self.client.timeout)
+        except InvalidStatus as exc:
+            raise ServerError(exc.response.status_code, "the socket was refused") from None
+        if self._resume:
+            self._resume = False
+            await self.resume()
+
+    async def _read(self, timeout) -> None:
+        import asyncio
+
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            self._take(await asyncio.wait_for(self._ws.recv(), timeout))
+        except ConnectionClosed as exc:
+            raise self._closed(exc) from None
+
+    async def stream(self, timeout: float | None = None):
+        await self.connect()
+        while True:
+            while self.pending:
+                yield self.pending.popleft()
+            if self.end is not None:
+                return
+            await self._read(timeout)
+
+    async def change_prompt(self, text: str | None = None, *, prompt=None,
+                            prompt_seed: int | None = None,
+                            timeout: float | None = None) -> dict:
+        if prompt is not None:
+            raw, headers = prompt_upload(prompt)
+            r = await self.client.http.put(f"/v1/sessions/{self.id}/prompt", content=raw,
+                                           headers=headers)
+            return check_response(r).json()
+        message = prompt_message(text, prompt_seed)
+        await self.connect()
+        await self._ws.send(message)
+        while not self._acks:
+            if self.end is not None:
+                raise ServerError(409, f"the session ended ({self.end}) before the ack")
+            await self._read(timeout)
+        return self._ack()
+
+    async def pause(self) -> None:
+        await self.connect()
+        await self._ws.send(json.dumps({"type": "pause"}))
+
+    async def resume(self) -> None:
+        await self.connect()
+        await self._ws.send(json.dumps({"type": "resume"}))
+
+    async def close(self) -> bool:
+        r = await self.client.http.delete(f"/v1/sessions/{self.id}")
+        if self._ws is not None:
+            await self._ws.close()
+        return r.status_code != 404 and check_response(r) is r
+
+
+class AsyncClient:
+    """`Client` for asyncio: ``await client.create(...)``, ``async for chunk in
+    session.stream()``; ``async with AsyncClient(url) as client``."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", *, token: str | None = None,
+                 timeout: float = 30.0):
+        import httpx
+
+        self.url, self.token, self.timeout = url.rstrip("/"), env_token(token), timeout
+        self.http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(self.token),
+                                      timeout=timeout)
+
+    async def info(self) -> dict:
+        return check_response(await self.http.get("/v1/info")).json()
+
+    async def create(self, *, seed: int, chunks: int | None = None, text: str | None = None,
+                     prompt=None, prompt_seed: int | None = None,
+                     paused: bool = False) -> AsyncSession:
+        body = create_body(seed, chunks, text, prompt_seed, prompt, paused)
+        sid = check_response(await self.http.post("/v1/sessions", json=body)).json()["id"]
+        s = AsyncSession(self, sid, resume=prompt is not None and not paused)
+        if prompt is not None:
+            await s.change_prompt(prompt=prompt)
+        return s
+
+    def session(self, sid: str) -> AsyncSession:
+        return AsyncSession(self, sid, resume=False)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

@@ -1,0 +1,184 @@
+"""What `framekv.tools.client` sends and reads: `ServerError`, chunk messages (`Chunk`,
+`decode_chunk`), request bodies and headers, and `SessionState`, what a session's
+socket said (chunks not yet streamed, the end message, errors, prompt acks), which the
+blocking and the asyncio sessions share.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import io
+import json
+import os
+import struct
+
+
+class ServerError(Exception):
+    """The server refused: ``status`` (HTTP status or WebSocket close code), ``message``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status, self.message = status, message
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One chunk message: its JSON ``header`` (type, index, frame0, frames,
+    prompt_version, batch, ...: `framekv.tools.serve`'s module doc) and its ``payload``
+    (latents, or images back to back)."""
+
+    header: dict
+    payload: bytes
+
+    @property
+    def index(self) -> int:
+        """The chunk's index in its session (0, 1, ...)."""
+        return self.header["index"]
+
+    @property
+    def prompt_version(self) -> int:
+        """The session's prompt changes when the chunk was made."""
+        return self.header["prompt_version"]
+
+    @functools.cached_property
+    def latents(self):
+        """A latents chunk's float32 tensor, ``header["shape"]`` ([C, F, H, W]); None for
+        a frames chunk."""
+        import torch
+
+        if self.header["type"] != "chunk":
+            return None
+        return torch.frombuffer(bytearray(self.payload), dtype=torch.float32).view(
+            self.header["shape"])
+
+    @property
+    def images(self) -> list[bytes]:
+        """A frames chunk's encoded images (``header["format"]``), in frame order."""
+        sizes = self.header.get("sizes", [])
+        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        return [self.payload[a:b] for a, b in zip([0] + ends[:-1], ends)]
+
+    def video(self):
+        """A frames chunk's images decoded (Pillow) into a numpy uint8 [F', H, W, 3];
+        ValueError for a latents chunk."""
+        import numpy as np
+        from PIL import Image
+
+        if self.header["type"] != "frames":
+            raise ValueError(f"video() needs a frames chunk (a server with --output "
+                             f"frames), got a {self.header['type']!r} chunk")
+        return np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB"))
+                         for b in self.images])
+
+
+def decode_chunk(msg: bytes) -> Chunk:
+    """A binary chunk message (a 4-byte big-endian header length, the JSON header, the
+    payload) as a `Chunk`."""
+    (n,) = struct.unpack(">I", msg[:4])
+    return Chunk(json.loads(msg[4:4 + n]), msg[4 + n:])
+
+
+def env_token(token: str | None) -> str | None:
+    """``token``, else FRAMEKV_TOKEN, else None (an empty variable counts as unset)."""
+    return token if token is not None else os.environ.get("FRAMEKV_TOKEN") or None
+
+
+def auth_headers(token: str | None) -> dict:
+    """The Authorization header of ``token`` (none without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def check_response(r):
+    """``r`` (an httpx response) when it succeeded, else `ServerError`."""
+    if r.status_code < 400:
+        return r
+    try:
+        message = r.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        message = r.text
+    raise ServerError(r.status_code, message)
+
+
+def create_body(seed, chunks, text, prompt_seed, prompt, paused) -> dict:
+    """The ``POST /v1/sessions`` body; a tensor ``prompt`` goes by upload, so its session
+    starts paused. ValueError for more than one of text, prompt_seed and prompt."""
+    given = [k for k, v in (("text", text), ("prompt_seed", prompt_seed), ("prompt", prompt))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of text, prompt_seed or prompt, got {given}")
+    body = {"seed": seed, "paused": paused or prompt is not None}
+    for key, value in (("chunks", chunks), ("text", text), ("prompt_seed", prompt_seed)):
+        if value is not None:
+            body[key] = value
+    return body
+
+
+def prompt_upload(prompt) -> tuple[bytes, dict]:
+    """(body, headers) of a prompt upload: [L, D] (or [1, L, D]) as little-endian bf16,
+    fp16 (kept) or float32 (anything else)."""
+    import torch
+
+    t = torch.as_tensor(prompt).detach().cpu()
+    t = t[0] if t.dim() == 3 and t.shape[0] == 1 else t
+    if t.dtype == torch.bfloat16:
+        raw, dtype = t.contiguous().view(torch.int16).numpy().astype("<i2").tobytes(), "bf16"
+    elif t.dtype == torch.float16:
+        raw, dtype = t.contiguous().numpy().astype("<f2").tobytes(), "fp16"
+    else:
+        raw, dtype = t.float().contiguous().numpy().astype("<f4").tobytes(), "fp32"
+    return raw, {"X-Prompt-Shape": ",".join(map(str, t.shape)), "X-Prompt-Dtype": dtype,
+                 "Content-Type": "application/octet-stream"}
+
+
+def prompt_message(text, prompt_seed) -> str:
+    """A prompt control message of exactly one of ``text``, ``prompt_seed`` (ValueError
+    otherwise)."""
+    given = {k: v for k, v in (("text", text), ("prompt_seed", prompt_seed)) if v is not None}
+    if len(given) != 1:
+        raise ValueError(f"give one of text, prompt_seed or prompt, got {sorted(given)}")
+    return json.dumps({"type": "prompt", **given})
+
+
+class SessionState:
+    """What a session's socket said: chunks not yet streamed, the end, errors, acks."""
+
+    def __init__(self, client, sid: str, resume: bool):
+        self.client, self.id, self._resume = client, sid, resume
+        self.pending: collections.deque = collections.deque()
+        self.end: dict | None = None
+        self.errors: list[dict] = []
+        self._acks: collections.deque = collections.deque()
+        self._ws = None
+
+    def _ws_url(self) -> str:
+        base = self.client.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+        return f"{base}/v1/sessions/{self.id}/stream"
+
+    def _take(self, msg) -> None:
+        """File one socket message: a chunk to ``pending``, the end to ``end``, an ack
+        (or an error, which answers the control message before it) to the acks."""
+        if isinstance(msg, bytes):
+            return self.pending.append(decode_chunk(msg))
+        m = json.loads(msg)
+        if m["type"] == "end":
+            self.end = m
+        elif m["type"] == "prompt_ack":
+            self._acks.append(m)
+        elif m["type"] == "error":
+            self.errors.append(m)
+            self._acks.append(m)
+
+    def _closed(self, exc) -> ServerError:
+        """The `ServerError` of a socket closed before its end message (``exc``:
+        websockets' ConnectionClosed): its close code and reason."""
+        rcvd = getattr(exc, "rcvd", None)
+        code, reason = (rcvd.code, rcvd.reason) if rcvd is not None else (1006, "")
+        return ServerError(code, reason or "the socket closed before the end message")
+
+    def _ack(self) -> dict:
+        """The oldest ack; `ServerError` (422) when the server answered an error."""
+        m = self._acks.popleft()
+        if m["type"] == "error":
+            raise ServerError(422, m["error"])
+        return m

@@ -1,0 +1,179 @@
+"""The session routes of `framekv serve` (`session_routes`, `stream_route`): create, read,
+delete a session, upload its prompt, stream it.
+
+``POST /v1/sessions`` reads its JSON body itself (`JSONBodyRoute`: the token and the
+drain checked first, then at most 1 MiB counted as it arrives, then strict JSON) and
+FastAPI validates it against `CreateSession`. ``DELETE`` is idempotent: 204 while the
+session is open, 404 after (also when a socket closing ends it first). ``PUT
+.../prompt`` takes the raw prompt (`framekv.tools.serve_wire.upload_spec`), its body
+capped at the prompt's byte size. The socket is accepted, then closed with a code and a
+reason when refused: 1008 (token), 4404 (no such session open), 4409 (it already has
+a socket).
+(No ``from __future__ import annotations``: FastAPI reads the routes' annotations.)
+"""
+import asyncio
+import time
+
+from fastapi import Depends, Header, Request, WebSocket
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+
+from .serve_auth import WS_AUTH_CLOSE
+from .serve_models import CreateSession, PromptAck, SessionCreated, SessionInfo, errors
+from .serve_stream import serve_socket
+from .serve_wire import RequestError, json_body, parse_prompt, read_body, upload_prompt, upload_spec
+
+#: a socket for a session that is not open is closed with this code (and a reason)
+NO_SESSION = 4404
+#: a second socket on a session is closed with this code (and a reason)
+SESSION_TAKEN = 4409
+RAW_PROMPT = {"requestBody": {"required": True, "description": "L x text_dim values, "
+              "little-endian, C order, of X-Prompt-Dtype", "content": {
+                  "application/octet-stream": {"schema": {"type": "string",
+                                                          "format": "binary"}}}}}
+
+
+def json_body_route(srv):
+    """An `APIRoute` class whose request body is read before FastAPI parses it: the
+    token and `check_open` first, then `read_body` (1 MiB, counted as it arrives, in
+    ``srv.body_timeout``) and `json_body` (strict JSON, a JSON object)."""
+
+    class JSONBodyRoute(APIRoute):
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def read_first(request: Request):
+                srv.auth.check(request.headers.get("authorization"))
+                srv.check_open()
+                raw = await read_body(request, srv.body_timeout)
+                json_body(raw)
+                return await handler(Request(request.scope, _replay(raw, request.receive)))
+            return read_first
+    return JSONBodyRoute
+
+
+def _replay(raw: bytes, receive):
+    """An ASGI ``receive`` that hands out ``raw`` as the whole body, then defers to
+    ``receive`` (a disconnect)."""
+    sent = []
+
+    async def replay():
+        if sent:
+            return await receive()
+        sent.append(True)
+        return {"type": "http.request", "body": raw, "more_body": False}
+    return replay
+
+
+def _not_open(srv, sid: str) -> RequestError:
+    """404 for a session that is not open, saying how it ended if the server knows."""
+    info = srv.sched.session_info(sid)
+    how = f": it ended ({info['end_reason']})" if info else ""
+    return RequestError(404, f"no such session open: {sid[:64]!r}{how}")
+
+
+def session_routes(app, srv) -> None:
+    """POST, GET and DELETE /v1/sessions[/{id}] and PUT /v1/sessions/{id}/prompt."""
+    auth = [Depends(srv.auth.dependency())]
+    app.router.add_api_route(
+        "/v1/sessions", _creator(srv), methods=["POST"], status_code=201,
+        response_model=SessionCreated, dependencies=auth, strict_content_type=False,
+        route_class_override=json_body_route(srv), summary="Open a session",
+        responses=errors(400, 401, 408, 411, 413, 422, 503))
+
+    @app.get("/v1/sessions/{sid}", response_model=SessionInfo, dependencies=auth,
+             responses=errors(401, 404, 422),
+             summary="A session's state, open or ended")
+    async def read(sid: str):
+        info = srv.sched.session_info(sid)
+        if info is None:
+            raise RequestError(404, f"no such session: {sid[:64]!r} (unknown, or ended "
+                                    "too long ago to be kept)")
+        return {**info, "connected": sid in srv.streams}
+
+    @app.delete("/v1/sessions/{sid}", status_code=204, response_class=Response,
+                dependencies=auth, responses=errors(401, 404, 422),
+                summary="End a session and free its slot (idempotent: 404 once ended)")
+    async def delete(sid: str):
+        srv.unattached.pop(sid, None)
+        try:
+            await asyncio.to_thread(srv.sched.close_session, sid, "deleted")
+        except KeyError:                  # never open, or ended first (its socket closed)
+            raise _not_open(srv, sid) from None
+        return Response(status_code=204)
+
+    @app.put("/v1/sessions/{sid}/prompt", response_model=PromptAck, dependencies=auth,
+             openapi_extra=RAW_PROMPT, responses=errors(401, 404, 408, 409, 411, 413, 422),
+             summary="Upload a prompt: raw bf16, fp16 or fp32 values")
+    async def put_prompt(sid: str, request: Request,
+                         shape: str = Header(alias="X-Prompt-Shape", description="L,D: the "
+                                             "model's prompt shape (GET /v1/info)"),
+                         dtype: str = Header(alias="X-Prompt-Dtype", description="bf16, "
+                                             "fp16 or fp32")):
+        return await _upload(srv, sid, request, shape, dtype)
+
+
+def _creator(srv):
+    async def create(body: CreateSession) -> SessionCreated:
+        """Open a session (`CreateSession`); 503 with Retry-After when every slot is
+        taken."""
+        from framekv.engine.scheduler import LoopStopped, SchedulerFull
+
+        prompt = parse_prompt(body.model_dump(exclude_none=True), srv.sched.prompt_shape)
+        try:
+            s = await asyncio.to_thread(srv.sched.open_session, seed=body.seed,
+                                        chunks=body.chunks, prompt=prompt, paused=body.paused)
+        except SchedulerFull as exc:
+            raise RequestError(503, str(exc), {"Retry-After": "5"}) from None
+        except LoopStopped as exc:
+            raise RequestError(503, str(exc)) from None
+        except ValueError as exc:
+            raise RequestError(422, str(exc)) from None
+        srv.unattached[s.id] = time.monotonic()
+        return SessionCreated(id=s.id)
+    return create
+
+
+async def _upload(srv, sid: str, request, shape: str, dtype: str) -> PromptAck:
+    """PUT .../prompt: the headers checked, the body read (capped at the prompt's
+    bytes), the prompt set; its version and the first chunk under it."""
+    s = srv.sched.sessions.get(sid)
+    if s is None:
+        raise _not_open(srv, sid)
+    if s.finished:
+        raise RequestError(409, f"session {sid[:64]!r} is {s.state}: no chunk will come "
+                                "under a new prompt")
+    dtype, nbytes = upload_spec(shape, dtype, srv.sched.prompt_shape)
+    raw = await read_body(request, srv.body_timeout, cap=nbytes)
+    prompt = upload_prompt(raw, dtype, srv.sched.prompt_shape)
+    try:
+        change = await asyncio.to_thread(srv.sched.set_prompt, sid, prompt)
+    except KeyError:
+        raise _not_open(srv, sid) from None
+    except ValueError as exc:
+        raise RequestError(422, str(exc)) from None
+    return PromptAck(prompt_version=change.version, applies_from=change.applies_from)
+
+
+def stream_route(app, srv) -> None:
+    """WS /v1/sessions/{id}/stream (`serve_socket`), one socket per session."""
+
+    @app.websocket("/v1/sessions/{sid}/stream")
+    async def stream(ws: WebSocket, sid: str):
+        await ws.accept()
+        try:
+            srv.auth.check_connection(ws)
+        except RequestError as exc:
+            return await ws.close(code=WS_AUTH_CLOSE, reason=exc.message)
+        if sid not in srv.sched.sessions:
+            reason = _not_open(srv, sid).message.encode()[:123].decode(errors="ignore")
+            return await ws.close(code=NO_SESSION, reason=reason)   # at most 123 bytes
+        if sid in srv.streams:              # checked and taken with no await between
+            return await ws.close(code=SESSION_TAKEN, reason="session already has a stream: "
+                                                             "one socket per session")
+        srv.streams.add(sid)
+        srv.unattached.pop(sid, None)
+        try:
+            await serve_socket(ws, srv.sched, sid, srv.encode, srv.draining)
+        finally:
+            srv.streams.discard(sid)
