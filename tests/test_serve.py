@@ -234,9 +234,13 @@ def test_a_failing_step_ends_its_sessions_with_the_error_and_the_others_go_on(se
 def test_the_load_script_streams_and_counts_no_capture():
     from framekv.tools.serve_load import measure_load
 
-    res = measure_load("tiny", sessions=3, seconds=2.0, device="cpu", progress=lambda m: None)
+    res = measure_load("tiny", sessions=3, seconds=2.0, scrape=0.25, device="cpu",
+                       progress=lambda m: None)
     assert res["chunks"] > 0 and res["frames_per_second"] > 0
     assert res["captures_after_start"] == 0 and max(res["batch_sizes_seen"]) >= 2
+    # scraped while streaming: the registry's text does not grow with the chunks served
+    assert res["scrapes"] >= 4 and res["scrape_seconds_p99"] < 2.0
+    assert res["metrics_bytes_last"] <= res["metrics_bytes_first"] * 1.05
 
 
 def test_wan_diffusers_mode_streams_sessions_and_recaches_a_prompt_change():

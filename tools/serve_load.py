@@ -12,7 +12,10 @@ opens), opens the sessions, and lets one client thread per session read its sock
 for ``--seconds``. Reports the aggregate latent frames/s received, p50/p99 of the
 batched step time of each chunk (the chunk latency a client sees at the head of its
 queue) and of the gap between a session's chunks, and the graph captures after start
-(which must be 0). Needs the ``serve`` extra.
+(which must be 0). ``--scrape S`` GETs ``/metrics`` every S seconds through the
+measured window, as a monitoring system would, and reports the scrapes, their p50/p99
+latency and the first and last body sizes (a bounded registry keeps them flat). Needs
+the ``serve`` extra.
 """
 import argparse
 import json
@@ -47,8 +50,19 @@ def _client(url: str, stop: threading.Event, out: list) -> None:
             out.append((time.perf_counter(), header))
 
 
+def _scraper(url: str, every: float, stop: threading.Event, out: list) -> None:
+    import httpx
+
+    with httpx.Client(timeout=30) as http:
+        while not stop.wait(every):
+            t = time.perf_counter()
+            r = http.get(url)
+            r.raise_for_status()
+            out.append((time.perf_counter() - t, len(r.content)))
+
+
 def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: float = 60.0,
-                 device=None, progress=print) -> dict:
+                 scrape: float | None = None, device=None, progress=print) -> dict:
     """Serve ``sessions`` open-ended sessions for ``seconds`` (module doc)."""
     import httpx
     import uvicorn
@@ -82,9 +96,14 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
     for c in clients:
         c.start()
     time.sleep(min(10.0, seconds / 6))        # past the first chunks: steady state
+    scrapes, scrape_stop = [], threading.Event()
+    if scrape:
+        threading.Thread(target=_scraper, args=(f"http://127.0.0.1:{port}/metrics", scrape,
+                                                scrape_stop, scrapes), daemon=True).start()
     t0, n0 = time.perf_counter(), [len(r) for r in received]
     time.sleep(seconds)
     t1, n1 = time.perf_counter(), [len(r) for r in received]
+    scrape_stop.set()
     stop.set()
     srv.should_exit = True
     frames = sum((b - a) * sched.frames_per_chunk for a, b in zip(n0, n1))
@@ -97,6 +116,12 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
            "chunk_gap_p50": _percentile(gaps, 0.5), "chunk_gap_p99": _percentile(gaps, 0.99),
            "batch_sizes_seen": sorted({h["batch"] for r in received for _, h in r}),
            "captures_after_start": sched.metrics()["graph_captures"] - captures0}
+    if scrape:
+        lat = [t for t, _ in scrapes]
+        res.update(scrapes=len(scrapes), scrape_seconds_p50=_percentile(lat, 0.5),
+                   scrape_seconds_p99=_percentile(lat, 0.99),
+                   metrics_bytes_first=scrapes[0][1] if scrapes else None,
+                   metrics_bytes_last=scrapes[-1][1] if scrapes else None)
     time.sleep(1.0)
     sched.close()
     return res
@@ -110,13 +135,15 @@ def main(argv=None) -> int:
     p.add_argument("--sessions", type=int, action="append", default=None,
                    help="sessions per preset, in order (default 8)")
     p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--scrape", type=float, default=None, metavar="S",
+                   help="GET /metrics every S seconds while measuring")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     presets = args.preset or ["small-stream"]
     counts = args.sessions or [8] * len(presets)
     out = []
     for preset, n in zip(presets, counts):
-        out.append(measure_load(preset, sessions=n, seconds=args.seconds,
+        out.append(measure_load(preset, sessions=n, seconds=args.seconds, scrape=args.scrape,
                                 progress=stderr_progress("load")))
         print(json.dumps(out[-1]), flush=True)
         write_result(args.json_path, load=out)
