@@ -44,6 +44,11 @@ class History:
         for i in range(len(self._frames)) if seq is None else (seq,):
             self._frames[i] = []
 
+    def put(self, seq: int, frames: list[tuple[int, torch.Tensor]]) -> None:
+        """Sequence ``seq``'s visible frames become ``frames`` ((index, [C, 1, H, W]) in
+        order, as `visible` gave them): a restored stream's history."""
+        self._frames[seq] = [(f, x.clone()) for f, x in frames]
+
     def visible(self, seq: int) -> list[tuple[int, torch.Tensor]]:
         """(frame index, latents [C, 1, H, W]) of the sequence's visible frames, in order."""
         return list(self._frames[seq])

@@ -40,6 +40,11 @@ sequence it started starts over without a prompt, a rewritten one has its old pr
 back, a re-cached one is re-cached under it). A sequence reset leaves nothing of its
 past to read, in the store or the model.
 
+Streams leave and come back (`snapshot`, `restore`; `framekv.engine.stream_state`):
+sequence s between chunks, its pool rows' K/V, prompts, history, position and noise
+stream, as a `StreamState` a runner of the same model and pool shape takes into any
+sequence, all or nothing.
+
 Inputs are checked before anything runs: NaN or inf in a prompt or in noise is a
 ValueError naming it, as are noise of another chunk shape, a frame0 that is not
 integers >= 0 and rows that are not distinct host ints.
@@ -62,6 +67,7 @@ from .checks import (check_batch_sizes, check_choice, check_count, check_finite,
                      check_frames, check_guidance, check_shape, check_timesteps)
 from .history import History, pieces
 from .kv import ForwardContext, KVStore, Recorder
+from .stream_state import StreamState
 
 SAMPLERS = ("euler", "self_forcing")
 CLEAN_BLOCKS = ("chunk", "frame")
@@ -182,6 +188,8 @@ class ChunkRunner:
         self._prompts: list[torch.Tensor | None] = [None] * self.pool  # written since reset
         self._in_use: tuple[int, ...] = tuple(range(self.pool))          # the store's rows
         self.sequence_chunks, self.sequence_frames = [0] * self.sequences, [0] * self.sequences
+        #: (seed, sequence) of each sequence's chunk noise in `step` (`chunk_noise`)
+        self.noise_streams = [(seed, s) for s in range(self.sequences)]
         #: None, or recorder(label, velocity) after every forward of an eager chunk
         #: ("step 0", ..., "clean"; a clean pass kept for its K/V passes None)
         self.recorder = None
@@ -541,8 +549,9 @@ class ChunkRunner:
                              "needs one chunk length")
         C, F, H, W = (self.chunk_shape[0], frames.pop(), *self.chunk_shape[2:])
         if noise is None:
-            noise = torch.stack([chunk_noise(self.seed, i, (C, F, H, W), s)
-                                 for s, i in enumerate(self.sequence_chunks)])
+            noise = torch.stack([chunk_noise(seed, i, (C, F, H, W), n)
+                                 for (seed, n), i in zip(self.noise_streams,
+                                                         self.sequence_chunks)])
         self._check_noise(noise, S, frames=F)
         check_finite("noise", noise)
         if self.use_graphs and not self._keys:
@@ -603,6 +612,85 @@ class ChunkRunner:
                 self.history.add(seq, frames[r % len(rows)], out[r % len(rows)])
         return out
 
+    # ------------------------------------------------------------------ streams
+    def describe(self) -> dict:
+        """What a `StreamState` must match to be restored here (JSON-able): the model
+        type and shapes, the chunk cycle and the pool's geometry, K/V shape and dtype."""
+        cache = self._paged_cache()
+        m = self.chunk_model
+        return {"model": type(m).__name__, "latent_shape": list(m.latent_shape),
+                "prompt_shape": None if m.prompt_shape is None else list(m.prompt_shape),
+                "frames_per_chunk": self.frames_per_chunk, "sigmas": list(self.sigmas),
+                "sampler": self.sampler, "clean_block": self.clean_block,
+                "sink_frames": self.sink_frames, "guidance": self.guidance,
+                "last_chunk": None if self.last_chunk is None else list(self.last_chunk),
+                "pool": cache.describe()}
+
+    def snapshot(self, row: int) -> StreamState:
+        """Sequence ``row`` (a host int in [0, sequences)) between chunks as a
+        `StreamState` (module doc of `framekv.engine.stream_state`); its K/V copied
+        out asynchronously on a CUDA device (the state's tensors wait). Reads only.
+        ValueError for a row without a prompt or a store without a paged pool."""
+        self._check_open()
+        rows = self._pool_rows(check_rows([row], self.sequences, name="row"))
+        self._require_prompt(rows)
+        cache = self._paged_cache()
+        snaps = [cache.export_sequence(r) for r in rows]
+        history = None if self.history is None else [self.history.visible(r) for r in rows]
+        return StreamState(self.describe(), snaps, [self._prompts[r] for r in rows], history,
+                           self.sequence_chunks[row], self.sequence_frames[row],
+                           tuple(self.noise_streams[row]))
+
+    @torch.no_grad()
+    def restore(self, row: int, state: StreamState) -> None:
+        """Sequence ``row`` becomes the stream ``state`` holds, going on from its next
+        chunk; the other sequences are untouched. ValueError naming every difference
+        for a state of another model or pool shape (nothing changed). All or nothing: if
+        it fails part way, ``row`` is put back as it was (a row under way is snapshot
+        first) and the error raised again. No graph is captured."""
+        self._check_open()
+        check_rows([row], self.sequences, name="row")
+        if not isinstance(state, StreamState):
+            raise ValueError(f"state must be a StreamState, got {type(state).__name__}")
+        state.check_fits(self.describe())
+        rows = self._pool_rows([row])
+        live = all(self._prompts[r] is not None for r in rows) and self.sequence_chunks[row]
+        backup = self.snapshot(row) if live else None
+        try:
+            self._put_state(row, state)
+        except BaseException:
+            try:
+                if backup is None:
+                    raise
+                self._put_state(row, backup)
+            except BaseException:
+                self._reset_rows(rows)
+            raise
+
+    def _put_state(self, row: int, state: StreamState) -> None:
+        rows = self._pool_rows([row])
+        self._reset_rows(rows)
+        cache = self._paged_cache()
+        for r, snap, prompt in zip(rows, state.sequences, state.prompts):
+            self._use([r])
+            self.chunk_model.write_prompt(self.kv, (r,), prompt, rewrite=False)
+            self._prompts[r] = prompt
+            # A model whose prompt lives in the store wrote it there; the snapshot holds
+            # it too, so the row goes back to 0 and the import needs no write-back copy.
+            cache.reset_sequences([r])
+            cache.import_sequence(r, snap)
+            if self.history is not None:
+                self.history.put(r, state.history[rows.index(r)])
+        self.sequence_chunks[row], self.sequence_frames[row] = state.chunks, state.frames
+        self.noise_streams[row] = tuple(state.noise)
+
+    def _paged_cache(self):
+        cache = self.cache
+        if cache is None:
+            raise ValueError(f"streams leave and come back through a paged pool; this "
+                             f"runner's store is a {type(self.kv).__name__}")
+        return cache
+
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
         """Every sequence back to position 0 under its prompt (graphs stay valid)."""
@@ -613,6 +701,7 @@ class ChunkRunner:
         if self.history is not None:
             self.history.clear()
         self.sequence_chunks, self.sequence_frames = [0] * self.sequences, [0] * self.sequences
+        self.noise_streams = [(self.seed, s) for s in range(self.sequences)]
         self.paths, self.path = {"eager": 0, "graphs": 0}, None
         distinct = {id(p): p for p in prompts if p is not None}.values()
         self._write_prompts([([r for r, q in enumerate(prompts) if q is p], p) for p in distinct],
@@ -629,6 +718,7 @@ class ChunkRunner:
                 self.history.clear(r)
             if r < self.sequences:
                 self.sequence_chunks[r] = self.sequence_frames[r] = 0
+                self.noise_streams[r] = (self.seed, r)
 
     def stats(self) -> dict:
         """Counters for metrics: graph replays and captures, chunks per path, the K/V

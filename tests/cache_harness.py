@@ -47,9 +47,10 @@ def decode(x: torch.Tensor) -> dict[str, np.ndarray]:
             "written": f0[:, 7].astype(int)}
 
 
-def row_keys(cache, layer: int, b: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V a paged kernel reads for block j: whole pages in row order, cut at seq_len_kv."""
-    bt = cache.block_tensors(b)
+def row_keys(cache, layer: int, b: int, j: int, sequence: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V a paged kernel reads for block j of a sequence: whole pages in row order,
+    cut at seq_len_kv."""
+    bt = cache.block_tensors(b, sequence)
     tpp = cache.tokens_per_page
     pages = bt.rows[j].to(torch.int64)
     n = int(bt.seq_len_kv[j])
@@ -58,11 +59,12 @@ def row_keys(cache, layer: int, b: int, j: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def check_block(cache, geometry, layer: int, b: int, j: int, committed: int,
-                staged_step: int, committed_steps: dict[int, int] | None = None) -> None:
+                staged_step: int, committed_steps: dict[int, int] | None = None,
+                sequence: int = 0) -> None:
     """Block j's row resolves to exactly V(j), with the right layer, kind and values."""
     s = committed + j * b
     want = visible_positions(geometry, committed, s, b)
-    k, v = row_keys(cache, layer, b, j)
+    k, v = row_keys(cache, layer, b, j, sequence)
     for kind, x in ((0, k), (1, v)):
         d = decode(x)
         assert (d["written"] == 1).all(), f"block {j}: unwritten key"
@@ -81,15 +83,19 @@ def check_block(cache, geometry, layer: int, b: int, j: int, committed: int,
 
 def run_rollout(cache, geometry, *, commits: int, seed: int, check_every: int = 1,
                 steps_per_chunk: int = 2, layers=None, on_commit=None,
-                history: dict[int, int] | None = None) -> int:
+                history: dict[int, int] | None = None, sequence: int = 0,
+                partial_commits: bool = True) -> int:
     """Drive a random rollout through the public API; check every block's row.
 
     Each chunk: ``steps_per_chunk`` forwards overwrite the same staged positions
     (the last one's values must be what commit keeps), random declared block size,
     random T; then commit a random n <= T. Returns the final committed count.
     ``history`` (position -> step of its committed value) carries over between calls
-    on one rollout.
+    on one rollout. ``sequence``: the pool sequence driven (put in use first);
+    ``partial_commits=False``: every chunk commits all it staged (as a chunk cycle does).
     """
+    if cache.num_sequences > 1:
+        cache.use_sequences([sequence])
     rng = np.random.default_rng(seed)
     H, D, dev, dt = cache.num_kv_heads, cache.head_dim, cache.device, cache.dtype
     layers = list(range(cache.num_layers)) if layers is None else layers
@@ -97,7 +103,7 @@ def run_rollout(cache, geometry, *, commits: int, seed: int, check_every: int = 
     last_step: dict[int, int] = {} if history is None else history
     step = max(last_step.values(), default=0)
     for c in range(commits):
-        C = cache.committed_tokens
+        C = cache.sequence_committed_tokens(sequence)
         b = int(rng.choice(geometry.causal_block_sizes))
         T = b * int(rng.integers(1, M // b + 1))
         pos = torch.arange(C, C + T)
@@ -110,11 +116,12 @@ def run_rollout(cache, geometry, *, commits: int, seed: int, check_every: int = 
             if check:
                 for layer in layers:
                     for j in range(T // b):
-                        check_block(cache, geometry, layer, b, j, C, step, last_step)
-        n = T if rng.random() < 0.8 else int(rng.integers(0, T + 1))
+                        check_block(cache, geometry, layer, b, j, C, step, last_step,
+                                    sequence)
+        n = T if rng.random() < 0.8 or not partial_commits else int(rng.integers(0, T + 1))
         cache.commit(n)
         for p in range(C, C + n):
             last_step[p] = step
         if on_commit is not None:
             on_commit(c)
-    return cache.committed_tokens
+    return cache.sequence_committed_tokens(sequence)

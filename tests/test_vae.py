@@ -278,3 +278,30 @@ def test_load_vae_reads_a_local_folder_and_its_vae_subfolder(vae, tmp_path):
     assert load_vae(tmp_path / "alone", dtype=torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="path must be a local diffusers folder.*nowhere"):
         load_vae(tmp_path / "nowhere")
+
+
+def test_a_row_snapshot_moves_a_video_to_another_decoder(vae):
+    """A video's decoder row leaves (`snapshot`) and goes on in another decoder's other
+    row (`restore`): its frames equal the uninterrupted decode; the restore touches no
+    other row; a state of another latent size is refused."""
+    z = latents(40, F=6)
+    whole_run = chunked(StreamingVAEDecoder(vae), z, (2, 2, 2))
+    a = StreamingVAEDecoder(vae, sequences=2)
+    first = chunked(a, z[:, :, :4], (2, 2), rows=[1])
+    state = a.snapshot(1)
+    assert state["frames"] == 4 and len(state["cache"]) == len(a._cache.tensors)
+    b = StreamingVAEDecoder(vae, sequences=3)
+    b.decode(latents(41, B=3, F=2), [0, 1, 2])
+    kept = [t[0].clone() for t in b._cache.tensors]
+    b.restore(2, state)
+    assert b.state == (2, 2, 4) and all(torch.equal(t[0], k) for t, k in zip(b._cache.tensors, kept))
+    rest = b.decode(z[:, :, 4:], [2])
+    assert torch.equal(torch.cat([first, rest], 2), whole_run)
+    other = StreamingVAEDecoder(vae, sequences=1)
+    other.decode(latents(42, F=1, size=(3, 4)))
+    with pytest.raises(ValueError, match="another vae or latent size"):
+        other.restore(0, state)
+    assert other.state == (1,)
+    fresh = a.snapshot(0)                      # row 0 never decoded: an empty video
+    b.restore(2, fresh)
+    assert b.state == (2, 2, 0)

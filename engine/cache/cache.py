@@ -36,6 +36,12 @@ A sequence that starts over (``open``, ``reset_sequences``) has every page it ow
 zeroed: nothing of an earlier rollout, a NaN included, is left where a kernel reads,
 not even a padding slot it masks.
 
+Snapshots (`export_sequence`, `import_sequence`; ``snapshot.py``): a sequence between
+chunks leaves the pool as its visible K/V and C, copied out on a side stream, and comes
+back into any sequence of a pool of the same geometry. Until an export's copy has run,
+the device work that could write its pages (that sequence put in use, reset, edited or
+imported into) waits for it on the device, never on the host.
+
 One file: the cache's public surface (sizing, lifecycle, sequences, forwards, commit,
 edits) is one object; its rules, states and batches live in the modules beside it.
 """
@@ -51,7 +57,9 @@ from framekv.specs import Geometry
 
 from ..arena import DEVICE_CHUNK_BYTES, carved_bytes, make_arena, round_up
 from .plan import LayoutPlan
+from .plan import ring_base_for
 from .sequences import PoolState, Selection, batch_bytes_specs, check_rows, flat_rows
+from .snapshot import SequenceSnapshot, describe_pool, gather, kept_positions, scatter
 from .state import BlockTensors, GeometryState, nbytes, state_specs
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -99,6 +107,7 @@ class CausalKVCache:
         self.v_pool = self._pool[:, 1].view(num_layers, slots, num_kv_heads, head_dim)
         self._states: dict[Geometry, PoolState] = {}
         self._open: PoolState | None = None
+        self._exports: dict[int, object] = {}   # sequence -> CUDA event of its export copy
 
     # ------------------------------------------------------------------ sizing
     @staticmethod
@@ -278,12 +287,15 @@ class CausalKVCache:
         device in a fixed buffer that captured graphs read, written only when they
         change: set them before capturing or replaying a graph (a change during a
         capture is a ValueError)."""
-        self._require_open().use(sequences)
+        pool = self._require_open()
+        self._fence(sequences)
+        pool.use(sequences)
 
     def _rows(self, sequences) -> PoolState:
         """The open pool state with ``sequences`` in use (None: those already in use)."""
         pool = self._require_open()
         if sequences is not None:
+            self._fence(sequences)
             pool.use(sequences)
         return pool
 
@@ -316,10 +328,91 @@ class CausalKVCache:
     def _zero_pages(self, pool: PoolState, rows) -> None:
         """Zero K and V of every page sequences ``rows`` own in ``pool``'s layout."""
         pages = pool.plan.total_pages
+        self._fence(rows)
         with torch.no_grad():
             for i in rows:
                 base = pool.seqs[i].plan.page_base
                 self._pool[:, :, base:base + pages].zero_()
+
+    # ------------------------------------------------------------------ snapshots
+    def describe(self) -> dict:
+        """What a `SequenceSnapshot` must match to be imported here (geometry, K/V
+        shape, dtype), JSON-able."""
+        return describe_pool(self._require_open().plan.geometry, self.num_layers,
+                             self.num_kv_heads, self.head_dim, self.dtype)
+
+    def export_sequence(self, i: int) -> SequenceSnapshot:
+        """Sequence ``i`` (between chunks: nothing staged) as a `SequenceSnapshot`: C
+        and the K/V of its visible positions in every layer, copied to pinned host
+        memory on a side stream behind the work queued so far (returns at once on a
+        CUDA device; the snapshot's tensors wait for the copy). Reads only; the
+        sequence goes on unchanged (module doc for what waits for the copy)."""
+        state = self._seq(i)
+        if state.host.staged:
+            raise ValueError(f"sequence {i} has {state.host.staged} staged tokens: export it "
+                             "between chunks (after a commit)")
+        return self._export(i, state)
+
+    def _export(self, i: int, state: GeometryState) -> SequenceSnapshot:
+        C = state.host.committed
+        slots = torch.tensor([state.host.slot_of(x) for x in kept_positions(
+            state.plan.geometry, C)], dtype=torch.int64, device=self.device)
+        k, v, done = gather(self.k_pool, self.v_pool, slots)
+        if done is not None:
+            self._exports[i] = done
+        return SequenceSnapshot(state.plan.geometry, self.num_layers, self.num_kv_heads,
+                                self.head_dim, self.dtype, C, k, v, done)
+
+    def import_sequence(self, i: int, snap: SequenceSnapshot) -> None:
+        """Sequence ``i`` becomes ``snap``: at its C, its visible K/V written (private
+        copies included), the other sequences untouched. ValueError naming every
+        difference for a snapshot of another geometry, K/V shape or dtype (nothing
+        changed). All or nothing: if a copy fails part way, sequence ``i`` is put back
+        as it was (a sequence under way is exported first to be written back; one at
+        position 0, or one whose write-back fails too, starts over with its pages
+        zeroed) and the error raised again."""
+        state = self._seq(i)
+        if not isinstance(snap, SequenceSnapshot):
+            raise ValueError(f"snap must be a SequenceSnapshot, got {type(snap).__name__}")
+        snap.check_fits(self.describe())
+        backup = self._export(i, state) if state.host.committed else None
+        try:
+            self._write_snapshot(i, state, snap)
+        except BaseException:
+            try:
+                if backup is None:
+                    raise
+                self._write_snapshot(i, state, backup)
+            except BaseException:   # nothing to put back, or that failed too: start over
+                self._zero_pages(self._open, [i])
+                state.reset()
+            raise
+
+    def _write_snapshot(self, i: int, state: GeometryState, snap: SequenceSnapshot) -> None:
+        """Sequence ``i`` zeroed, then at C = snap.committed with its visible K/V in
+        their shared slots, the private copies and the device layout rebuilt."""
+        self._zero_pages(self._open, [i])
+        C, plan = snap.committed, state.plan
+        L = self.num_layers
+        state.host.restore((C, ring_base_for(plan, C),
+                            plan.page_base + np.arange(plan.table_len, dtype=np.int64), [0] * L))
+        slots = torch.tensor([state.host.slot_of(x) for x in snap.positions], dtype=torch.int64,
+                             device=self.device)
+        scatter(self.k_pool, self.v_pool, slots, snap.k, snap.v)
+        state.upload()
+        src, dst = state.host.committed_copies()
+        ops.copy_kv_slots_(self.k_pool, self.v_pool, torch.from_numpy(src).to(self.device),
+                           torch.from_numpy(dst).to(self.device))
+
+    def _fence(self, rows) -> None:
+        """Make the current stream wait for the export copies of sequences ``rows``
+        still in flight (device-side; the host does not block)."""
+        if not self._exports or not isinstance(rows, (list, tuple, range)):
+            return
+        for i in list(rows):
+            done = self._exports.pop(i, None) if isinstance(i, int) else None
+            if done is not None and not done.query():
+                torch.cuda.current_stream(self.device).wait_event(done)
 
     # ------------------------------------------------------------------ forwards
     def write_staged(self, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -464,6 +557,7 @@ class CausalKVCache:
         if B is not None:
             raise ValueError(f"k must have shape [T, {self.num_kv_heads}, {self.head_dim}], "
                              f"got {list(k.shape)}")
+        self._fence([sequence])
         src_rows, dst = state.host.edit_targets(start, T)
         rows, slots = (torch.from_numpy(a).to(self.device) for a in (src_rows, dst))
         with self._restoring(layer, slots):
@@ -477,6 +571,7 @@ class CausalKVCache:
         self._check_layer(layer)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive integer, got {n!r}")
+        self._fence([sequence])
         _, dst = state.host.edit_targets(start, n)
         slots = torch.from_numpy(dst).to(self.device)
         with self._restoring(layer, slots):

@@ -138,9 +138,9 @@ class PromptKV:
 
     @torch.no_grad()
     def write(self, attn, text: torch.Tensor, rows) -> None:
-        """Project and norm ``text`` [R, L, dim] (the model's embedded prompts) into the
-        buffers of sequences ``rows`` (host ints); L must be the buffers' (they do not
-        move)."""
+        """Project and norm ``text`` [R, L, dim] (the model's embedded prompts; R = 1:
+        one prompt for every row) into the buffers of sequences ``rows`` (host ints); L
+        must be the buffers' (they do not move)."""
         if getattr(attn, "fused_projections", False):
             k, v = attn.to_kv(text).chunk(2, dim=-1)
         else:

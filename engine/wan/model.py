@@ -85,8 +85,10 @@ class WanChunks:
         """The prompt [L, text_dim] (a text encoder's output) of pool sequences ``rows``:
         embedded and projected to every block's cross-attention K/V, once. All or
         nothing: if a block's write fails, every block's K/V of ``rows`` are put back."""
-        text = prompt.to(self.device, self.dtype)[None].expand(len(rows), -1, -1)
-        emb = self.model.condition_embedder.text_embedder(text)              # [R, L, dim]
+        # Embedded and projected once, written to every row: a row's prompt K/V are the
+        # same bits however many rows share the write (a restored stream writes alone).
+        text = prompt.to(self.device, self.dtype)[None]
+        emb = self.model.condition_embedder.text_embedder(text)              # [1, L, dim]
         kept = [p.kept(rows) for p in self.prompts]
         try:
             for block, p in zip(self.model.blocks, self.prompts):

@@ -203,6 +203,34 @@ class StreamingVAEDecoder:
         for r in self._check_rows(rows, None, self.sequences or 0):
             self._frames[r] = 0
 
+    def snapshot(self, row: int) -> dict:
+        """Sequence ``row``'s video state on the host: {"frames": latent frames decoded,
+        "cache": its causal feature cache, a host tensor per cache entry (empty before
+        the first decode)}, for `restore` into any row of a decoder of the same vae and
+        latent size."""
+        self.frames_decoded(row)                      # checks row
+        cache = [] if self._cache is None else [t[row].cpu() for t in self._cache.tensors]
+        return {"frames": self._frames[row], "cache": cache}
+
+    @torch.no_grad()
+    def restore(self, row: int, state: dict) -> None:
+        """Sequence ``row`` goes on with the video ``state`` (`snapshot`) holds. ValueError
+        for a state of another cache layout (nothing changed)."""
+        self.frames_decoded(row)
+        cache = state["cache"]
+        if not cache:                                 # nothing decoded yet
+            self.reset(rows=[row])
+            return
+        have = [] if self._cache is None else self._cache.tensors
+        want = [(tuple(t.shape[1:]), t.dtype) for t in have]
+        got = [(tuple(t.shape), t.dtype) for t in cache]
+        if want != got:
+            raise ValueError(f"state's decoder cache is {got}, this decoder's {want} (another "
+                             "vae or latent size, or a decoder that has not decoded yet)")
+        for t, x in zip(have, cache):
+            t[row].copy_(x)
+        self._frames[row] = int(state["frames"])
+
     @torch.no_grad()
     def capture(self, batch: int, frames: int, latent_size) -> int:
         """Capture the chunk graphs of both stages for ``batch`` sequences (the first

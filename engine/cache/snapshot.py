@@ -1,0 +1,215 @@
+"""A sequence of the pool on the host: `SequenceSnapshot`, and the copies that make one.
+
+What a sequence is, between chunks (nothing staged): its committed count C and the K/V
+of the positions its next forward can see, in every layer::
+
+    kept(C) = [0, min(P, C))  U  [max(P, C - W), C)            (``kept_positions``:
+                                        V(j) of a block at s = C, less its own tokens)
+    k, v       [L, n, H_kv, D]   position kept(C)[i] at row i (host memory)
+
+Nothing else is needed: where those positions sit in a pool (pages, ring rotation,
+private copies) is a function of C and the pool (`CausalKVCache.import_sequence` rebuilds
+it), so a snapshot fits any sequence of any pool of the same geometry, K/V shape and
+dtype; the page size may differ. Positions a later block can no longer see are not
+kept.
+
+`gather` copies a sequence out asynchronously: on a CUDA device, on a side stream that
+first waits for the work queued so far, a layer group at a time through one device
+buffer into pinned host memory; the snapshot's ``synchronize`` (and anything reading
+its tensors) waits for it. `scatter` writes K/V rows into slots, a layer group at a
+time. File: `framekv.engine.cache.tensorfile` (versioned header, CRC).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from framekv.specs import Geometry
+
+from .reference import visible_positions
+from .tensorfile import read_tensors, write_tensors
+
+__all__ = ["FORMAT", "SequenceSnapshot", "describe_pool", "kept_positions"]
+
+FORMAT, VERSION = "framekv.sequence", 1
+_GROUP_BYTES = 256 << 20     # device staging per copy step
+
+
+def kept_positions(geometry: Geometry, committed: int) -> list[int]:
+    """The committed positions a sequence at C = ``committed`` still reads: what the
+    next block sees (`reference.visible_positions` at s = C) but its own token."""
+    return visible_positions(geometry, committed, committed, 1)[:-1].tolist()
+
+
+@dataclass(eq=False)
+class SequenceSnapshot:
+    """One sequence's state on the host (module doc).
+
+    Attributes:
+        geometry: the pool's geometry; num_layers, num_kv_heads, head_dim, dtype: the
+            K/V shape and dtype of every token.
+        committed: C, positions committed.
+        k, v: [L, n, H_kv, D] host tensors of the positions `kept_positions` lists
+            (read them once `synchronize` returned; the properties wait).
+    """
+
+    geometry: Geometry
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    committed: int
+    _k: torch.Tensor = field(repr=False)
+    _v: torch.Tensor = field(repr=False)
+    _done: object = field(default=None, repr=False)   # a CUDA event until the copy ran
+
+    @property
+    def k(self) -> torch.Tensor:
+        self.synchronize()
+        return self._k
+
+    @property
+    def v(self) -> torch.Tensor:
+        self.synchronize()
+        return self._v
+
+    @property
+    def positions(self) -> list[int]:
+        """The positions held, in row order."""
+        return kept_positions(self.geometry, self.committed)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V held."""
+        return 2 * self._k.numel() * self._k.element_size()
+
+    def ready(self) -> bool:
+        """Whether the copy from the device has finished (no wait)."""
+        return self._done is None or self._done.query()
+
+    def synchronize(self) -> None:
+        """Wait until the copy from the device has finished."""
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+
+    def describe(self) -> dict:
+        """What a pool must match to take this snapshot (`describe_pool`)."""
+        return describe_pool(self.geometry, self.num_layers, self.num_kv_heads,
+                             self.head_dim, self.dtype)
+
+    def check_fits(self, want: dict) -> None:
+        """ValueError naming every field where this snapshot differs from ``want`` (a
+        pool's `describe`: geometry, K/V shape, dtype)."""
+        have = self.describe()
+        diff = [f"{k}: the snapshot has {have[k]}, the pool {want[k]}"
+                for k in have if have[k] != want.get(k)]
+        if diff:
+            raise ValueError("snapshot does not fit this pool: " + "; ".join(diff))
+
+    # ------------------------------------------------------------------ files
+    def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The snapshot's tensors by name (for a file holding several)."""
+        return {f"{prefix}k": self.k, f"{prefix}v": self.v}
+
+    def header(self) -> dict:
+        return {**self.describe(), "committed": self.committed}
+
+    def save(self, path) -> int:
+        """Write the snapshot to ``path`` (safetensors layout with a versioned JSON
+        header and a CRC; atomic: a failure leaves any old file as it was); returns the
+        file's bytes."""
+        return write_tensors(path, self.tensors(), {"format": FORMAT, "version": VERSION,
+                                                    **self.header()})
+
+    @classmethod
+    def load(cls, path, *, pin_memory: bool = False) -> "SequenceSnapshot":
+        """The snapshot `save` wrote. ValueError (`tensorfile.CorruptFile`) for a
+        truncated or corrupt file, another format or version."""
+        tensors, header = read_tensors(path, pin_memory=pin_memory)
+        check_format(path, header, FORMAT, VERSION)
+        return cls.from_parts(header, tensors)
+
+    @classmethod
+    def from_parts(cls, header: dict, tensors: dict, prefix: str = "") -> "SequenceSnapshot":
+        """The snapshot of a header (`header`) and its tensors named with ``prefix``;
+        ValueError where they disagree."""
+        try:
+            g = Geometry(**{**header["geometry"], "causal_block_sizes":
+                            tuple(header["geometry"]["causal_block_sizes"])})
+            dtype = getattr(torch, header["dtype"])
+            snap = cls(g, int(header["num_layers"]), int(header["num_kv_heads"]),
+                       int(header["head_dim"]), dtype, int(header["committed"]),
+                       tensors[f"{prefix}k"], tensors[f"{prefix}v"])
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"snapshot header is incomplete or wrong: {exc!r}") from None
+        want = (snap.num_layers, len(snap.positions), snap.num_kv_heads, snap.head_dim)
+        for name, t in (("k", snap._k), ("v", snap._v)):
+            if tuple(t.shape) != want or t.dtype != dtype:
+                raise ValueError(f"snapshot {name} is {t.dtype} {list(t.shape)}, its header "
+                                 f"says {dtype} {list(want)}")
+        return snap
+
+
+def describe_pool(geometry: Geometry, num_layers: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype) -> dict:
+    """A pool's geometry, K/V shape and dtype, JSON-able: what a snapshot must match."""
+    g = geometry
+    return {"geometry": {"pin_tokens": g.pin_tokens, "window_tokens": g.window_tokens,
+                         "max_staged_tokens": g.max_staged_tokens,
+                         "causal_block_sizes": list(g.causal_block_sizes)},
+            "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+            "dtype": str(dtype).removeprefix("torch.")}
+
+
+def check_format(path, header: dict, fmt: str, version: int) -> None:
+    """ValueError unless a file's header names ``fmt`` at ``version``."""
+    if header.get("format") != fmt or header.get("version") != version:
+        raise ValueError(f"{path}: a {header.get('format')!r} file of version "
+                         f"{header.get('version')!r}, not {fmt!r} version {version}")
+
+
+def gather(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+           ) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """K/V of ``slots`` (int64 [n] on the pool's device) in every layer as host tensors
+    [L, n, H, D], and the CUDA event their copy completes (None on the CPU: done)."""
+    L, _, H, D = k_pool.shape
+    n = slots.numel()
+    if k_pool.device.type != "cuda":
+        return k_pool.index_select(1, slots), v_pool.index_select(1, slots), None
+    k = torch.empty((L, n, H, D), dtype=k_pool.dtype, pin_memory=True)
+    v = torch.empty_like(k, pin_memory=True)
+    group = _group(k_pool, n)
+    side = torch.cuda.Stream(k_pool.device)
+    side.wait_stream(torch.cuda.current_stream(k_pool.device))
+    with torch.cuda.stream(side):
+        buf = torch.empty((group, n, H, D), dtype=k_pool.dtype, device=k_pool.device)
+        for src, dst in ((k_pool, k), (v_pool, v)):
+            for l0 in range(0, L, group):
+                m = min(group, L - l0)
+                torch.index_select(src[l0:l0 + m], 1, slots, out=buf[:m])
+                dst[l0:l0 + m].copy_(buf[:m], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    slots.record_stream(side)
+    return k, v, done
+
+
+def scatter(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+            k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write host rows k, v [L, n, H, D] into ``slots`` of every layer (stream order)."""
+    L, n = k.shape[:2]
+    group = _group(k_pool, n)
+    with torch.no_grad():
+        for src, dst in ((k, k_pool), (v, v_pool)):
+            for l0 in range(0, L, group):
+                m = min(group, L - l0)
+                rows = src[l0:l0 + m].to(dst.device, non_blocking=True)
+                dst[l0:l0 + m].index_copy_(1, slots, rows)
+
+
+def _group(pool: torch.Tensor, n: int) -> int:
+    """Layers per copy step: as many as fit ``_GROUP_BYTES`` (at least one)."""
+    per_layer = max(1, n * pool.shape[2] * pool.shape[3] * pool.element_size())
+    return max(1, min(pool.shape[0], _GROUP_BYTES // per_layer))
