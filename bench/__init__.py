@@ -19,6 +19,7 @@ needs a CUDA GPU: without one it says so in one line and exits with status 2
     merge           the fused split-KV merge against torch merges
     ops             the ops at the seed geometry against torch equivalents
     pixels          prompt to pixels: the Wan VAE's streaming decode, text to frames
+    snapshots       a stream's export and import against PCIe, sessions over fewer slots
     startup         process start to the first replayed chunk, cold and warm
     streams         concurrent streams: B sequences batched on one pool against B in turn
     ulysses         Ulysses attention over several GPUs (under torchrun)

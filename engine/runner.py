@@ -188,8 +188,7 @@ class ChunkRunner:
         self._prompts: list[torch.Tensor | None] = [None] * self.pool  # written since reset
         self._in_use: tuple[int, ...] = tuple(range(self.pool))          # the store's rows
         self.sequence_chunks, self.sequence_frames = [0] * self.sequences, [0] * self.sequences
-        #: (seed, sequence) of each sequence's chunk noise in `step` (`chunk_noise`)
-        self.noise_streams = [(seed, s) for s in range(self.sequences)]
+        self._noise: dict[int, tuple[int, int]] = {}   # restored streams' noise
         #: None, or recorder(label, velocity) after every forward of an eager chunk
         #: ("step 0", ..., "clean"; a clean pass kept for its K/V passes None)
         self.recorder = None
@@ -613,6 +612,12 @@ class ChunkRunner:
         return out
 
     # ------------------------------------------------------------------ streams
+    @property
+    def noise_streams(self) -> list[tuple[int, int]]:
+        """(seed, sequence) of each sequence's chunk noise in `step` (`chunk_noise`):
+        (``seed``, s), or a restored stream's own."""
+        return [self._noise.get(s, (self.seed, s)) for s in range(self.sequences)]
+
     def describe(self) -> dict:
         """What a `StreamState` must match to be restored here (JSON-able): the model
         type and shapes, the chunk cycle and the pool's geometry, K/V shape and dtype."""
@@ -682,7 +687,7 @@ class ChunkRunner:
             if self.history is not None:
                 self.history.put(r, state.history[rows.index(r)])
         self.sequence_chunks[row], self.sequence_frames[row] = state.chunks, state.frames
-        self.noise_streams[row] = tuple(state.noise)
+        self._noise[row] = tuple(state.noise)
 
     def _paged_cache(self):
         cache = self.cache
@@ -701,7 +706,7 @@ class ChunkRunner:
         if self.history is not None:
             self.history.clear()
         self.sequence_chunks, self.sequence_frames = [0] * self.sequences, [0] * self.sequences
-        self.noise_streams = [(self.seed, s) for s in range(self.sequences)]
+        self._noise.clear()
         self.paths, self.path = {"eager": 0, "graphs": 0}, None
         distinct = {id(p): p for p in prompts if p is not None}.values()
         self._write_prompts([([r for r, q in enumerate(prompts) if q is p], p) for p in distinct],
@@ -718,7 +723,7 @@ class ChunkRunner:
                 self.history.clear(r)
             if r < self.sequences:
                 self.sequence_chunks[r] = self.sequence_frames[r] = 0
-                self.noise_streams[r] = (self.seed, r)
+                self._noise.pop(r, None)
 
     def stats(self) -> dict:
         """Counters for metrics: graph replays and captures, chunks per path, the K/V
