@@ -92,3 +92,18 @@ def check_frames(name: str, value, count: int) -> list[int]:
         raise ValueError(f"{name} must be {count} integers >= 0 (host ints or an integer "
                          f"tensor), one per row, got {value!r}")
     return [int(v) for v in values]
+
+
+def check_prompt(name: str, x, shape) -> torch.Tensor | None:
+    """``x`` as a [L, D] prompt of ``shape`` (given as that, or [1, L, D]) with finite
+    floating-point values, or None as it is (a runner's default prompt); else a
+    ValueError naming ``name``, the shape wanted and the one given."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 1:
+        x = x[0]
+    check_shape(name, x, tuple(shape))
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    check_finite(name, x)
+    return x

@@ -1,9 +1,9 @@
 """A streaming session's records (`framekv.engine.scheduler`): `Session`, a client's
-stream on one sequence of the pool, and `SessionChunk`, one chunk it was given; what a
-prompt change answers (`PromptChange`); the bounded record of ended sessions
-(`EndedSessions`); the batch sizes a scheduler captures by default
-(`default_batch_sizes`); the `Histogram` its step and chunk latencies are counted in;
-decoded frames as the uint8 a chunk carries (`video_uint8`)."""
+stream on one sequence of the pool (or off it, swapped out), and `SessionChunk`, one
+chunk it was given; what a prompt change answers (`PromptChange`); the bounded record
+of ended sessions (`EndedSessions`); the batch sizes a scheduler captures by default
+(`default_batch_sizes`); the `Histogram` its step, chunk and swap latencies are counted
+in; decoded frames as the uint8 a chunk carries (`video_uint8`)."""
 from __future__ import annotations
 
 import collections
@@ -42,15 +42,19 @@ class SessionChunk:
 class Session:
     """A client's stream: its sequence of the pool, its position, its undelivered chunks.
 
-    ``state``: "active", "done" (its chunk budget is spent), "failed" (``error`` says
-    why) or "closed". ``paused``: the client asked for a pause. ``waiting_since``: when
-    it last became ready for a chunk (None while it is not). ``delivered``: chunks
-    handed out by `StreamScheduler.next_chunk`. ``end_reason``: why it ended (the
-    ``reason`` of `StreamScheduler.close_session`), None while it is open.
+    ``sequence``: its slot, the pool sequence it runs on, or None while it is swapped
+    out (its stream in host memory: `framekv.engine.swap`). ``state``: "active", "done"
+    (its chunk budget is spent), "failed" (``error`` says why) or "closed". ``paused``:
+    the client asked for a pause. ``waiting_since``: when it last became ready for a
+    chunk (None while it is not). ``delivered``: chunks handed out by
+    `StreamScheduler.next_chunk`. ``end_reason``: why it ended (the ``reason`` of
+    `StreamScheduler.close_session`), None while it is open.
+    ``last_stepped``: the scheduler's step count when it last made a chunk or took its
+    slot (which resident session gives its slot up first: the least recent).
     """
 
     id: str
-    sequence: int
+    sequence: int | None
     seed: int
     budget: int | None
     chunks: int = 0
@@ -64,6 +68,7 @@ class Session:
     queue: collections.deque = field(default_factory=collections.deque)
     delivered: int = 0
     end_reason: str | None = None
+    last_stepped: int = 0
 
     @property
     def finished(self) -> bool:

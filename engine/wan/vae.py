@@ -205,22 +205,30 @@ class StreamingVAEDecoder:
 
     def snapshot(self, row: int) -> dict:
         """Sequence ``row``'s video state on the host: {"frames": latent frames decoded,
-        "cache": its causal feature cache, a host tensor per cache entry (empty before
-        the first decode)}, for `restore` into any row of a decoder of the same vae and
-        latent size."""
+        "cache": its causal feature cache, a host copy per cache entry (empty before
+        the first decode), "latent_size": (H, W) the cache is sized for (None before
+        it)}, for `restore` into any row of a decoder of the same vae and latent size.
+        The copies share no memory with the decoder (on a CPU device too), so the row
+        may decode another video meanwhile."""
         self.frames_decoded(row)                      # checks row
-        cache = [] if self._cache is None else [t[row].cpu() for t in self._cache.tensors]
-        return {"frames": self._frames[row], "cache": cache}
+        if self._cache is None:
+            return {"frames": self._frames[row], "cache": [], "latent_size": None}
+        cache = [t[row].to("cpu", copy=True) for t in self._cache.tensors]
+        return {"frames": self._frames[row], "cache": cache,
+                "latent_size": tuple(self._cache.layout.latent_size)}
 
     @torch.no_grad()
     def restore(self, row: int, state: dict) -> None:
-        """Sequence ``row`` goes on with the video ``state`` (`snapshot`) holds. ValueError
-        for a state of another cache layout (nothing changed)."""
+        """Sequence ``row`` goes on with the video ``state`` (`snapshot`) holds; a
+        decoder that has not decoded yet sizes its cache for the state's latent size
+        first. ValueError for a state of another cache layout (nothing changed)."""
         self.frames_decoded(row)
         cache = state["cache"]
         if not cache:                                 # nothing decoded yet
             self.reset(rows=[row])
             return
+        if self._cache is None and state.get("latent_size") is not None:
+            self._ensure(self.sequences, tuple(state["latent_size"]))
         have = [] if self._cache is None else self._cache.tensors
         want = [(tuple(t.shape[1:]), t.dtype) for t in have]
         got = [(tuple(t.shape), t.dtype) for t in cache]
