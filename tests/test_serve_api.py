@@ -280,7 +280,8 @@ def test_info_and_a_session_record_describe_what_streams(server):
                                        "upload_dtypes": ["bf16", "fp16", "fp32"], "text": False},
         "latents": {"layout": ["C", "F", "H", "W"], "shape": [C, F, H, W], "dtype": "float32"},
         "frames_per_chunk": F, "video_frames_per_chunk": None, "fps": 16, "output": "latents",
-        "frame_format": None, "max_sessions": 4, "queue_chunks": 2, "session_idle_timeout": 0.4}
+        "frame_format": None, "max_sessions": 4, "slots": 4, "queue_chunks": 2,
+        "session_idle_timeout": 0.4}
     sid = create(http, seed=6, chunks=2, prompt_seed=3, paused=True)
     base = {"id": sid, "seed": 6, "budget": 2, "prompt_version": 0, "error": None}
     assert http.get(f"/v1/sessions/{sid}").json() == {

@@ -13,12 +13,15 @@ and /health needs ``Authorization: Bearer T`` (any case of "Bearer"; a 401 carri
                                          while the server shuts down
     GET    /docs, /openapi.json          the API's schema and a local page rendering it
     GET    /metrics                      Prometheus (prometheus_client, text/plain):
-                                         sessions, slots, steps, chunks, latency
-                                         histograms, sessions ended by reason, graph
-                                         replays and captures, pool and GPU bytes
+                                         sessions, slots, sessions resident and
+                                         swapped, swaps (count, bytes, seconds),
+                                         steps, chunks, latency histograms, sessions
+                                         ended by reason, graph replays and captures,
+                                         pool and GPU bytes
     GET    /v1/info                      model, prompt shape and dtype, latent layout
                                          [C, F, H, W], frames per chunk (video frames
-                                         too when decoding), fps, output
+                                         too when decoding), fps, output, sessions
+                                         and slots
     POST   /v1/sessions                  {"seed": int, "chunks": int?, "paused": bool?,
                                           and at most one of "text": str |
                                           "prompt_seed": int | "prompt": {"shape": [L,
@@ -44,7 +47,8 @@ and /health needs ``Authorization: Bearer T`` (any case of "Bearer"; a 401 carri
                                          (`framekv.tools.serve_wire`); a last text
                                          message {"type": "end", "state", "error"}
                                          (+ "reason": "shutdown", "deleted", "idle"
-                                         when it did not end by itself).
+                                         when it did not end by itself; "resumable":
+                                         true when --state-dir keeps it).
                                          Control (text): {"type": "prompt",
                                          "text" | "prompt_seed" | "prompt"} (answered
                                          {"type": "prompt_ack", "prompt_version",
@@ -61,19 +65,29 @@ or ``--weights DIR``, a diffusers folder with its VAE and text encoder) at the s
 text (the config's text encoder, random, or the folder's) or [L, text_dim] text
 embeddings, and a prompt change re-caches the session's visible frames by clean passes.
 Its output is by default ``frames``: every chunk decoded by the VAE in the GPU loop
-(one `StreamingVAEDecoder` row per session slot) and sent as ``--frame-format``
+(one `StreamingVAEDecoder` row per pool slot) and sent as ``--frame-format``
 images. The reference model (``--model reference``, default) has no VAE: it streams
 latents, and ``--output frames`` is a startup error.
 
 One thread runs the GPU loop (`StreamScheduler.run`); every graph is captured before
-the socket opens. A client that disconnects frees its slot; a session no socket has
-taken for ``--session-idle-timeout`` seconds is ended (reason "idle"). A session holds
-at most ``--queue-chunks`` undelivered chunks. Request bodies are JSON of at most 1 MiB
+the socket opens. ``--max-sessions`` sessions may be open, ``--slots`` of them (default
+all) on the pool at once: the others wait swapped out to host memory and take turns,
+the longest waiting first, swapped back in without a capture. A client that
+disconnects ends its session; a session no socket has taken for
+``--session-idle-timeout`` seconds is ended (reason "idle"). A session holds at most
+``--queue-chunks`` undelivered chunks. Request bodies are JSON of at most 1 MiB
 (a prompt upload: its prompt's bytes), counted as they arrive (a Content-Length, no
 Transfer-Encoding); a request head must arrive within ``--head-timeout`` seconds
 (`framekv.tools.serve_net`). Token values never reach the logs (`redact_tokens`).
-SIGTERM drains: every socket gets its queued chunks and an end message with reason
-"shutdown", then uvicorn's graceful shutdown, then the loop stops and the pool is freed.
+SIGTERM drains: no chunk is made any more, every socket gets its queued chunks and an
+end message with reason "shutdown", then uvicorn's graceful shutdown, then the loop
+stops and the pool is freed. With ``--state-dir D`` the open sessions are written to D
+first (one file each, atomic) and a server started over D opens them again under their
+ids: a client that reconnects to ``/v1/sessions/{id}/stream`` (with the token) goes on
+from its next chunk, its undelivered chunks first; a corrupt file is logged and renamed
+``*.corrupt``, one of another model or geometry logged and left in D. (The end
+message of a session kept so says ``"resumable": true``; unless a client reconnects
+within ``--session-idle-timeout`` seconds of the restart, the session ends.)
 Python clients: `framekv.tools.client` (``framekv.client``).
 """
 
@@ -85,7 +99,7 @@ import sys
 
 from .args import bearer_token, nonnegative_int, positive_int, seconds
 from .conventions import add_preset_arguments
-from .serve_app import FRAME_FORMATS, OUTPUTS, build_app, page_html
+from .serve_app import FRAME_FORMATS, OUTPUTS, build_app, page_html, state_dir_path
 from .serve_wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
 
 __all__ = ["MAX_BODY_BYTES", "WAN_CONFIGS", "WanParts", "add_parser", "build_app", "chunk_frame",
@@ -128,7 +142,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _session_options(p: argparse.ArgumentParser) -> None:
     """Slots, queues, timeouts, the address and the token."""
     p.add_argument("--max-sessions", type=positive_int, default=8,
-                   help="session slots (default 8)")
+                   help="sessions open at once (default 8)")
+    p.add_argument("--slots", type=positive_int, default=None,
+                   help="sessions on the GPU pool at once, at most --max-sessions (default: "
+                        "--max-sessions); the others wait swapped out to host memory and "
+                        "take turns")
+    p.add_argument("--state-dir", metavar="DIR", default=None,
+                   help="keep sessions over a restart: on SIGTERM the open sessions are "
+                        "written to DIR, and a server started with the same DIR opens them "
+                        "again (clients reconnect with their session ids)")
     p.add_argument("--queue-chunks", type=positive_int, default=4,
                    help="undelivered chunks a session may hold before it waits for its "
                         "client (default 4)")
@@ -193,18 +215,22 @@ def run(args) -> int:
     try:
         token = token_of(args)
         output = output_of(args)
+        if args.slots is not None and args.slots > args.max_sessions:
+            raise ValueError(f"--slots must be at most --max-sessions ({args.max_sessions}), "
+                             f"got {args.slots}")
+        state_dir = None if args.state_dir is None else state_dir_path(args.state_dir)
         parts = (wan_factory(args, decode=output == "frames") if args.model == "wan-diffusers"
                  else None)
     except ValueError as exc:
         print(f"framekv serve: error: {exc}", file=sys.stderr)
         return 2
     sched = StreamScheduler(args.preset or "tiny", max_sessions=args.max_sessions,
-                            device=args.device, cache_dir=args.cache_dir, progress=True,
-                            queue_chunks=args.queue_chunks, runner_factory=parts,
+                            slots=args.slots, device=args.device, cache_dir=args.cache_dir,
+                            progress=True, queue_chunks=args.queue_chunks, runner_factory=parts,
                             decoder_factory=parts.decoder if output == "frames" else None)
     app = build_app(sched, token=token, output=output, frame_format=args.frame_format,
                     fps=args.fps, idle_timeout=args.session_idle_timeout,
-                    model=model_name(args))
+                    model=model_name(args), state_dir=state_dir)
     server = DrainingServer(server_config(app, host=args.host, port=args.port,
                                           head_timeout=args.head_timeout))
     # uvicorn drains on SIGTERM, then puts back the handler it found and raises the
@@ -235,18 +261,18 @@ class WanParts:
                           sequences=sequences, batch_sizes=batch_sizes,
                           text_encoder=self.text_encoder, **self.sizes)
 
-    def decoder(self, max_sessions: int):
-        """A `StreamingVAEDecoder` of one row per session slot; on CUDA with graphs,
-        every batch of 1 to ``max_sessions`` rows captured in both stages up front."""
+    def decoder(self, slots: int):
+        """A `StreamingVAEDecoder` of one row per pool slot; on CUDA with graphs,
+        every batch of 1 to ``slots`` rows captured in both stages up front."""
         from framekv.engine.wan.vae import StreamingVAEDecoder
 
         if self.vae is None:
             raise ValueError("decoder() needs the VAE: build the parts with decode=True")
         dev = next(self.model.parameters()).device
-        dec = StreamingVAEDecoder(self.vae, sequences=max_sessions, use_graphs=self.use_graphs,
+        dec = StreamingVAEDecoder(self.vae, sequences=slots, use_graphs=self.use_graphs,
                                   device=dev)
         if dec.use_graphs:
-            for b in range(1, max_sessions + 1):
+            for b in range(1, slots + 1):
                 dec.capture(b, self.sizes["frames_per_chunk"], self.sizes["latent_size"])
         return dec
 

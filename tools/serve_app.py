@@ -13,13 +13,22 @@ the docs (/docs, /openapi.json) included. /docs is a local page (``page/docs.htm
 that renders /openapi.json and loads nothing from elsewhere. A session with no socket
 for ``idle_timeout`` seconds (created and never connected) is ended with reason
 "idle"; a socket that ends ends its session at once. ``app.state.drain`` ends every
-stream cleanly on shutdown (`DrainingServer`).
+stream cleanly on shutdown (`DrainingServer`): the scheduler is held (`StreamScheduler.
+hold`: no chunk is made any more), every socket sends its queued chunks and an end
+message with reason "shutdown". With a ``state_dir`` the sessions then stay open:
+once the loop has stopped they are written there (`StreamScheduler.save_sessions`),
+and the next app over the same folder opens them again at startup
+(`StreamScheduler.restore_sessions`), each waiting ``idle_timeout`` seconds for its
+client to reconnect.
 (No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
 FastAPI, pydantic and uvicorn are imported when an app is built, so the command line
 parses without the ``serve`` extra.)
 """
 import asyncio
 import contextlib
+import logging
+import os
+import pathlib
 import threading
 import time
 
@@ -37,6 +46,22 @@ API_DOC = ("Streaming sessions of an autoregressive video model. Create a sessio
            "\"applies_from\"}, a last {\"type\": \"end\"}. The socket takes ?token= where "
            "the server has a token; it closes 1008 for a bad token, 4404 for an unknown "
            "session, 4409 for a second socket.")
+log = logging.getLogger("framekv.serve")
+
+
+def state_dir_path(state_dir) -> pathlib.Path:
+    """``state_dir`` as a folder that exists (made, parents too, if it does not); a
+    ValueError naming ``state_dir`` for a path that is not a folder or cannot be made."""
+    path = pathlib.Path(os.fspath(state_dir))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"state_dir must be a folder the server can write, got "
+                         f"{str(path)!r}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"state_dir must be a folder the server can write, got "
+                         f"{str(path)!r}: not writable")
+    return path
 
 
 def page_html(name: str = "index.html") -> str:
@@ -80,13 +105,13 @@ def _check_options(sched, output, frame_format, fps, quality, token, idle_timeou
 class _Server:
     """What the routes share: the scheduler, the options, the sockets open (session
     ids), the sessions created and not yet connected (id -> when), whether the server
-    drains."""
+    drains, the folder sessions are kept in over a restart (None: they end)."""
 
     def __init__(self, sched, auth, *, body_timeout, output, encode, fps, frame_format,
-                 idle_timeout, model):
+                 idle_timeout, model, state_dir=None):
         self.sched, self.auth, self.body_timeout, self.output = sched, auth, body_timeout, output
         self.encode, self.fps, self.frame_format = encode, fps, frame_format
-        self.idle_timeout, self.model = float(idle_timeout), model
+        self.idle_timeout, self.model, self.state_dir = float(idle_timeout), model, state_dir
         self.streams: set[str] = set()
         self.unattached: dict[str, float] = {}
         self.draining = threading.Event()
@@ -97,8 +122,10 @@ class _Server:
             raise RequestError(503, "the server is shutting down: no new sessions")
 
     async def drain(self, timeout: float) -> None:
-        """End every open stream (`serve_socket`: queued chunks, then an end message
-        with reason "shutdown") and wait for their sockets, at most ``timeout`` s."""
+        """Hold the scheduler (no chunk is made from here on), end every open stream
+        (`serve_socket`: queued chunks, then an end message with reason "shutdown") and
+        wait for their sockets, at most ``timeout`` s."""
+        await asyncio.to_thread(self.sched.hold)
         self.draining.set()
         deadline = time.monotonic() + timeout
         while self.streams and time.monotonic() < deadline:
@@ -118,6 +145,21 @@ class _Server:
                         idle.append(sid)
             if idle:
                 await asyncio.to_thread(self._close_all, idle, "idle", self.streams)
+
+    def restore_sessions(self) -> None:
+        """Open the sessions kept in ``state_dir`` again; each waits ``idle_timeout``
+        seconds for its client (then it ends, reason "idle")."""
+        ids = self.sched.restore_sessions(self.state_dir)
+        now = time.monotonic()
+        for sid in ids:
+            self.unattached[sid] = now
+        log.info("restored %d sessions from %s", len(ids), self.state_dir)
+
+    def save_sessions(self) -> None:
+        """Write the open sessions to ``state_dir`` (the loop stopped)."""
+        saved = self.sched.save_sessions(self.state_dir)
+        log.info("saved %d of %d open sessions to %s", len(saved), len(self.sched.sessions),
+                 self.state_dir)
 
     def _close_all(self, ids, reason: str, skip=()) -> None:
         """Close the sessions ``ids`` not in ``skip`` (a socket took them meanwhile) and
@@ -155,14 +197,15 @@ class _Server:
                 "frames_per_chunk": F, "video_frames_per_chunk": video, "fps": self.fps,
                 "output": self.output,
                 "frame_format": self.frame_format if self.output == "frames" else None,
-                "max_sessions": s.max_sessions, "queue_chunks": s.queue_chunks,
+                "max_sessions": s.max_sessions, "slots": s.slots,
+                "queue_chunks": s.queue_chunks,
                 "session_idle_timeout": self.idle_timeout}
 
 
 def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIMEOUT_S,
               output: str | None = None, frame_format: str = "jpeg", fps: int = 16,
               quality: int = 85, idle_timeout: float = IDLE_TIMEOUT_S,
-              model: str | None = None):
+              model: str | None = None, state_dir=None):
     """The FastAPI app over ``sched``; its lifespan runs the GPU loop thread and the idle
     reaper, and at its end closes every session left (reason "shutdown").
 
@@ -171,7 +214,10 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
     the scheduler decodes. ``fps``: the video's frame rate, which the page plays at.
     ``token``: printable ASCII without spaces (ValueError otherwise), or None: no auth.
     ``idle_timeout``: seconds a session may go without a socket. ``model``: its name in
-    /v1/info (default the runner's class). Installs `redact_tokens` on uvicorn's loggers.
+    /v1/info (default the runner's class). ``state_dir``: None, or a folder (made if
+    missing; ValueError if it cannot be) the open sessions are written to on shutdown
+    and opened again from at startup (module doc). Installs `redact_tokens` on
+    uvicorn's loggers.
     """
     from fastapi import FastAPI
 
@@ -180,11 +226,13 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
     from .serve_routes import session_routes, stream_route
 
     output = _check_options(sched, output, frame_format, fps, quality, token, idle_timeout)
+    state_dir = None if state_dir is None else state_dir_path(state_dir)
     encode = (chunk_frame if output == "latents"
               else lambda c: frames_message(c, frame_format, quality))
     srv = _Server(sched, BearerAuth(token), body_timeout=body_timeout, output=output,
                   encode=encode, fps=fps, frame_format=frame_format,
-                  idle_timeout=idle_timeout, model=model or type(sched.runner).__name__)
+                  idle_timeout=idle_timeout, model=model or type(sched.runner).__name__,
+                  state_dir=state_dir)
     app = FastAPI(title="framekv", version=_version(), description=API_DOC,
                   lifespan=_lifespan(srv), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.drain = srv.drain
@@ -198,12 +246,16 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
 
 
 def _lifespan(srv: _Server):
-    """The app's lifespan: the GPU loop thread and the idle reaper run while it serves;
-    then both stop and every session left is closed (reason "shutdown")."""
+    """The app's lifespan: the sessions kept in ``state_dir`` opened again, then the GPU
+    loop thread and the idle reaper run while it serves; then both stop, the open
+    sessions are written to ``state_dir`` and every session left is closed (reason
+    "shutdown")."""
     sched, stop = srv.sched, threading.Event()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if srv.state_dir is not None:
+            await asyncio.to_thread(srv.restore_sessions)
         loop = threading.Thread(target=sched.run, args=(stop,), name="framekv-gpu", daemon=True)
         loop.start()
         reaper = asyncio.create_task(srv.reap_idle())
@@ -211,6 +263,8 @@ def _lifespan(srv: _Server):
         reaper.cancel()
         stop.set()
         loop.join()
+        if srv.state_dir is not None:
+            srv.save_sessions()
         srv._close_all(list(sched.sessions), "shutdown")
     return lifespan
 

@@ -5,7 +5,11 @@ that reads `StreamScheduler.metrics` at every scrape, so several apps in one pro
 (tests) never share a series and nothing is counted twice::
 
     framekv_sessions                 gauge      sessions open
-    framekv_session_slots            gauge      sessions allowed at once
+    framekv_session_slots            gauge      sessions allowed open at once
+    framekv_pool_slots               gauge      sessions the pool holds at once (--slots)
+    framekv_sessions_resident        gauge      open sessions holding a pool slot
+    framekv_sessions_swapped         gauge      open sessions swapped out to host memory
+    framekv_swapped_bytes            gauge      host bytes the swapped-out streams hold
     framekv_pool_bytes               gauge      the K/V pool's mapped bytes
     framekv_gpu_allocated_bytes      gauge      torch's allocated CUDA bytes (CUDA only)
     framekv_steps_total              counter    batched steps
@@ -13,6 +17,10 @@ that reads `StreamScheduler.metrics` at every scrape, so several apps in one pro
     framekv_failed_resets_total      counter    failed steps whose rows could not be
                                                 started over (retried later)
     framekv_chunks_total             counter    chunks made (all sessions)
+    framekv_swap_outs_total          counter    sessions swapped out of the pool
+    framekv_swap_ins_total           counter    sessions swapped back in (restored)
+    framekv_swap_bytes_total         counter    host bytes the swaps moved, both ways
+    framekv_failed_swaps_total       counter    swaps that raised (their session failed)
     framekv_graph_replays_total      counter    whole-chunk graph replays
     framekv_graph_captures_total     counter    graphs captured
     framekv_video_frames_total       counter    video frames decoded (decoding only)
@@ -21,6 +29,7 @@ that reads `StreamScheduler.metrics` at every scrape, so several apps in one pro
     framekv_step_seconds             histogram  a batched step, its decode included
     framekv_chunk_seconds            histogram  a chunk's latency: its session ready
                                                 for it -> it is queued
+    framekv_swap_seconds             histogram  one swap out or in, its copies waited for
 
 `render` writes them in the format the scraper's ``Accept`` asks for (Prometheus text,
 or OpenMetrics) with prometheus_client's content type. Every series is a fixed-size
@@ -30,19 +39,34 @@ size does not grow with uptime.
 from __future__ import annotations
 
 GAUGES = (("sessions", "framekv_sessions", "Sessions open."),
-          ("max_sessions", "framekv_session_slots", "Sessions allowed at once."),
+          ("max_sessions", "framekv_session_slots", "Sessions allowed open at once."),
+          ("slots", "framekv_pool_slots",
+           "Sessions the pool holds at once; the others wait swapped out."),
+          ("sessions_resident", "framekv_sessions_resident",
+           "Open sessions holding a pool slot."),
+          ("sessions_swapped", "framekv_sessions_swapped",
+           "Open sessions swapped out to host memory."),
+          ("swapped_bytes", "framekv_swapped_bytes",
+           "Host bytes held by the swapped-out sessions' streams."),
           ("pool_bytes", "framekv_pool_bytes", "Bytes mapped by the K/V pool."))
 COUNTERS = (("steps", "framekv_steps", "Batched steps run."),
             ("failed_steps", "framekv_failed_steps", "Batched steps that raised."),
             ("failed_resets", "framekv_failed_resets",
              "Failed steps whose rows could not be started over."),
             ("chunks", "framekv_chunks", "Chunks made, all sessions."),
+            ("swap_outs", "framekv_swap_outs", "Sessions swapped out of the pool."),
+            ("swap_ins", "framekv_swap_ins", "Sessions swapped back into the pool."),
+            ("swap_bytes", "framekv_swap_bytes", "Host bytes moved by swaps, both ways."),
+            ("failed_swaps", "framekv_failed_swaps",
+             "Swaps that raised; each failed its session."),
             ("graph_replays", "framekv_graph_replays", "Whole-chunk graph replays."),
             ("graph_captures", "framekv_graph_captures", "Graphs captured."))
 HISTOGRAMS = (("step_seconds", "framekv_step_seconds",
                "Seconds of a batched step, its decode included."),
               ("chunk_seconds", "framekv_chunk_seconds",
-               "Seconds from a session being ready for a chunk to the chunk queued."))
+               "Seconds from a session being ready for a chunk to the chunk queued."),
+              ("swap_seconds", "framekv_swap_seconds",
+               "Seconds of one swap out or in, its copies waited for."))
 
 
 class SchedulerCollector:

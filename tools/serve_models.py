@@ -137,7 +137,9 @@ class ServerInfo(BaseModel):
     fps: int
     output: Literal["frames", "latents"]
     frame_format: str | None = Field(description="jpeg or webp with output frames.")
-    max_sessions: int
+    max_sessions: int = Field(description="Sessions open at once.")
+    slots: int = Field(description="Sessions on the pool at once; the others wait swapped "
+                                   "out to host memory.")
     queue_chunks: int = Field(description="Undelivered chunks a session holds at most.")
     session_idle_timeout: float = Field(description="Seconds a session may go without a "
                                                     "socket before it is ended (idle).")

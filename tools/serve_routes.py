@@ -174,6 +174,7 @@ def stream_route(app, srv) -> None:
         srv.streams.add(sid)
         srv.unattached.pop(sid, None)
         try:
-            await serve_socket(ws, srv.sched, sid, srv.encode, srv.draining)
+            await serve_socket(ws, srv.sched, sid, srv.encode, srv.draining,
+                               keep_on_drain=srv.state_dir is not None)
         finally:
             srv.streams.discard(sid)

@@ -9,7 +9,10 @@ are made under it. The last message is ``{"type": "end", "state", "error"}``, wi
 ``"reason"`` when the session did not end by itself: "shutdown" when the server drains,
 "deleted" or "idle" when it was closed under the socket. When the socket goes, its
 session ends (reason: its state if it had finished, "disconnected" if not, "shutdown"
-on a drain).
+on a drain), except on a drain of a server that keeps its sessions over a restart
+(``keep_on_drain``): the session stays open to be saved, and its end message says
+``"resumable": true`` (unless it failed): the client reconnects to the same session
+id once the server is back.
 """
 import asyncio
 import contextlib
@@ -21,14 +24,16 @@ from .serve_wire import PROMPT_KEYS, RequestError, json_body, parse_prompt
 GOING_AWAY = 1001
 
 
-async def serve_socket(ws, sched, sid: str, encode, draining) -> None:
+async def serve_socket(ws, sched, sid: str, encode, draining, *,
+                       keep_on_drain: bool = False) -> None:
     """Push the session's chunks as they come (``encode(chunk) -> bytes`` on a worker
     thread); apply its control messages; free the slot when the client goes. Once
-    ``draining`` (a `threading.Event`) is set the session stops, its queued chunks go
-    out, then an end message with reason "shutdown", and the socket closes (1001)."""
+    ``draining`` (a `threading.Event`, set with the scheduler held) is set, its queued
+    chunks go out, then an end message with reason "shutdown", and the socket closes
+    (1001); the session ends too, unless ``keep_on_drain`` (module doc)."""
     from fastapi import WebSocketDisconnect
 
-    tasks = [asyncio.create_task(_send(ws, sched, sid, encode, draining)),
+    tasks = [asyncio.create_task(_send(ws, sched, sid, encode, draining, keep_on_drain)),
              asyncio.create_task(_receive(ws, sched, sid))]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -41,24 +46,30 @@ async def serve_socket(ws, sched, sid: str, encode, draining) -> None:
         s = sched.sessions.get(sid)
         reason = ("shutdown" if draining.is_set() else s.state if s is not None and s.finished
                   else "disconnected")
-        with contextlib.suppress(KeyError):      # closed meanwhile (DELETE, idle)
-            await asyncio.to_thread(sched.close_session, sid, reason)
+        if not (keep_on_drain and draining.is_set()):
+            with contextlib.suppress(KeyError):      # closed meanwhile (DELETE, idle)
+                await asyncio.to_thread(sched.close_session, sid, reason)
         with contextlib.suppress(Exception):
             await ws.close(GOING_AWAY if draining.is_set() else 1000)
 
 
-def _end(sched, sid: str, reason: str | None = None) -> str:
+def _end(sched, sid: str, reason: str | None = None, kept: bool = False) -> str:
     """The end message of session ``sid``: open and finished, or open and stopped by
-    the drain (``reason`` "shutdown", state "closed"), or closed under the socket (its
-    record's state and end reason)."""
+    the drain (``reason`` "shutdown", state "closed"; ``kept``: the server keeps it
+    over its restart, so unless it failed it is "resumable"), or closed under the
+    socket (its record's state and end reason)."""
     info = sched.session_info(sid) or {"state": "closed", "error": None, "end_reason": None}
     reason = reason or info["end_reason"]
     state = "closed" if info["state"] == "active" else info["state"]
     end = {"type": "end", "state": state, "error": info["error"]}
-    return json.dumps(end if reason is None else {**end, "reason": reason})
+    if reason is not None:
+        end["reason"] = reason
+    if kept and info["state"] != "failed" and not info["ended"]:
+        end["resumable"] = True
+    return json.dumps(end)
 
 
-async def _send(ws, sched, sid: str, encode, draining) -> None:
+async def _send(ws, sched, sid: str, encode, draining, kept: bool) -> None:
     while not draining.is_set():
         chunk = await asyncio.to_thread(sched.next_chunk, sid, 0.25)
         if chunk is not None:
@@ -67,11 +78,10 @@ async def _send(ws, sched, sid: str, encode, draining) -> None:
         s = sched.sessions.get(sid)
         if s is None or s.finished:
             return await ws.send_text(_end(sched, sid))
-    with contextlib.suppress(KeyError):       # paused: no chunk comes after those queued
-        await asyncio.to_thread(sched.pause, sid, True)
+    # The scheduler is held: no chunk comes after those queued.
     while (chunk := await asyncio.to_thread(sched.next_chunk, sid, 0)) is not None:
         await ws.send_bytes(await asyncio.to_thread(encode, chunk))
-    await ws.send_text(_end(sched, sid, "shutdown"))
+    await ws.send_text(_end(sched, sid, "shutdown", kept))
 
 
 async def _receive(ws, sched, sid: str) -> None:
