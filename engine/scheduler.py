@@ -7,7 +7,9 @@ batch_sizes=...)` by default, or any runner ``runner_factory`` builds: a `WanRol
 One loop steps the ready sessions together::
 
     ready = active, not paused, budget left, fewer than queue_chunks chunks undelivered
-    batch = the S ready sessions (at most) that have waited longest (``waiting_since``)
+    batch = the S ready sessions (at most): first the resident ones within their swap
+            quantum (fewer than ``swap_quantum`` steps since they took their slot), then
+            those that have waited longest (``waiting_since``)
     slots = each one in the batch without a slot takes a free one, else one a resident
             session outside the batch gives up (`framekv.engine.swap`: not ready
             first, then least recently stepped), swapped out to host memory; it is
@@ -26,7 +28,10 @@ way), ``step_rows``, ``snapshot`` / ``restore`` (swaps), ``describe``, ``stats``
 warm-up path, ``cache_dir`` honoured; the decoder comes captured from
 ``decoder_factory``); sessions join (a free sequence started over, its decoder row
 reset; with no slot free, swapped out until their turn), swap and leave between steps
-without a capture. With S = N (``slots`` None) no session ever swaps. A consumer that
+without a capture. With S = N (``slots`` None) no session ever swaps. The quantum
+bounds the swapping: every session gets a turn, and a swapped-in one keeps its slot for
+``swap_quantum`` steps while it is ready, so a stream's swap (its kept K/V out and back
+over PCIe) is paid once per quantum, not once per chunk. A consumer that
 does not fetch its chunks fills its bounded queue and only its session pauses. A step
 (or its decode) that raises fails the sessions in it (each keeps the error message;
 their sequences and the scratch rows start over) and the loop goes on with the others;
@@ -97,6 +102,8 @@ class StreamScheduler:
         slots: sessions on the pool at once (the runner's sequences, besides scratch
             rows; the batch sizes reach it), in [1, max_sessions]; None: max_sessions
             (no session swaps). The others wait swapped out to host memory.
+        swap_quantum: steps a ready session keeps a slot it took before a waiting one
+            may take it (module doc).
         device, backend, cache_dir, use_graphs: as for `Rollout`.
         queue_chunks: undelivered chunks a session may hold before it pauses.
         batch_sizes: the batch sizes captured (default `default_batch_sizes`).
@@ -114,8 +121,12 @@ class StreamScheduler:
     def __init__(self, preset="tiny", *, max_sessions: int = 8, slots: int | None = None,
                  device=None, backend=None, cache_dir=None, use_graphs: bool = True,
                  queue_chunks: int = 4, batch_sizes=None, progress: bool = False,
-                 runner_factory=None, decoder_factory=None, ended_records: int = 1024):
+                 runner_factory=None, decoder_factory=None, ended_records: int = 1024,
+                 swap_quantum: int = 16):
         S = _check_counts(max_sessions, slots, queue_chunks, ended_records)
+        if isinstance(swap_quantum, bool) or not isinstance(swap_quantum, int) or swap_quantum < 1:
+            raise ValueError(f"swap_quantum must be an integer >= 1, got {swap_quantum!r}")
+        self.swap_quantum = swap_quantum
         if decoder_factory is not None and not callable(decoder_factory):
             raise ValueError(f"decoder_factory must be a callable, got {decoder_factory!r}")
         sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(S))))
@@ -196,7 +207,7 @@ class StreamScheduler:
                 raise SchedulerFull(f"all {self.max_sessions} sessions are open")
             s = Session(secrets.token_urlsafe(18), None, seed, chunks, paused=bool(paused),
                         waiting_since=None if paused else time.monotonic(),
-                        last_stepped=self._counts["steps"])
+                        last_stepped=self._counts["steps"], slot_since=self._counts["steps"])
             if self._free:
                 seq = self._free.pop(0)
                 try:
@@ -283,13 +294,19 @@ class StreamScheduler:
         return s.state == "active" and not s.paused and len(s.queue) < self.queue_chunks
 
     def _ready(self) -> list[Session]:
-        """The next step's sessions: the ``slots`` ready ones that waited longest."""
+        """The next step's sessions: the ``slots`` ready ones, those within their swap
+        quantum first, then those that waited longest (module doc)."""
         if self._held:
             return []
         ready = [s for s in self.sessions.values() if self._is_ready(s)]
-        # Stable: ties in opening order; a clock not started yet counts as started now.
-        ready.sort(key=lambda s: math.inf if s.waiting_since is None else s.waiting_since)
-        return ready[:self.slots]
+        steps = self._counts["steps"]
+
+        def order(s: Session) -> tuple:
+            within = s.sequence is not None and steps - s.slot_since < self.swap_quantum
+            # Stable: ties in opening order; a clock not started yet counts as started now.
+            return (not within, math.inf if s.waiting_since is None else s.waiting_since)
+
+        return sorted(ready, key=order)[:self.slots]
 
     def _mark_waiting(self, s: Session) -> None:
         """Start (or stop) the clock of a session's next chunk as it turns ready (or not)."""

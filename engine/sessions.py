@@ -51,6 +51,7 @@ class Session:
     `StreamScheduler.close_session`), None while it is open.
     ``last_stepped``: the scheduler's step count when it last made a chunk or took its
     slot (which resident session gives its slot up first: the least recent).
+    ``slot_since``: the step count when it took its slot (its swap quantum runs from it).
     """
 
     id: str
@@ -69,6 +70,7 @@ class Session:
     delivered: int = 0
     end_reason: str | None = None
     last_stepped: int = 0
+    slot_since: int = 0
 
     @property
     def finished(self) -> bool:

@@ -115,7 +115,7 @@ class SlotPool:
                     self._try(self.swap_out, victim)      # its slot is freed either way
                 if not self._try(self.swap_in, s, self.free.pop(0)):
                     continue
-                s.last_stepped = step
+                s.last_stepped = s.slot_since = step
             placed.append(s)
         return placed
 

@@ -25,7 +25,7 @@ SLOTS = 2
 @pytest.fixture(scope="module")
 def sched():
     s = StreamScheduler("tiny", max_sessions=8, slots=SLOTS, device="cpu", use_graphs=False,
-                        queue_chunks=2)
+                        queue_chunks=2, swap_quantum=1)     # a turn per step: the most swaps
     yield s
     s.close()
 
@@ -79,6 +79,30 @@ def test_eight_sessions_over_two_slots_take_turns_and_equal_their_runs_alone(sch
     assert m["failed_swaps"] == 0 and m["graph_captures"] == m0["graph_captures"]
     assert (m["slots"], m["max_sessions"], m["sessions_resident"]) == (SLOTS, 8, SLOTS)
     assert m["sessions_swapped"] == 6 and m["swapped_bytes"] == 0    # done: nothing kept
+
+
+def test_a_session_keeps_its_slot_for_its_quantum(sched, monkeypatch):
+    """With a quantum of 3 steps, two of four sessions over two slots make 3 chunks
+    before the other two get a turn, and so on: 4 swaps out over 16 chunks, not one per
+    chunk; every chunk still equals the seed run alone."""
+    _clear(sched)
+    monkeypatch.setattr(sched, "swap_quantum", 3)
+    m0 = sched.metrics()
+    sessions = [sched.open_session(seed=80 + i, chunks=4) for i in range(4)]
+    got = run_all(sched, sessions, {}, steps=3)
+    assert [len(got.get(s.id, [])) for s in sessions] == [3, 3, 0, 0]
+    run_all(sched, sessions, got, steps=3)
+    assert [len(got.get(s.id, [])) for s in sessions] == [3, 3, 3, 3]
+    run_all(sched, sessions, got)
+    for s in sessions:
+        assert_alone(sched, s, got[s.id])
+    m = sched.metrics()
+    # out: 0 and 1 after their 3 steps, then 2 and 3 after theirs; the last chunks
+    # finish without a swap out (a finished session gives its slot up as it is)
+    assert m["swap_outs"] - m0["swap_outs"] == 4
+    with pytest.raises(ValueError, match="swap_quantum must be an integer >= 1, got 0"):
+        StreamScheduler("tiny", max_sessions=2, slots=1, device="cpu", use_graphs=False,
+                        swap_quantum=0)
 
 
 def test_a_paused_session_gives_its_slot_up_and_comes_back_where_it_was(sched):
@@ -236,9 +260,10 @@ def test_wan_sessions_with_a_decoder_swap_and_move_as_one_video_each(tmp_path):
     model, vae = build_model("tiny", device="cpu"), build_vae("tiny", device="cpu")
 
     def make():
-        return StreamScheduler(max_sessions=3, slots=2, queue_chunks=8, runner_factory=partial(
-            WanRollout, model, use_graphs=False, text_encoder=text, **sizes),
-            decoder_factory=lambda n: StreamingVAEDecoder(vae, sequences=n))
+        return StreamScheduler(max_sessions=3, slots=2, queue_chunks=8, swap_quantum=1,
+                               runner_factory=partial(
+                                   WanRollout, model, use_graphs=False, text_encoder=text, **sizes),
+                               decoder_factory=lambda n: StreamingVAEDecoder(vae, sequences=n))
 
     prompts = ["a red fox", "a blue whale", "a green field"]
     first, got = make(), {}
@@ -285,8 +310,8 @@ def test_swapping_on_the_gpu_replays_graphs_and_equals_the_sessions_without_swap
         plain.close()
 
     def swapping():
-        return StreamScheduler(max_sessions=6, slots=2, queue_chunks=8, runner_factory=partial(
-            Rollout, "tiny", "cuda", model=model))
+        return StreamScheduler(max_sessions=6, slots=2, queue_chunks=8, swap_quantum=1,
+                               runner_factory=partial(Rollout, "tiny", "cuda", model=model))
 
     first = swapping()
     sessions = [first.open_session(seed=seed, chunks=4) for seed in seeds]

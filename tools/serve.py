@@ -72,7 +72,8 @@ latents, and ``--output frames`` is a startup error.
 One thread runs the GPU loop (`StreamScheduler.run`); every graph is captured before
 the socket opens. ``--max-sessions`` sessions may be open, ``--slots`` of them (default
 all) on the pool at once: the others wait swapped out to host memory and take turns,
-the longest waiting first, swapped back in without a capture. A client that
+the longest waiting first, swapped back in without a capture; a session keeps a slot it
+took for ``--swap-quantum`` steps while it is ready. A client that
 disconnects ends its session; a session no socket has taken for
 ``--session-idle-timeout`` seconds is ended (reason "idle"). A session holds at most
 ``--queue-chunks`` undelivered chunks. Request bodies are JSON of at most 1 MiB
@@ -147,6 +148,9 @@ def _session_options(p: argparse.ArgumentParser) -> None:
                    help="sessions on the GPU pool at once, at most --max-sessions (default: "
                         "--max-sessions); the others wait swapped out to host memory and "
                         "take turns")
+    p.add_argument("--swap-quantum", type=positive_int, default=16, metavar="STEPS",
+                   help="steps a session keeps a slot it took before a waiting one may take "
+                        "it: one swap per quantum, not per chunk (default 16)")
     p.add_argument("--state-dir", metavar="DIR", default=None,
                    help="keep sessions over a restart: on SIGTERM the open sessions are "
                         "written to DIR, and a server started with the same DIR opens them "
@@ -225,7 +229,8 @@ def run(args) -> int:
         print(f"framekv serve: error: {exc}", file=sys.stderr)
         return 2
     sched = StreamScheduler(args.preset or "tiny", max_sessions=args.max_sessions,
-                            slots=args.slots, device=args.device, cache_dir=args.cache_dir,
+                            slots=args.slots, swap_quantum=args.swap_quantum,
+                            device=args.device, cache_dir=args.cache_dir,
                             progress=True, queue_chunks=args.queue_chunks, runner_factory=parts,
                             decoder_factory=parts.decoder if output == "frames" else None)
     app = build_app(sched, token=token, output=output, frame_format=args.frame_format,
