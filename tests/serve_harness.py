@@ -36,6 +36,13 @@ def serving(sched, head_timeout: float = 1.0, **kw):
         sched.close()
 
 
+def create(http, **body) -> str:
+    """Open a session through ``http`` (an httpx client on the server): its id."""
+    r = http.post("/v1/sessions", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
 def read_stream(ws, limit=30.0, first=None):
     """(chunk indices, text messages) of a socket until its end message."""
     indices, texts = [] if first is None else [first], []

@@ -34,7 +34,7 @@ ws_client = pytest.importorskip("websockets.sync.client")
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 
 from framekv.engine.scheduler import StreamScheduler  # noqa: E402
-from serve_harness import index_of, no_sessions, read_stream, serving  # noqa: E402
+from serve_harness import create, index_of, no_sessions, read_stream, serving  # noqa: E402
 from test_scheduler import alone_chunks  # noqa: E402
 
 TOKEN = "api-token"
@@ -49,12 +49,6 @@ def server():
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH,
                           timeout=30) as http:
             yield http, port, sched
-
-
-def create(http, **body) -> str:
-    r = http.post("/v1/sessions", json=body)
-    assert r.status_code == 201, r.text
-    return r.json()["id"]
 
 
 def connect(port, sid, token=TOKEN):

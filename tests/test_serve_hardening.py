@@ -38,7 +38,7 @@ from websockets.exceptions import ConnectionClosed  # noqa: E402
 from framekv.engine.scheduler import StreamScheduler  # noqa: E402
 from framekv.tools.serve import build_app  # noqa: E402
 from framekv.tools.serve_wire import MAX_BODY_BYTES, RequestError, read_body  # noqa: E402
-from serve_harness import (index_of, no_sessions, raw_request, read_stream,  # noqa: E402
+from serve_harness import (create, index_of, no_sessions, raw_request, read_stream,  # noqa: E402
                            serving, trickle)
 from test_scheduler import alone_chunks  # noqa: E402
 
@@ -56,12 +56,6 @@ def server():
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH,
                           timeout=30) as http:
             yield http, port, sched
-
-
-def create(http, **body) -> str:
-    r = http.post("/v1/sessions", json=body)
-    assert r.status_code == 201, r.text
-    return r.json()["id"]
 
 
 def ws_url(port, sid, token=TOKEN) -> str:

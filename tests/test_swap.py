@@ -17,7 +17,7 @@ from framekv.engine import Rollout
 from framekv.engine.runner import chunk_noise
 from framekv.engine.scheduler import SchedulerFull, StreamScheduler
 from framekv.engine.swap import pick_victim
-from test_scheduler import alone_chunks
+from test_scheduler import _clear, alone_chunks
 
 SLOTS = 2
 
@@ -28,11 +28,6 @@ def sched():
                         queue_chunks=2, swap_quantum=1)     # a turn per step: the most swaps
     yield s
     s.close()
-
-
-def _clear(sched):
-    for sid in list(sched.sessions):
-        sched.close_session(sid)
 
 
 def drain(sched, sessions, got):
