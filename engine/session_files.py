@@ -98,23 +98,15 @@ def load_session(path, model: dict, decoding: bool, *,
     difference for one that does not fit ``model`` (`ChunkRunner.describe`) or
     ``decoding``, or for an incomplete or foreign record."""
     state = StreamState.load(path, pin_memory=pin_memory)
-    diff = _differences(state.model, model)
-    if diff:
+    try:
+        state.check_fits(model)
+    except ValueError as exc:
         raise ValueError(f"{path}: the session does not fit this scheduler's runner: "
-                         + "; ".join(diff))
+                         f"{str(exc).split(': ', 1)[1]}") from None
     try:
         return _session_of(path, state, decoding)
     except (KeyError, TypeError, IndexError, AttributeError) as exc:
         raise ValueError(f"{path}: the session record is incomplete: {exc!r}") from None
-
-
-def _differences(have, want, name: str = "") -> list[str]:
-    """Each field, nested ones by dotted name, where ``have`` (a file's
-    `ChunkRunner.describe`) differs from ``want`` (the runner's)."""
-    if not (isinstance(have, dict) and isinstance(want, dict)):
-        return [] if have == want else [f"{name}: the file has {have!r}, the runner {want!r}"]
-    return [d for k in sorted(set(have) | set(want), key=str)
-            for d in _differences(have.get(k), want.get(k), f"{name}.{k}" if name else str(k))]
 
 
 def _session_of(path, state: StreamState, decoding: bool) -> tuple[Session, Parked | None]:

@@ -36,6 +36,15 @@ __all__ = ["StreamState"]
 FORMAT, VERSION = "framekv.stream", 1
 
 
+def differences(have, want, name: str = "") -> list[str]:
+    """Each field, nested ones by dotted name, where ``have`` (a state's model) differs
+    from ``want`` (a runner's `ChunkRunner.describe`)."""
+    if not (isinstance(have, dict) and isinstance(want, dict)):
+        return [] if have == want else [f"{name}: the state has {have!r}, the runner {want!r}"]
+    return [d for k in sorted(set(have) | set(want), key=str)
+            for d in differences(have.get(k), want.get(k), f"{name}.{k}" if name else str(k))]
+
+
 @dataclass(eq=False)
 class StreamState:
     """One stream's state (module doc)."""
@@ -64,10 +73,9 @@ class StreamState:
             s.synchronize()
 
     def check_fits(self, want: dict) -> None:
-        """ValueError naming every field where this state's model differs from ``want``
-        (a runner's `ChunkRunner.describe`)."""
-        diff = [f"{k}: the state has {self.model.get(k)}, the runner {want[k]}"
-                for k in sorted(set(want) | set(self.model)) if self.model.get(k) != want.get(k)]
+        """ValueError naming every field, nested ones by dotted name, where this state's
+        model differs from ``want`` (a runner's `ChunkRunner.describe`)."""
+        diff = differences(self.model, want)
         if diff:
             raise ValueError("stream state does not fit this runner: " + "; ".join(diff))
 

@@ -121,7 +121,7 @@ def test_sessions_survive_a_restart_and_go_on_bit_for_bit(tmp_path, caplog):
                f"{state / 'corrupt.session'}: header length" in caplog.text
         assert f"session file left as it is, not opened: {state / foreign}.session: the " \
                "session does not fit this scheduler's runner: pool.geometry.window_tokens: " \
-               "the file has 64, the runner 48" in caplog.text
+               "the state has 64, the runner 48" in caplog.text
         got = {}
         with ws_client.connect(url(port, ids["live"]), max_size=None) as ws:
             got["live"], _ = read(ws, 3)
