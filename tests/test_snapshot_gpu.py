@@ -29,7 +29,10 @@ def test_an_export_is_fenced_against_later_writes(then):
     src.open(g)
     history: dict[int, int] = {}
     roll(src, g, commits=9, seed=2, history=history)
-    want = (src.k_pool[:, [src.slot_of(p) for p in range(5)]].cpu(),)
+    from framekv.engine.cache.snapshot import kept_positions
+
+    slots = [src.slot_of(p) for p in kept_positions(g, src.committed_tokens)]
+    want = src.k_pool[:, slots].cpu(), src.v_pool[:, slots].cpu()
     # A long queue of device work ahead of the export, so its copy is still pending
     # when the host queues the writes below.
     big = torch.randn(4096, 4096, device="cuda")
@@ -42,7 +45,8 @@ def test_an_export_is_fenced_against_later_writes(then):
         roll(src, g, commits=2, seed=5, history=dict(history))
     else:
         src.import_sequence(0, _cache_snapshot_at_zero(g))
-    assert torch.equal(snap.k[:, :5], want[0]), "the export read pages written after it"
+    assert torch.equal(snap.k, want[0]) and torch.equal(snap.v, want[1]), (
+        "the export read pages written after it")
     dst = _cache(g, 16, sequences=2)
     dst.open(g)
     dst.import_sequence(1, snap)
