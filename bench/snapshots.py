@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--seconds", type=float, default=30.0, help="swap: seconds measured")
+    p.add_argument("--warmup", type=float, default=10.0, help="swap: seconds before measuring")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     require_cuda("framekv.bench.snapshots")
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                            for pr, w in TRANSFER_PRESETS]
         write_result(args.json_path, snapshots=res)
     if "swap" in sections:
-        res["swap"] = measure_swap(seconds=args.seconds, progress=progress)
+        res["swap"] = measure_swap(seconds=args.seconds, warmup=args.warmup, progress=progress)
     print(format_snapshots(res))
     write_result(args.json_path, snapshots=res)
     return 0
