@@ -250,7 +250,8 @@ class WanParts:
     """``--model wan-diffusers``: the transformer, its text encoder and VAE (None:
     latents only) and the rollout's sizes (`framekv.engine.wan.preset_sizes`). Called
     ``(sequences=N, batch_sizes=...)`` it builds the scheduler's runner (a `WanRollout`
-    that encodes text); `decoder` is the scheduler's ``decoder_factory``."""
+    that encodes text); `decoder` is the scheduler's ``decoder_factory``. ``backend``:
+    the rollout's attention backend (default: the device's, `default_backend`)."""
 
     model: object
     text_encoder: object
@@ -258,12 +259,13 @@ class WanParts:
     sizes: dict
     cache_dir: str | None = None
     use_graphs: bool = True
+    backend: str | None = None
 
     def __call__(self, *, sequences: int, batch_sizes):
         from framekv.engine import WanRollout
 
         return WanRollout(self.model, cache_dir=self.cache_dir, use_graphs=self.use_graphs,
-                          sequences=sequences, batch_sizes=batch_sizes,
+                          sequences=sequences, batch_sizes=batch_sizes, backend=self.backend,
                           text_encoder=self.text_encoder, **self.sizes)
 
     def decoder(self, slots: int):
