@@ -25,6 +25,8 @@ import abc
 
 import torch
 
+from ..cache import quant
+
 _QUERY_CHUNK = 256  # query rows per fp32 score tile: bounds the reference's memory
 
 
@@ -68,6 +70,12 @@ class AttentionPlan(abc.ABC):
 
     def refresh(self) -> None:
         """What a backend derives from the selected per-block tensors (device work)."""
+
+    def stage_outputs(self, layer: int) -> dict:
+        """Extra outputs of the fused staging of ``layer`` for this plan (keyword
+        arguments of `framekv.ops.qk_norm_rope_stage_`, e.g. a quantized Q for an fp8
+        kernel); none by default."""
+        return {}
 
     @abc.abstractmethod
     def run(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
@@ -125,8 +133,8 @@ def attend_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 class ReferencePlan(AttentionPlan):
-    """The reference backend's plan: nothing to prepare; each block's row gathered and
-    attended in fp32."""
+    """The reference backend's plan: nothing to prepare; each block's row gathered
+    (an fp8 pool's dequantized) and attended in fp32."""
 
     def run(self, q, layer, out):
         cache, b = self.cache, self.block_size
@@ -141,6 +149,8 @@ class ReferencePlan(AttentionPlan):
             slots = (bt.rows[j].to(torch.int64)[:, None] * tpp + offsets).reshape(-1)  # [RP*tpp]
             mask = torch.arange(slots.numel(), device=q.device) < bt.seq_len_kv[j]
             k, v = cache.k_pool[layer][slots], cache.v_pool[layer][slots]  # [RP*tpp, H_kv, D]
+            if cache.quantized:  # fp8: the values the pool stands for
+                k, v = (quant.dequantize(x, cache.kv_scales[layer, c]) for c, x in enumerate((k, v)))
             rows = slice(j * b, (j + 1) * b)
             out[rows] = attend_fp32(q[rows], k, v, self.scale, mask).to(out.dtype)
 

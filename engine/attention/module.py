@@ -122,7 +122,8 @@ class CachedAttention(torch.nn.Module):
         plan = self._plan(plan, kv_cache, T, b, q.shape[0], sequences)
         B, S, H, D = q.shape
         # Inference only: the cache never records autograd history, nor does the output.
-        stage = None if prologue is None else functools.partial(prologue, packed, tokens=T)
+        stage = None if prologue is None else functools.partial(
+            prologue, packed, tokens=T, **plan.stage_outputs(self.layer_idx))
         with torch.no_grad():
             kv_cache.write_staged(self.layer_idx, k[:, :T], v[:, :T], b, selection=plan.selected,
                                   stage=stage)
@@ -204,7 +205,7 @@ class CachedAttention(torch.nn.Module):
         if (cache.num_kv_heads, cache.head_dim) != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"kv_cache holds {cache.num_kv_heads} K/V heads of {cache.head_dim}, "
                              f"the module {self.num_kv_heads} of {self.head_dim}")
-        if cache.dtype != q.dtype:
+        if cache.dtype != q.dtype and not cache.quantized:  # an fp8 pool takes any float q
             raise ValueError(f"kv_cache dtype {cache.dtype} differs from q's {q.dtype}")
         self.backend.check_cache(cache)
         return seq_len, b

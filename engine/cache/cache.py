@@ -56,13 +56,16 @@ from framekv import ops
 from framekv.specs import Geometry
 
 from ..arena import DEVICE_CHUNK_BYTES, carved_bytes, make_arena, round_up
+from . import quant
 from .plan import LayoutPlan
 from .plan import ring_base_for
 from .sequences import PoolState, Selection, batch_bytes_specs, check_rows, flat_rows
 from .snapshot import SequenceSnapshot, describe_pool, gather, kept_positions, scatter
 from .state import BlockTensors, GeometryState, nbytes, state_specs
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, quant.FP8)
+#: What a forward's K and V may be over an fp8 pool (quantized as they are written).
+_FP8_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 #: Address space reserved beyond the pool for per-geometry state. Reserving costs no
 #: memory; only what a geometry carves is mapped.
 _STATE_RESERVE_BYTES = 4 << 30
@@ -73,7 +76,10 @@ class CausalKVCache:
 
     Args (keyword-only):
         num_layers, num_kv_heads, head_dim: K/V shape per token and layer.
-        dtype: torch.bfloat16 / torch.float16 (any device) or torch.float32 (CPU only).
+        dtype: the pool's dtype: torch.bfloat16 / torch.float16 (any device),
+            torch.float32 (CPU only) or torch.float8_e4m3fn (any device: fp8 K/V,
+            ``quant.py``; the K/V written stay bf16, fp16 or fp32 and are quantized
+            with the per layer, K/V and head ``kv_scales`` as they are written).
         tokens_per_page: a power of two.
         pool_tokens: slots of the pool; ``pool_tokens_for(geometry, tokens_per_page,
             num_sequences=N)`` gives what a geometry needs (every private page included).
@@ -97,10 +103,22 @@ class CausalKVCache:
         _check_dtype(dtype, self.device)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.tokens_per_page = dtype, tokens_per_page
+        self.quantized = quant.is_fp8(dtype)
         self.num_pages = -(-pool_tokens // tokens_per_page)
         shape = (num_layers, 2, self.num_pages, tokens_per_page, num_kv_heads, head_dim)
         self._arena = make_arena(self.device, nbytes(shape, dtype) + _STATE_RESERVE_BYTES)
         self._pool = self._arena.empty(shape, dtype, name="kv_pool")
+        # fp8: scales and statistics at fixed addresses (graphs read them at replay).
+        self.kv_scales = self.kv_amax = self.kv_saturated = None
+        self._scales_host = None   # kv_scales as host lists: describe() never syncs
+        if self.quantized:
+            self.kv_scales = self._arena.empty((num_layers, 2, num_kv_heads), torch.float32,
+                                               name="kv_scales").fill_(1.0)
+            self.kv_amax = self._arena.zeros((num_layers, 2, num_kv_heads), torch.float32,
+                                             name="kv_amax")
+            self.kv_saturated = self._arena.zeros((num_layers, 2), torch.int64,
+                                                  name="kv_saturated")
+            self._scales_host = self.kv_scales.tolist()
         slots = self.num_pages * tokens_per_page
         # [L, slots, H_kv, D] views: a slot id addresses the same token in every layer.
         self.k_pool = self._pool[:, 0].view(num_layers, slots, num_kv_heads, head_dim)
@@ -127,9 +145,9 @@ class CausalKVCache:
         """Device bytes a cache sized for ``geometry`` and ``num_sequences`` maps once
         it is opened.
 
-        The pool, every sequence's state tensors, the batch buffers and arena
-        alignment, rounded up to the 2 MiB mapping chunk: exactly what the driver
-        hands out.
+        The pool (one byte a value for fp8), an fp8 pool's scales and statistics,
+        every sequence's state tensors, the batch buffers and arena alignment, rounded
+        up to the 2 MiB mapping chunk: exactly what the driver hands out.
         """
         _check_geometry(geometry)
         _check_sizes(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -138,7 +156,8 @@ class CausalKVCache:
         N = num_sequences
         plan = LayoutPlan.for_geometry(geometry, tokens_per_page)
         shape = (num_layers, 2, N * plan.total_pages, tokens_per_page, num_kv_heads, head_dim)
-        sizes = [nbytes(shape, dtype)] + [nbytes((N, *s), d) for _, s, d in state_specs(plan)]
+        sizes = [nbytes(shape, dtype)] + _stats_sizes(num_layers, num_kv_heads, dtype)
+        sizes += [nbytes((N, *s), d) for _, s, d in state_specs(plan)]
         sizes += [nbytes(s, d) for s, d in batch_bytes_specs(plan, N)]
         return round_up(carved_bytes(sizes), DEVICE_CHUNK_BYTES)
 
@@ -237,6 +256,81 @@ class CausalKVCache:
         if self._arena.closed:
             raise RuntimeError("this CausalKVCache was shut down: its memory is freed; "
                                "build a new one")
+
+    # ------------------------------------------------------------------ fp8 scales
+    def set_kv_scales(self, scales) -> None:
+        """Set an fp8 pool's scales (``quant.py``): a positive finite number, or fp32
+        values broadcastable to [L, 2, H_kv] (K at [:, 0], V at [:, 1]). Written in
+        place (captured graphs read the new values). Only while no sequence holds K/V
+        (closed, or every sequence at position 0 with nothing staged): the stored bytes
+        mean nothing under other scales. ValueError otherwise, nothing changed."""
+        self._check_scalable("set_kv_scales")
+        want = (self.num_layers, 2, self.num_kv_heads)
+        try:
+            new = torch.as_tensor(scales, dtype=torch.float32).to(self.device).expand(want)
+        except (RuntimeError, TypeError, ValueError):
+            got = list(scales.shape) if isinstance(scales, torch.Tensor) else repr(scales)
+            raise ValueError(f"scales must be a number or values broadcastable to "
+                             f"{list(want)} (layers, K/V, heads), got {got}") from None
+        if not bool(torch.isfinite(new).all()) or not bool((new > 0).all()):
+            raise ValueError("scales must be positive and finite, got "
+                             f"min {float(new.min())}, max {float(new.max())}")
+        self.kv_scales.copy_(new)
+        self._scales_host = self.kv_scales.tolist()
+
+    def calibrate_kv_scales(self, margin: float = 2.0) -> None:
+        """Scales from what the pool has seen since the statistics were last reset:
+        each head's amax * ``margin`` maps to 448 (a head never written keeps its
+        scale). Same conditions as `set_kv_scales`; then the statistics restart."""
+        self._check_scalable("calibrate_kv_scales")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
+            raise ValueError(f"margin must be a number >= 1, got {margin!r}")
+        self.kv_scales.copy_(quant.scales_from_amax(self.kv_amax, self.kv_scales, margin))
+        self._scales_host = self.kv_scales.tolist()
+        self.reset_kv_stats()
+
+    def kv_stats(self) -> dict | None:
+        """An fp8 pool's statistics on the host (synchronises): ``saturated`` [L][2]
+        counts of saturated values (K, V), ``amax`` and ``scales`` [L][2][H_kv];
+        None for a pool that is not fp8."""
+        if not self.quantized:
+            return None
+        return {"dtype": str(self.dtype).removeprefix("torch."),
+                "saturated": self.kv_saturated.tolist(), "amax": self.kv_amax.tolist(),
+                "scales": self.kv_scales.tolist()}
+
+    def reset_kv_stats(self) -> None:
+        """Zero an fp8 pool's amax and saturation counts (no-op otherwise)."""
+        if self.quantized:
+            self.kv_amax.zero_()
+            self.kv_saturated.zero_()
+
+    def _check_scalable(self, what: str) -> None:
+        self._check_alive()
+        if not self.quantized:
+            raise ValueError(f"{what} needs an fp8 pool (dtype torch.float8_e4m3fn), this "
+                             f"one is {self.dtype}")
+        held = [i for i, st in enumerate(self._open.seqs) if st.host.committed or st.host.staged
+                ] if self._open is not None else []
+        if held:
+            raise ValueError(f"{what} while sequences {held} hold K/V: their bytes were "
+                             "quantized with the current scales; reset them first")
+
+    def _stage_extra(self, layer: int) -> dict:
+        """What the fused staging needs beyond the slots: an fp8 pool's layer scales
+        and statistics (`framekv.ops.qk_norm_rope_stage_`'s kv_scale, kv_amax,
+        saturated)."""
+        if not self.quantized:
+            return {}
+        return {"kv_scale": self.kv_scales[layer], "kv_amax": self.kv_amax[layer],
+                "saturated": self.kv_saturated[layer]}
+
+    def _quantize(self, layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
+        """Rows [E, H_kv, D] as the pool stores them (fp8: quantized, statistics kept)."""
+        if not self.quantized:
+            return x
+        return quant.quantize(x, self.kv_scales[layer, kind], self.kv_amax[layer, kind],
+                              self.kv_saturated[layer, kind])
 
     # ------------------------------------------------------------------ accessors
     def block_tensors(self, causal_block_size: int, sequence: int = 0) -> BlockTensors:
@@ -337,9 +431,10 @@ class CausalKVCache:
     # ------------------------------------------------------------------ snapshots
     def describe(self) -> dict:
         """What a `SequenceSnapshot` must match to be imported here (geometry, K/V
-        shape, dtype), JSON-able."""
+        shape, dtype, an fp8 pool's scales), JSON-able."""
         return describe_pool(self._require_open().plan.geometry, self.num_layers,
-                             self.num_kv_heads, self.head_dim, self.dtype)
+                             self.num_kv_heads, self.head_dim, self.dtype,
+                             self._scales_host)
 
     def export_sequence(self, i: int) -> SequenceSnapshot:
         """Sequence ``i`` (between chunks: nothing staged) as a `SequenceSnapshot`: C
@@ -361,7 +456,8 @@ class CausalKVCache:
         if done is not None:
             self._exports[i] = done
         return SequenceSnapshot(state.plan.geometry, self.num_layers, self.num_kv_heads,
-                                self.head_dim, self.dtype, C, k, v, done)
+                                self.head_dim, self.dtype, C, k, v, done,
+                                self._scales_host)
 
     def import_sequence(self, i: int, snap: SequenceSnapshot) -> None:
         """Sequence ``i`` becomes ``snap``: at its C, its visible K/V written (private
@@ -438,7 +534,9 @@ class CausalKVCache:
             stage: None, or a callable ``stage(k_pool=, v_pool=, dst=, dst2=,
                 src_rows=)`` that writes the K/V itself (a fused kernel computing them
                 on the way, `framekv.ops.qk_norm_rope_stage_`) with the slot lists the
-                scatter would use over the [B * T] rows; k and v are then only checked.
+                scatter would use over the [B * T] rows, and for an fp8 pool the
+                layer's ``kv_scale=``, ``kv_amax=``, ``saturated=``; k and v are then
+                only checked. Without one, an fp8 pool's K/V are quantized here.
         """
         pool = self._require_open()
         self._check_layer(layer)
@@ -458,10 +556,12 @@ class CausalKVCache:
             if stage is not None:
                 bt = selection.blocks
                 stage(k_pool=self.k_pool[layer], v_pool=self.v_pool[layer],
-                      dst=bt.staged_dst, dst2=bt.staged_dst2, src_rows=bt.staged_src)
+                      dst=bt.staged_dst, dst2=bt.staged_dst2, src_rows=bt.staged_src,
+                      **self._stage_extra(layer))
             else:
-                self._scatter(layer, causal_block_size, B, selection)(flat_rows(k.detach()),
-                                                                     flat_rows(v.detach()))
+                rows = [self._quantize(layer, c, flat_rows(x.detach()))
+                        for c, x in enumerate((k, v))]                 # [B * T, H_kv, D]
+                self._scatter(layer, causal_block_size, B, selection)(*rows)
         for i in selection.rows:
             pool.seqs[i].host.note_staged(T, layer)
 
@@ -560,9 +660,10 @@ class CausalKVCache:
         self._fence([sequence])
         src_rows, dst = state.host.edit_targets(start, T)
         rows, slots = (torch.from_numpy(a).to(self.device) for a in (src_rows, dst))
-        with self._restoring(layer, slots):
-            ops.scatter_kv_slots_(self.k_pool[layer], self.v_pool[layer], k.detach(),
-                                  v.detach(), slots, None, rows)
+        with self._restoring(layer, slots), torch.no_grad():
+            kq, vq = (self._quantize(layer, c, x.detach()) for c, x in enumerate((k, v)))
+            ops.scatter_kv_slots_(self.k_pool[layer], self.v_pool[layer], kq, vq, slots,
+                                  None, rows)
 
     def zero_values(self, layer: int, start: int, n: int, *, sequence: int = 0) -> None:
         """Zero V (not K) of resident positions [start, start + n) of one layer of one
@@ -575,7 +676,7 @@ class CausalKVCache:
         _, dst = state.host.edit_targets(start, n)
         slots = torch.from_numpy(dst).to(self.device)
         with self._restoring(layer, slots):
-            self.v_pool[layer].index_fill_(0, slots, 0)
+            _bits(self.v_pool[layer]).index_fill_(0, slots, 0)   # 0 is zero in every format
 
     @contextlib.contextmanager
     def keeping(self, start: int, n: int, *, sequences):
@@ -599,6 +700,7 @@ class CausalKVCache:
         dim = 1 if layer is None else 0
         k, v = (self.k_pool, self.v_pool) if layer is None else (self.k_pool[layer],
                                                                  self.v_pool[layer])
+        k, v = _bits(k), _bits(v)
         with torch.no_grad():
             k_old, v_old = k.index_select(dim, slots), v.index_select(dim, slots)
             try:
@@ -622,13 +724,32 @@ class CausalKVCache:
             if t.dim() not in (3, 4) or tuple(t.shape[-2:]) != want or 0 in t.shape[:-2]:
                 raise ValueError(f"{name} must have shape [T >= 1, {want[0]}, {want[1]}] or "
                                  f"[B, T, {want[0]}, {want[1]}], got {list(t.shape)}")
-            if t.dtype != self.dtype:
+            if self.quantized and t.dtype not in _FP8_INPUTS:
+                raise ValueError(f"{name} must have dtype bfloat16, float16 or float32 (an "
+                                 f"fp8 pool quantizes them), got {t.dtype}")
+            if not self.quantized and t.dtype != self.dtype:
                 raise ValueError(f"{name} must have dtype {self.dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name} must be on {self.device}, got {t.device}")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+        if k.dtype != v.dtype:
+            raise ValueError(f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
         return int(k.shape[-3]), (int(k.shape[0]) if k.dim() == 4 else None)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (torch has no index_copy_ / index_fill_ for fp8),
+    any other as it is."""
+    return t.view(torch.uint8) if quant.is_fp8(t.dtype) else t
+
+
+def _stats_sizes(num_layers: int, num_kv_heads: int, dtype) -> list[int]:
+    """Bytes of an fp8 pool's scales, amax and saturation counts (none otherwise)."""
+    if not quant.is_fp8(dtype):
+        return []
+    heads = (num_layers, 2, num_kv_heads)
+    return [nbytes(heads, torch.float32)] * 2 + [nbytes((num_layers, 2), torch.int64)]
 
 
 def _check_sizes(**sizes) -> None:
@@ -638,10 +759,10 @@ def _check_sizes(**sizes) -> None:
 
 
 def _check_dtype(dtype, device: torch.device | None) -> None:
-    """bf16/fp16 anywhere, fp32 on the CPU (``device`` None: any device)."""
+    """bf16/fp16/fp8 anywhere, fp32 on the CPU (``device`` None: any device)."""
     cpu = device is None or device.type == "cpu"
     if dtype not in _DTYPES or (dtype == torch.float32 and not cpu):
-        allowed = "bfloat16, float16" + (", float32 (cpu)" if cpu else "")
+        allowed = "bfloat16, float16, float8_e4m3fn" + (", float32 (cpu)" if cpu else "")
         where = f" on {device.type}" if device is not None else ""
         raise ValueError(f"dtype must be one of {allowed}{where}, got {dtype}")
 

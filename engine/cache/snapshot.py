@@ -10,7 +10,8 @@ of the positions its next forward can see, in every layer::
 Nothing else is needed: where those positions sit in a pool (pages, ring rotation,
 private copies) is a function of C and the pool (`CausalKVCache.import_sequence` rebuilds
 it), so a snapshot fits any sequence of any pool of the same geometry, K/V shape and
-dtype; the page size may differ. Positions a later block can no longer see are not
+dtype (and for fp8, the same scales: its bytes mean nothing under others); the page
+size may differ. Positions a later block can no longer see are not
 kept.
 
 `gather` copies a sequence out asynchronously: on a CUDA device, on a side stream that
@@ -52,6 +53,7 @@ class SequenceSnapshot:
         committed: C, positions committed.
         k, v: [L, n, H_kv, D] host tensors of the positions `kept_positions` lists
             (read them once `synchronize` returned; the properties wait).
+        kv_scales: an fp8 pool's scales as nested lists [L][2][H_kv], else None.
     """
 
     geometry: Geometry
@@ -63,6 +65,7 @@ class SequenceSnapshot:
     _k: torch.Tensor = field(repr=False)
     _v: torch.Tensor = field(repr=False)
     _done: object = field(default=None, repr=False)   # a CUDA event until the copy ran
+    kv_scales: list | None = field(default=None, repr=False)
 
     @property
     def k(self) -> torch.Tensor:
@@ -97,7 +100,7 @@ class SequenceSnapshot:
     def describe(self) -> dict:
         """What a pool must match to take this snapshot (`describe_pool`)."""
         return describe_pool(self.geometry, self.num_layers, self.num_kv_heads,
-                             self.head_dim, self.dtype)
+                             self.head_dim, self.dtype, self.kv_scales)
 
     def check_fits(self, want: dict) -> None:
         """ValueError naming every field where this snapshot differs from ``want`` (a
@@ -141,7 +144,8 @@ class SequenceSnapshot:
             dtype = getattr(torch, header["dtype"])
             snap = cls(g, int(header["num_layers"]), int(header["num_kv_heads"]),
                        int(header["head_dim"]), dtype, int(header["committed"]),
-                       tensors[f"{prefix}k"], tensors[f"{prefix}v"])
+                       tensors[f"{prefix}k"], tensors[f"{prefix}v"],
+                       kv_scales=header.get("kv_scales"))
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"snapshot header is incomplete or wrong: {exc!r}") from None
         want = (snap.num_layers, len(snap.positions), snap.num_kv_heads, snap.head_dim)
@@ -153,14 +157,18 @@ class SequenceSnapshot:
 
 
 def describe_pool(geometry: Geometry, num_layers: int, num_kv_heads: int, head_dim: int,
-                  dtype: torch.dtype) -> dict:
-    """A pool's geometry, K/V shape and dtype, JSON-able: what a snapshot must match."""
+                  dtype: torch.dtype, kv_scales: list | None = None) -> dict:
+    """A pool's geometry, K/V shape and dtype (and an fp8 pool's scales), JSON-able:
+    what a snapshot must match."""
     g = geometry
-    return {"geometry": {"pin_tokens": g.pin_tokens, "window_tokens": g.window_tokens,
-                         "max_staged_tokens": g.max_staged_tokens,
-                         "causal_block_sizes": list(g.causal_block_sizes)},
-            "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-            "dtype": str(dtype).removeprefix("torch.")}
+    out = {"geometry": {"pin_tokens": g.pin_tokens, "window_tokens": g.window_tokens,
+                        "max_staged_tokens": g.max_staged_tokens,
+                        "causal_block_sizes": list(g.causal_block_sizes)},
+           "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+           "dtype": str(dtype).removeprefix("torch.")}
+    if kv_scales is not None:
+        out["kv_scales"] = kv_scales
+    return out
 
 
 def check_format(path, header: dict, fmt: str, version: int) -> None:
@@ -178,6 +186,9 @@ def gather(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
     n = slots.numel()
     if k_pool.device.type != "cuda":
         return k_pool.index_select(1, slots), v_pool.index_select(1, slots), None
+    if k_pool.dtype == torch.float8_e4m3fn:   # moved as bytes: fp8 has no index kernels
+        k, v, done = gather(k_pool.view(torch.uint8), v_pool.view(torch.uint8), slots)
+        return k.view(k_pool.dtype), v.view(k_pool.dtype), done
     k = torch.empty((L, n, H, D), dtype=k_pool.dtype, pin_memory=True)
     v = torch.empty_like(k, pin_memory=True)
     group = _group(k_pool, n)
@@ -201,6 +212,9 @@ def scatter(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
     """Write host rows k, v [L, n, H, D] into ``slots`` of every layer (stream order)."""
     L, n = k.shape[:2]
     group = _group(k_pool, n)
+    if k_pool.dtype == torch.float8_e4m3fn:   # moved as bytes: fp8 has no index_copy_
+        k_pool, v_pool = k_pool.view(torch.uint8), v_pool.view(torch.uint8)
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
     with torch.no_grad():
         for src, dst in ((k, k_pool), (v, v_pool)):
             for l0 in range(0, L, group):

@@ -27,7 +27,7 @@ __all__ = ["CorruptFile", "read_tensors", "write_tensors"]
 
 _CODES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
           torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8",
-          torch.int8: "I8", torch.bool: "BOOL"}
+          torch.int8: "I8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
 _DTYPES = {v: k for k, v in _CODES.items()}
 _MAX_HEADER = 64 << 20
 _BLOCK = 64 << 20          # bytes written, read and checksummed per call
