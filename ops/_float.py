@@ -21,11 +21,23 @@ divisor fixed at launch: ``floor((a + 1/2) * (1/d))`` in fp64 is exact there (th
 quotient is at least ``1/(2d)`` from an integer, far beyond the rounding), and it spares
 the dozens of instructions of a 64-bit integer division in a kernel's index math.
 
+fp8 e4m3 (``torch.float8_e4m3fn``, max finite 448) arrives as int8 bits. Stores to an
+int8 array (`store_f32`, `store_f32x4`) write ``e4m3_bits(value)``: the value clamped
+to [-448, 448] (so inf saturates), then rounded to nearest even, as torch's
+``x.clamp(-448, 448).to(torch.float8_e4m3fn)`` rounds; every NaN becomes 0x7F (torch
+keeps a NaN's sign, and a negative NaN's bits differ between CPU and GPU arithmetic,
+so one NaN byte keeps kernel and reference equal). On the GPU that is the hardware's
+``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+), which saturates exactly as the clamp does.
+`load_f32` and `round_f32` read e4m3 exactly. ``f32_bits(value)`` is a float32's bits
+as an int32: for values >= 0 the integer order is the float order, so an int32 atomic
+max on the bits keeps a float max (`cuda.atomic.max` on raw-bit arrays).
+
 Under numba's CUDA simulator the same names are numpy bit views.
 """
 from __future__ import annotations
 
 import functools
+import math
 import struct
 
 import numpy as np
@@ -34,10 +46,15 @@ import torch
 from ._launch import SIMULATOR
 
 __all__ = ["load_f32", "store_f32", "load_f32x4", "store_f32x4", "round_f32", "quotient",
-           "reciprocal_bits", "FLOAT_DTYPES", "check_float_dtype", "vector_aligned"]
+           "reciprocal_bits", "FLOAT_DTYPES", "check_float_dtype", "vector_aligned",
+           "FP8_DTYPE", "E4M3_MAX", "E4M3_NAN", "e4m3_bits", "f32_bits"]
 
 #: The tensor dtypes these accessors handle (as int16 and int32 bits).
 FLOAT_DTYPES = (torch.bfloat16, torch.float32)
+#: The fp8 format the stores write to int8 bits, its largest finite value, its NaN byte.
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+E4M3_NAN = 0x7F
 
 
 def check_float_dtype(name: str, t: torch.Tensor) -> None:
@@ -81,14 +98,38 @@ if SIMULATOR:
             store_f32(ary, _last(idx, k), values[k])
 
     def round_f32(ary, value):
-        """float32 ``value`` rounded to ary's format (bf16 or fp32 bits), as float32."""
+        """float32 ``value`` rounded to ary's format (bf16, fp32 or e4m3 bits), as float32."""
         tmp = np.zeros(1, dtype=ary.dtype)
         store_f32(tmp, (0,), value)
         return load_f32(tmp, (0,))
 
+    # e4m3 bytes 0 .. 255 as float32 (0x7F and 0xFF are NaN)
+    _E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(
+        torch.float8_e4m3fn).float().numpy()
+
+    def e4m3_bits(value):
+        """float32 ``value`` as e4m3fn bits (an int 0 .. 255): clamped to +-448, rounded
+        to nearest even, NaN -> 0x7F (module doc)."""
+        f = np.float32(value)
+        if np.isnan(f):
+            return E4M3_NAN
+        sign = 0x80 if np.signbit(f) else 0
+        a = min(abs(float(f)), E4M3_MAX)  # float64: the scalings below are exact
+        if a < 2.0 ** -6:  # subnormal: steps of 2^-9, 8 steps reach the smallest normal
+            return sign | round(a * 512.0)
+        e = math.frexp(a)[1] - 1  # a = 1.m * 2^e, 3 mantissa bits: steps of 2^(e-3)
+        # round() is to nearest even; 16 steps carry into the next exponent
+        return sign | (((e + 7) << 3) + round(a * 2.0 ** (3 - e)) - 8)
+
+    def f32_bits(value):
+        """float32 ``value``'s bits as an int32."""
+        return np.float32(value).view(np.int32)
+
     def load_f32(ary, idx):
-        """``ary[idx]`` (bf16 or fp32 bits) as float32."""
+        """``ary[idx]`` (bf16, fp32 or e4m3 bits) as float32."""
         bits = ary[idx]
+        if bits.dtype == np.int8:
+            return _E4M3_VALUES[int(bits) & 0xFF]
         if bits.dtype == np.int16:
             return (np.array([bits]).view(np.uint16).astype(np.uint32) << 16).view(np.float32)[0]
         return np.array([bits]).view(np.float32)[0]
@@ -96,7 +137,9 @@ if SIMULATOR:
     def store_f32(ary, idx, value):
         """Store float32 ``value`` to ``ary[idx]``, rounded to the array's format."""
         f = np.array([value], dtype=np.float32)
-        if ary[idx].dtype == np.int16:
+        if ary[idx].dtype == np.int8:
+            ary[idx] = np.uint8(e4m3_bits(f[0])).view(np.int8)
+        elif ary[idx].dtype == np.int16:
             b = f.view(np.uint32).astype(np.uint64)
             h = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
             if np.isnan(f[0]):
@@ -111,7 +154,7 @@ else:
     from numba.cuda import cgutils, libdevice
     from numba.cuda.extending import intrinsic
 
-    _I16, _I32, _F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+    _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
     def _pointer(context, builder, aryty, ary, idxty, idx, unit_last=False):
         """Pointer to ary[idx]; ``unit_last``: the last dimension steps by the element
@@ -137,8 +180,10 @@ else:
         return int64((float64(a) + 0.5) * libdevice.longlong_as_double(inv_bits))
 
     def _check_bits(ary):
-        if not isinstance(ary, types.Array) or ary.dtype not in (types.int16, types.int32):
-            raise TypeError(f"float access needs int16 (bf16) or int32 (fp32) bits, got {ary}")
+        if not isinstance(ary, types.Array) or ary.dtype not in (types.int8, types.int16,
+                                                                 types.int32):
+            raise TypeError(f"float access needs int8 (e4m3), int16 (bf16) or int32 (fp32) "
+                            f"bits, got {ary}")
 
     def _check(ary, idx):
         _check_bits(ary)
@@ -161,28 +206,91 @@ else:
         nan = builder.fcmp_unordered("uno", value, value)
         return builder.select(nan, ir.Constant(_I16, 0x7FC0), rounded)
 
+    def e4m3x2_ir(builder, lo, hi):
+        """LLVM IR: two floats as e4m3 bits in an i16, ``lo`` in the low byte (the lower
+        address), clamped to +-448 and rounded to nearest even by the hardware's
+        ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+; its first source goes to the upper
+        byte); a NaN becomes 0x7F."""
+        cvt = ir.InlineAsm(ir.FunctionType(_I16, [_F32, _F32]),
+                           "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f")
+        pair = builder.call(cvt, [hi, lo])
+        for k, v in enumerate((lo, hi)):  # NaN's sign is not the hardware's to keep
+            nan = builder.fcmp_unordered("uno", v, v)
+            keep = ir.Constant(_I16, 0xFF00 if k == 0 else 0x00FF)
+            canon = builder.or_(builder.and_(pair, keep), ir.Constant(_I16, E4M3_NAN << (8 * k)))
+            pair = builder.select(nan, canon, pair)
+        return pair
+
+    def e4m3_to_f32_ir(builder, byte):
+        """LLVM IR: an i8 of e4m3 bits as a float (exact: through the hardware's
+        ``cvt.rn.f16x2.e4m3x2``, sm_89+, and an exact widening of the half)."""
+        cvt = ir.InlineAsm(ir.FunctionType(_I32, [_I16]), "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
+        halves = builder.call(cvt, [builder.zext(byte, _I16)])
+        half = builder.bitcast(builder.trunc(halves, _I16), ir.HalfType())
+        return builder.fpext(half, _F32)
+
+    def _store_ir(builder, aryty, ptr, value):
+        """Store a float to ``ptr``, rounded to the format of ``aryty``'s bits."""
+        if aryty.dtype == types.int8:
+            builder.store(builder.trunc(e4m3x2_ir(builder, value, ir.Constant(_F32, 0.0)),
+                                        _I8), ptr)
+        elif aryty.dtype == types.int16:
+            builder.store(f32_to_bf16_ir(builder, value), ptr)
+        else:
+            builder.store(builder.bitcast(value, _I32), ptr)
+
+    def _load_ir(builder, aryty, bits):
+        """The float of raw ``bits`` loaded from an array of ``aryty``."""
+        if aryty.dtype == types.int8:
+            return e4m3_to_f32_ir(builder, bits)
+        if aryty.dtype == types.int16:
+            return bf16_to_f32_ir(builder, bits)
+        return builder.bitcast(bits, _F32)
+
+    @intrinsic
+    def e4m3_bits(typingctx, value):
+        """float32 ``value`` as e4m3fn bits (an int32 0 .. 255; module doc)."""
+        if not isinstance(value, types.Float):
+            raise TypeError(f"e4m3_bits needs a float, got {value}")
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            pair = e4m3x2_ir(builder, v, ir.Constant(_F32, 0.0))
+            return builder.zext(builder.trunc(pair, _I8), _I32)
+
+        return types.int32(value), codegen
+
+    @intrinsic
+    def f32_bits(typingctx, value):
+        """float32 ``value``'s bits as an int32."""
+        if not isinstance(value, types.Float):
+            raise TypeError(f"f32_bits needs a float, got {value}")
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            return builder.bitcast(v, _I32)
+
+        return types.int32(value), codegen
+
     @intrinsic
     def load_f32(typingctx, ary, idx):
-        """``ary[idx]`` (bf16 or fp32 bits) as float32."""
+        """``ary[idx]`` (bf16, fp32 or e4m3 bits) as float32."""
         _check(ary, idx)
 
         def codegen(context, builder, sig, args):
             ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            bits = builder.load(ptr)
-            if sig.args[0].dtype == types.int16:
-                return bf16_to_f32_ir(builder, bits)
-            return builder.bitcast(bits, _F32)
+            return _load_ir(builder, sig.args[0], builder.load(ptr))
 
         return types.float32(ary, idx), codegen
 
     _F32X4 = types.UniTuple(types.float32, 4)
 
     def _vector_pointer(context, builder, sig, args):
-        """Pointer to ary[idx] as a <4 x i16> / <4 x i32> vector, and its alignment (the
-        last dimension steps by the element size: `vector_aligned`)."""
+        """Pointer to ary[idx] as a <4 x i8> / <4 x i16> / <4 x i32> vector, and its
+        alignment (the last dimension steps by the element size: `vector_aligned`)."""
         ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1],
                        unit_last=True)
-        bits = _I16 if sig.args[0].dtype == types.int16 else _I32
+        bits = ir.IntType(sig.args[0].dtype.bitwidth)
         vec = ir.VectorType(bits, 4)
         return builder.bitcast(ptr, vec.as_pointer()), 4 * (bits.width // 8), bits
 
@@ -192,13 +300,11 @@ else:
         _check(ary, idx)
 
         def codegen(context, builder, sig, args):
-            ptr, align, bits = _vector_pointer(context, builder, sig, args)
+            ptr, align, _ = _vector_pointer(context, builder, sig, args)
             word = builder.load(ptr, align=align)
-            out = []
-            for k in range(4):
-                lane = builder.extract_element(word, ir.Constant(_I32, k))
-                out.append(bf16_to_f32_ir(builder, lane) if bits is _I16
-                           else builder.bitcast(lane, _F32))
+            out = [_load_ir(builder, sig.args[0],
+                            builder.extract_element(word, ir.Constant(_I32, k)))
+                   for k in range(4)]
             return context.make_tuple(builder, _F32X4, out)
 
         return _F32X4(ary, idx), codegen
@@ -212,10 +318,16 @@ else:
 
         def codegen(context, builder, sig, args):
             ptr, align, bits = _vector_pointer(context, builder, sig, args[:2])
-            vals = cgutils.unpack_tuple(builder, args[2], 4)
+            vals = [context.cast(builder, v, ty, types.float32) for v, ty in
+                    zip(cgutils.unpack_tuple(builder, args[2], 4), sig.args[2])]
+            if bits.width == 8:  # two converted pairs, as one 4-byte word
+                lo, hi = (builder.zext(e4m3x2_ir(builder, vals[k], vals[k + 1]), _I32)
+                          for k in (0, 2))
+                word = builder.or_(lo, builder.shl(hi, ir.Constant(_I32, 16)))
+                builder.store(word, builder.bitcast(ptr, _I32.as_pointer()), align=align)
+                return
             word = ir.Constant(ir.VectorType(bits, 4), None)
-            for k, (v, ty) in enumerate(zip(vals, sig.args[2])):
-                v = context.cast(builder, v, ty, types.float32)
+            for k, v in enumerate(vals):
                 lane = f32_to_bf16_ir(builder, v) if bits is _I16 else builder.bitcast(v, _I32)
                 word = builder.insert_element(word, lane, ir.Constant(_I32, k))
             builder.store(word, ptr, align=align)
@@ -229,6 +341,9 @@ else:
 
         def codegen(context, builder, sig, args):
             v = context.cast(builder, args[1], sig.args[1], types.float32)
+            if sig.args[0].dtype == types.int8:
+                pair = e4m3x2_ir(builder, v, ir.Constant(_F32, 0.0))
+                return e4m3_to_f32_ir(builder, builder.trunc(pair, _I8))
             if sig.args[0].dtype == types.int16:
                 return bf16_to_f32_ir(builder, f32_to_bf16_ir(builder, v))
             return v
@@ -243,7 +358,6 @@ else:
         def codegen(context, builder, sig, args):
             ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             v = context.cast(builder, args[2], sig.args[2], types.float32)
-            bits = f32_to_bf16_ir(builder, v) if sig.args[0].dtype == types.int16 else builder.bitcast(v, _I32)
-            builder.store(bits, ptr)
+            _store_ir(builder, sig.args[0], ptr, v)
 
         return types.void(ary, idx, value), codegen

@@ -1,5 +1,6 @@
 """``qk_norm_rope_stage_``: QK RMSNorm and 3-axis rope of a packed QKV tensor, in place,
-optionally staging normed K and raw V into pool slots, in one kernel.
+optionally staging normed K and raw V into pool slots (fp8 e4m3 ones quantized, with
+statistics) and writing an fp8 copy of Q, in one kernel.
 
 Contract. ``qkv`` is ``[B, S, H + 2*H_kv, D]`` (q heads, k heads, v heads), bf16 or
 fp32, D even and contiguous, other strides free. Each q and k vector is RMS-normed,
@@ -30,6 +31,22 @@ NOT written: attention reads K from the pool, and leaving packed K raw lets the 
 of one launch recompute norm and rope from it while no block of the launch writes it.
 Without pools, Q and K are normed and rotated in place; V is never touched.
 
+fp8 (``torch.float8_e4m3fn`` pools; ``kv_scale`` fp32 [2, H_kv], K scales in row 0, V in
+row 1, given iff the pools are fp8, with ``kv_amax`` fp32 [2, H_kv] and ``saturated``
+int64 [2]): each value is stored as ``e4m3(clamp(x * (1 / s), -448, 448))`` with s its
+head's scale, ``1 / s`` the fp32 reciprocal of the fp32 scale (torch's
+``torch.reciprocal``), rounded to nearest even; ``x`` is fp32: K's normed, rotated value
+before any rounding to qkv's dtype, V's raw value widened exactly. inf saturates to
++-448; every NaN becomes the byte 0x7F. The statistics count per staged entry (row in
+range, a slot >= 0): an entry with two slots counts once, two entries of one row twice;
+``saturated[kv]`` grows by the values with ``|x * (1 / s)| > 448`` (inf counts, NaN does
+not), ``kv_amax[kv, h]`` rises to the entries' max ``|x|`` (NaN ignored; kv_amax holds
+values >= 0). Both are sums and maxima, so any order gives the same bits (graph replays
+too). With ``q_out`` (fp8 [B, T, H, D], D contiguous; with ``q_scale`` fp32 [H] and
+``q_saturated`` int64 [1]), Q of the T real tokens is also quantized the same way, from
+its fp32 value, and its saturated values counted (padding rows are not); Q in qkv is
+written as without it.
+
 Kernel: one launch, one CTA per work item (no grid-stride loop: around one the compiler
 keeps every hoisted address live, and registers bound the CTAs per SM): items [0, B*S)
 are the Q rows of the tokens, the next ones the K rows (tokens in place, or pool
@@ -46,7 +63,17 @@ publishes the tables; no atomics, so bit-identical results on every run, graph r
 included), then scales, weighs, rotates and stores from registers: every byte of qkv is
 read once. An entry's CTA first copies its raw V heads (their stores drain while K is
 normed; a CTA of their own cost more in index and entry work than the copy). Floats move
-through `_float`'s accessors on raw bits.
+through `_float`'s accessors on raw bits; e4m3 stores are the hardware's saturating
+conversion (sm_89+).
+
+fp8 statistics stay off the memory system: a thread quantizes its 8 values in
+registers and keeps their max |x| and saturated count; the lanes of a head combine
+them with warp shuffles (`_stat_lanes`: a head's lanes, a warp of a wide head, or each
+lane alone where a head's lanes are no power of two), and one lane publishes: an
+atomic max on the fp32 bits as int32 (values >= 0 order as their bits), only when its
+max exceeds the value it reads (so once the running max settles, calls issue almost
+none), and an atomic add only when it counted something. Lanes past the heads stay in
+for the shuffles, with zeros.
 
 The kernel is bound by the instructions it issues, not by memory (its profile is in
 docs/benchmarks.md). So heads are 1-D views taken with unsigned indices (no per-access
@@ -54,14 +81,14 @@ stride products, no wraparound code), a thread's head and the rope grid's divisi
 are 32-bit, sin and cos share one fp64 range reduction, and bf16 rounds in one
 hardware instruction (`_float`). And the kernel is compiled once per configuration
 (`_kernel`: head counts, D, norm and rope style, the rope grid, which lists are
-present, vector access), those values constants: the branches of the absent features
-fold away and the divisions by D and by the grid become multiplies. A model has one
+present, vector access, fp8 pools, q_out), those values constants: the branches of the
+absent features fold away and the divisions by D and by the grid become multiplies. A model has one
 configuration, so it costs one compile. What a call costs beyond a copy of its bytes
 is the index and table work of one token per CTA.
 
 One file: one op, as every op of this package is (kernel, torch reference, validating
-wrapper, custom op); its length is the kernel's five device functions and the checks
-of thirteen arguments, the rope grid's six fields among them.
+wrapper, custom op); its length is the kernel's device functions and the checks of
+nineteen arguments, the rope grid's six fields among them.
 """
 from __future__ import annotations
 
@@ -73,10 +100,10 @@ from typing import Optional
 
 import numpy as np
 import torch
-from numba import cuda, float32, float64, int64, uint32, uint64
+from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
-from ._float import (FLOAT_DTYPES, load_f32, load_f32x4, quotient, reciprocal_bits, store_f32,
-                     store_f32x4, vector_aligned)
+from ._float import (E4M3_MAX, FLOAT_DTYPES, FP8_DTYPE, f32_bits, load_f32, load_f32x4, quotient,
+                     reciprocal_bits, store_f32, store_f32x4, vector_aligned)
 from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, threads_holding,
                       use_kernel)
 from ._reduce import WARP, segment_total, warps_total
@@ -84,13 +111,16 @@ from ._validate import check_last_dim_contiguous, check_no_overlap, check_tensor
 from .advance_commit import check_int
 from .scatter_kv_slots import _check_pools, _check_slots, scatter_kv_slots_reference
 
-__all__ = ["RopeGrid", "MAX_HEAD_VALUES", "qk_norm_rope_stage_", "qk_norm_rope_stage_reference"]
+__all__ = ["RopeGrid", "MAX_HEAD_VALUES", "q_bound", "qk_norm_rope_stage_",
+           "qk_norm_rope_stage_reference"]
 
 _MAX_PAIRS = 256    # D <= 512: one token's cos/sin tables live in shared memory
 _VALUES = 8         # values of one head a thread holds in registers (two groups of four)
 MAX_HEAD_VALUES = _VALUES * HARD_MAX_THREADS  # max(H, H_kv) * D: a CTA holds a token's q
 _WARPS = HARD_MAX_THREADS // WARP
 _MAX_POSITION = 2**31 - 1  # token index + offset: the kernel divides it in 32 bits
+# The simulator's statistics go through shared memory (no shuffles); the GPU's do not.
+_STAT_SLOTS = HARD_MAX_THREADS if SIMULATOR else 1
 _NORMS = ("head", "all")
 _STYLES = ("interleaved", "half")
 
@@ -139,6 +169,17 @@ class RopeGrid:
     frame0: torch.Tensor
     style: str = "interleaved"
     token_offset: int = 0
+
+
+def q_bound(q_weight: torch.Tensor, norm: str, head_dim: int) -> float:
+    """A bound on every |q| value this op's QK norm and rope can produce with
+    ``q_weight``: an RMSNorm over n values (n = ``head_dim`` for ``norm="head"``, the
+    length of ``q_weight`` for "all") gives |x_i| / rms(x) <= sqrt(n), so |q| <=
+    sqrt(n) * max|w|; rope turns pairs, and a pair's norm is within that bound too.
+    Raised by 2^-8 for fp32 rounding. Synchronises (one host read)."""
+    _check_norm(norm)
+    n = head_dim if norm == "head" else q_weight.numel()
+    return math.sqrt(n) * float(q_weight.detach().abs().max()) * (1 + 2.0 ** -8)
 
 
 # --- kernel -----------------------------------------------------------------------------
@@ -269,16 +310,26 @@ def _slots(j, D, half):
 
 
 @_device
-def _norm_rope(src, h0, nh, D, w, per_head, half, has_rope, eps, cos_t, sin_t, part, runs,
-               vec, out1, put1, out2, put2, o0):
-    """RMS-norm and rotate head ``h0 + head`` of token row ``src`` [heads, D] (this
-    thread's 8 values; the block covers heads h0 .. h0 + nh) into head ``o0 + head``
-    of out1 / out2 (where put1 / put2). Every thread takes the group sum's barrier."""
+def _lane(D, half):
+    """(head, j, c1, lim1, c2) of this thread: the head it holds 8 values of, its index
+    j among the head's threads, and its columns (`_slots`)."""
+    tph = (D + _VALUES - 1) // _VALUES
+    head = _lane_head(cuda.threadIdx.x, tph)
+    j = cuda.threadIdx.x - head * tph
+    c1, lim1, c2 = _slots(j, D, half)
+    return head, j, c1, lim1, c2
+
+
+@_device
+def _normed(src, h0, nh, D, w, per_head, half, has_rope, eps, cos_t, sin_t, part, runs,
+            vec):
+    """(head, a, c): this thread's 8 values of head ``h0 + head`` of token row ``src``
+    [heads, D], RMS-normed and rotated in fp32 (columns c1.. in a, c2.. in c: `_lane`);
+    the block covers heads h0 .. h0 + nh, and a lane past them holds zeros. Every
+    thread takes the group sum's barrier."""
     t = cuda.threadIdx.x
     tph = (D + _VALUES - 1) // _VALUES
-    head = _lane_head(t, tph)
-    j = t - head * tph
-    c1, lim1, c2 = _slots(j, D, half)
+    head, j, c1, lim1, c2 = _lane(D, half)
     active = head < nh
     z = float32(0.0)
     # Views of this thread's head; unsigned indices spare numba's wraparound code.
@@ -287,45 +338,132 @@ def _norm_rope(src, h0, nh, D, w, per_head, half, has_rope, eps, cos_t, sin_t, p
     c = _ld4(hv, c2, D, vec) if active else (z, z, z, z)
     total = _group_sum(_sq4(a) + _sq4(c), part, runs, t, cuda.blockDim.x,
                        tph if per_head else nh * tph)
-    if not active:
-        return
-    rs = float32(1.0) / float32(math.sqrt(total / float32(D if per_head else nh * D) + eps))
-    wb = 0 if per_head else head * D
-    a = _scale4(a, rs, _w4(w, wb + c1, wb + lim1, vec))
-    c = _scale4(c, rs, _w4(w, wb + c2, wb + D, vec))
-    if has_rope:
-        a, c = _rotate(a, c, 4 * j, half, cos_t, sin_t)
-    if put1:
-        o = out1[uint64(o0 + head)]
-        _st4(o, c1, lim1, vec, a)
-        _st4(o, c2, D, vec, c)
-    if put2:
-        o = out2[uint64(o0 + head)]
-        _st4(o, c1, lim1, vec, a)
-        _st4(o, c2, D, vec, c)
+    if active:
+        rs = float32(1.0) / float32(math.sqrt(total / float32(D if per_head else nh * D)
+                                              + eps))
+        wb = 0 if per_head else head * D
+        a = _scale4(a, rs, _w4(w, wb + c1, wb + lim1, vec))
+        c = _scale4(c, rs, _w4(w, wb + c2, wb + D, vec))
+        if has_rope:
+            a, c = _rotate(a, c, 4 * j, half, cos_t, sin_t)
+    return head, a, c
 
 
 @_device
-def _copy_v(src, h0, nh, D, v_pool, d1, d2, half, vec):
-    """Raw V heads h0 .. h0 + nh of one token row to slots d1 / d2 (skipped when
-    negative); same lanes as the norm (8 values a thread)."""
+def _put(out, oh, D, half, vec, a, c):
+    """Store this thread's values a, c (`_normed`) to head ``oh`` of ``out`` [heads, D],
+    rounded to its format (e4m3 saturates)."""
+    _, _, c1, lim1, c2 = _lane(D, half)
+    o = out[uint64(oh)]
+    _st4(o, c1, lim1, vec, a)
+    _st4(o, c2, D, vec, c)
+
+
+@_device
+def _mul4(a, x):
+    return a[0] * x, a[1] * x, a[2] * x, a[3] * x
+
+
+@_device
+def _amax4(a, m):
+    """max(m, |a_k|): a NaN's comparison is false, so NaN is ignored."""
+    for k in range(4):
+        x = abs(a[k])
+        if x > m:
+            m = x
+    return m
+
+
+@_device
+def _over4(a):
+    """How many of |a_k| exceed e4m3's 448 (inf counts, NaN does not)."""
+    n = 0
+    for k in range(4):
+        if abs(a[k]) > float32(E4M3_MAX):
+            n += 1
+    return n
+
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def _segment_stats(m, n, sf, si, t, size):
+        """(max m, sum n) over t's aligned segment of ``size`` lanes, to every lane: the
+        simulator has no shuffles, so through shared memory between two barriers."""
+        sf[t] = m
+        si[t] = n
+        cuda.syncthreads()
+        first = t - t % size
+        for k in range(first, min(first + size, cuda.blockDim.x)):
+            m = sf[k] if sf[k] > m else m
+            n = int32(n + (si[k] if k != t else 0))
+        cuda.syncthreads()
+        return m, n
+else:
+    @cuda.jit(device=True, forceinline=True)
+    def _segment_stats(m, n, sf, si, t, size):
+        """(max m, sum n) over t's aligned segment of ``size`` lanes (a power of two <=
+        32, uniform over the block), to every lane: a butterfly of warp shuffles."""
+        k = size // 2
+        while k > 0:
+            o = cuda.shfl_xor_sync(0xFFFFFFFF, m, k)
+            m = o if o > m else m
+            n = int32(n + cuda.shfl_xor_sync(0xFFFFFFFF, n, k))
+            k //= 2
+        return m, n
+
+
+@_device
+def _fp8_put(o1, put1, o2, put2, head, nh, D, half, vec, a, c, scales, amax, sat, kv,
+             keep_max, sg, sf, si):
+    """Quantize this thread's fp32 values a, c of head ``head`` (`_normed`, or raw V) by
+    ``1 / scales[head]`` (an fp32 reciprocal, as torch's) and store them as e4m3 to head
+    ``head`` of o1 (put1) and o2 (put2); add the count of |x / s| > 448 to sat[kv] and,
+    with keep_max, the max |x| to amax[head] (int32 bits of fp32: `f32_bits`). Per
+    segment of sg lanes one lane publishes, with one atomic each, and only what changes
+    something. Every thread of the block calls it (lanes past the nh heads hold zeros
+    and store nothing)."""
     t = cuda.threadIdx.x
-    tph = (D + _VALUES - 1) // _VALUES
-    head = _lane_head(t, tph)
-    if head >= nh:
+    active = head < nh
+    inv = float32(1.0) / (load_f32(scales, (head,)) if active else float32(1.0))
+    qa, qc = _mul4(a, inv), _mul4(c, inv)
+    if active and put1:
+        _put(o1, head, D, half, vec, qa, qc)
+    if active and put2:
+        _put(o2, head, D, half, vec, qa, qc)
+    m, n = _segment_stats(_amax4(c, _amax4(a, float32(0.0))), int32(_over4(qa) + _over4(qc)),
+                          sf, si, t, sg)
+    if active and t % sg == 0:
+        # amax only grows: a lane whose max is not above the value it reads has nothing
+        # to publish, so once the running max settles the atomics stop.
+        if keep_max and m > load_f32(amax, (head,)):
+            cuda.atomic.max(amax, head, f32_bits(m))
+        if n > 0:
+            cuda.atomic.add(sat, kv, int64(n))
+
+
+@_device
+def _stage_v(src, h0, nh, D, v_pool, d1, d2, half, vec, fp8, scales, amax, sat, sg, sf,
+             si):
+    """Raw V heads h0 .. h0 + nh of one token row to slots d1 / d2 (skipped when
+    negative), same lanes as the norm (8 values a thread); fp8: quantized, with the
+    statistics (`_fp8_put`, every thread of the block)."""
+    head, _, c1, lim1, c2 = _lane(D, half)
+    active = head < nh
+    if not (active or fp8):
         return
-    c1, lim1, c2 = _slots(t - head * tph, D, half)
-    hv = src[uint64(h0 + head)]
-    a = _ld4(hv, c1, lim1, vec)
-    c = _ld4(hv, c2, D, vec)
+    z = float32(0.0)
+    hv = src[uint64(h0 + head if active else h0)]
+    a = _ld4(hv, c1, lim1, vec) if active else (z, z, z, z)
+    c = _ld4(hv, c2, D, vec) if active else (z, z, z, z)
+    o1, o2 = v_pool[uint64(max(d1, 0))], v_pool[uint64(max(d2, 0))]
+    if fp8:
+        _fp8_put(o1, d1 >= 0, o2, d2 >= 0, head, nh, D, half, vec, a, c, scales, amax, sat,
+                 1, True, sg, sf, si)
+        return
     if d1 >= 0:
-        o = v_pool[uint64(d1), uint64(head)]
-        _st4(o, c1, lim1, vec, a)
-        _st4(o, c2, D, vec, c)
+        _put(o1, head, D, half, vec, a, c)
     if d2 >= 0:
-        o = v_pool[uint64(d2), uint64(head)]
-        _st4(o, c1, lim1, vec, a)
-        _st4(o, c2, D, vec, c)
+        _put(o2, head, D, half, vec, a, c)
 
 
 @_device
@@ -338,17 +476,54 @@ def _entry(e, has_src_rows, has_dst2, dst, dst2, src_rows, rows):
 
 
 @_device
-def _items(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2, src_rows, H, Hkv, D,
-           per_head, half, has_rope, has_pools, has_dst2, has_src_rows, gh, gw, n_f, n_fh,
-           offset, eps_bits, T, vec, inv_s, inv_t):
+def _stage_k(row, H, Hkv, D, k_w, per_head, half, has_rope, eps, cos_t, sin_t, part, runs,
+             vec, k_pool, d1, d2, fp8, scales, amax, sat, sg, sf, si):
+    """Normed, rotated K heads of one token row to slots d1 / d2 (skipped when
+    negative); fp8: quantized, with the statistics."""
+    head, a, c = _normed(row, H, Hkv, D, k_w, per_head, half, has_rope, eps, cos_t, sin_t,
+                         part, runs, vec)
+    k1, k2 = k_pool[uint64(max(d1, 0))], k_pool[uint64(max(d2, 0))]
+    if fp8:
+        _fp8_put(k1, d1 >= 0, k2, d2 >= 0, head, Hkv, D, half, vec, a, c, scales, amax, sat,
+                 0, True, sg, sf, si)
+    elif head < Hkv:
+        if d1 >= 0:
+            _put(k1, head, D, half, vec, a, c)
+        if d2 >= 0:
+            _put(k2, head, D, half, vec, a, c)
+
+
+@_device
+def _stage_q(row, H, D, q_w, per_head, half, has_rope, eps, cos_t, sin_t, part, runs, vec,
+             q_out, q_fp8, q_scale, amax, q_sat, sg, sf, si):
+    """Normed, rotated Q heads of one token row in place; q_fp8: also quantized into
+    ``q_out`` [H, D], the saturated ones counted (``amax``: a stand-in, unread)."""
+    head, a, c = _normed(row, 0, H, D, q_w, per_head, half, has_rope, eps, cos_t, sin_t,
+                         part, runs, vec)
+    if head < H:
+        _put(row, head, D, half, vec, a, c)
+    if q_fp8:
+        _fp8_put(q_out, True, q_out, False, head, H, D, half, vec, a, c, q_scale, amax, q_sat,
+                 0, False, sg, sf, si)
+
+
+@_device
+def _items(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2, src_rows, kv_scale,
+           kv_amax, saturated, q_out, q_scale, q_sat, H, Hkv, D, per_head, half, has_rope,
+           has_pools, has_dst2, has_src_rows, fp8, q_fp8, sg, gh, gw, n_f, n_fh, offset,
+           eps_bits, T, vec, inv_s, inv_t):
     # qkv: [B, S, H + 2 Hkv, D] float bits; q_w, k_w: [D] or [heads*D] float bits;
     # inv_freq: [D/2] fp64 bits; frame0: [B] int64; pools [slots, Hkv, D]; lists [E]
-    # int64. Absent tensors are stand-ins the flags keep unread. Items: the B*S Q rows,
-    # then the K rows (pool entries, each also copying its raw V; or tokens in place).
+    # int64; kv_scale, kv_amax [2, Hkv] fp32 bits; saturated [2], q_sat [1] int64;
+    # q_out [B, T, H, D] e4m3 bits; q_scale [H] fp32 bits. Absent tensors are stand-ins
+    # the flags keep unread. Items: the B*S Q rows, then the K rows (pool entries, each
+    # also staging its raw V; or tokens in place).
     cos_t = cuda.shared.array(_MAX_PAIRS, float32)
     sin_t = cuda.shared.array(_MAX_PAIRS, float32)
     part = cuda.shared.array(HARD_MAX_THREADS, float32)
     runs = cuda.shared.array(_WARPS, float32)
+    sf = cuda.shared.array(_STAT_SLOTS, float32)
+    si = cuda.shared.array(_STAT_SLOTS, int32)
     eps = float32(_as_f64(eps_bits))
     S = qkv.shape[1]
     n_q = qkv.shape[0] * S
@@ -370,39 +545,61 @@ def _items(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2, src_rows,
         s = r - b * L
         row = qkv[uint64(b), uint64(s)]
         if pooled:  # V first: its stores drain while K is normed and rotated
-            _copy_v(row, H + Hkv, Hkv, D, v_pool, d1, d2, half, vec)
+            _stage_v(row, H + Hkv, Hkv, D, v_pool, d1, d2, half, vec, fp8, kv_scale[1],
+                     kv_amax[1], saturated, sg, sf, si)
         if has_rope:  # made visible by the first barrier of the group sum
             _rope_table(cos_t, sin_t, inv_freq, frame0, b, s, offset, gh, gw, n_f, n_fh)
-        if kind == 0:
-            _norm_rope(row, 0, H, D, q_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
-                       runs, vec, row, True, row, False, 0)
+        if kind == 0:  # q_out holds the T real tokens: padding rows are not quantized
+            qs = s if s < T else T - 1
+            _stage_q(row, H, D, q_w, per_head, half, has_rope, eps, cos_t, sin_t, part, runs,
+                     vec, q_out[uint64(b), uint64(qs)], q_fp8 and s < T, q_scale, kv_amax[0],
+                     q_sat, sg, sf, si)
         elif has_pools:
-            k1, k2 = k_pool[uint64(max(d1, 0))], k_pool[uint64(max(d2, 0))]
-            _norm_rope(row, H, Hkv, D, k_w, per_head, half, has_rope, eps, cos_t, sin_t,
-                       part, runs, vec, k1, d1 >= 0, k2, d2 >= 0, 0)
+            _stage_k(row, H, Hkv, D, k_w, per_head, half, has_rope, eps, cos_t, sin_t, part,
+                     runs, vec, k_pool, d1, d2, fp8, kv_scale[0], kv_amax[0], saturated, sg,
+                     sf, si)
         else:
-            _norm_rope(row, H, Hkv, D, k_w, per_head, half, has_rope, eps, cos_t, sin_t,
-                       part, runs, vec, row, True, row, False, H)
+            head, a, c = _normed(row, H, Hkv, D, k_w, per_head, half, has_rope, eps, cos_t,
+                                 sin_t, part, runs, vec)
+            if head < Hkv:
+                _put(row, H + head, D, half, vec, a, c)
+
+
+def _stat_lanes(D: int) -> int:
+    """Lanes whose statistics one lane publishes (`_fp8_put`): a head's, where its
+    threads are a power of two within a warp; else whole warps of a head; else one."""
+    tph = -(-D // _VALUES)
+    if tph <= WARP and WARP % tph == 0:
+        return tph
+    return WARP if tph % WARP == 0 else 1
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(config: tuple) -> Kernel:
-    """The kernel for one configuration ``(H, Hkv, D, per_head, half, has_rope,
-    has_pools, has_dst2, has_src_rows, gh, gw, n_f, n_fh, vec)``, compiled with those
-    as constants: the flags' branches fold away, and the divisions by D and the grid
-    become multiplies (module doc: the kernel is bound by the instructions it issues).
-    A model has one configuration; tests a few dozen."""
+def _compiled(config: tuple) -> Kernel:
     (H, Hkv, D, per_head, half, has_rope, has_pools, has_dst2, has_src_rows, gh, gw, n_f,
-     n_fh, vec) = config
+     n_fh, vec, fp8, q_fp8) = config
+    sg = _stat_lanes(D)
 
     @cuda.jit(**_KOPTS)
     def _qk_norm_rope_kernel(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2,
-                             src_rows, offset, eps_bits, T, inv_s, inv_t):
-        _items(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2, src_rows, H, Hkv,
-               D, per_head, half, has_rope, has_pools, has_dst2, has_src_rows, gh, gw, n_f,
-               n_fh, offset, eps_bits, T, vec, inv_s, inv_t)
+                             src_rows, kv_scale, kv_amax, saturated, q_out, q_scale, q_sat,
+                             offset, eps_bits, T, inv_s, inv_t):
+        _items(qkv, q_w, k_w, inv_freq, frame0, k_pool, v_pool, dst, dst2, src_rows,
+               kv_scale, kv_amax, saturated, q_out, q_scale, q_sat, H, Hkv, D, per_head,
+               half, has_rope, has_pools, has_dst2, has_src_rows, fp8, q_fp8, sg, gh, gw,
+               n_f, n_fh, offset, eps_bits, T, vec, inv_s, inv_t)
 
     return Kernel(_qk_norm_rope_kernel)
+
+
+def _kernel(config: tuple) -> Kernel:
+    """The kernel for one configuration ``(H, Hkv, D, per_head, half, has_rope,
+    has_pools, has_dst2, has_src_rows, gh, gw, n_f, n_fh, vec, fp8, q_fp8)`` (fp8: the
+    pools are e4m3; q_fp8: a q_out is written; both False when left out), compiled with
+    those as constants: the flags' branches fold away, and the divisions by D and the
+    grid become multiplies (module doc: the kernel is bound by the instructions it
+    issues). A model has one configuration; tests a few dozen."""
+    return _compiled(tuple(config) + (False, False)[len(config) - 14:])
 
 
 # --- torch reference ----------------------------------------------------------------------
@@ -443,11 +640,58 @@ def _norm_rope_reference(x, weight, norm, eps, cos_sin, style) -> torch.Tensor:
     return torch.cat([r0, r1], dim=-1)
 
 
+def _fp8_reference(x, scale) -> torch.Tensor:
+    """fp32 ``x`` [..., heads, D] as e4m3 under per-head ``scale`` fp32 [heads]:
+    ``e4m3(clamp(x * reciprocal(scale), -448, 448))``, every NaN the byte 0x7F."""
+    y = x * torch.reciprocal(scale)[:, None]
+    y = torch.where(torch.isnan(y), float("nan"), y.clamp(-E4M3_MAX, E4M3_MAX))
+    return y.to(FP8_DTYPE)
+
+
+def _stats_reference(x, scale, amax, saturated) -> None:
+    """Add the count of ``|x * reciprocal(scale)| > 448`` (inf counts, NaN does not) of
+    fp32 ``x`` [N, heads, D] to ``saturated`` [1] and, unless amax is None, raise
+    ``amax`` [heads] to the max |x| per head (NaN ignored), in place."""
+    if x.numel() == 0:
+        return
+    y = x * torch.reciprocal(scale)[:, None]
+    saturated.add_((y.abs() > E4M3_MAX).sum())
+    if amax is not None:
+        mag = x.abs()
+        mag = torch.where(torch.isnan(mag), 0.0, mag).amax(dim=(0, 2))
+        amax.copy_(torch.maximum(amax, mag))
+
+
+def _staged_rows(rows: int, dst, dst2, src_rows) -> torch.Tensor:
+    """The source row of every staged entry (a row in [0, rows), a slot >= 0), one per
+    entry: what the statistics count."""
+    E = dst.shape[0]
+    r = src_rows if src_rows is not None else torch.arange(E, device=dst.device)
+    some = dst >= 0 if dst2 is None else (dst >= 0) | (dst2 >= 0)
+    return r[(r >= 0) & (r < rows) & some]
+
+
+def _stage_fp8_reference(k_pool, v_pool, k_rows, v_rows, dst, dst2, src_rows, kv_scale,
+                         kv_amax, saturated) -> None:
+    """Quantize fp32 K and V rows [B*T, Hkv, D], count what the staged entries hold, and
+    scatter the bytes."""
+    staged = _staged_rows(k_rows.shape[0], dst, dst2, src_rows)
+    out = []
+    for kv, x in enumerate((k_rows, v_rows)):
+        _stats_reference(x[staged], kv_scale[kv], kv_amax[kv], saturated[kv:kv + 1])
+        out.append(_fp8_reference(x, kv_scale[kv]).view(torch.uint8))
+    scatter_kv_slots_reference(k_pool.view(torch.uint8), v_pool.view(torch.uint8), *out, dst,
+                               dst2, src_rows)
+
+
 def qk_norm_rope_stage_reference(qkv, q_weight, k_weight, *, num_heads, num_kv_heads,
                                  norm="head", eps=1e-6, rope=None, k_pool=None, v_pool=None,
-                                 dst=None, dst2=None, src_rows=None, tokens=None) -> None:
+                                 dst=None, dst2=None, src_rows=None, tokens=None,
+                                 kv_scale=None, kv_amax=None, saturated=None, q_out=None,
+                                 q_scale=None, q_saturated=None) -> None:
     """Torch reference of :func:`qk_norm_rope_stage_` (same arguments, in place, fp32
-    math). Used on CPU and by tests; it synchronises on CUDA (boolean masks)."""
+    math; fp8 pools and q_out quantized from the fp32 values). Used on CPU and by tests;
+    it synchronises on CUDA (boolean masks)."""
     H, Hkv = num_heads, num_kv_heads
     B, S, _, D = qkv.shape
     cs = _rope_cos_sin(rope, B, S) if rope is not None else None
@@ -455,13 +699,22 @@ def qk_norm_rope_stage_reference(qkv, q_weight, k_weight, *, num_heads, num_kv_h
     q = _norm_rope_reference(qkv[:, :, :H], q_weight, norm, eps, cs, style)
     k = _norm_rope_reference(qkv[:, :, H:H + Hkv], k_weight, norm, eps, cs, style)
     qkv[:, :, :H] = q.to(qkv.dtype)
+    T = S if tokens is None else tokens
+    if q_out is not None:
+        q_real = q[:, :T]
+        _stats_reference(q_real.reshape(B * T, H, D), q_scale, None, q_saturated)
+        q_out.view(torch.uint8).copy_(_fp8_reference(q_real, q_scale).view(torch.uint8))
     if k_pool is None:
         qkv[:, :, H:H + Hkv] = k.to(qkv.dtype)
         return
-    T = S if tokens is None else tokens
-    k_rows = k[:, :T].to(qkv.dtype).reshape(B * T, Hkv, D)
+    k_rows = k[:, :T].reshape(B * T, Hkv, D)
     v_rows = qkv[:, :T, H + Hkv:].reshape(B * T, Hkv, D)
-    scatter_kv_slots_reference(k_pool, v_pool, k_rows, v_rows, dst, dst2, src_rows)
+    if kv_scale is not None:
+        _stage_fp8_reference(k_pool, v_pool, k_rows, v_rows.float(), dst, dst2, src_rows,
+                             kv_scale, kv_amax, saturated)
+        return
+    scatter_kv_slots_reference(k_pool, v_pool, k_rows.to(qkv.dtype), v_rows, dst, dst2,
+                               src_rows)
 
 
 # --- validation ---------------------------------------------------------------------------
@@ -573,15 +826,80 @@ def _check_staging(k_pool, v_pool, dst, dst2, src_rows, Hkv, D, dtype, device,
         raise ValueError(f"{missing}: expected a tensor (staging takes k_pool, v_pool and "
                          f"dst together; given: {', '.join(given)}), got None")
     _check_pools(k_pool, v_pool)
-    _check_float("k_pool", k_pool)
-    if k_pool.dtype != dtype:
-        raise ValueError(f"k_pool: expected dtype {dtype} (the dtype of qkv), "
-                         f"got {k_pool.dtype}")
+    if k_pool.dtype not in (dtype, FP8_DTYPE):
+        raise ValueError(f"k_pool: expected dtype {dtype} (the dtype of qkv) or "
+                         f"{FP8_DTYPE}, got {k_pool.dtype}")
     if tuple(k_pool.shape[1:]) != (Hkv, D):
         raise ValueError(f"k_pool: expected shape [slots, {Hkv}, {D}] (num_kv_heads, D), "
                          f"got {tuple(k_pool.shape)}")
     _check_device("k_pool", k_pool, device, ref_name)
     _check_slots(k_pool, dst, dst2, src_rows)
+    return True
+
+
+def _check_small(name, t, dtype, shape, what, device, ref_name, written=False) -> None:
+    """A small tensor of ``dtype`` and ``shape`` (``what`` names its dimensions)."""
+    check_tensor(name, t, ndims=(len(shape),), layout=f"{list(shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)} ({what}), got "
+                         f"{list(t.shape)}")
+    _check_device(name, t, device, ref_name)
+    if written:
+        check_no_overlap(name, t)
+
+
+def _check_together(names, values) -> bool:
+    """All of ``values`` given or none; True when given."""
+    given = [n for n, v in zip(names, values) if v is not None]
+    if given and len(given) < len(names):
+        missing = next(n for n, v in zip(names, values) if v is None)
+        raise ValueError(f"{missing}: expected a tensor ({', '.join(names)} go together; "
+                         f"given: {', '.join(given)}), got None")
+    return bool(given)
+
+
+def _check_kv_quant(kv_scale, kv_amax, saturated, k_pool, Hkv, device, ref_name) -> bool:
+    """Validate the fp8 pools' scales and statistics; True when the pools are fp8."""
+    names, values = ("kv_scale", "kv_amax", "saturated"), (kv_scale, kv_amax, saturated)
+    fp8 = k_pool is not None and k_pool.dtype == FP8_DTYPE
+    if not fp8:
+        for name, t in zip(names, values):
+            if t is not None:
+                raise ValueError(f"{name}: expected None (the pools are not {FP8_DTYPE}), "
+                                 f"got a {type(t).__name__}")
+        return False
+    for name, t in zip(names, values):
+        if t is None:
+            raise ValueError(f"{name}: expected a tensor (the pools are {FP8_DTYPE}), "
+                             f"got None")
+    _check_small("kv_scale", kv_scale, torch.float32, (2, Hkv), "K and V, num_kv_heads",
+                 device, ref_name)
+    _check_small("kv_amax", kv_amax, torch.float32, (2, Hkv), "K and V, num_kv_heads",
+                 device, ref_name, written=True)
+    _check_small("saturated", saturated, torch.int64, (2,), "K and V", device, ref_name,
+                 written=True)
+    return True
+
+
+def _check_q_out(q_out, q_scale, q_saturated, qkv, H, T, ref_name) -> bool:
+    """Validate the quantized Q output (the T real tokens); True when given."""
+    if not _check_together(("q_out", "q_scale", "q_saturated"), (q_out, q_scale, q_saturated)):
+        return False
+    B, _, _, D = qkv.shape
+    check_tensor("q_out", q_out, ndims=(4,), layout="[B, T, H, D]")
+    if q_out.dtype != FP8_DTYPE:
+        raise ValueError(f"q_out: expected dtype {FP8_DTYPE}, got {q_out.dtype}")
+    if tuple(q_out.shape) != (B, T, H, D):
+        raise ValueError(f"q_out: expected shape {[B, T, H, D]} (B of qkv, the tokens, "
+                         f"num_heads, D), got {list(q_out.shape)}")
+    _check_device("q_out", q_out, qkv.device, ref_name)
+    check_last_dim_contiguous("q_out", q_out)
+    check_no_overlap("q_out", q_out)
+    _check_small("q_scale", q_scale, torch.float32, (H,), "num_heads", qkv.device, ref_name)
+    _check_small("q_saturated", q_saturated, torch.int64, (1,), "one counter", qkv.device,
+                 ref_name, written=True)
     return True
 
 
@@ -617,14 +935,25 @@ def _array_args(q_weight, k_weight, rope, pools, lists, filler) -> list:
             array_arg(src_rows if src_rows is not None else dst)]
 
 
-def _config(H, Hkv, D, norm, rope, staging, lists, vec) -> tuple:
+def _quant_args(quant, qkv) -> list:
+    """Kernel arrays of (kv_scale, kv_amax, saturated, q_out, q_scale, q_saturated);
+    absent ones become stand-ins of their kernel types that the flags keep unread
+    (fp32 [2, 1], int64 [2], q_out's: qkv, whose stores then type as qkv's)."""
+    f32 = torch.zeros(2, 1, dtype=torch.float32, device=qkv.device)
+    i64 = torch.zeros(2, dtype=torch.int64, device=qkv.device)
+    kv_scale, kv_amax, saturated, q_out, q_scale, q_saturated = (
+        t if t is not None else d for t, d in zip(quant, (f32, f32, i64, qkv, f32[0], i64)))
+    return [array_arg(t) for t in (kv_scale, kv_amax, saturated, q_out, q_scale, q_saturated)]
+
+
+def _config(H, Hkv, D, norm, rope, staging, lists, vec, fp8, q_fp8) -> tuple:
     """`_kernel`'s configuration."""
     gh, gw = rope.grid if rope is not None else (1, 1)
     n_f, n_h, _ = rope.axes if rope is not None else (0, 0, 0)
     return (int(H), int(Hkv), int(D), norm == "head",
             rope is not None and rope.style == "half", rope is not None, bool(staging),
             lists[1] is not None, lists[2] is not None, int(gh), int(gw), int(n_f),
-            int(n_f + n_h), bool(vec))
+            int(n_f + n_h), bool(vec), bool(fp8), bool(q_fp8))
 
 
 def _scalar_args(eps, rope) -> list:
@@ -638,50 +967,66 @@ def _block(H: int, Hkv: int, D: int) -> int:
     return threads_holding(max(H, Hkv) * -(-D // _VALUES))
 
 
-def _run(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T) -> None:
+def _reference(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T,
+               quant) -> None:
+    names = ("kv_scale", "kv_amax", "saturated", "q_out", "q_scale", "q_saturated")
+    qk_norm_rope_stage_reference(qkv, q_weight, k_weight, num_heads=H, num_kv_heads=Hkv,
+                                 norm=norm, eps=eps, rope=rope, k_pool=pools[0],
+                                 v_pool=pools[1], dst=lists[0], dst2=lists[1],
+                                 src_rows=lists[2], tokens=T, **dict(zip(names, quant)))
+
+
+def _run(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T, quant) -> None:
     if qkv.numel() == 0:
         return
-    staging = pools[0] is not None
     if not use_kernel(qkv):
-        qk_norm_rope_stage_reference(qkv, q_weight, k_weight, num_heads=H, num_kv_heads=Hkv,
-                                     norm=norm, eps=eps, rope=rope, k_pool=pools[0],
-                                     v_pool=pools[1], dst=lists[0], dst2=lists[1],
-                                     src_rows=lists[2], tokens=T)
+        _reference(qkv, q_weight, k_weight, H, Hkv, norm, eps, rope, pools, lists, T, quant)
         return
+    staging = pools[0] is not None
+    fp8, q_fp8 = quant[0] is not None, quant[3] is not None
     filler = torch.empty(0, dtype=torch.int64, device=qkv.device)
     arrays = _array_args(q_weight, k_weight, rope, pools if staging else (qkv[0], qkv[0]),
                          lists, filler)
     D = qkv.shape[3]
     vec = D % _VALUES == 0 and all(t is None or vector_aligned(t) for t in
-                                   (qkv, q_weight, k_weight, *(pools if staging else ())))
+                                   (qkv, q_weight, k_weight, quant[3],
+                                    *(pools if staging else ())))
     # Items: Q rows, then K rows or entries (an entry's CTA stages its V too).
     n_entries = lists[0].shape[0] if staging else qkv.shape[0] * qkv.shape[1]
-    kernel = _kernel(_config(H, Hkv, D, norm, rope, staging, lists, vec))
+    kernel = _kernel(_config(H, Hkv, D, norm, rope, staging, lists, vec, fp8, q_fp8))
     kernel.launch(qkv.shape[0] * qkv.shape[1] + n_entries, _block(H, Hkv, D),
-                  [array_arg(qkv), *arrays, *_scalar_args(eps, rope), int_arg(T),
+                  [array_arg(qkv), *arrays, *_quant_args(quant, qkv),
+                   *_scalar_args(eps, rope), int_arg(T),
                    int_arg(reciprocal_bits(qkv.shape[1])), int_arg(reciprocal_bits(T))],
                   qkv.device)
 
 
 @torch.library.custom_op("framekv::qk_norm_rope_stage_",
-                         mutates_args=("qkv", "k_pool", "v_pool"))
+                         mutates_args=("qkv", "k_pool", "v_pool", "kv_amax", "saturated",
+                                       "q_out", "q_saturated"))
 def _qk_norm_rope_op(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                      num_heads: int, num_kv_heads: int, norm: str, eps: float,
                      inv_freq: Optional[torch.Tensor], frame0: Optional[torch.Tensor],
                      axes: list[int], grid: list[int], style: str, token_offset: int,
                      k_pool: Optional[torch.Tensor], v_pool: Optional[torch.Tensor],
                      dst: Optional[torch.Tensor], dst2: Optional[torch.Tensor],
-                     src_rows: Optional[torch.Tensor], tokens: int) -> None:
+                     src_rows: Optional[torch.Tensor], tokens: int,
+                     kv_scale: Optional[torch.Tensor], kv_amax: Optional[torch.Tensor],
+                     saturated: Optional[torch.Tensor], q_out: Optional[torch.Tensor],
+                     q_scale: Optional[torch.Tensor],
+                     q_saturated: Optional[torch.Tensor]) -> None:
     # A RopeGrid is no schema type: the op takes its fields and rebuilds it.
     rope = None if inv_freq is None else RopeGrid(inv_freq, tuple(axes), tuple(grid), frame0,
                                                   style, token_offset)
     _run(qkv, q_weight, k_weight, num_heads, num_kv_heads, norm, eps, rope,
-         (k_pool, v_pool), (dst, dst2, src_rows), tokens)
+         (k_pool, v_pool), (dst, dst2, src_rows), tokens,
+         (kv_scale, kv_amax, saturated, q_out, q_scale, q_saturated))
 
 
 @_qk_norm_rope_op.register_fake
 def _(qkv, q_weight, k_weight, num_heads, num_kv_heads, norm, eps, inv_freq, frame0, axes,
-      grid, style, token_offset, k_pool, v_pool, dst, dst2, src_rows, tokens) -> None:
+      grid, style, token_offset, k_pool, v_pool, dst, dst2, src_rows, tokens, kv_scale,
+      kv_amax, saturated, q_out, q_scale, q_saturated) -> None:
     return None
 
 
@@ -702,7 +1047,13 @@ def qk_norm_rope_stage_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
                         v_pool: Optional[torch.Tensor] = None,
                         dst: Optional[torch.Tensor] = None, dst2: Optional[torch.Tensor] = None,
                         src_rows: Optional[torch.Tensor] = None,
-                        tokens: Optional[int] = None) -> None:
+                        tokens: Optional[int] = None,
+                        kv_scale: Optional[torch.Tensor] = None,
+                        kv_amax: Optional[torch.Tensor] = None,
+                        saturated: Optional[torch.Tensor] = None,
+                        q_out: Optional[torch.Tensor] = None,
+                        q_scale: Optional[torch.Tensor] = None,
+                        q_saturated: Optional[torch.Tensor] = None) -> None:
     """RMS-norm and rotate the q and k heads of packed ``qkv`` in place, or (with pools)
     Q in place and normed K plus raw V into pool slots; see the module docstring.
 
@@ -714,14 +1065,24 @@ def qk_norm_rope_stage_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
         norm: "head" (mean over each head) or "all" (over all heads of q, of k).
         eps: added to the mean square.
         rope: a `RopeGrid`, or None for no rotation.
-        k_pool, v_pool: [slots, num_kv_heads, D] of qkv's dtype (given with dst, or none).
+        k_pool, v_pool: [slots, num_kv_heads, D] of qkv's dtype or torch.float8_e4m3fn
+            (given with dst, or none).
         dst, dst2, src_rows: int64 [E] slot lists, as `scatter_kv_slots_` takes them,
             over the B*tokens rows of ``qkv[:, :tokens]``; without src_rows, E = B*tokens.
         tokens: tokens per sequence that are rows (default S), in [1, S].
+        kv_scale: fp32 [2, num_kv_heads], K (row 0) and V (row 1) scales per head;
+            given iff the pools are fp8.
+        kv_amax: fp32 [2, num_kv_heads], running max of |x| per head (raised in place);
+            saturated: int64 [2], running counts of saturated K and V values (added to).
+            Both given with kv_scale.
+        q_out: fp8 e4m3 [B, S, num_heads, D] (D contiguous, other strides free): Q
+            quantized by ``q_scale`` fp32 [num_heads], its saturated values counted in
+            ``q_saturated`` int64 [1]; the three go together (Q in qkv is written too).
 
-    Slot ids are not range-checked on the device (as `scatter_kv_slots_`). Raises
-    ValueError naming the bad argument, before anything is written. One kernel on
-    torch's current stream for CUDA tensors; the torch reference on CPU.
+    Slot ids are not range-checked on the device (as `scatter_kv_slots_`); nor are the
+    scales (a scale of 0 or a NaN quantizes to NaN or +-448). Raises ValueError naming
+    the bad argument, before anything is written. One kernel on torch's current stream
+    for CUDA tensors (fp8 needs sm_89+); the torch reference on CPU.
     """
     H, Hkv = check_int("num_heads", num_heads, 1), check_int("num_kv_heads", num_kv_heads, 1)
     D = _check_qkv(qkv, H, Hkv)
@@ -732,5 +1093,8 @@ def qk_norm_rope_stage_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
     staging = _check_staging(k_pool, v_pool, dst, dst2, src_rows, Hkv, D, qkv.dtype,
                              qkv.device, "qkv")
     T = _check_fit(qkv, rope, dst, src_rows, tokens, staging)
+    _check_kv_quant(kv_scale, kv_amax, saturated, k_pool, Hkv, qkv.device, "qkv")
+    _check_q_out(q_out, q_scale, q_saturated, qkv, H, T, "qkv")
     _qk_norm_rope_op(qkv, q_weight, k_weight, H, Hkv, norm, eps, *_rope_fields(rope),
-                     k_pool, v_pool, dst, dst2, src_rows, T)
+                     k_pool, v_pool, dst, dst2, src_rows, T, kv_scale, kv_amax, saturated,
+                     q_out, q_scale, q_saturated)
