@@ -107,6 +107,10 @@ class ChunkModel(Protocol):
     def default_prompt(self) -> torch.Tensor:
         """The prompt a sequence gets when none is given: [L, text_dim]."""
 
+    def q_bounds(self) -> list[float] | None:
+        """A bound on |q| per layer where the fused QK prologue produces q (an fp8 pool
+        then has Q quantized in that pass, `CudnnBackend.set_q_bounds`), else None."""
+
 
 _MASK64 = (1 << 64) - 1
 
@@ -197,6 +201,18 @@ class ChunkRunner:
         #: chunks run per path ("graphs", "eager"); ``path``: the last chunk's
         self.paths, self.path = {"eager": 0, "graphs": 0}, None
         self.closed = False
+        self._declare_q_bounds()
+
+    def _declare_q_bounds(self) -> None:
+        """An fp8 pool on a backend that takes Q from the staging pass: every layer's
+        bound on |q| (`ChunkModel.q_bounds`), so Q is quantized as it is staged."""
+        cache = getattr(self.kv, "cache", None)
+        declare = getattr(self.chunk_model.attention.backend, "set_q_bounds", None)
+        if declare is None or cache is None or cache.dtype != torch.float8_e4m3fn:
+            return
+        bounds = self.chunk_model.q_bounds()
+        if bounds is not None:
+            declare(cache, bounds)
 
     # ------------------------------------------------------------------ shapes
     def chunk_frames(self, index: int) -> int:

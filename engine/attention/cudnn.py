@@ -13,6 +13,10 @@ forward, its ``run`` launches one layer. Built cuDNN graphs (`cudnn_graph`) and 
 workspaces are shared by every plan of the backend, so one backend instance serves
 every layer of a model. Every pointer a launch reads is fixed (arena tensors), so a
 captured forward replays correctly after any number of commits.
+
+fp8 pools (``torch.float8_e4m3fn``, Hopper or newer) run cuDNN's fp8 SDPA; its scales
+and buffers are `cudnn_fp8`'s. cuDNN's fp8 SDPA takes no ragged Q, so fp8 forwards of
+several blocks run unsplit.
 """
 from __future__ import annotations
 
@@ -27,13 +31,13 @@ from framekv.ops.merge_split_kv import merge_split_kv_
 from ..arena import DeviceArena
 from ..cache import LayoutPlan
 from .backend import AttentionBackend, AttentionPlan
+from .cudnn_fp8 import FP8, FP8_CAPABILITY, Fp8Buffers, QState
 from .cudnn_graph import UID, PagedGraphKey, PlanFiles, build_graph
 from .packing import PackBuffers
 from .split_kv import SplitBuffers, blocks_view, choose_layout
 
 # Address space for workspaces and split buffers; only what is carved is mapped.
 _WORKSPACE_RESERVE = 8 << 30
-
 
 @dataclass
 class _Executable:
@@ -49,6 +53,7 @@ class CudnnPlan(AttentionPlan):
         splits: S chosen for this forward; ``split`` the `SplitBuffers` when S > 1.
         packed: GQA query packing chosen; ``group`` g query heads per row (1 when not
             packed); ``pack`` the `PackBuffers` when packed without a split.
+        fp8: the `Fp8Buffers` over an fp8 cache, else None.
     """
 
     def __init__(self, backend: "CudnnBackend", cache, *, tokens: int, block_size: int,
@@ -72,18 +77,50 @@ class CudnnPlan(AttentionPlan):
             backend.arena(cache.device.index), num_blocks=nb, block_size=block_size,
             num_heads=num_heads, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim,
             dtype=cache.dtype)
+        self.fp8 = Fp8Buffers.allocate(backend, self) if cache.dtype == FP8 else None
+        self._staged: set[int] = set()  # layers whose Q the prologue quantizes this forward
         self._launches: dict[tuple, _Executable] = {}  # by (q strides, o strides)
 
     def refresh(self) -> None:
-        """Rebuild the sub-row tables and key counts from the selected rows (S > 1)."""
+        """Rebuild the sub-row tables and key counts from the selected rows (S > 1);
+        fp8: the staged layers' Q scales from their bounds."""
         if self.split is not None:
             self.split.rebuild(self._rows, self._kv_lens)
+        if self.fp8 is not None:
+            self._staged.clear()
+            self.fp8.staged_scales(self.cache)
+
+    def stage_outputs(self, layer: int) -> dict:
+        """fp8, for a layer with a declared Q bound (`CudnnBackend.set_q_bounds`): the
+        staging kernel's Q outputs, ``q_out`` (this plan's e4m3 Q, [B, T, H, D] for the
+        forward's T real tokens per sequence), ``q_scale`` (fp32 [H]) and ``q_saturated``
+        (int64 [1], a running count); `run` of that layer then reads ``q_out`` instead
+        of q. Call it only for a staging that runs before this forward's `run` of
+        ``layer`` (the module's prologue). Otherwise {}."""
+        f = self.fp8
+        if f is None or not f.q_state.known[layer]:
+            return {}
+        self._staged.add(layer)
+        return {"q_out": f.q8.unflatten(0, (self.batch, self.tokens)),
+                "q_scale": f.q_scale[layer], "q_saturated": f.q_state.saturated[layer:layer + 1]}
 
     def run(self, q, layer, out):
-        b, sp, pk = self.block_size, self.split, self.pack
-        exe, pack = self.launch(q, layer, out)
+        b, sp, pk, f = self.block_size, self.split, self.pack, self.fp8
+        if f is not None and layer in self._staged:  # the prologue wrote fp8 Q
+            self._staged.discard(layer)
+            exe, pack = self.launch(f.q8, layer, out)
+        else:
+            exe, pack = self.launch(q, layer, out)
         exe.graph.execute(pack, exe.workspace, handle=self.backend.handle_on_stream(q.device))
-        if sp is not None:
+        if f is not None:  # dequantize where the partials are read: the merge
+            scales = dict(scale=f.descale_o[layer:layer + 1], head_scale=self.cache.kv_scales[layer, 1])
+            if sp is not None:
+                merge_split_kv_(out, sp.merge_input(), sp.lse, sp.kv_lens, block_size=b,
+                                seq_len=q.shape[0], **scales)
+            else:  # one sub-row of weight 1: the dequantization alone
+                merge_split_kv_(out, f.unsplit_output(self), f.zero_lse, self._kv_lens,
+                                block_size=b, seq_len=q.shape[0], **scales)
+        elif sp is not None:
             merge_split_kv_(out, sp.merge_input(), sp.lse, sp.kv_lens, block_size=b,
                             seq_len=q.shape[0])
         elif pk is not None:
@@ -93,15 +130,25 @@ class CudnnPlan(AttentionPlan):
         """The cuDNN launch of `run` for q [T, H, D], ``layer`` and out [T, H, D]: its
         built graph with workspace and key, and its variant pack (uid -> tensor). Packs the
         queries (one copy, when packed; split over several blocks, the row offsets) as
-        `run` does."""
-        nb, b, sp, pk = self.num_blocks, self.block_size, self.split, self.pack
+        `run` does. fp8: a q that is not e4m3 is quantized into the plan's fp8 Q first
+        (q that is the plan's fp8 Q, as staged, is read as it is), and the layer's output
+        scale is set; cuDNN writes the plan's fp8 output, which `run` dequantizes."""
+        nb, b, sp, pk, f = self.num_blocks, self.block_size, self.split, self.pack, self.fp8
+        if f is not None:
+            if q.dtype != FP8:
+                f.quantize(q, layer, self.cache)
+            f.output_scale(layer, self.cache)
+            q = f.q8
+        direct = f is not None and f.direct  # Q already in the packed order cuDNN reads
         if sp is not None:
-            qv, ov, table = sp.query(q), sp.partial_view(), sp.table
-            kv_lens, q_lens = sp.kv_lens, sp.q_lens
+            qv = sp.packed_query() if direct else sp.query(q)
+            ov, table, kv_lens, q_lens = sp.partial_view(), sp.table, sp.kv_lens, sp.q_lens
         elif pk is not None:
-            qv, ov, table, kv_lens, q_lens = pk.query(q), pk.out, self._rows, self._kv_lens, pk.q_lens
+            qv = pk.q if direct else pk.query(q)
+            ov, table, kv_lens, q_lens = pk.out, self._rows, self._kv_lens, pk.q_lens
         else:
-            qv, ov, table = blocks_view(q, nb, b), blocks_view(out, nb, b), self._rows
+            o = out if f is None else f.o8
+            qv, ov, table = blocks_view(q, nb, b), blocks_view(o, nb, b), self._rows
             kv_lens, q_lens = self._kv_lens, self._q_lens
         n = self.splits * nb
         k_pages, v_pages = self.cache.page_view(layer)  # [pages, H_kv, tpp, D]
@@ -114,6 +161,8 @@ class CudnnPlan(AttentionPlan):
             pack[UID["stats"]] = sp.lse
             if sp.q_offsets is not None:  # several blocks: sub-rows share their block's queries
                 pack[UID["q_offsets"]] = sp.q_offsets.view(n + 1, 1, 1, 1)
+        if f is not None:
+            pack.update(f.scalars(layer))
         return self._executable(qv, ov), pack
 
     def _executable(self, qv: torch.Tensor, ov: torch.Tensor) -> _Executable:
@@ -134,7 +183,8 @@ class CudnnPlan(AttentionPlan):
 
 
 class CudnnBackend(AttentionBackend):
-    """cudnn-frontend paged SDPA (Hopper or newer, bf16/fp16).
+    """cudnn-frontend paged SDPA (Hopper or newer, bf16/fp16 caches; fp8 e4m3 caches
+    through cuDNN's fp8 SDPA, see the module doc).
 
     Args:
         plan_dir: keep built execution plans in this folder and load them from it
@@ -148,6 +198,9 @@ class CudnnBackend(AttentionBackend):
 
     Attributes:
         plans_built, plans_loaded: how many cuDNN plans this backend built and loaded.
+
+    fp8 caches: forwards of several blocks run unsplit whatever ``split`` says (their
+    sub-rows would need ragged query rows, which the fp8 SDPA does not take).
     """
 
     name = "cudnn"
@@ -164,6 +217,7 @@ class CudnnBackend(AttentionBackend):
         self._executables: dict[PagedGraphKey, _Executable] = {}
         self._handle = None
         self._arenas: dict[int, DeviceArena] = {}
+        self._q_states: dict[int, QState] = {}  # fp8 caches by owner token
 
     @property
     def plan_dir(self) -> str | None:
@@ -184,8 +238,54 @@ class CudnnBackend(AttentionBackend):
     def check_cache(self, cache) -> None:
         if cache.device.type != "cuda":
             raise ValueError(f"backend 'cudnn' needs a CUDA kv_cache, got one on {cache.device}")
-        if cache.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"backend 'cudnn' needs a bfloat16/float16 kv_cache, got {cache.dtype}")
+        if cache.dtype == FP8:
+            cc = torch.cuda.get_device_capability(cache.device)
+            if tuple(cc) < FP8_CAPABILITY:
+                raise ValueError(
+                    f"backend 'cudnn' reads a float8_e4m3fn kv_cache with cuDNN's fp8 SDPA, "
+                    f"which needs compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} "
+                    f"(Hopper) or newer; {cache.device} has {cc[0]}.{cc[1]}")
+        elif cache.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"backend 'cudnn' needs a bfloat16, float16 or float8_e4m3fn "
+                             f"kv_cache, got {cache.dtype}")
+
+    def q_state(self, cache) -> QState:
+        """The fp8 Q state (bounds, saturation counts) of ``cache`` (made on first use)."""
+        token = owner_token(cache)
+        st = self._q_states.get(token)
+        if st is None:
+            st = self._q_states[token] = QState(self.arena(cache.device.index), cache.num_layers)
+        return st
+
+    def set_q_bounds(self, cache, bounds) -> None:
+        """Declare a bound on |q| per layer of an fp8 ``cache``'s forwards: a sequence of
+        ``cache.num_layers`` positive finite numbers or Nones (a layer without one is
+        quantized by the plan from its amax instead of by the staging), or None for
+        none. A layer with a bound has its Q quantized by the fused prologue with
+        qs = bound * max s_k / 448; |q| past the bound saturates and is counted
+        (`q_saturated`). After an RMSNorm with weights w over n values, |q| <= sqrt(n) *
+        max|w|. The values are read at each forward's prepare (captured graphs see new
+        ones); whether a layer is staged is decided when a forward is captured."""
+        if cache.dtype != FP8:
+            raise ValueError(f"set_q_bounds needs a float8_e4m3fn kv_cache, got {cache.dtype}")
+        L = cache.num_layers
+        bounds = [None] * L if bounds is None else list(bounds)
+        if len(bounds) != L:
+            raise ValueError(f"bounds must hold one entry per layer ({L}), got {len(bounds)}")
+        for i, x in enumerate(bounds):
+            ok = x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)
+                               and 0 < x < float("inf"))
+            if not ok:
+                raise ValueError(f"bounds[{i}] must be a positive finite number or None, got {x!r}")
+        st = self.q_state(cache)
+        values = torch.tensor([1.0 if x is None else float(x) for x in bounds], dtype=torch.float32)
+        st.bound.copy_(values)
+        st.known[:] = [x is not None for x in bounds]
+
+    def q_saturated(self, cache) -> list[int]:
+        """Q values the staging saturated, per layer of an fp8 ``cache`` (host ints:
+        synchronises)."""
+        return self.q_state(cache).saturated.tolist()
 
     def plan(self, cache, *, tokens, block_size, num_heads, scale, batch=1) -> CudnnPlan:
         self.check_cache(cache)
@@ -195,7 +295,8 @@ class CudnnBackend(AttentionBackend):
         if plan is None:
             packed, S = self.layout_for(cache.geometry, cache.tokens_per_page, num_heads,
                                         tokens, block_size, cache.device, batch=batch,
-                                        num_kv_heads=cache.num_kv_heads)
+                                        num_kv_heads=cache.num_kv_heads,
+                                        fp8=cache.dtype == FP8)
             plan = self._plans[key] = CudnnPlan(self, cache, tokens=tokens, block_size=block_size,
                                                 num_heads=num_heads, scale=float(scale), splits=S,
                                                 batch=batch, packed=packed)
@@ -203,12 +304,15 @@ class CudnnBackend(AttentionBackend):
 
     def layout_for(self, geometry, tokens_per_page: int, num_heads: int, tokens: int,
                    block_size: int, device=None, *, batch: int = 1,
-                   num_kv_heads: int | None = None) -> tuple[bool, int]:
+                   num_kv_heads: int | None = None, fp8: bool = False) -> tuple[bool, int]:
         """(packed, S) of a forward of ``tokens`` queries per sequence in ``block_size``
         blocks over ``batch`` sequences of a cache of ``geometry`` with ``num_kv_heads``
         K/V heads (default ``num_heads``: nothing to pack): each pinned by ``pack`` and
-        ``split``, else the wave model's choice."""
+        ``split``, else the wave model's choice. ``fp8``: an fp8 cache, whose forwards
+        of several blocks are unsplit (S = 1)."""
         split = self.split.get(block_size, 1) if isinstance(self.split, dict) else self.split
+        if fp8 and batch * (tokens // block_size) > 1:  # sub-rows would need ragged Q
+            split = 1
         hkv = num_heads if num_kv_heads is None else num_kv_heads
         if split != "auto" and (self.pack is False or hkv == num_heads):
             return False, split
@@ -220,10 +324,10 @@ class CudnnBackend(AttentionBackend):
 
     def split_for(self, geometry, tokens_per_page: int, num_heads: int, tokens: int,
                   block_size: int, device=None, *, batch: int = 1,
-                  num_kv_heads: int | None = None) -> int:
+                  num_kv_heads: int | None = None, fp8: bool = False) -> int:
         """S of such a forward (`layout_for`)."""
         return self.layout_for(geometry, tokens_per_page, num_heads, tokens, block_size,
-                               device, batch=batch, num_kv_heads=num_kv_heads)[1]
+                               device, batch=batch, num_kv_heads=num_kv_heads, fp8=fp8)[1]
 
     @staticmethod
     def sm_count(device) -> int:

@@ -13,6 +13,19 @@ and every plan with that key). The tensors it binds::
 With GQA query packing (``query_group`` g > 1, `packing`) Q, O and stats are
 [n, H / g, g * b, ...]: the g query heads of a K/V head stacked along the query axis.
 
+An fp8 key (``dtype`` "torch.float8_e4m3fn") builds cuDNN's fp8 SDPA (``sdpa_fp8``):
+Q, K, V and O are e4m3 (an fp8 output: Hopper has no other), and it binds six fp32
+[1, 1, 1, 1] scalars and two fp32 [1, 1, 1, 1] outputs, all device tensors read or
+written at each launch (so scales change without a rebuild)::
+
+    descale_q, descale_k, descale_v   S = (q * dq) (k * dk)^T * scale
+    scale_s, descale_s                P quantized as e4m3(P * scale_s), read * descale_s
+    scale_o                           O stored as e4m3(O * scale_o)
+    amax_s, amax_o                    max |P| and max |O| of the launch
+
+cuDNN's fp8 SDPA takes no ragged Q, so an fp8 key never has ``q_offsets``
+(`build_graph` refuses one).
+
 A split over several blocks has rows n = s * nb + j that read block j's queries: no
 single batch stride maps n onto j, so Q's rows are ragged (``q_offsets``: cuDNN reads
 row n's queries at element ``q_offsets[n]`` of Q, its batch stride unused), and the S
@@ -38,7 +51,7 @@ class PagedGraphKey(msgspec.Struct, frozen=True):
     """Everything baked into one built cuDNN graph; a change in any field needs a new graph."""
 
     device: int              # plans and workspaces belong to one device
-    dtype: str               # io data type of Q, K, V, O
+    dtype: str               # io data type of Q, K, V, O; float8_e4m3fn: the fp8 SDPA
     num_blocks: int          # batch of the graph: S * B * (T // b) rows (B sequences)
     block_size: int          # s_q of every row
     num_heads: int           # H (query heads)
@@ -54,10 +67,24 @@ class PagedGraphKey(msgspec.Struct, frozen=True):
     query_group: int = 1     # g query heads stacked per row (GQA packing): H / g heads of g * b
     q_offsets: bool = False  # Q rows at per-row offsets (ragged): a split's rows share queries
 
+    @property
+    def fp8(self) -> bool:
+        """Whether the graph is cuDNN's fp8 SDPA (e4m3 Q, K, V and O, scalar scales)."""
+        return self.dtype == FP8_DTYPE
+
+
+#: The `PagedGraphKey.dtype` of fp8 graphs.
+FP8_DTYPE = str(torch.float8_e4m3fn)
 
 #: Tensor uids: a plan loaded from disk has no tensor objects, so packs bind by uid.
 UID = {"q": 1, "k": 2, "v": 3, "o": 4, "k_table": 5, "v_table": 6, "seq_len_q": 7,
-       "seq_len_kv": 8, "stats": 9, "q_offsets": 10}
+       "seq_len_kv": 8, "stats": 9, "q_offsets": 10,
+       # fp8 graphs only: fp32 [1, 1, 1, 1] scalars in, then the two amax outputs
+       "descale_q": 11, "descale_k": 12, "descale_v": 13, "descale_s": 14, "scale_s": 15,
+       "scale_o": 16, "amax_s": 17, "amax_o": 18}
+
+#: The scalars an fp8 graph reads, in `sdpa_fp8`'s argument order.
+FP8_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
 
 
 def build_graph(key: PagedGraphKey, handle):
@@ -100,7 +127,10 @@ def _define(key: PagedGraphKey, handle):
     """The paged SDPA graph of ``key``, its tensors given their uids (not yet validated)."""
     import cudnn
 
-    dt = {"torch.bfloat16": cudnn.data_type.BFLOAT16, "torch.float16": cudnn.data_type.HALF}[key.dtype]
+    if key.fp8 and key.q_offsets:
+        raise ValueError(f"cuDNN's fp8 SDPA takes no ragged Q (q_offsets): {key}")
+    dt = {"torch.bfloat16": cudnn.data_type.BFLOAT16, "torch.float16": cudnn.data_type.HALF,
+          FP8_DTYPE: cudnn.data_type.FP8_E4M3}[key.dtype]
     nb, Hkv, D, qg = key.num_blocks, key.num_kv_heads, key.head_dim, key.query_group
     b, H = key.block_size * qg, key.num_heads // qg  # packed: H / g heads of g * b queries
     tpp, rp = key.tokens_per_page, key.row_pages
@@ -122,12 +152,23 @@ def _define(key: PagedGraphKey, handle):
         t["q_offsets"] = g.tensor(name="q_offsets", dim=[nb + 1, 1, 1, 1], stride=[1, 1, 1, 1],
                                   data_type=cudnn.data_type.INT64)
         t["q"].set_ragged_offset(t["q_offsets"])
-    o, stats = g.sdpa(name="paged_sdpa", q=t["q"], k=t["k"], v=t["v"],
-                      generate_stats=key.splits > 1,
-                      attn_scale=key.scale, use_padding_mask=True,
-                      seq_len_q=t["seq_len_q"], seq_len_kv=t["seq_len_kv"],
-                      paged_attention_k_table=t["k_table"], paged_attention_v_table=t["v_table"],
-                      paged_attention_max_seq_len_kv=rp * tpp)
+    paged = dict(generate_stats=key.splits > 1, attn_scale=key.scale, use_padding_mask=True,
+                 seq_len_q=t["seq_len_q"], seq_len_kv=t["seq_len_kv"],
+                 paged_attention_k_table=t["k_table"], paged_attention_v_table=t["v_table"],
+                 paged_attention_max_seq_len_kv=rp * tpp)
+    if key.fp8:
+        for name in FP8_SCALARS:
+            t[name] = g.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1],
+                               data_type=cudnn.data_type.FLOAT)
+        o, stats, amax_s, amax_o = g.sdpa_fp8(name="paged_sdpa_fp8", q=t["q"], k=t["k"],
+                                              v=t["v"], **{n: t[n] for n in FP8_SCALARS},
+                                              **paged)
+        for name, amax in (("amax_s", amax_s), ("amax_o", amax_o)):
+            amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(
+                cudnn.data_type.FLOAT)
+            t[name] = amax
+    else:
+        o, stats = g.sdpa(name="paged_sdpa", q=t["q"], k=t["k"], v=t["v"], **paged)
     o.set_output(True).set_dim([nb, H, b, D]).set_stride([os_[0], os_[2], os_[1], 1]).set_data_type(dt)
     t["o"] = o
     if key.splits > 1:  # log-sum-exp per (row, head, query), fp32 [nb, H, b, 1]

@@ -30,7 +30,8 @@ per forward (`SplitBuffers.rebuild`: one gather, one clamp, both graph-safe; the
 ``prepare``), so a captured forward stays right after any number of commits.
 
 The wave model also decides GQA query packing (`packing`), which changes the CTA
-count: `choose_layout` picks (packed, S) together.
+count: `choose_layout` picks (packed, S) together. cuDNN's fp8 SDPA takes no ragged Q,
+so over an fp8 pool only one-block forwards split (`CudnnBackend.layout_for`).
 """
 from __future__ import annotations
 
@@ -227,13 +228,20 @@ class SplitBuffers:
         T, H, D = q.shape
         if g > 1:
             pack_queries_(self.q_packed.view(nb, H // g, g, b, D), q, g)
-            q = self.q_packed.view(nb, H // g, g * b, D)
-            return q.as_strided((S, H // g, g * b, D), (0, g * b * D, D, 1)) if nb == 1 else q
+            return self.packed_query()
         if nb == 1:
             return q.as_strided((S, H, b, D), (0, q.stride(1), q.stride(0), 1))
         # q's token stride is the caller's: the offsets follow it in every forward
         torch.mul(self.row_block, b * q.stride(0), out=self.q_offsets)
         return blocks_view(q, nb, b)
+
+    def packed_query(self) -> torch.Tensor:
+        """`q_packed` as cuDNN reads it (`query` of a packed forward), whatever wrote it:
+        [S, H_kv, g * b, D] broadcast for one block, else [nb, H_kv, g * b, D]."""
+        S, nb, b, g = self.splits, self.num_blocks, self.block_size, self.group
+        T, H, D = self.q_packed.shape
+        q = self.q_packed.view(nb, H // g, g * b, D)
+        return q.as_strided((S, H // g, g * b, D), (0, g * b * D, D, 1)) if nb == 1 else q
 
     def partial_view(self) -> torch.Tensor:
         """The partial outputs as cuDNN writes them: [S * nb, H, b, D] (packed:

@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from framekv import ops
 from framekv.specs import ModelSpec
 
 from ..attention import get_backend
@@ -219,6 +220,13 @@ class DiTChunks:
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, ctx: ForwardContext):
         return self.dit(x, t, ctx, glue=self.glue)
+
+    def q_bounds(self) -> list[float] | None:
+        """Each block's |q| bound after its per-head QK norm (fused glue), else None."""
+        if self.glue != "fused":
+            return None
+        D = self.dit.spec.head_dim
+        return [ops.q_bound(b.q_norm.weight, "head", D) for b in self.dit.blocks]
 
     def write_prompt(self, kv: KVStore, rows, prompt: torch.Tensor, *, rewrite: bool = False,
                      recorder: Recorder | None = None) -> None:

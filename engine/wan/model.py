@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from framekv import ops
+
 from ..attention import CachedAttention
 from ..kv import ForwardContext, KVStore, Recorder
 from ..model.blocks import Rope3D
@@ -78,6 +80,13 @@ class WanChunks:
         if self.prompt_shape is None:
             raise ValueError("a default prompt needs prompt_tokens (its length L)")
         return torch.randn(self.prompt_shape, generator=torch.Generator().manual_seed(0))
+
+    def q_bounds(self) -> list[float] | None:
+        """Each block's |q| bound after its QK norm over all heads (fused glue), else None."""
+        if self.glue != "fused":
+            return None
+        return [ops.q_bound(b.attn1.norm_q.weight, "all", self.layers[0].head_dim)
+                for b in self.model.blocks]
 
     @torch.no_grad()
     def write_prompt(self, kv: KVStore, rows, prompt: torch.Tensor, *, rewrite: bool = False,
