@@ -32,9 +32,12 @@ _QUERY_TILE = 256
 
 def rollout_bytes(model: ModelSpec, rollout: RolloutSpec, dtype: torch.dtype, *,
                   weights: bool = True, paged_cache: bool = True,
-                  reference_attention: bool = False, sequences: int = 1) -> dict[str, int]:
+                  reference_attention: bool = False, sequences: int = 1,
+                  kv_dtype: torch.dtype | None = None) -> dict[str, int]:
     """Bytes a rollout of these specs needs on its device, by part (see module doc);
-    ``sequences`` sequences batched: B pools' worth of cache, B x the activations."""
+    ``sequences`` sequences batched: B pools' worth of cache, B x the activations.
+    ``dtype`` is the compute dtype, ``kv_dtype`` the pool's (default ``dtype``; an fp8
+    pool is half a bf16 one)."""
     size = torch.empty((), dtype=dtype).element_size()
     T, hid = sequences * rollout.chunk_tokens, model.hidden_size
     qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
@@ -46,7 +49,8 @@ def rollout_bytes(model: ModelSpec, rollout: RolloutSpec, dtype: torch.dtype, *,
     if paged_cache:
         out["kv_cache"] = CausalKVCache.pool_bytes_for(
             rollout.geometry(), num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim, dtype=dtype, tokens_per_page=model.tokens_per_page,
+            head_dim=model.head_dim, dtype=dtype if kv_dtype is None else kv_dtype,
+            tokens_per_page=model.tokens_per_page,
             num_sequences=sequences)
     return out
 

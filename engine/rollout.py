@@ -7,7 +7,9 @@ sampled by Euler over ``denoising_steps`` steps of t = linspace(1, 0) with the w
 chunk one causal block, then cleaned in one-frame blocks; a short last chunk
 (``last_chunk_frames``) gets a graph of its own. Where the K/V go is a `KVStore`: the
 paged cache (default), the fp32 reference (``kv="reference"``), a store across ranks
-(``process_group``), or one the caller built for this geometry. Memory is constant in
+(``process_group``), or one the caller built for this geometry. The paged pool holds the
+model's dtype or, with ``kv_dtype="fp8"``, float8 e4m3 with per-head scales
+(`resolve_kv_dtype`); q, k and v stay in the model's dtype. Memory is constant in
 the number of chunks: the pool never grows, graphs are captured once per chunk length
 and batch size, the runner keeps nothing per chunk.
 """
@@ -33,6 +35,31 @@ from .memory import check_fits, rollout_bytes
 from .model import CausalVideoDiT, DiTChunks, default_backend, model_dtype
 from .checks import check_choice
 from .runner import ChunkRunner
+
+#: The names ``kv_dtype`` takes (also ``--kv-dtype``): "bf16" the model's own dtype (an
+#: unquantized pool), "fp8" float8 e4m3 (`torch.float8_e4m3fn`).
+KV_DTYPES = ("bf16", "fp8")
+
+
+def resolve_kv_dtype(kv_dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The K/V pool's dtype for ``kv_dtype``.
+
+    None or "bf16": ``model_dtype`` (the pool holds K/V as the model computes them: bf16
+    on CUDA, fp32 on a CPU); "fp8" or `torch.float8_e4m3fn`: an e4m3 pool, quantized with
+    the cache's per-layer, per-head scales (`CausalKVCache.kv_scales`); a torch dtype
+    equal to ``model_dtype``: that. Anything else is a ValueError naming ``kv_dtype``, the
+    values allowed and the value given: a pool of another unquantized dtype than the
+    model's is not supported (k and v are written as the model computes them).
+    """
+    if kv_dtype is None or (isinstance(kv_dtype, str) and kv_dtype == "bf16"):
+        return model_dtype
+    if (isinstance(kv_dtype, str) and kv_dtype == "fp8") or kv_dtype is torch.float8_e4m3fn:
+        return torch.float8_e4m3fn
+    if isinstance(kv_dtype, torch.dtype) and kv_dtype == model_dtype:
+        return kv_dtype
+    model = str(model_dtype).removeprefix("torch.")
+    raise ValueError(f"kv_dtype must be None, 'bf16' (the model's dtype, {model}), 'fp8', "
+                     f"torch.float8_e4m3fn or torch.{model}, got {kv_dtype!r}")
 
 
 def resolve_device(device=None) -> torch.device:
@@ -86,6 +113,14 @@ class Rollout(ChunkRunner):
         sequences, batch_sizes: as for `ChunkRunner` (B sequences on one paged pool).
         glue: "fused" (framekv's ops, default) or "torch" (torch ops): the same math.
         trim_clean_pass: as for `ChunkRunner`.
+        kv_dtype: the paged pool's dtype (`resolve_kv_dtype`): None or "bf16" the model's
+            dtype (default), "fp8" or torch.float8_e4m3fn. With a ``kv`` the caller built,
+            None takes its cache's dtype and anything else must name it; the reference
+            store keeps fp32 (no fp8).
+
+    Attributes:
+        kv_dtype: the dtype the K/V are kept in (the pool's; the model's for a store
+            without a pool).
 
     Usage::
 
@@ -98,7 +133,7 @@ class Rollout(ChunkRunner):
                  debug: bool = False, model: CausalVideoDiT | None = None,
                  process_group=None, kv="paged", cache_dir=None,
                  sequences: int | None = None, batch_sizes=None, glue: str = "fused",
-                 trim_clean_pass: bool = True):
+                 trim_clean_pass: bool = True, kv_dtype=None):
         check_choice("glue", glue, ("fused", "torch"))
         if sequences is not None and (kv != "paged" or process_group is not None):
             raise ValueError("sequences runs several sequences on one paged pool: it needs "
@@ -107,15 +142,18 @@ class Rollout(ChunkRunner):
         self.name, self.model_spec, self.spec = resolve_specs(preset)
         dev = resolve_device(device)
         dtype = model_dtype(self.model_spec, dev)
+        held = getattr(getattr(kv, "cache", None), "dtype", None)
+        self.kv_dtype: torch.dtype = (held if kv_dtype is None and held is not None
+                                      else resolve_kv_dtype(kv_dtype, dtype))
         geometry = self.spec.geometry()
         check_fits(f"preset {self.name!r}", rollout_bytes(
             self.model_spec, self.spec, dtype, weights=model is None,
-            paged_cache=kv == "paged", sequences=sequences or 1,
+            paged_cache=kv == "paged", sequences=sequences or 1, kv_dtype=self.kv_dtype,
             reference_attention=_default_name(backend, dev) == "reference"), dev)
         self.model = self._model(model, backend, dev, use_cache_dir(cache_dir, dev))
         #: name of the attention backend (a shared model brings its own)
         self.backend: str = self.model.blocks[0].attn.backend.name
-        store = self._store(kv, process_group, geometry, dev, dtype, sequences or 1)
+        store = self._store(kv, process_group, geometry, dev, self.kv_dtype, sequences or 1)
         s = self.spec
         last = (s.chunks - 1, s.last_chunk_frames) if s.last_chunk_frames else None
         timesteps = torch.linspace(1.0, 0.0, s.denoising_steps + 1)[:-1].tolist()
@@ -145,12 +183,17 @@ class Rollout(ChunkRunner):
         return model
 
     def _store(self, kv, process_group, geometry, device, dtype, B: int) -> KVStore:
+        """The K/V store; ``dtype`` the pool's (`kv_dtype`)."""
         if isinstance(kv, KVStore):
             if kv.geometry != geometry:
                 raise ValueError(f"kv keeps geometry {kv.geometry}, this rollout needs "
                                  f"{geometry}")
+            check_store_dtype(kv, dtype)
             return kv
         if kv == "reference":
+            if dtype == torch.float8_e4m3fn:
+                raise ValueError("kv_dtype='fp8' needs the paged cache (kv='paged'): the "
+                                 "reference store keeps fp32 K/V, got kv='reference'")
             return ReferenceKV(geometry, self.model_spec.num_layers)
         if kv != "paged":
             raise ValueError(f"kv must be 'paged', 'reference' or a KVStore, got {kv!r}")
@@ -187,6 +230,16 @@ class Rollout(ChunkRunner):
         if not self.prefilled:
             self.prefill()
         return [self.step() for _ in range(self.spec.chunks if chunks is None else chunks)]
+
+
+def check_store_dtype(kv: KVStore, dtype: torch.dtype) -> None:
+    """ValueError unless a caller-built store's pool (if it has one) holds ``dtype``."""
+    cache = getattr(kv, "cache", None)
+    held = getattr(cache, "dtype", None)
+    if held is not None and held != dtype:
+        raise ValueError(f"kv's cache holds {str(held).removeprefix('torch.')}, but kv_dtype "
+                         f"asks for {str(dtype).removeprefix('torch.')}: pass the kv_dtype "
+                         "of the cache, or None with a cache of the model's dtype")
 
 
 class WarmupResult(NamedTuple):

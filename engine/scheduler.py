@@ -110,6 +110,9 @@ class StreamScheduler:
         runner_factory: instead of the preset's `Rollout`, a callable
             ``(sequences=N, batch_sizes=sizes) -> ChunkRunner`` (e.g. a `WanRollout`
             partial).
+        kv_dtype: the K/V pool of the preset's `Rollout` (its ``kv_dtype``: None or
+            "bf16" the model's dtype, "fp8"); a ``runner_factory`` sets its own runner's,
+            so it takes None here.
         decoder_factory: None (latents only), or a callable ``(slots) ->`` a
             streaming video decoder (``decode(latents [B, C, F, H, W], rows=...)`` ->
             frames [B, 3, F', H', W'] in [-1, 1], ``reset(rows=...)``, ``snapshot(row)``
@@ -122,8 +125,11 @@ class StreamScheduler:
                  device=None, backend=None, cache_dir=None, use_graphs: bool = True,
                  queue_chunks: int = 4, batch_sizes=None, progress: bool = False,
                  runner_factory=None, decoder_factory=None, ended_records: int = 1024,
-                 swap_quantum: int = 16):
+                 swap_quantum: int = 16, kv_dtype=None):
         S = _check_counts(max_sessions, slots, queue_chunks, ended_records)
+        if kv_dtype is not None and runner_factory is not None:
+            raise ValueError(f"kv_dtype is the preset's Rollout's: with a runner_factory, "
+                             f"set it in the factory, got kv_dtype={kv_dtype!r}")
         if isinstance(swap_quantum, bool) or not isinstance(swap_quantum, int) or swap_quantum < 1:
             raise ValueError(f"swap_quantum must be an integer >= 1, got {swap_quantum!r}")
         self.swap_quantum = swap_quantum
@@ -136,7 +142,8 @@ class StreamScheduler:
         self.max_sessions, self.slots, self.queue_chunks = max_sessions, S, queue_chunks
         self.batch_sizes = sizes
         make = runner_factory or functools.partial(
-            Rollout, preset, device, backend=backend, cache_dir=cache_dir, use_graphs=use_graphs)
+            Rollout, preset, device, backend=backend, cache_dir=cache_dir, use_graphs=use_graphs,
+            kv_dtype=kv_dtype)
         self.runner: ChunkRunner = make(sequences=S + scratch, batch_sizes=sizes)
         if not isinstance(self.runner, ChunkRunner):
             raise ValueError(f"runner_factory must build a ChunkRunner, got "

@@ -11,7 +11,7 @@ from framekv.specs import (DTYPES, Geometry, ModelSpec, Preset, RolloutSpec, War
                            decode_json, decode_toml, encode_json, list_presets, load,
                            load_preset)
 
-SHIPPED = ("seed-bench", "small-stream", "tiny", "wan-1.3b")
+SHIPPED = ("seed-bench", "small-stream", "tiny", "wan-1.3b", "wan-14b")
 
 
 def raises(*fragments: str):
@@ -319,6 +319,17 @@ def test_preset_wan():
     assert m.tokens_per_page == 32
 
 
+def test_preset_wan_14b():
+    p = load_preset("wan-14b")
+    m, r = p.model, p.rollout
+    assert (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size,
+            m.ffn_size) == (40, 40, 40, 128, 5120, 13824)
+    assert (m.text_dim, m.freq_dim, m.in_channels, m.patch_size) == (4096, 256, 16, (1, 2, 2))
+    assert m.tokens_per_frame == 1560
+    # The rollout is wan-1.3b's: only the model differs.
+    assert r == load_preset("wan-1.3b").rollout
+
+
 def test_preset_tiny():
     p = load_preset("tiny")
     m, r = p.model, p.rollout
@@ -364,7 +375,8 @@ def test_decode_toml():
 
 
 def test_unknown_preset_lists_available():
-    with raises("unknown preset 'nope'", "available: seed-bench, small-stream, tiny, wan-1.3b"):
+    with raises("unknown preset 'nope'",
+                "available: seed-bench, small-stream, tiny, wan-1.3b, wan-14b"):
         load_preset("nope")
 
 

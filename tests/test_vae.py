@@ -52,6 +52,7 @@ def test_configs_pair_with_the_transformers_and_diffusers_defaults():
 
     assert VAE_CONFIGS["tiny"]["z_dim"] == CONFIGS["tiny"]["in_channels"]
     assert VAE_CONFIGS["1.3b"]["z_dim"] == CONFIGS["1.3b"]["in_channels"]
+    assert VAE_CONFIGS["14b"]["z_dim"] == CONFIGS["14b"]["in_channels"]
     defaults = {k: p.default for k, p in inspect.signature(AutoencoderKLWan).parameters.items()}
     for k, v in VAE_CONFIGS["1.3b"].items():
         assert list(v) == list(defaults[k]) if isinstance(v, tuple) else v == defaults[k], k

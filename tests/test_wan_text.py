@@ -95,6 +95,7 @@ def test_random_weights_and_the_byte_tokenizer():
     assert torch.equal(x, b.encode(["a fox", "dawn"]))
     assert not torch.equal(x, c.encode(["a fox", "dawn"]))
     assert TEXT_CONFIGS["1.3b"]["d_model"] == CONFIGS["1.3b"]["text_dim"]
+    assert TEXT_CONFIGS["14b"]["d_model"] == CONFIGS["14b"]["text_dim"]
     assert a.encode("x").dtype == torch.float32
     assert TextEncoder.from_config("tiny", dtype=torch.bfloat16, device="cpu").encode("x").dtype \
         == torch.bfloat16

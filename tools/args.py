@@ -73,3 +73,17 @@ def writable_file(text: str) -> str:
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
     return text
+
+
+#: ``--kv-dtype`` values: "bf16" the model's own dtype (an unquantized pool, as without
+#: the option), "fp8" a float8 e4m3 pool (`framekv.engine.rollout.resolve_kv_dtype`).
+KV_DTYPES = ("bf16", "fp8")
+
+
+def add_kv_dtype_argument(p: argparse.ArgumentParser, choices: tuple[str, ...] = KV_DTYPES,
+                          extra: str = "") -> None:
+    """``--kv-dtype {bf16,fp8}`` (default bf16) into ``args.kv_dtype``; ``extra`` adds to
+    the help what further ``choices`` mean."""
+    p.add_argument("--kv-dtype", choices=choices, default="bf16",
+                   help="the K/V cache's pool: bf16 (the model's dtype, default) or fp8 "
+                        "(float8 e4m3, per-head scales; half the bytes)" + extra)

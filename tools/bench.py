@@ -29,6 +29,23 @@ Sections (``--sections``, default all; `SECTIONS`, which the help lists):
                 graphed, and text -> UMT5 -> `WanRollout` (1.3B, 21-frame window) ->
                 decoded frames on the host, the decode after each chunk or overlapped
                 with the next chunk's denoising (`framekv.bench.pixels`)
+    fp8         bf16 against fp8 K/V side by side, speed beside accuracy, in parts
+                (``--fp8-parts``, default all; `framekv.bench.fp8`): forward, one
+                layer's paged cuDNN forward at the PRESET geometry, the denoising
+                forward and the clean pass over a bf16 and an fp8 pool of the same
+                K/V (``--iters`` rounds rotated, CUDA events), each output's max and
+                mean error against the fp32 exact-window reference; reference, the
+                ``--e2e-preset`` model at a 21-frame window over both pools (attention
+                errors, the fp8 latents' relative L2 from the bf16 path over
+                ``--chunks`` chunks, ``--chunk-iters`` rounds rotated); wan, diffusers'
+                Wan at each of ``--wan-configs`` (default 1.3b; 14b needs about 28 GiB
+                of weights and is timed one pool after the other where both pools do
+                not fit beside them), latent 60x104, 3-frame chunks, a 21-frame
+                window: ms per chunk, frames per second, peak memory and the fp8
+                latents' relative L2 over ``--wan-chunks`` chunks
+
+``--kv-dtype bf16|fp8`` (default bf16) is the K/V pool of framekv's rollouts in the e2e
+and wan sections; ``--kv-dtype both`` runs them at bf16 and adds the fp8 section.
 
 Prints a table per section; ``--json FILE`` writes every number with the environment;
 ``--png FILE`` draws a chart (needs matplotlib, the ``plot`` extra). ``--chart-from
@@ -43,10 +60,14 @@ import functools
 import json
 import sys
 
-from .args import writable_file
+from .args import add_kv_dtype_argument, positive_int, writable_file
 from .conventions import add_preset_arguments, preset_help
 
-SECTIONS = ("attention", "chunk", "e2e", "wan", "streams", "breakdown", "pixels")
+SECTIONS = ("attention", "chunk", "e2e", "wan", "streams", "breakdown", "pixels", "fp8")
+#: The fp8 section's parts (`framekv.bench.fp8.PARTS`) and the Wan configs it takes
+#: (`framekv.engine.wan.CONFIGS`), named here so that parsing imports neither.
+FP8_PARTS = ("forward", "reference", "wan")
+WAN_CONFIGS = ("tiny", "1.3b", "14b")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -65,6 +86,16 @@ def _sections(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"must be a comma-separated subset of {list(SECTIONS)}, "
                                          f"got {text!r}")
     return names
+
+
+def _subset(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [s for s in text.split(",") if s]
+        if not names or any(n not in choices for n in names):
+            raise argparse.ArgumentTypeError(f"must be a comma-separated subset of "
+                                             f"{list(choices)}, got {text!r}")
+        return names
+    return parse
 
 
 def _windows(text: str) -> list[int]:
@@ -89,20 +120,34 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sections", type=_sections, default=list(SECTIONS),
                    help=f"comma-separated: {','.join(SECTIONS)} (default all)")
     add_preset_arguments(p, default="seed-bench",
-                         note="the attention and chunk sections' geometry; default seed-bench")
+                         note="the geometry of the attention and chunk sections and the fp8 "
+                              "forward; default seed-bench")
     p.add_argument("--e2e-preset", metavar="PRESET", default="wan-1.3b",
                    help=preset_help("the model of the e2e and breakdown sections; "
                                     "default wan-1.3b"))
     p.add_argument("--windows", type=_windows, default=[21, 60],
                    help="e2e window sizes in frames (default 21,60)")
     p.add_argument("--chunks", type=_iters, default=8,
-                   help="e2e timed chunks per variant (default 8)")
-    p.add_argument("--iters", type=_iters, default=50, help="attention iterations (default 50)")
+                   help="e2e timed chunks per variant; the fp8 reference part's compared "
+                        "chunks (default 8)")
+    p.add_argument("--iters", type=_iters, default=50,
+                   help="attention iterations; fp8 forward rounds (default 50)")
     p.add_argument("--chunk-iters", type=_iters, default=10,
-                   help="chunk-cycle iterations (default 10)")
+                   help="chunk-cycle iterations; fp8 reference and wan rounds (default 10)")
     p.add_argument("--splits", default="2,3,4,5,6",
                    help="split-KV sub-row counts to time (default 2,3,4,5,6)")
     p.add_argument("--no-warmup", action="store_true", help="skip the cold/warm warm-up runs")
+    add_kv_dtype_argument(p, ("bf16", "fp8", "both"),
+                          extra=", for framekv's rollouts in the e2e and wan sections; both: "
+                                "those at bf16, and the fp8 section side by side")
+    p.add_argument("--fp8-parts", type=_subset(FP8_PARTS), default=list(FP8_PARTS),
+                   help=f"the fp8 section's parts, comma-separated: {','.join(FP8_PARTS)} "
+                        "(default all)")
+    p.add_argument("--wan-configs", type=_subset(WAN_CONFIGS), default=["1.3b"],
+                   help="the fp8 section's Wan configs, comma-separated: "
+                        f"{','.join(WAN_CONFIGS)} (default 1.3b)")
+    p.add_argument("--wan-chunks", type=positive_int, default=20,
+                   help="the fp8 section's Wan chunks whose latents are compared (default 20)")
     p.add_argument("--json", dest="json_path", metavar="FILE", type=writable_file, default=None,
                    help="write every number, with the environment, to FILE")
     p.add_argument("--png", metavar="FILE", type=writable_file, default=None,
@@ -141,8 +186,15 @@ def run(args: argparse.Namespace) -> int:
             with open(args.json_path, "w") as f:
                 json.dump(results, f, indent=2)
 
+    args.sections = sections_of(args)
     _run_sections(args, preset, splits, results, save)
     return _chart(results, args.png) if args.png else 0
+
+
+def sections_of(args: argparse.Namespace) -> list[str]:
+    """The sections a run measures: ``--sections``, and fp8 with ``--kv-dtype both``."""
+    both = getattr(args, "kv_dtype", "bf16") == "both"
+    return [*args.sections, "fp8"] if both and "fp8" not in args.sections else list(args.sections)
 
 
 def _run_sections(args, preset, splits, results, save) -> None:
@@ -150,6 +202,7 @@ def _run_sections(args, preset, splits, results, save) -> None:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
     out = results["sections"]
+    kv_dtype = "fp8" if getattr(args, "kv_dtype", "bf16") == "fp8" else None
     if "attention" in args.sections:
         from framekv.bench import attention, split
 
@@ -174,14 +227,15 @@ def _run_sections(args, preset, splits, results, save) -> None:
         out["e2e"] = []
         for w in args.windows:
             out["e2e"].append(e2e.measure_e2e(args.e2e_preset, window_frames=w,
-                                              chunks=args.chunks, progress=progress))
+                                              chunks=args.chunks, progress=progress,
+                                              kv_dtype=kv_dtype))
             save()
             print(e2e.format_e2e(out["e2e"][-1]), flush=True)
     if "wan" in args.sections:
         from framekv.bench import wan
 
         out["wan"] = wan.measure_wan("1.3b", window_frames=21, chunks=min(args.chunks, 5),
-                                     progress=progress)
+                                     progress=progress, kv_dtype=kv_dtype)
         save()
         print(wan.format_wan(out["wan"]), flush=True)
     if "breakdown" in args.sections:
@@ -192,6 +246,8 @@ def _run_sections(args, preset, splits, results, save) -> None:
         out["pixels"] = pixels.measure_pixels(chunks=min(args.chunks, 6), progress=progress)
         save()
         print(pixels.format_pixels(out["pixels"]), flush=True)
+    if "fp8" in args.sections:
+        _fp8(args, preset, out, save, progress)
     if "streams" in args.sections:
         from framekv.bench import streams
 
@@ -201,6 +257,22 @@ def _run_sections(args, preset, splits, results, save) -> None:
                 preset_name, batches=batches, chunks=args.chunks, progress=progress))
             save()
             print(streams.format_streams(out["streams"][-1]), flush=True)
+
+
+def _fp8(args, preset, out: dict, save, progress) -> None:
+    """The fp8 section, part by part (each saved and printed as it finishes), then its
+    summary."""
+    from framekv.bench import fp8
+
+    res = out["fp8"] = {"parts": list(args.fp8_parts)}
+    for part, r in fp8.measure_parts(
+            args.e2e_preset, parts=args.fp8_parts, forward_preset=preset, window_frames=21,
+            chunks=args.chunks, rounds=args.chunk_iters, iters=args.iters,
+            wan_configs=args.wan_configs, wan_chunks=args.wan_chunks, progress=progress):
+        fp8.collect(res, part, r)
+        save()
+        print(fp8.format_part(part, r), flush=True)
+    print(fp8.format_summary(res), flush=True)
 
 
 def _breakdown(args, out: dict, save, progress) -> None:

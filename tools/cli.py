@@ -23,7 +23,8 @@ import os
 import sys
 
 from . import bench, generate, serve
-from .args import nonnegative_int, positive_int, tolerance, writable_file
+from .args import (add_kv_dtype_argument, nonnegative_int, positive_int, tolerance,
+                   writable_file)
 from .conventions import add_backend_argument, add_preset_arguments, preset_help, version_line
 
 CPU_NOTE = "cpu: graphs run eagerly; nothing is captured"
@@ -56,13 +57,15 @@ def _cmd_demo(args) -> int:
             report = run_wan_demo(args.config, preset=args.preset, weights=args.weights,
                                   chunks=args.chunks,
                                   device=args.device, backend=args.backend,
-                                  check_chunks=args.check_chunks, cache_dir=args.cache_dir)
+                                  check_chunks=args.check_chunks, cache_dir=args.cache_dir,
+                                  kv_dtype=args.kv_dtype)
         else:
             from .demo import run_demo
 
             report = run_demo(args.preset or "tiny", chunks=args.chunks, device=args.device,
                               backend=args.backend, check_chunks=args.check_chunks,
-                              progress=not args.no_progress, cache_dir=args.cache_dir)
+                              progress=not args.no_progress, cache_dir=args.cache_dir,
+                              kv_dtype=args.kv_dtype)
     except (ValueError, FileNotFoundError) as exc:
         return _fail("demo", exc)
     if args.json and report.get("rank", 0) == 0:  # under torchrun, rank 0 writes it
@@ -76,9 +79,13 @@ def _cmd_verify(args) -> int:
 
     try:
         report = run_verify(args.preset or "tiny", chunks=args.chunks, device=args.device,
-                            backend=args.backend, tolerance=args.tolerance, glue=args.glue)
+                            backend=args.backend, tolerance=args.tolerance, glue=args.glue,
+                            kv_dtype=args.kv_dtype)
     except (ValueError, FileNotFoundError) as exc:
         return _fail("verify", exc)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=2)
     return 0 if report.ok else 1
 
 
@@ -88,6 +95,7 @@ def _rollout_args(p: argparse.ArgumentParser, note: str) -> None:
                    help="chunks to generate (default: the preset's)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     add_backend_argument(p, "cudnn on CUDA, reference on CPU")
+    add_kv_dtype_argument(p)
 
 
 def load_preset_arg(name: str):
@@ -234,9 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="replay-correctness harness: eager vs graphs vs the fp32 reference")
     _rollout_args(verify, "default tiny")
     verify.add_argument("--tolerance", type=tolerance, default=None,
-                        help="max abs error allowed (default: 1e-4 in fp32, 2e-2 in bf16)")
+                        help="max abs error allowed (default: 1e-4 in fp32, 2e-2 in bf16, "
+                             "2.5e-1 over an fp8 pool)")
     verify.add_argument("--glue", choices=("fused", "torch"), default="fused",
                         help="the model's glue: framekv's fused ops (default) or torch ops")
+    verify.add_argument("--json", metavar="FILE", type=writable_file, default=None,
+                        help="also write the report as JSON to FILE (errors, and an fp8 "
+                             "pool's saturation counts)")
     verify.set_defaults(func=_cmd_verify)
     _warmup_args(sub.add_parser("warmup", help="capture every graph a preset's rollout "
                                 "replays, up front"))

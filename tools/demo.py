@@ -31,6 +31,9 @@ from framekv.engine.rollout import Rollout, resolve_device, resolve_specs, with_
 #: A check passes when max|a - b| <= tolerance * max(1, max|b|): fp32 sides differ in
 #: summation order only; bf16/fp16 latents drift by rounding through the sampler.
 CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+#: The same over an fp8 pool (both sides fp8: the backends may quantize Q too, and
+#: e4m3's 2^-4 rounding feeds through the sampler).
+FP8_CHECK_TOLERANCE = 1e-1
 
 
 class Progress:
@@ -90,9 +93,12 @@ def _compare(name: str, want: list, got: list, tol: float, note: str) -> dict:
 
 def _checks(main: Rollout, spec, kept: list, backend_name: str, group=None) -> list[dict]:
     """Re-run the first chunks eagerly and with the reference backend; compare."""
-    n, tol = len(kept), CHECK_TOLERANCE[main.dtype]
+    n = len(kept)
+    tol = (FP8_CHECK_TOLERANCE if main.kv_dtype == torch.float8_e4m3fn
+           else CHECK_TOLERANCE[main.dtype])
     cpu = main.device.type != "cuda"
     parallel = {} if group is None else {"process_group": group}
+    parallel["kv_dtype"] = main.kv_dtype
     eager = Rollout(spec, main.device, backend=main.backend, use_graphs=False, model=main.model,
                     **parallel)
     out = [_compare("graphs vs eager", kept, eager.run(n), tol,
@@ -137,12 +143,14 @@ def distributed_from_env(device=None):
 
 def run_demo(preset="tiny", *, chunks: int | None = None, device=None, backend=None,
              check_chunks: int = 2, stream=None, progress: bool = True,
-             cache_dir=None) -> dict:
+             cache_dir=None, kv_dtype=None) -> dict:
     """Run the demo; returns its report (what ``--json`` writes). Text goes to ``stream``
     (default stdout), the progress bar to stderr; under torchrun only rank 0 writes
     either, and the report also holds ``world_size`` and ``rank``. ``cache_dir``:
     load (and keep) compiled kernels and cuDNN plans there (`framekv warmup --cache-dir`
-    fills it), so the captures build nothing."""
+    fills it), so the captures build nothing. ``kv_dtype``: the K/V pool (`Rollout`'s;
+    the checks' rollouts use the same); over fp8 the report holds the pool's
+    statistics (``kv_stats``: saturation counts, amax, scales)."""
     if isinstance(check_chunks, bool) or not isinstance(check_chunks, int) or check_chunks < 0:
         raise ValueError(f"check_chunks must be an integer >= 0, got {check_chunks!r}")
     name, mspec, rspec = resolve_specs(preset)
@@ -152,7 +160,7 @@ def run_demo(preset="tiny", *, chunks: int | None = None, device=None, backend=N
     try:
         return _run(name, mspec, rspec, device, backend, check_chunks,
                     (stream or sys.stdout) if rank == 0 else io.StringIO(),
-                    progress and rank == 0, group, cache_dir)
+                    progress and rank == 0, group, cache_dir, kv_dtype)
     finally:
         del group
         if created:
@@ -177,11 +185,12 @@ def release_process_group() -> None:
 
 
 def _run(name, mspec, rspec, device, backend, check_chunks: int, stream, progress: bool,
-         group, cache_dir=None) -> dict:
+         group, cache_dir=None, kv_dtype=None) -> dict:
     """The demo on one rank (``group``: its process group, or None for one process)."""
     t0 = time.perf_counter()
     parallel = {} if group is None else {"process_group": group}
-    r = Rollout((mspec, rspec), device, backend=backend, cache_dir=cache_dir, **parallel)
+    r = Rollout((mspec, rspec), device, backend=backend, cache_dir=cache_dir,
+                kv_dtype=kv_dtype, **parallel)
     bname = r.backend
     _print_header(stream, name, r, bname)
     r.capture()
@@ -194,6 +203,8 @@ def _run(name, mspec, rspec, device, backend, check_chunks: int, stream, progres
         bar.finish()
     report = _report(name, r, bname, setup_s, prefill_s, lat)
     report["builds"] = builds
+    if r.cache is not None and r.kv_dtype == torch.float8_e4m3fn:
+        report["kv_stats"] = r.cache.kv_stats()
     if r.parallel is not None:
         report["world_size"], report["rank"] = r.parallel.world_size, r.parallel.rank
     _print_run(stream, report, r)
@@ -207,8 +218,10 @@ def _run(name, mspec, rspec, device, backend, check_chunks: int, stream, progres
 def _print_header(stream, name: str, r: Rollout, bname: str) -> None:
     m, s = r.model_spec, r.spec
     g = r.geometry
+    pool = ("" if r.kv_dtype == r.dtype
+            else f", K/V pool {str(r.kv_dtype).removeprefix('torch.')}")
     print(f"framekv demo: preset {name}, device {r.device}, backend {bname}, "
-          f"{str(r.dtype).removeprefix('torch.')}", file=stream)
+          f"{str(r.dtype).removeprefix('torch.')}{pool}", file=stream)
     if r.device.type == "cuda" and bname == "reference" and not cudnn_frontend_available():
         print(f"note: nvidia-cudnn-frontend is not installed, so attention runs the fp32 "
               f"reference backend (slow): {CUDNN_INSTALL}", file=stream)
@@ -236,7 +249,9 @@ def _report(name: str, r: Rollout, bname: str, setup_s: float, prefill_s: float,
         memory["torch_max_allocated_bytes"] = torch.cuda.max_memory_allocated(r.device)
         memory["torch_reserved_bytes"] = torch.cuda.memory_reserved(r.device)
     return {"preset": name, "device": str(r.device), "backend": bname,
-            "dtype": str(r.dtype).removeprefix("torch."), "chunks": len(lat), "frames": frames,
+            "dtype": str(r.dtype).removeprefix("torch."),
+            "kv_dtype": str(r.kv_dtype).removeprefix("torch."), "chunks": len(lat),
+            "frames": frames,
             "setup_seconds": setup_s, "prefill_seconds": prefill_s, "chunk_seconds": lat,
             "median_chunk_seconds": statistics.median(lat) if lat else 0.0,
             "latent_frames_per_second": frames / total if total else 0.0,
@@ -272,6 +287,20 @@ def _print_run(stream, rep: dict, r: Rollout) -> None:
         line += (f"; torch peak allocated {mem['torch_max_allocated_bytes'] / 2**20:.1f} MiB, "
                  f"reserved {mem['torch_reserved_bytes'] / 2**20:.1f} MiB")
     print(line, file=stream)
+    if "kv_stats" in rep:
+        print(format_saturation(rep["kv_stats"]), file=stream)
+
+
+def format_saturation(stats: dict) -> str:
+    """One line of an fp8 pool's saturation counts (`CausalKVCache.kv_stats`): the total
+    and, when any value was clamped, the per-layer K/V counts and a warning."""
+    counts = stats["saturated"]
+    total = sum(k + v for k, v in counts)
+    if not total:
+        return "fp8 K/V: no value saturated (none clamped to +-448)"
+    per_layer = " ".join(f"{k}/{v}" for k, v in counts)
+    return (f"WARNING: fp8 K/V: {total} values saturated (clamped to +-448); per layer K/V: "
+            f"{per_layer}: the scales are too small for them")
 
 
 def _print_checks(stream, checks: list[dict], n: int) -> None:

@@ -68,6 +68,8 @@ Its output is by default ``frames``: every chunk decoded by the VAE in the GPU l
 (one `StreamingVAEDecoder` row per pool slot) and sent as ``--frame-format``
 images. The reference model (``--model reference``, default) has no VAE: it streams
 latents, and ``--output frames`` is a startup error.
+``--kv-dtype fp8`` keeps either model's K/V pool in float8 e4m3 (half a bf16 pool's
+bytes; `framekv.engine.rollout.resolve_kv_dtype`).
 
 One thread runs the GPU loop (`StreamScheduler.run`); every graph is captured before
 the socket opens. ``--max-sessions`` sessions may be open, ``--slots`` of them (default
@@ -98,7 +100,7 @@ import os
 import signal
 import sys
 
-from .args import bearer_token, nonnegative_int, positive_int, seconds
+from .args import add_kv_dtype_argument, bearer_token, nonnegative_int, positive_int, seconds
 from .conventions import add_preset_arguments
 from .serve_app import FRAME_FORMATS, OUTPUTS, build_app, page_html, state_dir_path
 from .serve_wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
@@ -133,6 +135,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --output frames: the images' format (default jpeg)")
     p.add_argument("--fps", type=positive_int, default=16,
                    help="the video's frame rate the page plays at (default 16)")
+    add_kv_dtype_argument(p)
     _session_options(p)
     p.add_argument("--cache-dir", default=None, help="kernels and cuDNN plans kept on disk")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -199,6 +202,13 @@ def token_of(args) -> str | None:
         raise ValueError(f"FRAMEKV_TOKEN {exc}") from None
 
 
+def kv_dtype_of(args) -> str | None:
+    """The ``kv_dtype`` of the rollout ``--kv-dtype`` names: None (the model's dtype)
+    for bf16, "fp8" for fp8."""
+    value = getattr(args, "kv_dtype", "bf16")
+    return None if value == "bf16" else value
+
+
 def model_name(args) -> str:
     """The model's name in /v1/info: "reference:PRESET" or "wan-diffusers:CONFIG" (or
     ":" + the weights folder's name)."""
@@ -232,6 +242,7 @@ def run(args) -> int:
                             slots=args.slots, swap_quantum=args.swap_quantum,
                             device=args.device, cache_dir=args.cache_dir,
                             progress=True, queue_chunks=args.queue_chunks, runner_factory=parts,
+                            kv_dtype=kv_dtype_of(args) if parts is None else None,
                             decoder_factory=parts.decoder if output == "frames" else None)
     app = build_app(sched, token=token, output=output, frame_format=args.frame_format,
                     fps=args.fps, idle_timeout=args.session_idle_timeout,
@@ -251,7 +262,8 @@ class WanParts:
     latents only) and the rollout's sizes (`framekv.engine.wan.preset_sizes`). Called
     ``(sequences=N, batch_sizes=...)`` it builds the scheduler's runner (a `WanRollout`
     that encodes text); `decoder` is the scheduler's ``decoder_factory``. ``backend``:
-    the rollout's attention backend (default: the device's, `default_backend`)."""
+    the rollout's attention backend (default: the device's, `default_backend`);
+    ``kv_dtype``: its K/V pool (`WanRollout`'s: None the model's dtype, or "fp8")."""
 
     model: object
     text_encoder: object
@@ -260,13 +272,14 @@ class WanParts:
     cache_dir: str | None = None
     use_graphs: bool = True
     backend: str | None = None
+    kv_dtype: str | None = None
 
     def __call__(self, *, sequences: int, batch_sizes):
         from framekv.engine import WanRollout
 
         return WanRollout(self.model, cache_dir=self.cache_dir, use_graphs=self.use_graphs,
                           sequences=sequences, batch_sizes=batch_sizes, backend=self.backend,
-                          text_encoder=self.text_encoder, **self.sizes)
+                          text_encoder=self.text_encoder, kv_dtype=self.kv_dtype, **self.sizes)
 
     def decoder(self, slots: int):
         """A `StreamingVAEDecoder` of one row per pool slot; on CUDA with graphs,
@@ -288,7 +301,7 @@ def wan_factory(args, *, use_graphs: bool = True, decode: bool = True) -> WanPar
     """The `WanParts` of ``--model wan-diffusers``: ``--config``'s transformer, text
     encoder (its built-in tokenizer) and, with ``decode``, VAE, all random; or those of
     the diffusers folder ``--weights``; at the sizes of ``--preset`` (default the
-    config's), prompts of the preset's ``prompt_tokens``."""
+    config's), prompts of the preset's ``prompt_tokens``, the pool of ``--kv-dtype``."""
     from framekv.engine.wan import PRESETS, build_model, preset_sizes
     from framekv.engine.wan.text import TextEncoder
     from framekv.engine.wan.vae import build_vae
@@ -307,4 +320,5 @@ def wan_factory(args, *, use_graphs: bool = True, decode: bool = True) -> WanPar
     if decode and vae is None:
         raise ValueError(f"--weights {args.weights} has no vae/ to decode frames with: add "
                          "one, or serve --output latents")
-    return WanParts(model, text, vae if decode else None, sizes, args.cache_dir, use_graphs)
+    return WanParts(model, text, vae if decode else None, sizes, args.cache_dir, use_graphs,
+                    kv_dtype=kv_dtype_of(args))

@@ -18,6 +18,8 @@ import torch
 
 #: A check passes when max|a - b| <= tolerance * max(1, max|b|).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+#: The same over an fp8 pool (both sides fp8; `framekv.tools.demo.FP8_CHECK_TOLERANCE`).
+FP8_TOLERANCE = 1e-1
 
 
 def _sync(device) -> None:
@@ -27,8 +29,9 @@ def _sync(device) -> None:
 
 def run_wan_demo(config: str = "tiny", *, preset=None, weights=None, chunks: int | None = None,
                  device=None, backend=None, check_chunks: int = 2, stream=None,
-                 cache_dir=None) -> dict:
-    """Run the demo; returns its report. Text goes to ``stream`` (default stdout)."""
+                 cache_dir=None, kv_dtype=None) -> dict:
+    """Run the demo; returns its report. Text goes to ``stream`` (default stdout).
+    ``kv_dtype``: the K/V pool (`WanRollout`'s; the checks' rollouts use the same)."""
     from framekv.engine import WanRollout
     from framekv.engine.wan import PRESETS, build_model, load_model, preset_sizes
 
@@ -40,13 +43,15 @@ def run_wan_demo(config: str = "tiny", *, preset=None, weights=None, chunks: int
     sink, window = kw["sink_frames"], kw["window_frames"]
     t0 = time.perf_counter()
     model = load_model(weights, device=device) if weights else build_model(config, device=device)
+    kw["kv_dtype"] = kv_dtype
     r = WanRollout(model, backend=backend, cache_dir=cache_dir, **kw)
     text = torch.randn(1, kw["prompt_tokens"], model.config.text_dim,
                        generator=torch.Generator().manual_seed(0))
     r.set_prompt(text)
     print(f"framekv demo: Wan {config} ({len(model.blocks)} layers, "
           f"{'weights ' + str(weights) if weights else 'random weights'}), device {r.device}, "
-          f"backend {r.backend.name}, {str(r.dtype).removeprefix('torch.')}; latent "
+          f"backend {r.backend.name}, {str(r.dtype).removeprefix('torch.')}, K/V pool "
+          f"{str(r.kv_dtype).removeprefix('torch.')}; latent "
           f"{latent[0]}x{latent[1]}, {frames}-frame chunks, sink {sink} + window {window} frames",
           file=stream)
     if r.use_graphs:
@@ -64,13 +69,19 @@ def run_wan_demo(config: str = "tiny", *, preset=None, weights=None, chunks: int
         if i < check_chunks:
             kept.append(out)
     report = {"model": "wan-diffusers", "config": config, "device": str(r.device),
-              "backend": r.backend.name, "chunks": n, "frames": n * frames,
+              "backend": r.backend.name, "kv_dtype": str(r.kv_dtype).removeprefix("torch."),
+              "chunks": n, "frames": n * frames,
               "setup_seconds": setup, "chunk_seconds": lat,
               "median_chunk_seconds": statistics.median(lat),
               "latent_frames_per_second": n * frames / sum(lat)}
     print(f"setup {setup:.2f} s; {n * frames} latent frames in {sum(lat):.3f} s: "
           f"{report['latent_frames_per_second']:.2f} latent frames/s (median chunk "
           f"{report['median_chunk_seconds'] * 1e3:.1f} ms)", file=stream)
+    if r.kv_dtype == torch.float8_e4m3fn:
+        from .demo import format_saturation
+
+        report["kv_stats"] = r.cache.kv_stats()
+        print(format_saturation(report["kv_stats"]), file=stream)
     report["checks"] = _checks(model, r, text, noises[:len(kept)], kept, kw, stream)
     report["ok"] = all(c["ok"] for c in report["checks"])
     return report
@@ -81,7 +92,8 @@ def _checks(model, r, text, noises, kept, kw, stream) -> list[dict]:
     a new rollout over the same model)."""
     from framekv.engine import WanRollout
 
-    out, tol = [], TOLERANCE.get(r.dtype, 5e-2)
+    out = []
+    tol = FP8_TOLERANCE if r.kv_dtype == torch.float8_e4m3fn else TOLERANCE.get(r.dtype, 5e-2)
     for name, backend in (("graphs vs eager", r.backend.name), ("vs reference backend", "reference")):
         twin = WanRollout(model, backend=backend, use_graphs=False, **kw)
         twin.set_prompt(text)

@@ -32,6 +32,7 @@ from ..cache import CausalKVCache
 from ..cache_dir import use_cache_dir
 from ..kv import KVStore, PagedKV
 from ..checks import check_choice, check_count
+from ..rollout import check_store_dtype, resolve_kv_dtype
 from ..runner import CLEAN_BLOCKS, SAMPLERS, ChunkRunner
 from .model import WanChunks
 from .setup import (PRESETS, WanShape, build_model, check_model, model_device_dtype,
@@ -65,10 +66,15 @@ class WanRollout(ChunkRunner):
             ops) or "torch" (the stock math as torch ops).
         text_encoder: a `TextEncoder` for text prompts (its ``max_tokens`` is L: it sets
             ``prompt_tokens`` or must equal it; its ``d_model`` the model's text_dim).
+        kv_dtype: the paged pool's dtype (`framekv.engine.rollout.resolve_kv_dtype`):
+            None or "bf16" the model's compute dtype (default), "fp8" or
+            torch.float8_e4m3fn (e4m3 with per-head scales; q, k, v stay in the model's
+            dtype). With ``kv``: None takes its cache's dtype, anything else must name it.
 
     Attributes:
         model: the diffusers model; shape: the `WanShape`; text_encoder: the
-            `TextEncoder` or None; ``recorder``: see `ChunkRunner`.
+            `TextEncoder` or None; ``recorder``: see `ChunkRunner`; kv_dtype: the dtype
+            the K/V are kept in.
     """
 
     def __init__(self, model, *, latent_size, frames_per_chunk: int, sink_frames: int = 1,
@@ -76,7 +82,8 @@ class WanRollout(ChunkRunner):
                  clean_block: str = "chunk", device=None, backend=None, use_graphs: bool = True,
                  cache_dir=None, kv: KVStore | None = None, guidance_scale: float | None = None,
                  sequences: int | None = None, batch_sizes=None, prompt_tokens: int | None = None,
-                 glue: str = "fused", trim_clean_pass: bool = True, text_encoder=None):
+                 glue: str = "fused", trim_clean_pass: bool = True, text_encoder=None,
+                 kv_dtype=None):
         check_model(model)
         check_choice("glue", glue, ("fused", "torch"))
         check_count("prompt_tokens", prompt_tokens)
@@ -86,13 +93,19 @@ class WanRollout(ChunkRunner):
                              f"{sequences!r}) and no guidance_scale (got {guidance_scale!r})")
         self.shape = WanShape.of(model, latent_size, frames_per_chunk, sink_frames, window_frames)
         dev, dtype = model_device_dtype(model, device)
+        held = getattr(getattr(kv, "cache", None), "dtype", None)
+        self.kv_dtype: torch.dtype = (held if kv_dtype is None and held is not None
+                                      else resolve_kv_dtype(kv_dtype, dtype))
+        if kv is not None:
+            check_store_dtype(kv, self.kv_dtype)
         pool = (check_count("sequences", sequences) or 1) * (1 if guidance_scale is None else 2)
         name = backend if backend is not None else default_backend(dev)
         attention = get_backend(name, plan_dir=use_cache_dir(cache_dir, dev), device=dev)
         chunks = WanChunks(model, self.shape, glue=glue, backend=attention, sequences=pool,
                            prompt_tokens=prompt_tokens, device=dev, dtype=dtype)
-        super().__init__(chunks, kv if kv is not None else PagedKV(self._cache(dev, dtype, pool),
-                                                                  self.shape.geometry()),
+        if kv is None:
+            kv = PagedKV(self._cache(dev, self.kv_dtype, pool), self.shape.geometry())
+        super().__init__(chunks, kv,
                          frames_per_chunk=frames_per_chunk, timesteps=list(timesteps),
                          sampler=sampler, clean_block=clean_block, sink_frames=sink_frames,
                          use_graphs=use_graphs, sequences=sequences, batch_sizes=batch_sizes,
@@ -141,6 +154,7 @@ class WanRollout(ChunkRunner):
         return cls(model, text_encoder=text_encoder or None, **kwargs)
 
     def _cache(self, device, dtype, pool: int) -> CausalKVCache:
+        """The paged cache of ``pool`` sequences, its pool in ``dtype`` (`kv_dtype`)."""
         s, tpp = self.shape, self.shape.tokens_per_page
         return CausalKVCache(num_layers=s.num_layers, num_kv_heads=s.heads, head_dim=s.head_dim,
                              dtype=dtype, tokens_per_page=tpp, device=device, num_sequences=pool,

@@ -11,7 +11,9 @@ import torch
 from framekv.specs import Geometry, load_preset
 
 #: diffusers' WanTransformer3DModel configs by name. "1.3b" is Wan 2.1 T2V 1.3B (and the
-#: Self-Forcing / CausVid checkpoints built on it); "tiny" runs on a CPU in seconds.
+#: Self-Forcing / CausVid checkpoints built on it), "14b" Wan 2.1 T2V 14B (the same text
+#: encoder and VAE; random weights of it need about 28 GiB in bf16); "tiny" runs on a
+#: CPU in seconds.
 CONFIGS = {
     "tiny": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
                  in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32,
@@ -19,12 +21,15 @@ CONFIGS = {
     "1.3b": dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128,
                  in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960,
                  num_layers=30, cross_attn_norm=True, eps=1e-6, rope_max_seq_len=1024),
+    "14b": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
+                in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824,
+                num_layers=40, cross_attn_norm=True, eps=1e-6, rope_max_seq_len=1024),
 }
 
 
 #: The preset each shipped config rolls out at unless another is named: the one table
 #: of sizes (latent, chunk, window, prompt length, steps) the demo and the server share.
-PRESETS = {"tiny": "tiny", "1.3b": "wan-1.3b"}
+PRESETS = {"tiny": "tiny", "1.3b": "wan-1.3b", "14b": "wan-14b"}
 
 
 def preset_sizes(preset) -> dict:

@@ -37,6 +37,8 @@ TEXT_CONFIGS = {
                  relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
                  layer_norm_epsilon=1e-6, dropout_rate=0.1, tie_word_embeddings=False),
 }
+#: Wan 2.1 T2V 14B reads the same encoder (its text_dim is 4096 too).
+TEXT_CONFIGS["14b"] = TEXT_CONFIGS["1.3b"]
 
 #: Files of which one marks a folder as holding a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model")

@@ -50,6 +50,8 @@ VAE_CONFIGS = {
                  temperal_downsample=(False, True, True), dropout=0.0,
                  latents_mean=tuple(_WAN21_MEAN), latents_std=tuple(_WAN21_STD)),
 }
+#: Wan 2.1 T2V 14B decodes with the same VAE.
+VAE_CONFIGS["14b"] = VAE_CONFIGS["1.3b"]
 
 
 def _resolve(device) -> torch.device:
