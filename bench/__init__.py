@@ -2,7 +2,7 @@
 modules run on their own.
 
 `framekv bench` sections (`framekv.tools.bench.SECTIONS`, which ``framekv bench
---help`` lists): attention, chunk, e2e, wan, streams, breakdown, pixels.
+--help`` lists): attention, chunk, e2e, wan, streams, breakdown, pixels, fp8.
 
 Modules run as ``python -m framekv.bench.NAME [--json FILE]`` (each checks its results
 against a reference before timing and writes JSON; ``--help`` says what it takes). Each
@@ -11,6 +11,8 @@ needs a CUDA GPU: without one it says so in one line and exits with status 2
 
     clean_pass      a clean pass kept for its K/V only against the whole clean pass
     commit          the commit at the seed geometry: kernels, uploads, device and host time
+    fp8             bf16 against fp8 K/V side by side, speed beside accuracy: one paged
+                    attention forward, the reference DiT, diffusers' Wan
     cudnn_plans     cuDNN's execution plans for the paged forwards, each timed
     glue_ops        the fused glue ops, one call each at a model's chunk shape, against
                     a copy_ of their bytes

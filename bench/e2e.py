@@ -38,10 +38,10 @@ def with_window(preset: str, window_frames: int | None):
     return mspec, rspec
 
 
-def _make(variant: str, pair, model):
+def _make(variant: str, pair, model, kv_dtype=None):
     if variant.startswith("framekv"):
         return Rollout(pair, "cuda", use_graphs=variant.endswith("graphs"), model=model,
-                       glue="fused" if "fused" in variant else "torch")
+                       glue="fused" if "fused" in variant else "torch", kv_dtype=kv_dtype)
     from .dense import DenseRollout
 
     return DenseRollout(pair, "cuda", use_graphs=variant.endswith("graphs"), model=model)
@@ -65,15 +65,17 @@ def time_rollout(rollout, chunks: int) -> tuple[list[float], list[torch.Tensor],
 
 
 def measure_e2e(preset: str = "wan-1.3b", *, window_frames: int | None = None, chunks: int = 8,
-                variants=VARIANTS, progress=print) -> dict:
-    """Per-chunk latency and latent frames per second of each variant (see module doc)."""
+                variants=VARIANTS, progress=print, kv_dtype=None) -> dict:
+    """Per-chunk latency and latent frames per second of each variant (see module doc);
+    ``kv_dtype``: the pool of the framekv variants (`Rollout`'s; the dense baselines
+    keep the model's dtype)."""
     pair = with_window(preset, window_frames)
     mspec, rspec = pair
     model, results, latents = None, {}, {}
     for variant in variants:
         progress(f"e2e {preset} window {rspec.window_frames} frames: {variant}")
         try:
-            rollout = _make(variant, pair, model)
+            rollout = _make(variant, pair, model, kv_dtype)
         except ImportError as exc:
             results[variant] = {"skipped": str(exc)}
             continue
@@ -86,6 +88,7 @@ def measure_e2e(preset: str = "wan-1.3b", *, window_frames: int | None = None, c
         rollout.close()
     _compare(results, latents)
     return {"preset": preset, "layers": mspec.num_layers, "window_frames": rspec.window_frames,
+            "kv_dtype": kv_dtype or "bf16",
             "frames_per_chunk": rspec.frames_per_chunk, "tokens_per_frame": rspec.tokens_per_frame,
             "keys": rspec.prompt_tokens + (rspec.window_frames + rspec.frames_per_chunk)
             * rspec.tokens_per_frame, "chunks": chunks, "variants": results}

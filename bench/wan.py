@@ -38,7 +38,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rollout(variant: str, model, kw: dict):
+def _rollout(variant: str, model, kw: dict, kv_dtype=None):
     from framekv.engine import WanRollout
     from framekv.engine.wan import WanShape
 
@@ -47,7 +47,7 @@ def _rollout(variant: str, model, kw: dict):
     graphs = variant.endswith("graphs")
     if variant.startswith("framekv"):
         return WanRollout(model, use_graphs=graphs, glue="fused" if "fused" in variant else "torch",
-                          **kw)
+                          kv_dtype=kv_dtype, **kw)
     shape = WanShape.of(model, kw["latent_size"], kw["frames_per_chunk"], kw["sink_frames"],
                         kw["window_frames"])
     device = next(model.parameters()).device
@@ -106,8 +106,10 @@ class StockRecompute:
 def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk: int = 3,
                 sink_frames: int = 1, window_frames: int = 21, chunks: int = 5,
                 recompute_chunks: int = 3, variants=VARIANTS, device="cuda",
-                progress=print) -> dict:
-    """Per-chunk latency, latent frames per second and peak memory of each variant."""
+                progress=print, kv_dtype=None) -> dict:
+    """Per-chunk latency, latent frames per second and peak memory of each variant;
+    ``kv_dtype``: the pool of the framekv variants (`WanRollout`'s; the baselines keep
+    the model's dtype)."""
     from framekv.engine.wan import build_model
 
     device = torch.device(device)
@@ -133,7 +135,7 @@ def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk
             times, outs = _timed(runner.step, noises[:fill + recompute_chunks], fill, device)
             arena, path = 0, "eager"
         else:
-            r = _rollout(variant, model, kw)
+            r = _rollout(variant, model, kw, kv_dtype)
             r.set_prompt(text)
             if r.use_graphs:
                 r.capture()
@@ -149,6 +151,7 @@ def measure_wan(config: str = "1.3b", *, latent_size=(60, 104), frames_per_chunk
     _, ph, pw = model.config.patch_size
     tpf = (H // ph) * (W // pw)
     return {"config": config, "layers": len(model.blocks), "latent_size": list(latent_size),
+            "kv_dtype": kv_dtype or "bf16",
             "frames_per_chunk": frames_per_chunk, "sink_frames": sink_frames,
             "window_frames": window_frames, "tokens_per_frame": tpf,
             "keys": (sink_frames + window_frames + frames_per_chunk) * tpf, "chunks": chunks,

@@ -1,0 +1,235 @@
+"""The reference DiT of a preset over a bf16 pool and an fp8 pool, side by side: the
+same chunks, speed beside accuracy.
+
+One model (the reference DiT of a preset, its window set to ``window_frames``, every
+chunk full), two pools: "bf16", the model's dtype (bf16 on CUDA; fp32 on a CPU, where
+only the code path is exercised), and "fp8", float8 e4m3 at the default scales (1.0).
+Per pool:
+
+    attention   an eager rollout with an attention recorder, its window filled, then one
+                chunk measured: every forward's attention output at the measured layers
+                (first, middle, last) against the fp32 exact-window reference over the
+                same K/V unquantized (`ExactWindowReference`, the oracle of
+                `framekv verify`): max and mean |d|
+    latents     the graphed rollouts side by side from the first chunk, the same noise:
+                per chunk, the fp8 path's clean latents' relative L2 distance from the
+                bf16 path's, ||x8 - x16|| / ||x16||, over ``chunks`` chunks (the error
+                compounds through the history): median, p90, max
+    speed       both windows filled, one chunk of each per round, the order rotated
+                every round (A B, B A, ...: neither is always first after the host's
+                sync), CUDA events around each (host timers on a CPU): median ms per
+                chunk, fp8 / bf16 and the speed-up
+    saturation  the fp8 pool's saturated values and its largest |K| and |V|
+                (`CausalKVCache.kv_stats`)
+"""
+from __future__ import annotations
+
+import math
+
+import msgspec
+import torch
+
+from .fp8_common import (POOLS, distribution, fp8_pool_stats, ms_summary, rel_l2,
+                         rotated_times, saturation_line, speedups)
+
+
+def measured_layers(num_layers: int) -> list[int]:
+    """The layers whose attention is checked: first, middle and last."""
+    return sorted({0, num_layers // 2, num_layers - 1})
+
+
+def reference_attention(reference, layer: int, q: torch.Tensor, seq_len: int,
+                        block_size: int) -> torch.Tensor:
+    """`ExactWindowReference.attention` computed on ``q``'s device: fp32 [S, H, D] over
+    exactly V(j) of each block (the reference's K/V moved there one block at a time;
+    rows >= seq_len zero)."""
+    from framekv.engine.cache.reference import visible_positions
+
+    S, H, D = q.shape
+    out = torch.zeros(S, H, D, dtype=torch.float32, device=q.device)
+    qf = q.float()
+    for j in range(seq_len // block_size):
+        rows = slice(j * block_size, (j + 1) * block_size)
+        pos = visible_positions(reference.geometry, reference.committed,
+                                reference.committed + j * block_size, block_size)
+        k, v = (x.to(q.device) for x in reference.kv(layer, pos))       # [n, H_kv, D]
+        group = H // k.shape[1]
+        k, v = (x.repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))  # [H, n, D]
+        out[rows] = torch.nn.functional.scaled_dot_product_attention(
+            qf[rows].transpose(0, 1), k, v, scale=1.0 / math.sqrt(D)).transpose(0, 1)
+    return out
+
+
+class AttentionErrors:
+    """An attention recorder (`ChunkRunner.attention_recorder`): keeps the measured
+    layers' K/V in an `ExactWindowReference` at every forward and, while ``measure``,
+    the max and the sum of |d| of their outputs against it."""
+
+    def __init__(self, geometry, layers: list[int]):
+        from framekv.engine.cache import ExactWindowReference
+
+        self.index = {layer: i for i, layer in enumerate(layers)}
+        self.reference = ExactWindowReference(geometry, len(layers))
+        self.measure = False
+        self.max, self.total, self.count = 0.0, 0.0, 0
+
+    def __call__(self, layer, qkv, out, seq_len, block_size) -> None:
+        i = self.index.get(layer)
+        if i is None:
+            return
+        H = out.shape[2]                                                 # out [1, S, H, D]
+        Hkv = (qkv.shape[2] - H) // 2
+        ref = self.reference
+        ref.write(i, ref.committed, qkv[0, :seq_len, H:H + Hkv], qkv[0, :seq_len, H + Hkv:])
+        if self.measure:
+            want = reference_attention(ref, i, qkv[0, :, :H], seq_len, block_size)
+            d = (out[0, :seq_len].float() - want[:seq_len]).abs()
+            self.max = max(self.max, float(d.max()))
+            self.total += float(d.sum())
+            self.count += d.numel()
+
+    def result(self) -> dict:
+        return {"max_abs": self.max, "mean_abs": self.total / max(self.count, 1)}
+
+
+def _pair(preset, window_frames: int | None):
+    """(model spec, rollout spec) of ``preset`` at ``window_frames``, every chunk full."""
+    from .e2e import with_window
+
+    mspec, rspec = with_window(preset, window_frames)
+    return mspec, msgspec.structs.replace(rspec, last_chunk_frames=0)
+
+
+def _fill(rspec) -> int:
+    """Chunks that fill the window (and one more: every forward then sees P + W + T)."""
+    return -(-rspec.window_frames // rspec.frames_per_chunk) + 1
+
+
+def _attention_accuracy(pair, device, backend, layers, progress):
+    """Per pool: the measured layers' attention errors over one chunk after the fill;
+    (errors by pool, the model the rollouts built)."""
+    from framekv.engine.rollout import Rollout
+
+    rspec = pair[1]
+    out, model = {}, None
+    for name, kv_dtype in POOLS.items():
+        progress(f"fp8 reference: attention of the {name} pool vs the fp32 reference, "
+                 f"layers {layers}")
+        r = Rollout(pair, device, backend=backend, use_graphs=False, model=model,
+                    kv_dtype=kv_dtype)
+        model = r.model
+        rec = AttentionErrors(r.geometry, layers)
+        r.attention_recorder = rec
+        r.prefill()
+        rec.reference.commit(rspec.prompt_tokens)
+        fill = _fill(rspec)
+        for i in range(fill + 1):
+            rec.measure = i == fill
+            x = r.step()
+            rec.reference.commit(x.shape[2] * rspec.tokens_per_frame)
+        out[name] = {"layers": layers, **rec.result()}
+        r.close()
+    return out, model
+
+
+def _latents_side_by_side(rollouts: dict, chunks: int, fill: int) -> list[float]:
+    """Per chunk from the first, fp8's latents' relative L2 from bf16's over ``chunks``
+    chunks; then both go on until ``fill`` chunks ran."""
+    rel = []
+    for _ in range(chunks):
+        a, b = (rollouts[n].step() for n in POOLS)
+        rel.append(rel_l2(b, a))
+    for _ in range(max(0, fill - chunks)):
+        for r in rollouts.values():
+            r.step()
+    return rel
+
+
+def _start(r) -> None:
+    """Capture (graphs), then restart the fp8 statistics (the captures' warm-up chunks
+    are not the rollout's) and prefill."""
+    if r.use_graphs:
+        r.capture()
+    if r.cache is not None:
+        r.cache.reset_kv_stats()
+    r.prefill()
+
+
+def measure_reference(preset="wan-1.3b", *, window_frames: int | None = 21, chunks: int = 8,
+                      rounds: int = 10, device="cuda", backend=None, layers=None,
+                      progress=print) -> dict:
+    """bf16 and fp8 pools of the reference DiT side by side (module doc): accuracy,
+    then speed.
+
+    Args:
+        preset: the reference model's preset (a name, path or `Preset`).
+        window_frames: the window (None: the preset's).
+        chunks: chunks whose latents are compared, from the first (>= 1).
+        rounds: timed rounds (one chunk of each pool per round).
+        device, backend: as for `Rollout` (a CPU runs the same code with host timers).
+        layers: layers whose attention is checked (default first, middle, last).
+    """
+    from framekv.engine.rollout import Rollout
+
+    pair = _pair(preset, window_frames)
+    mspec, rspec = pair
+    device = torch.device(device)
+    layers = measured_layers(mspec.num_layers) if layers is None else sorted(set(layers))
+    accuracy, model = _attention_accuracy(pair, device, backend, layers, progress)
+    rollouts = {name: Rollout(pair, device, backend=backend, model=model, kv_dtype=kv_dtype)
+                for name, kv_dtype in POOLS.items()}
+    progress(f"fp8 reference: {chunks} chunks of both pools, latents compared")
+    for r in rollouts.values():
+        _start(r)
+    rel = _latents_side_by_side(rollouts, chunks, _fill(rspec))
+    progress(f"fp8 reference: {rounds} rounds, windows filled")
+    times = rotated_times({name: r.step for name, r in rollouts.items()}, rounds,
+                          cuda=device.type == "cuda")
+    pools = {name: {"dtype": str(r.kv_dtype).removeprefix("torch."),
+                    "pool_bytes": r.cache.pool_bytes, "chunk_ms": ms_summary(times[name]),
+                    "attention": accuracy[name]} for name, r in rollouts.items()}
+    pools["fp8"]["latents_rel_l2"] = {**distribution(rel), "per_chunk": rel}
+    pools["fp8"].update(fp8_pool_stats(rollouts["fp8"].cache.kv_stats()))
+    name = rollouts["bf16"].name
+    for r in rollouts.values():
+        r.close()
+    return {"preset": name, **_sizes(mspec, rspec), "chunks": chunks, "rounds": rounds,
+            "device": str(device), "timer": "cuda events" if device.type == "cuda" else "host",
+            "pools": pools, **speedups(times["bf16"], times["fp8"]),
+            "fp8_over_bf16": (pools["fp8"]["chunk_ms"]["median"]
+                              / pools["bf16"]["chunk_ms"]["median"]),
+            "fp8_pool_fraction": pools["fp8"]["pool_bytes"] / pools["bf16"]["pool_bytes"]}
+
+
+def _sizes(mspec, rspec) -> dict:
+    """Layers, window, chunk and frame sizes, and keys per forward (prompt, window and
+    chunk)."""
+    return {"layers": mspec.num_layers, "window_frames": rspec.window_frames,
+            "frames_per_chunk": rspec.frames_per_chunk, "tokens_per_frame": rspec.tokens_per_frame,
+            "keys": rspec.prompt_tokens + (rspec.window_frames + rspec.frames_per_chunk)
+            * rspec.tokens_per_frame}
+
+
+def format_reference(res: dict) -> str:
+    """The reference part's table."""
+    p = res["pools"]
+    lines = [f"fp8 reference DiT: {res['preset']} ({res['layers']} layers), window "
+             f"{res['window_frames']} frames ({res['keys']} keys per forward), "
+             f"{res['frames_per_chunk']}-frame chunks, {res['rounds']} rounds rotated "
+             f"({res['timer']}), {res['device']}",
+             f"  {'pool':<6}{'dtype':<15}{'ms/chunk':>10}{'p10':>9}{'p90':>9}{'pool MiB':>10}"
+             f"{'attn max|d|':>13}{'attn mean|d|':>14}"]
+    for name, r in p.items():
+        c, a = r["chunk_ms"], r["attention"]
+        lines.append(f"  {name:<6}{r['dtype']:<15}{c['median']:>10.2f}{c['p10']:>9.2f}"
+                     f"{c['p90']:>9.2f}{r['pool_bytes'] / 2**20:>10.1f}{a['max_abs']:>13.2e}"
+                     f"{a['mean_abs']:>14.2e}")
+    f = p["fp8"]
+    d = f["latents_rel_l2"]
+    lines.append(f"  fp8 / bf16 ms per chunk = {res['fp8_over_bf16']:.3f} (fp8 speed-up "
+                 f"{res['fp8_speedup']:.3f}, per round {res['fp8_speedup_paired']:.3f}); "
+                 f"pool bytes {res['fp8_pool_fraction']:.3f}")
+    lines.append(f"  fp8 latents vs bf16, relative L2 over {d['n']} chunks: median "
+                 f"{d['median']:.2e}, p90 {d['p90']:.2e}, max {d['max']:.2e}")
+    lines.append("  " + saturation_line(f))
+    return "\n".join(lines)
