@@ -11,12 +11,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from framekv.ops import _float
 from framekv.ops.qk_norm_rope import qk_norm_rope_stage_, qk_norm_rope_stage_reference
+from numba import cuda
 from test_qk_norm_rope import _bits, entry_writes, model_path, qk_case
 
 CPU = torch.device("cpu")
 FP8 = torch.float8_e4m3fn
 MAX = 448.0
+
+
+@cuda.jit
+def store_kernel(x, out1, out4, back):
+    """x's fp32 values stored one at a time into out1 and four at a time into out4
+    (e4m3 bits: the hardware's or the simulator's conversion), out1 read back into back."""
+    for j in range(cuda.grid(1) * 4, x.shape[0], cuda.gridsize(1) * 4):
+        v = _float.load_f32x4(x, (j,))
+        _float.store_f32x4(out4, (j,), v)
+        for k in range(4):
+            _float.store_f32(out1, (j + k,), v[k])
+            _float.store_f32(back, (j + k,), _float.load_f32(out1, (j + k,)))
 
 
 # --- case builder and comparisons (shared) ------------------------------------------------

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from framekv.ops import _float, _launch
+from framekv.ops import _launch
 from framekv.ops.qk_norm_rope import qk_norm_rope_stage_
-from numba import cuda
 from test_ops_gpu import _side_stream_warmup
 from test_qk_norm_rope_fp8 import (
+    store_kernel,
     FP8,
     clone_case,
     compare_fp8_with_reference,
@@ -34,16 +34,6 @@ def _needs_fp8_hardware():
         pytest.skip("e4m3 conversions need sm_89 or newer")
 
 
-@cuda.jit
-def _store_kernel(x, out1, out4, back):
-    for j in range(cuda.grid(1) * 4, x.shape[0], cuda.gridsize(1) * 4):
-        v = _float.load_f32x4(x, (j,))
-        _float.store_f32x4(out4, (j,), v)
-        for k in range(4):
-            _float.store_f32(out1, (j + k,), v[k])
-            _float.store_f32(back, (j + k,), _float.load_f32(out1, (j + k,)))
-
-
 def test_hardware_e4m3_is_torch_on_every_boundary():
     """cvt.rn.satfinite.e4m3x2 (one value and four at once) writes the bytes of torch's
     clamp-then-cast, every NaN as 0x7F; the hardware's e4m3 -> f16 reads them back."""
@@ -53,7 +43,7 @@ def test_hardware_e4m3_is_torch_on_every_boundary():
     out4 = torch.zeros(x.numel(), dtype=FP8, device=CUDA)
     back = torch.zeros(x.numel(), dtype=torch.float32, device=CUDA)
     args = [_launch.array_arg(t).for_dispatcher() for t in (x, out1, out4, back)]
-    _store_kernel[8, 128](*args)
+    store_kernel[8, 128](*args)
     torch.cuda.synchronize()
     want = torch_e4m3_bytes(x.cpu())
     for name, got in (("store_f32", out1), ("store_f32x4", out4)):

@@ -17,8 +17,8 @@ import pytest
 import torch
 from framekv.ops import _float, _launch
 from framekv.ops.qk_norm_rope import qk_norm_rope_stage_
-from numba import cuda
 from test_qk_norm_rope_fp8 import (
+    store_kernel,
     FP8,
     MAX,
     compare_fp8_with_reference,
@@ -49,16 +49,6 @@ def test_e4m3_bits_is_torch_on_every_boundary():
     assert bad.numel() == 0, [(x[i].item(), got[i].item(), want[i].item()) for i in bad[:5]]
 
 
-@cuda.jit
-def _store_kernel(x, out1, out4, back):
-    for j in range(cuda.grid(1) * 4, x.shape[0], cuda.gridsize(1) * 4):
-        v = _float.load_f32x4(x, (j,))
-        _float.store_f32x4(out4, (j,), v)
-        for k in range(4):
-            _float.store_f32(out1, (j + k,), v[k])
-            _float.store_f32(back, (j + k,), _float.load_f32(out1, (j + k,)))
-
-
 def test_stores_to_int8_bits_are_e4m3():
     """store_f32 / store_f32x4 on an fp8 tensor's bits write torch's bytes; load_f32
     reads them back exactly."""
@@ -67,7 +57,7 @@ def test_stores_to_int8_bits_are_e4m3():
     out1 = torch.zeros(x.numel(), dtype=FP8)
     out4 = torch.zeros(x.numel(), dtype=FP8)
     back = torch.zeros(x.numel(), dtype=torch.float32)
-    _store_kernel[3, 8](_launch.array_arg(x), _launch.array_arg(out1), _launch.array_arg(out4),
+    store_kernel[3, 8](_launch.array_arg(x), _launch.array_arg(out1), _launch.array_arg(out4),
                         _launch.array_arg(back))
     want = torch_e4m3_bytes(x)
     assert torch.equal(u8(out1), want) and torch.equal(u8(out4), want)
