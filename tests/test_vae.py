@@ -247,7 +247,7 @@ def test_bad_arguments(vae):
         (lambda: StreamingVAEDecoder(vae, use_graphs="yes"), r"use_graphs must be True or False"),
         (lambda: StreamingVAEDecoder(torch.nn.Linear(2, 2)),
          r"vae must be a diffusers AutoencoderKLWan, got Linear"),
-        (lambda: build_vae("huge"), r"config must be one of \['1.3b', 'tiny'\]"),
+        (lambda: build_vae("huge"), r"config must be one of \['1.3b', '14b', 'tiny'\]"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
