@@ -118,3 +118,10 @@ def saturation_line(f: dict) -> str:
     (k0, k1), (v0, v1) = f["scales"]["k"], f["scales"]["v"]
     return (f"fp8 pool: {sat}; largest |K| {f['amax']['k']:.3g}, |V| {f['amax']['v']:.3g}; "
             f"scales K {k0:.3g}..{k1:.3g}, V {v0:.3g}..{v1:.3g}")
+
+
+def latents_line(f: dict) -> str:
+    """The fp8 pool's clean latents against bf16's (``f["latents_rel_l2"]``), one line."""
+    d = f["latents_rel_l2"]
+    return (f"fp8 latents vs bf16, relative L2 over {d['n']} chunks: median "
+            f"{d['median']:.2e}, p90 {d['p90']:.2e}, max {d['max']:.2e}")

@@ -29,8 +29,17 @@ import math
 import msgspec
 import torch
 
-from .fp8_common import (POOLS, distribution, fp8_pool_stats, ms_summary, rel_l2,
-                         rotated_times, saturation_line, speedups)
+from .fp8_common import (
+    POOLS,
+    distribution,
+    fp8_pool_stats,
+    latents_line,
+    ms_summary,
+    rel_l2,
+    rotated_times,
+    saturation_line,
+    speedups,
+)
 
 
 def measured_layers(num_layers: int) -> list[int]:
@@ -225,11 +234,9 @@ def format_reference(res: dict) -> str:
                      f"{c['p90']:>9.2f}{r['pool_bytes'] / 2**20:>10.1f}{a['max_abs']:>13.2e}"
                      f"{a['mean_abs']:>14.2e}")
     f = p["fp8"]
-    d = f["latents_rel_l2"]
     lines.append(f"  fp8 / bf16 ms per chunk = {res['fp8_over_bf16']:.3f} (fp8 speed-up "
                  f"{res['fp8_speedup']:.3f}, per round {res['fp8_speedup_paired']:.3f}); "
                  f"pool bytes {res['fp8_pool_fraction']:.3f}")
-    lines.append(f"  fp8 latents vs bf16, relative L2 over {d['n']} chunks: median "
-                 f"{d['median']:.2e}, p90 {d['p90']:.2e}, max {d['max']:.2e}")
+    lines.append("  " + latents_line(f))
     lines.append("  " + saturation_line(f))
     return "\n".join(lines)

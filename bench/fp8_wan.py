@@ -29,8 +29,18 @@ import gc
 
 import torch
 
-from .fp8_common import (POOLS, PeakMeter, distribution, fp8_pool_stats, ms_summary,
-                         rel_l2, rotated_times, saturation_line, speedups)
+from .fp8_common import (
+    POOLS,
+    PeakMeter,
+    distribution,
+    fp8_pool_stats,
+    latents_line,
+    ms_summary,
+    rel_l2,
+    rotated_times,
+    saturation_line,
+    speedups,
+)
 
 #: `WanRollout` sizes (`framekv.bench.wan`'s).
 SIZES = {"latent_size": (60, 104), "frames_per_chunk": 3, "sink_frames": 1, "window_frames": 21}
@@ -235,12 +245,10 @@ def format_wan_pools(res: dict) -> str:
                      f"{r['pool_bytes'] / 2**30:>10.2f}{r['peak_bytes'] / 2**30:>10.2f}"
                      f"{r['device_used_bytes'] / 2**30:>12.2f}  {r['path']}")
     f = res["pools"]["fp8"]
-    d = f["latents_rel_l2"]
     paired = "per round" if res["order"] == "rotated" else "round by round, timed apart"
     lines.append(f"  fp8 speed-up (bf16 time / fp8 time) {res['fp8_speedup']:.3f} ({paired} "
                  f"{res['fp8_speedup_paired']:.3f}); pool bytes {res['fp8_pool_fraction']:.3f}; "
                  f"weights {res['weights_bytes'] / 2**30:.2f} GiB")
-    lines.append(f"  fp8 latents vs bf16, relative L2 over {d['n']} chunks: median "
-                 f"{d['median']:.2e}, p90 {d['p90']:.2e}, max {d['max']:.2e}")
+    lines.append("  " + latents_line(f))
     lines.append("  " + saturation_line(f))
     return "\n".join(lines)
