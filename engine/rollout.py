@@ -149,7 +149,8 @@ class Rollout(ChunkRunner):
         check_fits(f"preset {self.name!r}", rollout_bytes(
             self.model_spec, self.spec, dtype, weights=model is None,
             paged_cache=kv == "paged", sequences=sequences or 1, kv_dtype=self.kv_dtype,
-            reference_attention=_default_name(backend, dev) == "reference"), dev)
+            reference_attention=_default_name(backend, dev, self.model_spec.head_dim)
+            == "reference"), dev)
         self.model = self._model(model, backend, dev, use_cache_dir(cache_dir, dev))
         #: name of the attention backend (a shared model brings its own)
         self.backend: str = self.model.blocks[0].attn.backend.name
@@ -166,8 +167,8 @@ class Rollout(ChunkRunner):
 
     def _model(self, model, backend, device, plan_dir) -> CausalVideoDiT:
         if model is None:
-            backend = get_backend(backend if backend is not None else default_backend(device),
-                                  plan_dir=plan_dir, device=device)
+            name = backend if backend is not None else default_backend(device, self.model_spec.head_dim)
+            backend = get_backend(name, plan_dir=plan_dir, device=device)
             if not backend.supports_kv_cache:
                 raise ValueError(f"backend {backend.name!r} cannot attend over the K/V cache: "
                                  "use 'cudnn' (CUDA) or 'reference'")
@@ -287,8 +288,8 @@ def warm_up(preset="tiny", *, device=None, backend=None,
     return WarmupResult(rollout, report, build_counts(rollout.model.blocks[0].attn.backend))
 
 
-def _default_name(backend, device: torch.device) -> str:
+def _default_name(backend, device: torch.device, head_dim: int) -> str:
     """The name of the backend a rollout will run (an instance: its own)."""
     if backend is None:
-        return default_backend(device)
+        return default_backend(device, head_dim)
     return getattr(backend, "name", backend)

@@ -288,3 +288,13 @@ def test_cuda_without_cudnn_frontend_falls_back_and_says_what_to_install(monkeyp
     with pytest.raises(ValueError, match=r"needs nvidia-cudnn-frontend.*pip install 'framekv\[gpu\]'"):
         registry.get_backend("cudnn")
 
+
+
+@pytest.mark.parametrize("head_dim,want", [(128, "cudnn"), (64, "cudnn"), (256, "cudnn"),
+                                           (12, "reference"), (300, "reference"), (None, "cudnn")])
+def test_cuda_heads_cudnn_refuses_default_to_the_reference(monkeypatch, head_dim, want):
+    """cuDNN's SDPA takes head dims that are multiples of 8 up to 256: a model with other
+    heads (the tiny Wan config's 12) gets the reference backend on CUDA unless told."""
+    monkeypatch.setattr(registry, "cudnn_frontend_available", lambda: True)
+    assert registry.default_backend("cuda", head_dim) == want
+    assert registry.default_backend("cpu", head_dim) == "reference"

@@ -188,9 +188,12 @@ def test_from_config_with_a_random_encoder():
 
 
 @pytest.mark.gpu
-def test_text_prompts_on_the_gpu():
-    cpu = TextEncoder.from_config("tiny", seed=3, max_tokens=6, device="cpu")
-    gpu = TextEncoder.from_config("tiny", seed=3, max_tokens=6, device="cuda")
+def test_text_prompts_on_the_gpu(folder):
+    # One folder's weights on both devices: random weights are drawn on their device
+    # (`TextEncoder.from_config`), so one seed is not one set of weights across devices.
+    root = folder[0]
+    cpu = TextEncoder.from_pretrained(root, max_tokens=6, device="cpu")
+    gpu = TextEncoder.from_pretrained(root, max_tokens=6, device="cuda")
     x = gpu.encode(PROMPTS)
     assert x.dtype == torch.bfloat16 and x.device.type == "cuda"
     torch.testing.assert_close(x.float().cpu(), cpu.encode(PROMPTS), atol=0.1, rtol=0.05)

@@ -48,7 +48,8 @@ def same_weights(a, b):
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model("tiny", seed=7)
+    # on the CPU wherever the tests run: a GPU test compares a load onto CUDA with it
+    return build_model("tiny", seed=7, device="cpu")
 
 
 def test_the_original_layout_and_back(model, tmp_path):

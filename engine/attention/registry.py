@@ -21,11 +21,18 @@ def cudnn_frontend_available() -> bool:
     return importlib.util.find_spec("cudnn") is not None
 
 
-def default_backend(device) -> str:
+def cudnn_head_dim_ok(head_dim: int) -> bool:
+    """Whether cuDNN's SDPA takes heads of ``head_dim`` (a multiple of 8, at most 256)."""
+    return head_dim % 8 == 0 and 0 < head_dim <= 256
+
+
+def default_backend(device, head_dim: int | None = None) -> str:
     """The attention backend a device uses unless told otherwise: cudnn on CUDA when
-    cudnn-frontend is installed, else the reference (the GPU extra is optional)."""
+    cudnn-frontend is installed and takes heads of ``head_dim`` (where given), else the
+    reference (the GPU extra is optional; small test models have heads cuDNN refuses)."""
     cuda = torch.device(device).type == "cuda"
-    return "cudnn" if cuda and cudnn_frontend_available() else "reference"
+    fits = head_dim is None or cudnn_head_dim_ok(head_dim)
+    return "cudnn" if cuda and fits and cudnn_frontend_available() else "reference"
 
 
 def get_backend(backend, *, plan_dir=None, device=None) -> AttentionBackend:

@@ -91,7 +91,8 @@ class CausalVideoDiT(torch.nn.Module):
         device = torch.device(device if device is not None else "cpu")
         self.spec, self.prompt_tokens = spec, prompt_tokens
         self.dtype = dtype or model_dtype(spec, device)
-        backend = get_backend(backend if backend is not None else default_backend(device))
+        backend = get_backend(backend if backend is not None else
+                              default_backend(device, spec.head_dim))
         # Built on the meta device and materialised once at the target dtype and device:
         # no default init, no full-size fp32 copy on the host for the large presets.
         with torch.device("meta"):

@@ -99,7 +99,7 @@ class WanRollout(ChunkRunner):
         if kv is not None:
             check_store_dtype(kv, self.kv_dtype)
         pool = (check_count("sequences", sequences) or 1) * (1 if guidance_scale is None else 2)
-        name = backend if backend is not None else default_backend(dev)
+        name = backend if backend is not None else default_backend(dev, self.shape.head_dim)
         attention = get_backend(name, plan_dir=use_cache_dir(cache_dir, dev), device=dev)
         chunks = WanChunks(model, self.shape, glue=glue, backend=attention, sequences=pool,
                            prompt_tokens=prompt_tokens, device=dev, dtype=dtype)

@@ -149,7 +149,9 @@ class TextEncoder:
                     device=None, cache_size: int = 64) -> "TextEncoder":
         """A randomly initialised UMT5 encoder of a `TEXT_CONFIGS` name or a ``UMT5Config``
         keyword dict, with `ByteTokenizer` (random weights have no tokenizer of their
-        own). ``dtype``: default bf16 on CUDA, fp32 on CPU."""
+        own). ``dtype``: default bf16 on CUDA, fp32 on CPU. The weights are drawn on
+        ``device`` by its own generator: one ``seed`` gives one set of weights per device
+        kind (save them, or use `from_pretrained`, for the same weights on another)."""
         from transformers import UMT5Config, UMT5EncoderModel
 
         from framekv.ops import resolve_device
