@@ -24,7 +24,7 @@ import types
 import torch
 
 from framekv.engine.attention.cudnn import CudnnBackend, _Executable
-from framekv.engine.attention.cudnn_graph import UID, build_graph
+from framekv.engine.attention.cudnn_graph import FP8_RAGGED_CUDNN, UID, build_graph
 
 FP8 = torch.float8_e4m3fn
 
@@ -236,8 +236,14 @@ class FakeCudnnBackend(CudnnBackend):
     def check_cache(self, cache) -> None:
         return None
 
+    #: the cuDNN version it answers as (`CudnnBackend.fp8_ragged_q`)
+    cudnn_version = 91900
+
     def sm_count(self, device) -> int:
         return 132
+
+    def fp8_ragged_q(self) -> bool:
+        return self.cudnn_version >= FP8_RAGGED_CUDNN
 
     def handle_on_stream(self, device):
         return None

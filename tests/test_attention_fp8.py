@@ -1,7 +1,8 @@
 """The cuDNN backend over an fp8 e4m3 pool, on CPU (`cudnn_fake`): the graphs it defines
-(cuDNN's fp8 SDPA, its scalars and outputs), the layouts it picks (no ragged Q), the
-folded scales, Q quantized by the plan or staged by the fused prologue, the dequantizing
-merge, and the refusals; outputs against the fp32 reference over the same pool."""
+(cuDNN's fp8 SDPA, its scalars and outputs), the layouts it picks (ragged Q where the
+cuDNN takes it), the folded scales, Q quantized by the plan or staged by the fused
+prologue, the dequantizing merge, and the refusals; outputs against the fp32 reference
+over the same pool."""
 from __future__ import annotations
 
 import functools
@@ -68,9 +69,11 @@ def test_bf16_key_still_defines_the_plain_sdpa():
                                                 "seq_len_q", "seq_len_kv", "stats")}
 
 
-def test_fp8_key_with_ragged_q_is_refused():
-    with pytest.raises(ValueError, match="fp8 SDPA takes no ragged Q"):
-        define(key(q_offsets=True))
+def test_fp8_key_with_ragged_q_defines_ragged_rows():
+    g = define(key(q_offsets=True))
+    t = {x.name: x for x in g.tensors}
+    assert g.ops[0][0] == "sdpa_fp8" and t["q"].ragged is t["q_offsets"]
+    assert (t["q_offsets"].dim, t["q_offsets"].data_type) == ([3, 1, 1, 1], "INT64")
 
 
 # --------------------------------------------------------------------------- refusals
@@ -125,16 +128,28 @@ def test_set_q_bounds_checks_its_values():
 
 # --------------------------------------------------------------------------- layouts
 
-def test_fp8_forwards_of_several_blocks_run_unsplit():
+def test_fp8_forwards_of_several_blocks_split_where_cudnn_takes_ragged_q():
     g = G(394, 36 * 394, 1576, (394, 1576))
+    cache = CausalKVCache(num_layers=1, num_kv_heads=8, head_dim=128, dtype=FP8,
+                          tokens_per_page=32, pool_tokens=CausalKVCache.pool_tokens_for(g, 32),
+                          device="cpu")
+    cache.open(g)
+
+    def splits(backend, block, batch=1):
+        return backend.plan(cache, tokens=1576, block_size=block, num_heads=32,
+                            scale=128 ** -0.5, batch=batch).splits
+
     for split in ("auto", 5, {394: 3}):
-        backend = FakeCudnnBackend(split=split)
-        # seed clean pass: four blocks; bf16 splits, fp8 cannot (ragged Q)
-        assert backend.layout_for(g, 32, 32, 1576, 394, num_kv_heads=8, fp8=True)[1] == 1
-        # a batch of two one-block forwards: two blocks as well
-        assert backend.layout_for(g, 32, 32, 1576, 1576, num_kv_heads=8, batch=2, fp8=True)[1] == 1
+        new, old = FakeCudnnBackend(split=split), FakeCudnnBackend(split=split)
+        old.cudnn_version = 91800
+        want = 3 if isinstance(split, dict) else 5
+        # seed clean pass: four blocks, sub-rows at ragged offsets as bf16's
+        assert splits(new, 394) == want
+        # an older cuDNN: no ragged fp8 Q, so several blocks stay unsplit
+        assert splits(old, 394) == 1
+        assert old.layout_for(g, 32, 32, 1576, 1576, num_kv_heads=8, batch=2, fp8=True)[1] == 1
     assert FakeCudnnBackend().layout_for(g, 32, 32, 1576, 394, num_kv_heads=8) == (True, 5)
-    # one block (the denoising forward) splits as bf16 does: its sub-rows broadcast Q
+    # one block (the denoising forward) splits on any: its sub-rows broadcast Q
     assert FakeCudnnBackend().layout_for(g, 32, 32, 1576, 1576, num_kv_heads=8, fp8=True) == (True, 5)
     assert FakeCudnnBackend(split=3).split_for(g, 32, 32, 1576, 1576, fp8=True) == 3
 
@@ -212,12 +227,26 @@ def test_fp8_plans_equal_the_reference_over_the_same_pool(g, tpp, chunk, frame, 
     assert err["max"] <= 0.15 and err["mean"] <= 0.01, err
     assert err["mean"] > 1e-4, "fp8 attention that rounds nothing is not fp8"
     keys = list(backend._executables)
-    assert keys and all(k.fp8 and not k.q_offsets for k in keys)
+    assert keys and all(k.fp8 for k in keys)
+    # split forwards of several blocks read ragged Q rows; nothing else does
+    assert {k.q_offsets for k in keys} == ({False, True} if split > 1 else {False})
     assert all(e.graph.defined.ops[0][0] == "sdpa_fp8" for e in backend._executables.values())
     assert all(k.query_group == (3 if pack else 1) for k in keys)
-    for plan in backend._plans.values():  # several blocks: unsplit; one: the pinned split
-        assert plan.splits == (split if plan.num_blocks == 1 else 1)
+    for plan in backend._plans.values():  # every forward the pinned split
+        assert plan.splits == split
         assert plan.fp8.direct == (pack and plan.num_blocks == 1)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_fp8_unsplit_several_blocks_under_an_older_cudnn(pack):
+    backend = FakeCudnnBackend(split=3, pack=pack)
+    backend.cudnn_version = 91800
+    g, tpp, chunk, frame = CASES[0]
+    _, err = fp8_rollout(backend, g, tpp, chunk=chunk, frame=frame, chunks=4, seed=5)
+    assert err["max"] <= 0.15 and err["mean"] <= 0.01, err
+    assert not any(k.q_offsets for k in backend._executables)
+    for plan in backend._plans.values():  # several blocks: unsplit; one: the pinned split
+        assert plan.splits == (3 if plan.num_blocks == 1 else 1)
 
 
 def test_folded_per_head_scales():

@@ -14,9 +14,8 @@ workspaces are shared by every plan of the backend, so one backend instance serv
 every layer of a model. Every pointer a launch reads is fixed (arena tensors), so a
 captured forward replays correctly after any number of commits.
 
-fp8 pools (``torch.float8_e4m3fn``, Hopper or newer) run cuDNN's fp8 SDPA; its scales
-and buffers are `cudnn_fp8`'s. cuDNN's fp8 SDPA takes no ragged Q, so fp8 forwards of
-several blocks run unsplit.
+fp8 pools (e4m3, Hopper or newer) run cuDNN's fp8 SDPA (scales and buffers: `cudnn_fp8`);
+under a cuDNN older than `FP8_RAGGED_CUDNN`, unsplit where several blocks need ragged Q.
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from ..arena import DeviceArena
 from ..cache import LayoutPlan
 from .backend import AttentionBackend, AttentionPlan
 from .cudnn_fp8 import FP8, FP8_CAPABILITY, Fp8Buffers, QState
-from .cudnn_graph import UID, PagedGraphKey, PlanFiles, build_graph
+from .cudnn_graph import FP8_RAGGED_CUDNN, UID, PagedGraphKey, PlanFiles, build_graph
 from .packing import PackBuffers
 from .split_kv import SplitBuffers, blocks_view, choose_layout
 
@@ -199,8 +198,8 @@ class CudnnBackend(AttentionBackend):
     Attributes:
         plans_built, plans_loaded: how many cuDNN plans this backend built and loaded.
 
-    fp8 caches: forwards of several blocks run unsplit whatever ``split`` says (their
-    sub-rows would need ragged query rows, which the fp8 SDPA does not take).
+    fp8 caches under a cuDNN older than `FP8_RAGGED_CUDNN`: forwards of several blocks
+    run unsplit whatever ``split`` says (module doc).
     """
 
     name = "cudnn"
@@ -296,7 +295,7 @@ class CudnnBackend(AttentionBackend):
             packed, S = self.layout_for(cache.geometry, cache.tokens_per_page, num_heads,
                                         tokens, block_size, cache.device, batch=batch,
                                         num_kv_heads=cache.num_kv_heads,
-                                        fp8=cache.dtype == FP8)
+                                        fp8=cache.dtype == FP8 and not self.fp8_ragged_q())
             plan = self._plans[key] = CudnnPlan(self, cache, tokens=tokens, block_size=block_size,
                                                 num_heads=num_heads, scale=float(scale), splits=S,
                                                 batch=batch, packed=packed)
@@ -308,8 +307,8 @@ class CudnnBackend(AttentionBackend):
         """(packed, S) of a forward of ``tokens`` queries per sequence in ``block_size``
         blocks over ``batch`` sequences of a cache of ``geometry`` with ``num_kv_heads``
         K/V heads (default ``num_heads``: nothing to pack): each pinned by ``pack`` and
-        ``split``, else the wave model's choice. ``fp8``: an fp8 cache, whose forwards
-        of several blocks are unsplit (S = 1)."""
+        ``split``, else the wave model's choice. ``fp8``: an fp8 cache under a cuDNN
+        without ragged fp8 Q, whose forwards of several blocks are unsplit (S = 1)."""
         split = self.split.get(block_size, 1) if isinstance(self.split, dict) else self.split
         if fp8 and batch * (tokens // block_size) > 1:  # sub-rows would need ragged Q
             split = 1
@@ -328,6 +327,11 @@ class CudnnBackend(AttentionBackend):
         """S of such a forward (`layout_for`)."""
         return self.layout_for(geometry, tokens_per_page, num_heads, tokens, block_size,
                                device, batch=batch, num_kv_heads=num_kv_heads, fp8=fp8)[1]
+
+    def fp8_ragged_q(self) -> bool:
+        """Whether this cuDNN runs fp8 SDPA over ragged Q rows (`FP8_RAGGED_CUDNN`)."""
+        import cudnn
+        return cudnn.backend_version() >= FP8_RAGGED_CUDNN
 
     @staticmethod
     def sm_count(device) -> int:

@@ -23,8 +23,8 @@ written at each launch (so scales change without a rebuild)::
     scale_o                           O stored as e4m3(O * scale_o)
     amax_s, amax_o                    max |P| and max |O| of the launch
 
-cuDNN's fp8 SDPA takes no ragged Q, so an fp8 key never has ``q_offsets``
-(`build_graph` refuses one).
+cuDNN's fp8 SDPA takes ragged Q (``q_offsets``) from cuDNN `FP8_RAGGED_CUDNN` on;
+an older cuDNN gets no fp8 key with ``q_offsets`` (`CudnnBackend.layout_for`).
 
 A split over several blocks has rows n = s * nb + j that read block j's queries: no
 single batch stride maps n onto j, so Q's rows are ragged (``q_offsets``: cuDNN reads
@@ -83,6 +83,11 @@ UID = {"q": 1, "k": 2, "v": 3, "o": 4, "k_table": 5, "v_table": 6, "seq_len_q": 
        "descale_q": 11, "descale_k": 12, "descale_v": 13, "descale_s": 14, "scale_s": 15,
        "scale_o": 16, "amax_s": 17, "amax_o": 18}
 
+#: The oldest cuDNN (``cudnn.backend_version()``) whose fp8 SDPA framekv runs with
+#: ragged Q (a split forward of several blocks); older ones refuse such a graph.
+FP8_RAGGED_CUDNN = 91900
+
+
 #: The scalars an fp8 graph reads, in `sdpa_fp8`'s argument order.
 FP8_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
 
@@ -127,8 +132,6 @@ def _define(key: PagedGraphKey, handle):
     """The paged SDPA graph of ``key``, its tensors given their uids (not yet validated)."""
     import cudnn
 
-    if key.fp8 and key.q_offsets:
-        raise ValueError(f"cuDNN's fp8 SDPA takes no ragged Q (q_offsets): {key}")
     dt = {"torch.bfloat16": cudnn.data_type.BFLOAT16, "torch.float16": cudnn.data_type.HALF,
           FP8_DTYPE: cudnn.data_type.FP8_E4M3}[key.dtype]
     nb, Hkv, D, qg = key.num_blocks, key.num_kv_heads, key.head_dim, key.query_group

@@ -30,8 +30,9 @@ per forward (`SplitBuffers.rebuild`: one gather, one clamp, both graph-safe; the
 ``prepare``), so a captured forward stays right after any number of commits.
 
 The wave model also decides GQA query packing (`packing`), which changes the CTA
-count: `choose_layout` picks (packed, S) together. cuDNN's fp8 SDPA takes no ragged Q,
-so over an fp8 pool only one-block forwards split (`CudnnBackend.layout_for`).
+count: `choose_layout` picks (packed, S) together. cuDNN's fp8 SDPA takes ragged Q from
+cuDNN 9.19 (`cudnn_graph.FP8_RAGGED_CUDNN`); under an older one, over an fp8 pool only
+one-block forwards split (`CudnnBackend.layout_for`).
 """
 from __future__ import annotations
 
