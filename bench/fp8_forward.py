@@ -10,13 +10,19 @@ of T queries staged, so a forward attends P + W + T keys:
 
 K and V look like a model's: K rows of unit RMS over the head dim (as after an
 RMSNorm), V unit normal, each K/V head scaled by its own gain from 2^-1 to 2^1 (heads
-differ in range); Q as K. The fp8 pool's scales are calibrated to what it holds
+differ in range); Q as K. The chunk's raw projection has rows of unit RMS; its norm
+weights carry the gains. The fp8 pool's scales are calibrated to what it holds
 (`CausalKVCache.calibrate_kv_scales`: filled once, reset, calibrated, filled again).
 
-Each forward includes its K/V write (fp8: K and V quantized as written, Q by the plan,
-the output dequantized) and is checked first: max and mean |d| of its output against
-fp32 exact-window attention over the same K/V unquantized (the bf16 values written,
-`ExactWindowReference`). On cuDNN each forward's plan also has its kernel launch
+Each forward runs as a model's attention layer runs it: from the raw projection (copied
+into the layer's QKV buffer first: each forward starts from the same values), the fused
+QK prologue (`framekv.ops.qk_norm_rope_stage_`, an RMSNorm over all heads whose
+weights are the head gains, no rope) normalizes Q in place and stages K and V into the
+pool (fp8: quantized as written, Q quantized in the same pass with the scale of its
+declared bound `framekv.ops.q_bound`), then the attention, the output dequantized. It
+is checked first: max and mean |d| of its output against fp32 exact-window attention
+over the same K/V unquantized (`ExactWindowReference`); the fp8 denoising block's error
+is also split by source (`fp8_budget`). On cuDNN each forward's plan also has its kernel launch
 timed alone ("call": Q quantized and packed up front; no K/V write, no merge or
 dequantization), as `framekv.bench.attention` times it. Then each is captured in a
 CUDA graph and all are timed in turn, one replay of each per round, the order rotated
@@ -24,6 +30,8 @@ every round, the L2 flushed before each (CUDA events). On a CPU the same path ru
 eagerly with host timers.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -33,7 +41,9 @@ from framekv.engine.attention.backend import attend_fp32
 from framekv.engine.attention.registry import default_backend
 from framekv.engine.cache.reference import ExactWindowReference, visible_positions
 from framekv.engine.rollout import resolve_specs
+from framekv.ops import q_bound, qk_norm_rope_stage_
 
+from .fp8_budget import error_budget, format_budget
 from .fp8_common import fp8_pool_stats, rotated_times, saturation_line, speedups
 from .timing import Flusher, captured_graph, summary
 
@@ -48,6 +58,18 @@ def head_gains(heads: int) -> torch.Tensor:
 
 def _rms_rows(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+#: The prologue's RMSNorm epsilon (`qk_norm_rope_stage_`'s default).
+EPS = 1e-6
+
+
+def norm_all(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 RMSNorm over all heads of x [T, h, D] with weights [h * D]: the prologue's
+    ``norm="all"`` in fp32, rounded nowhere."""
+    xf = x.float()
+    ms = xf.flatten(1).pow(2).mean(-1)[:, None, None]                  # [T, 1, 1]
+    return xf * torch.rsqrt(ms + EPS) * weight.float().view(x.shape[1], x.shape[2])
 
 
 def model_like_kv(gen: torch.Generator, tokens: int, heads: int, dim: int
@@ -88,11 +110,17 @@ class PoolPair:
             fp8.calibrate_kv_scales()
             self._fill(fp8)
         gen = torch.Generator().manual_seed(seed + 1)
-        q = _rms_rows(torch.randn(self.T, self.H, self.D, generator=gen)) * head_gains(self.H)[:, None]
-        k, v = model_like_kv(gen, self.T, self.HKV, self.D)
+        q = _rms_rows(torch.randn(self.T, self.H, self.D, generator=gen))
+        k = _rms_rows(torch.randn(self.T, self.HKV, self.D, generator=gen))
+        v = torch.randn(self.T, self.HKV, self.D, generator=gen) * head_gains(self.HKV).flip(0)[:, None]
+        #: the chunk's raw projection [1, T, H + 2 H_kv, D] bf16, and its norm weights
         self.qkv = torch.cat([q, k, v], dim=1)[None].to(self.device, torch.bfloat16)
-        self.ref.write(0, self.ref.committed, self.qkv[0, :, self.H:self.H + self.HKV],
-                       self.qkv[0, :, self.H + self.HKV:])
+        self.q_weight = head_gains(self.H).repeat_interleave(self.D).to(self.device)
+        self.k_weight = head_gains(self.HKV).repeat_interleave(self.D).to(self.device)
+        #: Q and K as the prologue stages them, in fp32 [T, h, D]
+        self.q = norm_all(self.qkv[0, :, :self.H], self.q_weight)
+        k = norm_all(self.qkv[0, :, self.H:self.H + self.HKV], self.k_weight)
+        self.ref.write(0, self.ref.committed, k, self.qkv[0, :, self.H + self.HKV:])
 
     def _cache(self, dtype) -> CausalKVCache:
         cache = CausalKVCache(num_layers=1, num_kv_heads=self.HKV, head_dim=self.D, dtype=dtype,
@@ -117,7 +145,7 @@ class PoolPair:
     def reference(self, b: int) -> torch.Tensor:
         """fp32 exact-window attention of the chunk's queries in blocks of ``b`` over
         the unquantized K/V: [T, H, D] on the caches' device."""
-        q = self.qkv[0, :, :self.H]
+        q = self.q
         out = torch.empty(self.T, self.H, self.D, device=self.device)
         for j in range(self.T // b):
             pos = visible_positions(self.g, self.ref.committed, self.ref.committed + j * b, b)
@@ -137,24 +165,36 @@ def forwards(pp: PoolPair, backend=None) -> tuple[dict, dict]:
     kernel (cuDNN), a "-call" twin of each ("fp8-denoise-call") launches the same plan
     alone: its queries quantized and packed once up front, no K/V write, no merge or
     dequantization, its output partial (not checked)."""
-    be = get_backend(backend if backend is not None else default_backend(pp.device),
+    be = get_backend(backend if backend is not None else default_backend(pp.device, pp.D),
                      device=pp.device)
+    prologue = functools.partial(qk_norm_rope_stage_, q_weight=pp.q_weight,
+                                 k_weight=pp.k_weight, num_heads=pp.H, num_kv_heads=pp.HKV,
+                                 norm="all", eps=EPS)
     calls, layouts = {}, {}
     for pool, cache in pp.caches.items():
+        if cache.quantized and hasattr(be, "set_q_bounds"):  # Q quantized as it is staged
+            be.set_q_bounds(cache, [q_bound(pp.q_weight, "all", pp.D)])
         mod = CachedAttention(pp.H, pp.HKV, pp.D, layer_idx=0, backend=be)
         for pas, b in (("denoise", pp.T), ("clean", pp.frame)):
             name = f"{pool}-{pas}"
             plan = mod.plan_for(cache, pp.T, b)  # the plan the call runs
             layouts[name] = {"splits": int(getattr(plan, "splits", 1)),
                              "packed": bool(getattr(plan, "packed", False))}
-            calls[name] = (_call(mod, pp, cache, b), b, True)
+            calls[name] = (_call(mod, pp, cache, b, prologue), b, True)
             if hasattr(plan, "launch"):
-                calls[name + "-call"] = (launch_only(be, plan, pp.qkv[0, :, :pp.H]), b, False)
+                q = pp.q.to(torch.bfloat16)
+                calls[name + "-call"] = (launch_only(be, plan, q), b, False)
     return calls, layouts
 
 
-def _call(mod, pp: PoolPair, cache, b: int):
-    return lambda: mod(pp.qkv, kv_cache=cache, seq_len=pp.T, causal_block_size=b)[0]
+def _call(mod, pp: PoolPair, cache, b: int, prologue):
+    work = pp.qkv.clone()  # the layer's QKV buffer: the prologue writes Q in place
+
+    def call():
+        work.copy_(pp.qkv)
+        return mod(work, kv_cache=cache, seq_len=pp.T, causal_block_size=b,
+                   prologue=prologue)[0]
+    return call
 
 
 def launch_only(backend, plan, q: torch.Tensor):
@@ -189,10 +229,12 @@ def measure_forward(preset="seed-bench", *, iters: int = 50, device="cuda", back
                 d = (got.float() - want[b]).abs()
                 errors[name] = {"max_abs": float(d.max()), "mean_abs": float(d.mean())}
             timed[name] = captured_graph(fn).replay if cuda else fn
+        progress("fp8 forward: where the error enters (each rounding alone, fp32)")
+        budget = error_budget(pp)
         progress(f"fp8 forward: timing the {len(timed)} forwards in turn, {iters} rounds")
         times = rotated_times(timed, iters, cuda=cuda, warmup=2,
                               flush=Flusher(flush) if cuda else None)
-        return _result(pp, calls, errors, layouts, times, iters)
+        return dict(_result(pp, calls, errors, layouts, times, iters), error_budget=budget)
     finally:
         pp.shutdown()
 
@@ -240,6 +282,8 @@ def format_forward(res: dict) -> str:
         f"{row.replace('_', ' ')} {v['fp8_speedup']:.3f} ({v['fp8_speedup_paired']:.3f})"
         for row, v in s.items()))
     lines.append("  " + saturation_line(res["fp8"]))
+    if "error_budget" in res:
+        lines.append(format_budget(res["error_budget"], res["pools"]["fp8"]["passes"]["denoise"]))
     return "\n".join(lines)
 
 

@@ -217,3 +217,22 @@ def test_framekv_bench_passes_its_options_to_the_section(result, monkeypatch, ca
     assert out["fp8"] == {"parts": ["wan", "forward"], "wan": [result["wan"][0]]} and saved
     text = capsys.readouterr().out
     assert "fp8 wan tiny" in text and "wan tiny ms/chunk" in text
+
+
+def test_error_budget_emulates_the_plans_roundings():
+    """The budget's Q, K, V and O roundings with the product's scales are what the fp8
+    plan computes (the stand-in for cuDNN rounds those, not P): its "Q,K,V,O" row is the
+    measured error; each source alone rounds something, the storage more than any one."""
+    from cudnn_fake import FakeCudnnBackend
+    from framekv.bench.fp8_budget import SOURCES
+
+    f = measure_forward("tiny", iters=1, device="cpu", backend=FakeCudnnBackend(),
+                        progress=lambda msg: None)
+    b, measured = f["error_budget"], f["pools"]["fp8"]["passes"]["denoise"]
+    assert set(SOURCES) <= set(b)
+    assert b["Q,K,V,O"]["max_abs"] == pytest.approx(measured["max_abs"], rel=0.02)
+    assert b["Q,K,V,O"]["mean_abs"] == pytest.approx(measured["mean_abs"], rel=0.02)
+    for name in ("Q", "K", "V", "P", "O"):
+        assert 0 < b[name]["mean_abs"] < b["all"]["mean_abs"], name
+    assert b["Q,K,V"]["mean_abs"] > max(b[n]["mean_abs"] for n in "QKV")
+    assert "where the fp8 error enters" in format_forward(f)
