@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Runs everything that needs a GPU in one go: `framekv info`, the GPU test suite,
-# `framekv bench` and the framekv.bench modules, writing logs and JSON under OUT
-# (default ./out).
-#   OUT=/tmp/results bash scripts/gpu-suite.sh [pytest args...]
+# Everything that needs a GPU, in sections of under nine minutes each on one H100 or
+# H200, writing a log and JSON per section under OUT (default ./out):
+#   OUT=/tmp/results bash scripts/gpu-suite.sh SECTION [SECTION ...]
+#   bash scripts/gpu-suite.sh list          # the sections, one line each
+# A section's pytest arguments come after `--`: gpu-suite.sh tests-ops -- -x
+# Exit status: nonzero when any step of any section failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -10,22 +12,85 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 status=0
-"$PY" -m framekv.tools.cli info | tee "$OUT/info.txt"
-"$PY" -m pytest -m gpu -v -rs --durations=15 "$@" 2>&1 | tee "$OUT/pytest-gpu.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-"$PY" -m framekv.tools.cli bench --json "$OUT/bench.json" --png "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-for name in commit graphs launch merge ops wait; do
-  "$PY" -m "framekv.bench.$name" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-done
-# Ulysses needs several GPUs and one process per GPU.
-gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-if [ "${gpus:-0}" -ge 2 ]; then
-  "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m framekv.bench.ulysses \
-    --json "$OUT/ulysses.json" 2>&1 | tee "$OUT/ulysses.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-else
-  echo "framekv.bench.ulysses skipped: it needs 2 GPUs, this machine has ${gpus:-0}"
+
+# GPU test files by section; tests-rest runs every other test marked gpu (the ones in
+# CPU test files included), so the sections together are the whole GPU suite.
+OPS_TESTS="tests/test_ops_gpu.py tests/test_qk_norm_rope_gpu.py tests/test_qk_norm_rope_fp8_gpu.py
+ tests/test_merge_split_kv_gpu.py tests/test_adaln_gpu.py tests/test_causal_layout_gpu.py
+ tests/test_fused_glue_gpu.py"
+ENGINE_TESTS="tests/test_attention_gpu.py tests/test_attention_fp8_gpu.py tests/test_cache_gpu.py
+ tests/test_kv_fp8_gpu.py tests/test_packing_gpu.py tests/test_split_kv_gpu.py
+ tests/test_snapshot_gpu.py tests/test_sequences_gpu.py tests/test_arena_gpu.py
+ tests/test_graphs_gpu.py tests/test_warmup_gpu.py tests/test_clocks_gpu.py"
+
+sections() {
+  cat <<'EOF'
+tests-ops      GPU tests of the kernels (ops/)
+tests-engine   GPU tests of attention, caches, graphs
+tests-rest     every other GPU test (models, Wan, VAE, rollouts, serving)
+bench-core     framekv bench (attention, chunk, e2e, streams, breakdown) and the micro benches
+fp8            framekv bench --sections fp8: forward, reference DiT, WanRollout 1.3B
+fp8-14b        WanRollout 14B, bf16 beside fp8 where it fits
+snapshots      a stream's export and import, sessions swapped over fewer slots
+pixels         prompt to pixels: the VAE's streaming decode and serving frames
+ulysses        sequence-parallel attention over 2 GPUs (skipped on fewer)
+EOF
+}
+
+# run NAME CMD...: one step, its output in OUT/NAME.log; a failure marks the suite failed
+run() {
+  local name=$1; shift
+  echo "== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "== $name FAILED"; status=1; }
+}
+
+pytest_gpu() {
+  local name=$1; shift
+  run "$name" "$PY" -m pytest -m gpu -q -rfEs --durations=10 --junitxml "$OUT/$name.xml" "$@"
+}
+
+section() {
+  case "$1" in
+    tests-ops) pytest_gpu tests-ops $OPS_TESTS "${ARGS[@]}" ;;
+    tests-engine) pytest_gpu tests-engine $ENGINE_TESTS "${ARGS[@]}" ;;
+    tests-rest)
+      local ignore=()
+      for f in $OPS_TESTS $ENGINE_TESTS; do ignore+=(--ignore "$f"); done
+      pytest_gpu tests-rest tests "${ignore[@]}" "${ARGS[@]}" ;;
+    bench-core)
+      run bench-core "$PY" -m framekv.tools.cli bench --sections attention,chunk,e2e,streams,breakdown \
+        --json "$OUT/bench-core.json"
+      for name in commit graphs launch merge ops wait; do
+        run "bench-$name" "$PY" -m "framekv.bench.$name" --json "$OUT/bench-$name.json"
+      done ;;
+    fp8) run fp8 "$PY" -m framekv.tools.cli bench --sections fp8 --json "$OUT/fp8.json" ;;
+    fp8-14b) run fp8-14b "$PY" -m framekv.bench.fp8 --parts wan --wan-configs 14b \
+               --wan-chunks 6 --rounds 3 --json "$OUT/fp8-14b.json" ;;
+    snapshots) run snapshots "$PY" -m framekv.bench.snapshots --json "$OUT/snapshots.json" ;;
+    pixels) run pixels "$PY" -m framekv.bench.pixels --json "$OUT/pixels.json" ;;
+    ulysses)
+      local gpus
+      gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+      if [ "${gpus:-0}" -ge 2 ]; then
+        run ulysses "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 \
+          -m framekv.bench.ulysses --json "$OUT/ulysses.json"
+      else
+        echo "ulysses: skipped, it needs 2 GPUs and this machine has ${gpus:-0}"
+      fi ;;
+    *) echo "gpu-suite.sh: no section $1; the sections:"; sections; exit 2 ;;
+  esac
+}
+
+if [ $# -eq 0 ] || [ "$1" = list ]; then
+  sections
+  exit 0
 fi
+names=(); ARGS=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--" ]; then shift; ARGS=("$@"); break; fi
+  names+=("$1"); shift
+done
+"$PY" -m framekv.tools.cli info > "$OUT/info.txt" 2>&1 || true
+for name in "${names[@]}"; do section "$name"; done
 exit $status
