@@ -7,7 +7,8 @@ slots than sessions.
                `ChunkRunner.snapshot(0)` until its copy to pinned host memory is done,
                ``import`` = `ChunkRunner.restore(0, state)` into a second rollout's
                fresh row until the device is done (its prompt prefill included); host
-               wall clock, ``rounds`` each, the first apart (pinned memory allocated),
+               wall clock, ``rounds`` each, the first apart (its pinned host memory
+               reserved up front, `CausalKVCache.reserve_exports`, as a server does),
                bytes moved. Beside them the pinned-memory copy bandwidth of a buffer of
                the same bytes, device to host and host to device (CUDA events).
                ``exact``: the restored rollout's next chunks equal the source's
@@ -81,6 +82,7 @@ def measure_transfer(preset: str, window: int | None, *, rounds: int = 5, check_
     progress(f"transfer {preset}: filling the source stream")
     src = _filled(pair)
     dst = _filled(pair, src.model)
+    src.cache.reserve_exports(1)  # its host memory page-locked up front, as a server does
     export_s, import_s, state = [], [], None
     for i in range(rounds + 1):
         progress(f"transfer {preset}: round {i}")

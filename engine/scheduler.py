@@ -151,6 +151,10 @@ class StreamScheduler:
         try:
             self.report = self.runner.capture(progress=progress) if self.runner.use_graphs else None
             self.runner.prefill_rows(range(S + scratch))
+            cache = self.runner.cache
+            if cache is not None and max_sessions > S:  # host memory of the swapped-out
+                rows = 1 if getattr(self.runner, "guidance", None) is None else 2
+                cache.reserve_exports(rows * (max_sessions - S))
             self.decoder = None if decoder_factory is None else decoder_factory(S)
         except BaseException:
             self.runner.close()

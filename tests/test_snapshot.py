@@ -262,3 +262,17 @@ def test_snapshot_round_trip_of_a_sequence_at_position_zero():
     assert cache.committed_tokens == 0
     roll(cache, g, commits=3, seed=2)
     assert np.isfinite(cache._pool.numpy()).all()
+
+
+def test_reserve_exports_checks_its_count_and_pins_nothing_on_the_cpu():
+    g = Geometry(4, 8, 4, (4,))
+    c = CausalKVCache(num_layers=2, num_kv_heads=1, head_dim=8, tokens_per_page=4,
+                      dtype=torch.float32, pool_tokens=CausalKVCache.pool_tokens_for(g, 4),
+                      device="cpu")
+    with pytest.raises(ValueError, match="open"):
+        c.reserve_exports(1)
+    c.open(g)
+    assert c.reserve_exports(0) == 0 and c.reserve_exports(2) == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"count must be an integer >= 0, got"):
+            c.reserve_exports(bad)

@@ -77,3 +77,25 @@ def test_a_restored_stream_replays_bit_for_bit():
         x, y = a.step(), b.step()
         assert b.path == "graphs" and torch.equal(x[1], y[0])
     assert isinstance(state, StreamState) and state.nbytes > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_reserved_exports_are_a_full_window_of_pinned_memory(dtype):
+    """`reserve_exports` page-locks K and V of a full window per export (fp8: one byte a
+    value); an export then lands in pinned host memory."""
+    from framekv.engine.cache.snapshot import kept_positions
+
+    g = G(5, 37, 12, (3, 12))
+    c = CausalKVCache(num_layers=3, num_kv_heads=2, head_dim=16, dtype=dtype,
+                      tokens_per_page=8, device="cuda",
+                      pool_tokens=CausalKVCache.pool_tokens_for(g, 8))
+    c.open(g)
+    n = len(kept_positions(g, 5 + 37 + 12))  # the most positions a sequence keeps
+    size = 1 if dtype == torch.float8_e4m3fn else 2
+    assert c.reserve_exports(2) == 2 * 2 * 3 * n * 2 * 16 * size
+    if dtype == torch.bfloat16:
+        roll(c, g, commits=9, seed=4)
+        snap = c.export_sequence(0)
+        snap.synchronize()
+        assert snap.k.is_pinned() and snap.v.is_pinned()
+        assert snap.k.shape == (3, len(kept_positions(g, c.committed_tokens)), 2, 16)

@@ -60,7 +60,8 @@ from . import quant
 from .plan import LayoutPlan
 from .plan import ring_base_for
 from .sequences import PoolState, Selection, batch_bytes_specs, check_rows, flat_rows
-from .snapshot import SequenceSnapshot, describe_pool, gather, kept_positions, scatter
+from .snapshot import (SequenceSnapshot, describe_pool, gather, kept_positions,
+                       reserve_pinned, scatter)
 from .state import BlockTensors, GeometryState, nbytes, state_specs
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, quant.FP8)
@@ -447,6 +448,21 @@ class CausalKVCache:
             raise ValueError(f"sequence {i} has {state.host.staged} staged tokens: export it "
                              "between chunks (after a commit)")
         return self._export(i, state)
+
+    def reserve_exports(self, count: int = 1) -> int:
+        """Page-lock the host memory of ``count`` exports of a full window now (CUDA
+        pools; none on the CPU), so that `export_sequence` copies at its steady speed
+        from the first export on instead of page-locking its buffers as it goes.
+        Returns the host bytes reserved. Call it after `open`."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an integer >= 0, got {count!r}")
+        g = self._require_open().plan.geometry
+        if self.device.type != "cuda":
+            return 0
+        n = len(kept_positions(g, g.pin_tokens + g.window_tokens + g.max_staged_tokens))
+        dtype = torch.uint8 if self.quantized else self.dtype  # fp8 moves as bytes
+        return reserve_pinned((self.num_layers, n, self.num_kv_heads, self.head_dim), dtype,
+                              count)
 
     def _export(self, i: int, state: GeometryState) -> SequenceSnapshot:
         C = state.host.committed

@@ -17,8 +17,8 @@ kept.
 `gather` copies a sequence out asynchronously: on a CUDA device, on a side stream that
 first waits for the work queued so far, a layer group at a time through one device
 buffer into pinned host memory; the snapshot's ``synchronize`` (and anything reading
-its tensors) waits for it. `scatter` writes K/V rows into slots, a layer group at a
-time. File: `framekv.engine.cache.tensorfile` (versioned header, CRC).
+its tensors) waits for it; `reserve_pinned` page-locks its host memory ahead of
+time. `scatter` writes K/V rows into slots, a layer group at a time. File: `framekv.engine.cache.tensorfile` (versioned header, CRC).
 """
 from __future__ import annotations
 
@@ -205,6 +205,19 @@ def gather(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
         done.record(side)
     slots.record_stream(side)
     return k, v, done
+
+
+def reserve_pinned(shape, dtype: torch.dtype, count: int) -> int:
+    """Page-lock ``count`` K/V pairs of host memory of ``shape`` [L, n, H, D] now, so
+    `gather`s of that size take them from torch's pinned-memory cache instead of
+    page-locking memory as they copy (seconds for gigabytes, once per buffer). Returns
+    the bytes reserved (0 where CUDA is unavailable)."""
+    if count < 1 or not torch.cuda.is_available():
+        return 0
+    held = [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(2 * count)]
+    nbytes = sum(t.numel() * t.element_size() for t in held)
+    del held  # back to the cache, still pinned
+    return nbytes
 
 
 def scatter(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
