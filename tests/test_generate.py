@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from framekv.tools.cli import main  # noqa: E402
 from framekv.tools.generate import generate  # noqa: E402
-from framekv.tools.video import to_uint8  # noqa: E402
+from framekv.engine.serving import to_uint8  # noqa: E402
 from test_video import mae, read_video  # noqa: E402
 
 CAT = "a cat"
@@ -143,20 +143,19 @@ def test_a_checkpoint_replaces_the_transformer(cat, tmp_path):
 
 
 def test_the_timesteps_follow_the_sampler(tmp_path):
-    from framekv.tools.generate import _rollout_kwargs
+    from framekv.engine.wan.pipeline import sampling
 
     sizes = {"timesteps": (1000.0, 750.0, 500.0, 250.0)}
-    sf = _rollout_kwargs(sizes, "gen.pt", None, None, None)
+    sf = sampling(sizes["timesteps"], checkpoint=True)
     # Self-Forcing's warp, shift 5: t = 1000 * 5 s / (1 + 4 s) at s = 1, .75, .5, .25
     assert sf["sampler"] == "self_forcing"
     np.testing.assert_allclose(sf["timesteps"], [1000.0, 937.5, 2500 / 3, 625.0])
-    plain = _rollout_kwargs(sizes, None, None, None, 2.0)
+    plain = sampling(sizes["timesteps"], checkpoint=False)
     assert plain["sampler"] == "euler" and plain["timesteps"] == sizes["timesteps"]
-    assert plain["guidance_scale"] == 2.0
 
 
 def test_a_diffusers_folder(tmp_path):
-    from framekv.engine.runner import chunk_noise
+    from framekv.engine.step import chunk_noise
     from framekv.engine.wan import PRESETS, TextEncoder, WanRollout, build_model, preset_sizes
     from framekv.engine.wan.vae import StreamingVAEDecoder, build_vae
     from wan_text_harness import save_text_parts

@@ -16,14 +16,16 @@ all three from a local diffusers folder; ``--checkpoint FILE`` replaces the
 transformer's weights with a Self-Forcing generator checkpoint (VAE and text encoder
 from ``--weights``, or random from ``--config``), sampled as Self-Forcing samples: the
 ``self_forcing`` sampler over the preset's steps warped by shift 5 (1000, 937.5, 833.3,
-625 for four steps); ``--sampler`` and ``--shift`` override. Nothing is downloaded.
+625 for four steps); ``--sampler`` and ``--shift`` override. Nothing is downloaded. The
+parts load as the server's do (`framekv.engine.wan.pipeline.WanPipeline`).
 
 The sizes are those of PRESET (or ``--preset``; default: the config's,
 `framekv.engine.wan.PRESETS`; with ``--weights``, the shipped config the transformer
 matches). ``--seed`` seeds the chunks' noise as a server session of that seed draws it
-(`framekv.engine.runner.chunk_noise`) and the default generators the ``self_forcing``
-sampler re-noises from; random weights are always those of seed 0, so that the same
-config is the same model.
+(`framekv.engine.step.chunk_noise`, and `chunk_renoise` for the ``self_forcing``
+sampler's fresh noise): the same seed gives the same video, as a server session of it
+would; random weights are always those of seed 0, so that the same config is the same
+model.
 
 Progress goes to stderr, the summary line to stdout. A bad argument, missing weights
 or an unwritable ``--out`` exit 2 before any work, a failure during the run exits 1;
@@ -44,7 +46,9 @@ from .conventions import add_preset_arguments
 from .video import DEFAULT_CRF, check_mp4_path
 
 CONFIGS = ("tiny", "1.3b")
-SAMPLERS = ("euler", "self_forcing")  # `framekv.engine.runner.SAMPLERS`, checked up front
+# The parser's copies of `framekv.engine.runner.SAMPLERS` and
+# `framekv.engine.wan.pipeline.SELF_FORCING_SHIFT`: building it imports no engine.
+SAMPLERS = ("euler", "self_forcing")
 #: Self-Forcing's schedule: its denoising steps warped by the flow-matching shift.
 SELF_FORCING_SHIFT = 5.0
 
@@ -86,20 +90,23 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
 
     Raises ValueError (naming the argument) for a bad argument, before anything loads.
     """
-    path = _check_args(prompt, chunks, out, config, weights, checkpoint, negative_prompt,
-                       guidance_scale, fps, seed, sampler, shift)
+    path = _check_args(prompt, chunks, out, config, weights, negative_prompt, guidance_scale,
+                       fps, seed)
     from framekv.engine.rollout import resolve_device
+    from framekv.engine.wan.pipeline import WanPipeline
 
     dev = resolve_device(device)
     stream = stream or sys.stderr
     t0 = time.perf_counter()
-    transformer, vae, encoder, name, sizes = _load(config, weights, checkpoint, preset, dev)
-    kw = _rollout_kwargs(sizes, checkpoint, sampler, shift, guidance_scale)
+    # The pipeline checks the weights, the checkpoint and the sampling before it loads.
+    pipe = WanPipeline.load(None if weights is not None else config, weights=weights,
+                            checkpoint=checkpoint, preset=preset, sampler=sampler, shift=shift,
+                            device=dev)
     with contextlib.ExitStack() as stack:
-        r, decoder = _pipeline(stack, transformer, vae, encoder, kw, prompt, negative_prompt,
-                               dev, use_graphs)
+        r, decoder = _start(stack, pipe, prompt, negative_prompt, guidance_scale, dev,
+                            use_graphs)
         setup = time.perf_counter() - t0
-        print(_header(name, weights, checkpoint, r, chunks, kw), file=stream)
+        print(_header(pipe, weights, checkpoint, r, chunks), file=stream)
         t1 = time.perf_counter()
         frames, width, height = _roll(stack, r, decoder, chunks, seed, path, fps, crf,
                                       stream if progress else None, on_frames)
@@ -108,9 +115,10 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
                           path=path, size=os.path.getsize(path), setup_seconds=setup)
 
 
-def _check_args(prompt, chunks, out, config, weights, checkpoint, negative_prompt,
-                guidance_scale, fps, seed, sampler, shift) -> str:
-    """ValueError naming the first bad argument; the absolute path of ``out``."""
+def _check_args(prompt, chunks, out, config, weights, negative_prompt, guidance_scale, fps,
+                seed) -> str:
+    """ValueError naming the first bad argument (the weights, the checkpoint and the
+    sampling are `WanPipeline.load`'s to check); the absolute path of ``out``."""
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
     for arg, value, low in (("chunks", chunks, 1), ("fps", fps, 1), ("seed", seed, 0)):
@@ -119,126 +127,23 @@ def _check_args(prompt, chunks, out, config, weights, checkpoint, negative_promp
     path = check_mp4_path(out)
     if weights is None and config not in CONFIGS:
         raise ValueError(f"config must be one of {list(CONFIGS)}, got {config!r}")
-    if weights is not None and not os.path.isdir(weights):
-        raise ValueError(f"weights must be a local diffusers folder, got {os.fspath(weights)!r} "
-                         "(not a folder; nothing is downloaded)")
-    if checkpoint is not None and not os.path.isfile(checkpoint):
-        raise ValueError(f"checkpoint must be a generator checkpoint file, got "
-                         f"{os.fspath(checkpoint)!r} (no such file)")
     if guidance_scale is not None and not (isinstance(guidance_scale, (int, float))
                                            and guidance_scale > 0):
         raise ValueError(f"guidance_scale must be a number > 0, got {guidance_scale!r}")
-    if sampler is not None and sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {list(SAMPLERS)}, got {sampler!r}")
-    if shift is not None and not (isinstance(shift, (int, float)) and 0 < shift < float("inf")):
-        raise ValueError(f"shift must be a number > 0, got {shift!r}")
     if negative_prompt is not None and guidance_scale is None:
         raise ValueError("negative_prompt needs guidance_scale (classifier-free guidance), "
                          f"got negative_prompt={negative_prompt!r} and guidance_scale=None")
     return path
 
 
-def _load(config, weights, checkpoint, preset, device):
-    """(transformer, VAE, text encoder, the name the header gives them, the sizes)."""
-    from framekv.engine.wan import TextEncoder, build_model, load_folder, load_model
-    from framekv.engine.wan.vae import build_vae
-
-    if weights is None:
-        sizes = _sizes(preset, config)
-        transformer = (build_model(config, device=device) if checkpoint is None
-                       else load_model(checkpoint, config=config, device=device))
-        encoder = TextEncoder.from_config(config, max_tokens=sizes["prompt_tokens"], device=device)
-        return transformer, build_vae(config, device=device), encoder, config, sizes
-    _check_folder(weights, checkpoint)
-    if checkpoint is None:
-        parts = load_folder(weights, device=device)
-        transformer, vae, encoder = parts.transformer, parts.vae, parts.text_encoder
-    else:
-        from framekv.engine.wan.vae import load_vae
-
-        # Only the folder's VAE and text encoder: its transformer would be replaced.
-        shape = weights if os.path.isdir(os.path.join(weights, "transformer")) else None
-        transformer = load_model(checkpoint, config=shape, device=device)
-        vae = load_vae(os.path.join(weights, "vae"), device=device)
-        encoder = TextEncoder.from_pretrained(weights, device=device)
-    name = _matching_config(transformer)
-    sizes = _sizes(preset, name)
-    encoder.max_tokens = sizes["prompt_tokens"]  # L of the rollout's prompts
-    return transformer, vae, encoder, name or os.path.basename(os.path.normpath(weights)), sizes
-
-
-def _check_folder(weights, checkpoint) -> None:
-    """ValueError naming what ``weights`` lacks, before anything loads."""
-    from framekv.engine.wan.text import has_text_encoder
-
-    need = ([] if checkpoint is not None else ["transformer"]) + ["vae"]
-    missing = [f"{p}/" for p in need if not os.path.isdir(os.path.join(weights, p))]
-    if not has_text_encoder(weights):
-        missing.append("text_encoder/ + tokenizer/")
-    if missing:
-        raise ValueError(f"weights {os.fspath(weights)!r} must be a diffusers Wan folder with "
-                         f"a transformer (unless --checkpoint), a VAE and a text encoder; it "
-                         f"lacks {', '.join(missing)}")
-
-
-def _matching_config(model) -> str | None:
-    """The shipped config (`framekv.engine.wan.CONFIGS`) whose every value ``model``'s
-    config shares, or None."""
-    from framekv.engine.wan import CONFIGS as SHIPPED
-
-    cfg = model.config
-    for name, values in SHIPPED.items():
-        if all(_same(getattr(cfg, k, None), v) for k, v in values.items()):
-            return name
-    return None
-
-
-def _same(a, b) -> bool:
-    return list(a) == list(b) if isinstance(b, (tuple, list)) else a == b
-
-
-def _sizes(preset, name) -> dict:
-    """The rollout's sizes: ``preset``'s, else those of the shipped config ``name``'s
-    preset."""
-    from framekv.engine.wan import PRESETS, preset_sizes
-
-    if preset is None:
-        if name not in PRESETS:
-            raise ValueError("preset is needed: the transformer's config matches no shipped "
-                             f"config {sorted(PRESETS)}, so no default sizes apply")
-        preset = PRESETS[name]
-    return preset_sizes(preset)
-
-
-def _rollout_kwargs(sizes, checkpoint, sampler, shift, guidance_scale) -> dict:
-    """`WanRollout` keywords: the preset's sizes, the sampler, the timesteps (the
-    preset's, each t = 1000 s warped to 1000 k s / (1 + (k - 1) s) by shift k, as
-    Self-Forcing warps its steps) and guidance."""
-    sf = checkpoint is not None
-    k = float(shift if shift is not None else (SELF_FORCING_SHIFT if sf else 1.0))
-    steps = [t / 1000.0 for t in sizes["timesteps"]]
-    return {**sizes, "sampler": sampler or ("self_forcing" if sf else "euler"),
-            "timesteps": tuple(1000.0 * k * s / (1.0 + (k - 1.0) * s) for s in steps),
-            "guidance_scale": guidance_scale}
-
-
-def _pipeline(stack, transformer, vae, encoder, kw, prompt, negative_prompt, device, use_graphs):
-    """The rollout under the encoded prompt, and the streaming decoder; both closed by
-    ``stack``."""
-    import torch
-
-    from framekv.engine.wan import WanRollout
-    from framekv.engine.wan.vae import StreamingVAEDecoder
-
-    with torch.no_grad():
-        text = encoder.encode([prompt])                                  # [1, L, text_dim]
-        negative = (encoder.encode([negative_prompt or ""]) if kw["guidance_scale"] is not None
-                    else None)                                           # [1, L, text_dim]
+def _start(stack, pipe, prompt, negative_prompt, guidance_scale, device, use_graphs):
+    """The rollout under the prompt (encoded by the pipeline's text encoder), and the
+    streaming decoder; both closed by ``stack``."""
     graphs = use_graphs if use_graphs is not None else device.type == "cuda"
-    r = WanRollout(transformer, device=device, use_graphs=graphs, **kw)
+    r = pipe.rollout(device=device, use_graphs=graphs, guidance_scale=guidance_scale)
     stack.callback(r.close)
-    r.set_prompt(text.to(device), None if negative is None else negative.to(device))
-    decoder = StreamingVAEDecoder(vae, use_graphs=use_graphs, device=device)
+    r.set_prompt(prompt, negative_prompt)
+    decoder = pipe.decoder(use_graphs=use_graphs)
     stack.callback(decoder.close)
     return r, decoder
 
@@ -246,23 +151,21 @@ def _pipeline(stack, transformer, vae, encoder, kw, prompt, negative_prompt, dev
 def _roll(stack, r, decoder, chunks, seed, path, fps, crf, stream, on_frames):
     """Roll out, decode and write ``chunks`` chunks; (frames, width, height). The writer
     joins ``stack``: the video is finished (or discarded) when the stack closes."""
-    import torch
-
-    from framekv.engine.runner import chunk_noise
+    from framekv.engine.serving import to_uint8
+    from framekv.engine.step import chunk_noise, chunk_renoise
 
     from .demo import Progress
-    from .video import MP4Writer, to_uint8
+    from .video import MP4Writer
 
-    # The self_forcing sampler re-noises from the default generators: seeded here so that
-    # the same seed gives the same video.
-    torch.manual_seed(seed)
     bar = Progress(chunks, stream, label="generate") if stream is not None else None
     writer, frames, start = None, 0, time.perf_counter()
     for i in range(chunks):
-        # A server session's noise for the same seed (`framekv.engine.scheduler`).
+        # A server session's noise for the same seed (`framekv.engine.step`).
         noise = chunk_noise(seed, i, r.chunk_shape)[None]               # [1, C, F, H, W]
-        latents = r.step(noise)                                          # [1, C, F, H, W]
-        video = to_uint8(decoder.decode(latents))[0]                     # [F', 8H, 8W, 3]
+        renoise = None if r.sampler == "euler" else chunk_renoise(
+            seed, i, len(r.sigmas) - 1, r.chunk_shape)[None]             # [1, n-1, C, F, H, W]
+        latents = r.step(noise, renoise)                                 # [1, C, F, H, W]
+        video = to_uint8(decoder.decode(latents))[0].cpu()               # [F', 8H, 8W, 3]
         if writer is None:
             writer = stack.enter_context(MP4Writer(path, fps=fps, width=video.shape[2],
                                                    height=video.shape[1], crf=crf))
@@ -278,15 +181,16 @@ def _roll(stack, r, decoder, chunks, seed, path, fps, crf, stream, on_frames):
     return frames, writer.width, writer.height
 
 
-def _header(name, weights, checkpoint, r, chunks, kw) -> str:
+def _header(pipe, weights, checkpoint, r, chunks) -> str:
     s = r.shape
+    name = pipe.config_name or os.path.basename(os.path.normpath(weights))
     source = (f"weights {weights}" if weights is not None else "random weights")
     if checkpoint is not None:
         source += f", checkpoint {checkpoint}"
     return (f"framekv generate: Wan {name} ({source}), device {r.device}, "
             f"{str(r.dtype).removeprefix('torch.')}; latent {s.latent_size[0]}x"
             f"{s.latent_size[1]}, {s.frames_per_chunk}-frame chunks, {chunks} chunk(s); "
-            f"{kw['sampler']} at t = {', '.join(f'{t:.1f}' for t in kw['timesteps'])}")
+            f"{pipe.sampler} at t = {', '.join(f'{t:.1f}' for t in pipe.timesteps)}")
 
 
 def format_result(result: GenerateResult, fps: int) -> str:

@@ -2,14 +2,17 @@
 checked.
 
 A shipped config (``--config tiny|1.3b``) with random weights, or local weights
-(``--weights DIR``: a diffusers folder), at the sizes of a preset (``--preset``,
-default the config's: `framekv.engine.wan.PRESETS`); a seeded random prompt embedding
+(``--weights DIR``: a diffusers folder), loaded as every command loads them
+(`framekv.engine.wan.pipeline.WanPipeline`), at the sizes of a preset (``--preset``,
+default the config's, or with ``--weights`` that of the shipped config the transformer
+matches: `framekv.engine.wan.PRESETS`); a seeded random prompt embedding
 stands in for the text encoder's output. It generates ``--chunks`` chunks (one graph replay each on
 CUDA), prints per-chunk latency and latent frames per second, then re-runs the first
 chunks eagerly and with the reference attention backend and compares the latents.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -32,23 +35,23 @@ def run_wan_demo(config: str = "tiny", *, preset=None, weights=None, chunks: int
                  cache_dir=None, kv_dtype=None) -> dict:
     """Run the demo; returns its report. Text goes to ``stream`` (default stdout).
     ``kv_dtype``: the K/V pool (`WanRollout`'s; the checks' rollouts use the same)."""
-    from framekv.engine import WanRollout
-    from framekv.engine.wan import PRESETS, build_model, load_model, preset_sizes
+    from framekv.engine.wan.pipeline import WanPipeline
 
-    if config not in PRESETS:
-        raise ValueError(f"--config must be one of {sorted(PRESETS)}, got {config!r}")
     stream = stream or sys.stdout
-    kw, n = preset_sizes(preset or PRESETS[config]), chunks or 6
+    t0 = time.perf_counter()
+    # The transformer alone: a seeded random embedding stands in for the text encoder.
+    pipe = WanPipeline.load(None if weights else config, weights=weights, preset=preset,
+                            device=device, text_encoder=False, vae=False)
+    model, kw, n = pipe.transformer, pipe.rollout_kwargs(), chunks or 6
     latent, frames = kw["latent_size"], kw["frames_per_chunk"]
     sink, window = kw["sink_frames"], kw["window_frames"]
-    t0 = time.perf_counter()
-    model = load_model(weights, device=device) if weights else build_model(config, device=device)
     kw["kv_dtype"] = kv_dtype
-    r = WanRollout(model, backend=backend, cache_dir=cache_dir, **kw)
+    r = pipe.rollout(backend=backend, cache_dir=cache_dir, kv_dtype=kv_dtype)
     text = torch.randn(1, kw["prompt_tokens"], model.config.text_dim,
                        generator=torch.Generator().manual_seed(0))
     r.set_prompt(text)
-    print(f"framekv demo: Wan {config} ({len(model.blocks)} layers, "
+    name = pipe.config_name or os.path.basename(os.path.normpath(weights))
+    print(f"framekv demo: Wan {name} ({len(model.blocks)} layers, "
           f"{'weights ' + str(weights) if weights else 'random weights'}), device {r.device}, "
           f"backend {r.backend.name}, {str(r.dtype).removeprefix('torch.')}, K/V pool "
           f"{str(r.kv_dtype).removeprefix('torch.')}; latent "
