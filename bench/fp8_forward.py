@@ -182,7 +182,9 @@ def forwards(pp: PoolPair, backend=None) -> tuple[dict, dict]:
                              "packed": bool(getattr(plan, "packed", False))}
             calls[name] = (_call(mod, pp, cache, b, prologue), b, True)
             if hasattr(plan, "launch"):
-                q = pp.q.to(torch.bfloat16)
+                # q in the forward's layout (the packed projection's strides): a plan's
+                # ragged row offsets follow them, and the forward's replays rewrite them
+                q = pp.qkv[0, :, :pp.H]
                 calls[name + "-call"] = (launch_only(be, plan, q), b, False)
     return calls, layouts
 

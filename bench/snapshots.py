@@ -132,7 +132,7 @@ def measure_swap(preset: str = "small-stream", *, sessions: int = 16, slots: int
 
 
 def _serve(preset, n: int, slots: int, seconds: float, warmup: float, progress) -> dict:
-    from framekv.engine.scheduler import StreamScheduler
+    from framekv.engine.serving import StreamScheduler
 
     progress(f"swap {preset}: {n} sessions over {slots} slots, capturing")
     sched = StreamScheduler(preset, max_sessions=n, slots=slots, device="cuda")

@@ -6,7 +6,8 @@ model, the fp32 reference), ``attention/`` (the layer module, backends, cuDNN,
 split-KV, Ulysses), ``model/`` (the reference DiT), ``wan/`` (diffusers' Wan); ``kv.py``
 is the seam between a model and the K/V it attends (`KVStore`, `ForwardContext`);
 ``runner.py`` is the one chunk cycle (`ChunkRunner`), which `Rollout` (``rollout.py``)
-and `WanRollout` adapt to their models; ``scheduler.py`` steps streaming sessions on it.
+and `WanRollout` adapt to their models, and ``step.py`` the step it takes from a
+scheduler (`StepPlan`); ``serving/`` steps streams on it (`StreamScheduler`).
 """
 from .arena import (ArenaClosedError, ArenaError, ArenaExhaustedError, DeviceArena,
                     HostArena, make_arena)
@@ -16,11 +17,12 @@ from .kv import ForwardContext, KVStore, PagedKV, ReferenceKV
 from .model import CausalVideoDiT
 from .rollout import Rollout, WarmupResult, warm_up
 from .runner import ChunkModel, ChunkRunner
+from .serving import StreamScheduler
 from .verify import ReferenceRollout, VerifyReport, verify_rollout
 from .wan import WanRollout
 
 __all__ = ["AttentionBackend", "AttentionPlan", "ArenaClosedError", "ArenaError",
            "ArenaExhaustedError", "CachedAttention", "CausalKVCache", "CausalVideoDiT", "ChunkModel", "ChunkRunner",
            "DeviceArena", "ExactWindowReference", "ForwardContext", "HostArena", "KVStore", "PagedKV",
-           "ReferenceKV", "ReferenceRollout", "Rollout", "VerifyReport", "WanRollout", "WarmupResult",
+           "ReferenceKV", "ReferenceRollout", "Rollout", "StreamScheduler", "VerifyReport", "WanRollout", "WarmupResult",
            "make_arena", "verify_rollout", "warm_up"]

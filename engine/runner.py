@@ -12,9 +12,10 @@ callable over static inputs, so on a GPU it is ONE graph replay::
 Samplers over the schedule sigma_i = t_i / timestep_scale (0 after the last step)::
 
     euler          x <- x + (sigma_{i+1} - sigma_i) * v(x, t_i)
-    self_forcing   x0 = x - sigma_i * v(x, t_i); x <- (1 - sigma_{i+1}) x0 + sigma_{i+1} e
-                   (fresh noise e from the device's default generator, which a graph
-                   replay advances); the chunk is x0 of the last step
+    self_forcing   x0 = x - sigma_i * v(x, t_i); x <- (1 - sigma_{i+1}) x0 + sigma_{i+1} e_i
+                   (fresh noise e_i, a static input ``renoise`` [B, steps - 1, ...]: each
+                   row's own `chunk_renoise`, so a stream replays wherever it runs);
+                   the chunk is x0 of the last step
 
 The clean pass is one block of the chunk (``clean_block="chunk"``) or one-frame
 blocks; with ``trim_clean_pass`` (default) its last layer stops once its K/V are staged
@@ -30,7 +31,9 @@ store cannot replay); the store's host half advances in the replay hook.
 Sequences: the pool holds ``sequences`` of them (one by default), twice as many with
 guidance (sequence s and its unconditional branch S + s, rows of one batch: v = v_u +
 g (v_c - v_u)). `step` runs all of them, positions kept here; `step_rows` any B (one of
-``batch_sizes``), positions kept by the caller (a scheduler). Each pool sequence has a
+``batch_sizes``), positions kept by the caller (a scheduler), which hands a whole
+step over as a `framekv.engine.step.StepPlan` (`execute`: swaps, prompt rewrites, the
+chunk). Each pool sequence has a
 prompt: the first one written after a reset starts it (`ChunkModel.write_prompt`), a
 later one changes it; a model whose finished frames' K/V depend on the prompt
 (``keeps_history``) has the clean latents of its visible frames kept, so that a
@@ -56,6 +59,7 @@ modules beside it.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Protocol
 
 import torch
@@ -67,6 +71,7 @@ from .checks import (check_batch_sizes, check_choice, check_count, check_finite,
                      check_frames, check_guidance, check_shape, check_timesteps)
 from .history import History, pieces
 from .kv import ForwardContext, KVStore, Recorder
+from .step import StepPlan, StepResult, chunk_noise, chunk_renoise
 from .stream_state import StreamState
 
 SAMPLERS = ("euler", "self_forcing")
@@ -112,32 +117,8 @@ class ChunkModel(Protocol):
         then has Q quantized in that pass, `CudnnBackend.set_q_bounds`), else None."""
 
 
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def noise_seed(seed: int, index: int, sequence: int = 0) -> int:
-    """The generator seed of chunk ``index`` of sequence ``sequence`` under ``seed``: the
-    three hashed together (splitmix64) and folded to 32 bits, because torch's CPU
-    generator seeds its Mersenne Twister from the low 32 bits only (shifted sums of
-    seed and index would collide)."""
-    h = 0
-    for part in (seed, sequence, index):
-        h = _splitmix64(h ^ (int(part) & _MASK64))
-    return h & 0xFFFFFFFF
-
-
-def chunk_noise(seed: int, index: int, shape, sequence: int = 0) -> torch.Tensor:
-    """The starting noise of chunk ``index`` of sequence ``sequence`` seeded ``seed``:
-    fp32, drawn on the CPU so that every device sees the same."""
-    gen = torch.Generator().manual_seed(noise_seed(seed, index, sequence))
-    return torch.randn(*shape, generator=gen)
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class ChunkRunner:
@@ -435,13 +416,16 @@ class ChunkRunner:
             self.recorder("clean", v)
         self.kv.commit(frames * tpf)
 
-    def chunk(self, noise: torch.Tensor, frame0: torch.Tensor) -> torch.Tensor:
+    def chunk(self, noise: torch.Tensor, frame0: torch.Tensor,
+              renoise: torch.Tensor | None = None) -> torch.Tensor:
         """One whole chunk over static inputs, of the pool rows in use: the sampler's
         steps, the clean pass, the commit. noise fp32 [B, C, F, H, W] (B: the sequences
-        in use, per branch); frame0 int64 [B] -> clean latents fp32 [B, C, F, H, W].
-        Shapes and dtypes are checked (host metadata only: a capture runs it)."""
+        in use, per branch); frame0 int64 [B]; renoise (self_forcing only) fp32
+        [B, steps - 1, C, F, H, W] -> clean latents fp32 [B, C, F, H, W]. Shapes and
+        dtypes are checked (host metadata only: a capture runs it)."""
         B = len(self._in_use) // (1 if self.guidance is None else 2)
         self._check_noise(noise, B)
+        self._check_renoise(renoise, noise.shape)
         if (not isinstance(frame0, torch.Tensor) or frame0.dtype != torch.int64
                 or tuple(frame0.shape) != (B,)):
             got = (f"{frame0.dtype} {list(frame0.shape)}" if isinstance(frame0, torch.Tensor)
@@ -458,7 +442,7 @@ class ChunkRunner:
             else:
                 x = x - sig[i] * v                                         # x0
                 if i + 1 < len(self._t):
-                    x = (1 - sig[i + 1]) * x + sig[i + 1] * torch.randn_like(x)
+                    x = (1 - sig[i + 1]) * x + sig[i + 1] * renoise[:, i]
         self._clean_pass(torch.cat([x, x]) if both else x, frame0)
         return x
 
@@ -494,9 +478,12 @@ class ChunkRunner:
         if tokens not in counts:
             raise ValueError(f"tokens must be one of the chunk lengths {counts}, got {tokens}")
         C, H, W = self.chunk_model.latent_shape
-        inputs = {"noise": torch.zeros(batch, C, tokens // self.tokens_per_frame, H, W,
-                                       device=self.device),
+        F = tokens // self.tokens_per_frame
+        inputs = {"noise": torch.zeros(batch, C, F, H, W, device=self.device),
                   "frame0": torch.zeros(batch, dtype=torch.int64, device=self.device)}
+        if self.sampler == "self_forcing":  # its fresh noise: a static input of the graph
+            inputs["renoise"] = torch.zeros(batch, len(self._t) - 1, C, F, H, W,
+                                            device=self.device)
         rows = self._pool_rows(range(batch))
         whole = self.clean_block == "chunk" and tokens == self.frames_per_chunk * self.tokens_per_frame
         clean = tokens if whole else self.tokens_per_frame
@@ -550,10 +537,12 @@ class ChunkRunner:
 
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
-    def step(self, noise: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, noise: torch.Tensor | None = None,
+             renoise: torch.Tensor | None = None) -> torch.Tensor:
         """The next chunk of every sequence; returns the clean latents, fp32
         [N, C, F, H, W] (a copy). ``noise``: the chunks' starting noise in that shape,
-        default each sequence's own (`chunk_noise`)."""
+        default each sequence's own (`chunk_noise`); ``renoise`` (self_forcing):
+        [N, steps - 1, C, F, H, W], default each sequence's own (`chunk_renoise`)."""
         self._check_open()
         S = self.sequences
         self._require_prompt(range(self.pool))
@@ -563,25 +552,30 @@ class ChunkRunner:
                              f"frames at chunk indices {self.sequence_chunks}): a batched step "
                              "needs one chunk length")
         C, F, H, W = (self.chunk_shape[0], frames.pop(), *self.chunk_shape[2:])
+        streams = list(zip(self.noise_streams, self.sequence_chunks))
         if noise is None:
-            noise = torch.stack([chunk_noise(seed, i, (C, F, H, W), n)
-                                 for (seed, n), i in zip(self.noise_streams,
-                                                         self.sequence_chunks)])
+            noise = torch.stack([chunk_noise(seed, i, (C, F, H, W), n) for (seed, n), i in streams])
         self._check_noise(noise, S, frames=F)
         check_finite("noise", noise)
+        if renoise is None and self.sampler != "euler":
+            renoise = torch.stack([chunk_renoise(seed, i, len(self._t), (C, F, H, W), n)
+                                   for (seed, n), i in streams])
+        self._check_renoise(renoise, noise.shape)
         if self.use_graphs and not self._keys:
             self.capture()  # every sequence at 0, and back at 0 after
-        out = self._run(tuple(range(S)), noise, self.sequence_frames)
+        out = self._run(tuple(range(S)), noise, self.sequence_frames, renoise)
         self.sequence_chunks = [i + 1 for i in self.sequence_chunks]
         self.sequence_frames = [f + F for f in self.sequence_frames]
         return out
 
     @torch.no_grad()
-    def step_rows(self, rows, noise: torch.Tensor, frame0) -> torch.Tensor:
+    def step_rows(self, rows, noise: torch.Tensor, frame0,
+                  renoise: torch.Tensor | None = None) -> torch.Tensor:
         """One chunk of sequences ``rows`` (distinct host ints in [0, sequences), as many
         as one of ``batch_sizes``): batch row r is sequence rows[r], from noise[r]
         [C, F, H, W] (F: a chunk's frames; finite values only) at rope frame frame0[r]
-        (integers >= 0: host ints or an integer tensor); returns the clean latents
+        (integers >= 0: host ints or an integer tensor); ``renoise`` (self_forcing
+        only) its fresh noise [B, steps - 1, C, F, H, W]; returns the clean latents
         [B, C, F, H, W] (a copy). One graph replay (captured for that batch size); the
         caller keeps the positions. Every argument is checked before anything runs."""
         self._check_open()
@@ -592,9 +586,67 @@ class ChunkRunner:
         rows = check_rows(rows, self.sequences, name="rows")
         self._check_noise(noise, len(rows))
         check_finite("noise", noise)
+        self._check_renoise(renoise, noise.shape)
+        if renoise is not None:
+            check_finite("renoise", renoise)
         frames = check_frames("frame0", frame0, len(rows))  # read once, host ints
         self._require_prompt(self._pool_rows(rows))
-        return self._run(rows, noise, frames)
+        return self._run(rows, noise, frames, renoise)
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step's GPU work (`framekv.engine.step`): the plan's swaps out, then
+        in, its prompt rewrites and restarts, then (when it has rows) one chunk of its
+        rows. A failed swap fails its stream alone: its slot is started over under the
+        default prompt and its row still runs (its chunk is the caller's to drop); a
+        failed rewrite leaves its stream under the old prompt. A failing chunk (or
+        restart) is the result's ``error``. The latents stay on the device (the result
+        stage reads them)."""
+        self._check_open()
+        res = StepResult()
+        for sw in plan.swap_outs:
+            t0 = time.perf_counter()
+            try:
+                state = self.snapshot(sw.slot)
+                state.synchronize()         # the slot is written next: a whole host copy
+                res.parked[sw.stream] = state
+            except Exception as exc:
+                res.failed[sw.stream] = f"swapping the session out failed: {_why(exc)}"
+            res.swap_seconds[sw.stream] = time.perf_counter() - t0
+        for sw in plan.swap_ins:
+            t0 = time.perf_counter()
+            self._swap_in(sw, res)
+            res.swap_seconds[sw.stream] = time.perf_counter() - t0
+        for sw in plan.rewrites:
+            try:
+                self.prefill_rows([sw.slot], sw.prompt, rewrite=True)
+            except Exception as exc:        # all or nothing: the old prompt is back
+                res.rewrite_errors[sw.stream] = exc
+        try:
+            if plan.restarts:
+                self.prefill_rows(plan.restarts)
+            if plan.rows:
+                res.latents = self.step_rows(plan.rows, plan.noise, plan.frame0, plan.renoise)
+        except Exception as exc:            # the swaps above stand: the caller keeps them
+            res.error = exc
+        return res
+
+    def _swap_in(self, sw, res: StepResult) -> None:
+        """One swap in of `execute`: restored or started, then its pending rewrite."""
+        try:
+            if sw.state is None:
+                self.prefill_rows([sw.slot], sw.prompt)
+                return
+            self.restore(sw.slot, sw.state)
+        except Exception as exc:
+            res.failed[sw.stream] = f"swapping the session in failed: {_why(exc)}"
+            self.prefill_rows([sw.slot])    # a row the batch can run; its chunk is dropped
+            return
+        if sw.prompt is not None:
+            try:
+                self.prefill_rows([sw.slot], sw.prompt, rewrite=True)
+            except Exception as exc:
+                res.rewrite_errors[sw.stream] = exc
 
     def _check_noise(self, noise, batch: int, frames: int | None = None) -> None:
         """ValueError naming ``noise`` (the shape wanted and the one given) unless it is
@@ -610,11 +662,31 @@ class ChunkRunner:
         if not noise.is_floating_point():
             raise ValueError(f"noise must be a floating-point tensor, got {noise.dtype}")
 
-    def _run(self, rows: tuple[int, ...], noise: torch.Tensor, frames: list[int]) -> torch.Tensor:
+    def _check_renoise(self, renoise, shape) -> None:
+        """ValueError naming ``renoise`` unless it is what the sampler reads: None for
+        euler, a floating [B, steps - 1, C, F, H, W] tensor for self_forcing (``shape``
+        the noise's [B, C, F, H, W])."""
+        if self.sampler == "euler":
+            if renoise is not None:
+                raise ValueError("renoise is the self_forcing sampler's; this runner samples "
+                                 f"with euler, got a {type(renoise).__name__}")
+            return
+        want = (shape[0], len(self._t) - 1, *shape[1:])
+        if renoise is None:
+            raise ValueError(f"renoise: the self_forcing sampler needs its fresh noise, a "
+                             f"{list(want)} tensor (`chunk_renoise` per row), got None")
+        check_shape("renoise", renoise, want)
+        if not renoise.is_floating_point():
+            raise ValueError(f"renoise must be a floating-point tensor, got {renoise.dtype}")
+
+    def _run(self, rows: tuple[int, ...], noise: torch.Tensor, frames: list[int],
+             renoise: torch.Tensor | None = None) -> torch.Tensor:
         pool = self._pool_rows(rows)
         self._use(pool)
         inputs = {"noise": noise.to(self.device, torch.float32),
                   "frame0": torch.tensor(frames, dtype=torch.int64, device=self.device)}
+        if renoise is not None:
+            inputs["renoise"] = renoise.to(self.device, torch.float32)
         key = self._keys.get((noise.shape[2] * self.tokens_per_frame, len(pool)))
         if self.use_graphs and key is not None and self.kv.replayable:
             # Replay only: a capture here would run warm-up calls on the live store.
@@ -657,8 +729,11 @@ class ChunkRunner:
         self._require_prompt(rows)
         cache = self._paged_cache()
         snaps = [cache.export_sequence(r) for r in rows]
-        history = None if self.history is None else [self.history.visible(r) for r in rows]
-        return StreamState(self.describe(), snaps, [self._prompts[r] for r in rows], history,
+        # host copies: a stream off its pool holds no device memory
+        history = None if self.history is None else [
+            [(f, t.to("cpu")) for f, t in self.history.visible(r)] for r in rows]
+        prompts = [self._prompts[r].to("cpu") for r in rows]
+        return StreamState(self.describe(), snaps, prompts, history,
                            self.sequence_chunks[row], self.sequence_frames[row],
                            tuple(self.noise_streams[row]))
 

@@ -17,7 +17,7 @@ p.add_argument("--url", default=None)
 p.add_argument("--device", default=None)
 args = p.parse_args()
 if args.url is None:                           # the app `framekv serve` runs, in a thread
-    from framekv.engine.scheduler import StreamScheduler
+    from framekv.engine.serving import StreamScheduler
     from framekv.tools.serve import build_app
     from framekv.tools.serve_net import DrainingServer, server_config
 

@@ -8,7 +8,7 @@ hand out chunks in one layout: latents [C, F, H, W].
 import argparse
 import threading
 
-from framekv.engine.scheduler import StreamScheduler
+from framekv.engine.serving import StreamScheduler
 
 p = argparse.ArgumentParser()
 p.add_argument("--device", default=None)

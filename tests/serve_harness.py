@@ -1,16 +1,16 @@
 """A real `framekv serve` in a thread and raw clients, for the server's hardening suite
 (tests/test_serve_hardening.py): `serving` runs a `DrainingServer` over a scheduler;
-`read_stream`, `index_of` read a session's socket; `trickle` sends a request a byte at
+`read_stream`, `ack`, `index_of` read a session's socket; `trickle` sends a request a byte at
 a time; `raw_request` sends bytes no HTTP client would."""
 from __future__ import annotations
 
 import contextlib
 import json
 import socket
-import struct
 import threading
 import time
 
+from framekv.specs import wire
 from framekv.tools.serve import build_app
 from framekv.tools.serve_net import DrainingServer, server_config
 
@@ -44,7 +44,8 @@ def create(http, **body) -> str:
 
 
 def read_stream(ws, limit=30.0, first=None):
-    """(chunk indices, text messages) of a socket until its end message."""
+    """(chunk indices, text messages) of a socket until its end message, each chunk
+    acknowledged as a client does."""
     indices, texts = [] if first is None else [first], []
     deadline = time.monotonic() + limit
     while True:
@@ -54,13 +55,19 @@ def read_stream(ws, limit=30.0, first=None):
             if texts[-1]["type"] == "end":
                 return indices, texts
             continue
-        indices.append(index_of(msg))
+        indices.append(ack(ws, msg))
+
+
+def ack(ws, msg: bytes) -> int:
+    """Acknowledge the chunk of binary message ``msg`` on ``ws``; its index."""
+    index = index_of(msg)
+    ws.send(json.dumps({"type": "ack", "index": index}))
+    return index
 
 
 def index_of(msg: bytes) -> int:
     """The index in a binary chunk message's header."""
-    (n,) = struct.unpack(">I", msg[:4])
-    return json.loads(msg[4:4 + n])["index"]
+    return wire.decode(msg)[0]["index"]
 
 
 def no_sessions(sched, limit=10.0):

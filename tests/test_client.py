@@ -23,7 +23,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 pytest.importorskip("websockets.asyncio.client")
 
-from framekv.engine.scheduler import SessionChunk, StreamScheduler  # noqa: E402
+from framekv.engine.serving import SessionChunk, StreamScheduler  # noqa: E402
 from framekv.tools import client as fc  # noqa: E402
 from framekv.tools.serve_wire import chunk_frame, frames_message  # noqa: E402
 from serve_harness import no_sessions, serving  # noqa: E402
@@ -100,7 +100,10 @@ def test_pause_resume_and_refusals(server):
             time.sleep(0.01)
         made = s.info()["chunks"]
         time.sleep(0.3)
-        assert s.info()["chunks"] == made                          # paused: none made
+        after = s.info()["chunks"]        # a step under way as the pause came may finish
+        assert after - made <= 1
+        time.sleep(0.3)
+        assert s.info()["chunks"] == after                         # paused: none made
         s.resume()
         assert next(it).index == 1
         with pytest.raises(fc.ServerError) as exc:

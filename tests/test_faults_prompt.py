@@ -10,7 +10,7 @@ import torch
 
 from fault_harness import Fault, InjectedFault, patch_method
 from framekv.engine import CachedAttention, CausalKVCache, Rollout, WanRollout
-from framekv.engine.runner import chunk_noise
+from framekv.engine.step import chunk_noise
 from framekv.engine.wan import build_model
 from framekv.engine.wan.attention import PromptKV
 

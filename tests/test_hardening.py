@@ -210,7 +210,7 @@ def test_misuse_gets_named_errors():
 def server():
     pytest.importorskip("fastapi")
     uvicorn = pytest.importorskip("uvicorn")
-    from framekv.engine.scheduler import StreamScheduler
+    from framekv.engine.serving import StreamScheduler
     from framekv.tools.serve import build_app
 
     sched = StreamScheduler("tiny", max_sessions=2, device="cpu")

@@ -170,7 +170,7 @@ def test_verify_flag_reaches_the_cache_and_its_json(tmp_path, capsys):
 
 
 def test_serve_flag_reaches_the_scheduler_and_the_wan_runner():
-    from framekv.engine.scheduler import StreamScheduler
+    from framekv.engine.serving import StreamScheduler
     from framekv.tools.serve import kv_dtype_of, wan_factory
 
     args = build_parser().parse_args(["serve", "--kv-dtype", "fp8", "--device", "cpu"])
@@ -187,7 +187,7 @@ def test_serve_flag_reaches_the_scheduler_and_the_wan_runner():
 
 
 def test_the_scheduler_refuses_kv_dtype_beside_a_runner_factory():
-    from framekv.engine.scheduler import StreamScheduler
+    from framekv.engine.serving import StreamScheduler
 
     with pytest.raises(ValueError, match="kv_dtype is the preset's Rollout's"):
         StreamScheduler("tiny", device="cpu", kv_dtype="fp8", runner_factory=lambda **kw: None)

@@ -155,7 +155,7 @@ def test_a_rollout_of_streams_equals_each_stream_alone():
     same noise, also after one sequence restarts mid-rollout (the sequences then sit at
     different chunks and frame positions)."""
     from framekv.engine import Rollout
-    from framekv.engine.runner import chunk_noise
+    from framekv.engine.step import chunk_noise
 
     r = Rollout("tiny", device="cpu", sequences=3)
     alone = [Rollout("tiny", device="cpu", model=r.model) for _ in range(3)]
@@ -204,7 +204,7 @@ def test_chunk_noise_differs_by_seed_sequence_and_chunk():
     """Every (seed, sequence, chunk) draws its own noise, also for seeds whose shifted
     sums would share their low 32 bits (the generator reads only those), and the same
     triple draws the same noise again."""
-    from framekv.engine.runner import chunk_noise, noise_seed
+    from framekv.engine.step import chunk_noise, noise_seed
 
     shape = (2, 3, 4)
     triples = [(0, 0, 0), (1, 0, 0), (1 << 8, 0, 0), (1 << 32, 0, 0), (0, 1, 0), (0, 0, 1),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import struct
 import threading
 import time
 
@@ -22,8 +21,9 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 ws_client = pytest.importorskip("websockets.sync.client")
 
-from framekv.engine.runner import chunk_noise  # noqa: E402
-from framekv.engine.scheduler import StreamScheduler  # noqa: E402
+from framekv.specs import wire  # noqa: E402
+from framekv.engine.step import chunk_noise  # noqa: E402
+from framekv.engine.serving import StreamScheduler  # noqa: E402
 from framekv.tools.serve import MAX_BODY_BYTES, build_app  # noqa: E402
 from test_scheduler import alone_chunks  # noqa: E402
 
@@ -70,10 +70,10 @@ def stream(ws_base, sid, *, on_chunk=None, limit=60.0, token=TOKEN):
                 if end["type"] == "end":
                     return chunks, end
                 continue
-            (n,) = struct.unpack(">I", msg[:4])
-            header = json.loads(msg[4:4 + n])
-            lat = torch.frombuffer(bytearray(msg[4 + n:]), dtype=torch.float32)
+            header, payload = wire.decode(msg)
+            lat = torch.frombuffer(bytearray(payload), dtype=torch.float32)
             chunks.append((header, lat.view(header["shape"])))
+            ws.send(json.dumps({"type": "ack", "index": header["index"]}))
             if on_chunk is not None:
                 on_chunk(ws, header)
 
@@ -189,7 +189,7 @@ def test_errors_are_clear_and_change_nothing(server):
     wait_sessions(http, 0)
 
 
-def test_overload_is_a_503_and_a_disconnect_frees_its_slot(server):
+def test_overload_is_a_503_and_a_disconnect_keeps_the_session_until_delete(server):
     http, ws, sched = server
     wait_sessions(http, 0)
     ids = [create(http, seed=i) for i in range(8)]
@@ -198,6 +198,11 @@ def test_overload_is_a_503_and_a_disconnect_frees_its_slot(server):
     with ws_client.connect(f"{ws}/v1/sessions/{ids[0]}/stream?token={TOKEN}",
                            max_size=None) as sock:
         sock.recv(timeout=30)                        # one chunk, then the client goes
+    time.sleep(0.3)
+    assert http.get("/health").json()["sessions"] == 8     # open: its client may come back
+    info = http.get(f"/v1/sessions/{ids[0]}").json()
+    assert info["state"] == "active" and not info["connected"] and info["delivered"] == 0
+    assert http.delete(f"/v1/sessions/{ids[0]}").status_code == 204
     wait_sessions(http, 7)
     create(http, seed=100)                           # the freed slot is taken again
     for sid in ids[1:]:
@@ -342,8 +347,7 @@ def test_the_cli_serves_wan_and_drains_on_sigterm():
         with ws_client.connect(f"ws://127.0.0.1:{port}/v1/sessions/{sid}/stream",
                                open_timeout=10, max_size=None) as ws:
             msg = ws.recv(timeout=60)
-            (n,) = struct.unpack(">I", msg[:4])
-            assert json.loads(msg[4:4 + n])["index"] == 0
+            assert wire.decode(msg)[0]["index"] == 0
             os.kill(proc.pid, signal.SIGTERM)
             assert proc.wait(timeout=60) == 0
     finally:

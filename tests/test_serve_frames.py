@@ -26,10 +26,10 @@ uvicorn = pytest.importorskip("uvicorn")
 ws_client = pytest.importorskip("websockets.sync.client")
 Image = pytest.importorskip("PIL.Image")
 
-from framekv.engine.runner import chunk_noise  # noqa: E402
-from framekv.engine.scheduler import SessionChunk, StreamScheduler  # noqa: E402
+from framekv.engine.step import chunk_noise  # noqa: E402
+from framekv.engine.serving import SessionChunk, StreamScheduler  # noqa: E402
 from framekv.tools.serve import build_app, frames_message, wan_factory  # noqa: E402
-from framekv.tools.serve_wire import parse_message  # noqa: E402
+from framekv.specs.wire import decode as parse_message  # noqa: E402
 from framekv.tools.video import encode_image  # noqa: E402
 
 TOKEN = "frames-token"
@@ -83,6 +83,7 @@ def stream(ws_base, sid, on_chunk=None, limit=60.0):
             ends = [sum(header["sizes"][:i + 1]) for i in range(header["frames"])]
             images = [payload[a:b] for a, b in zip([0] + ends[:-1], ends)]
             chunks.append((header, images))
+            ws.send(json.dumps({"type": "ack", "index": header["index"]}))
             if on_chunk is not None:
                 on_chunk(ws, header)
 
@@ -91,7 +92,7 @@ def offline_video(sched, parts, seed: int, text: str, n: int) -> list[torch.Tens
     """The same text and seed rolled out alone and decoded by a fresh decoder: uint8."""
     from framekv.engine.wan import WanRollout
     from framekv.engine.wan.vae import StreamingVAEDecoder
-    from framekv.tools.video import to_uint8
+    from framekv.engine.serving import to_uint8
 
     r = WanRollout(parts.model, use_graphs=False, text_encoder=parts.text_encoder, **parts.sizes)
     r.set_prompt(text)

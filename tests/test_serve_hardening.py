@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -35,10 +34,11 @@ pytest.importorskip("uvicorn")
 ws_client = pytest.importorskip("websockets.sync.client")
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 
-from framekv.engine.scheduler import StreamScheduler  # noqa: E402
+from framekv.engine.serving import StreamScheduler  # noqa: E402
+from framekv.specs import wire  # noqa: E402
 from framekv.tools.serve import build_app  # noqa: E402
 from framekv.tools.serve_wire import MAX_BODY_BYTES, RequestError, read_body  # noqa: E402
-from serve_harness import (create, index_of, no_sessions, raw_request, read_stream,  # noqa: E402
+from serve_harness import (ack, create, index_of, no_sessions, raw_request, read_stream,  # noqa: E402
                            serving, trickle)
 from test_scheduler import alone_chunks  # noqa: E402
 
@@ -146,9 +146,10 @@ def test_a_failing_start_over_after_a_failed_step_keeps_the_loop(server, monkeyp
     sid, got = create(http, seed=22, chunks=3), []                       # the loop goes on
     with ws_client.connect(ws_url(port, sid), max_size=None) as ws:
         while isinstance(msg := ws.recv(timeout=30), bytes):
-            (k,) = struct.unpack(">I", msg[:4])
-            shape = json.loads(msg[4:4 + k])["shape"]
-            got.append(torch.frombuffer(bytearray(msg[4 + k:]), dtype=torch.float32).view(shape))
+            header, payload = wire.decode(msg)
+            ack(ws, msg)
+            got.append(torch.frombuffer(bytearray(payload), dtype=torch.float32).view(
+                header["shape"]))
     assert json.loads(msg)["state"] == "done" and len(got) == 3
     assert [sched.max_sessions] in calls          # the stale scratch row, started over
     want = alone_chunks(sched, 22, 3)                                     # and right
@@ -232,6 +233,7 @@ def test_a_binary_or_loose_control_message_is_answered_and_the_session_goes_on(s
     assert "must be JSON text, got a binary message of 8 bytes" in errors[0]["error"]
     assert "pause message takes ['type'], got unknown ['bogus']" in errors[1]["error"]
     assert indices == list(range(indices[0], indices[0] + len(indices)))   # in order
+    assert http.delete(f"/v1/sessions/{sid}").status_code == 204   # it outlives its socket
     no_sessions(sched)
 
 
@@ -290,23 +292,56 @@ def test_non_finite_numbers_and_loose_prompt_objects_are_4xx(server, monkeypatch
         r = (http.post("/v1/sessions", content=body) if isinstance(body, bytes)
              else http.post("/v1/sessions", json=body))
         assert r.status_code == status and words in r.json()["error"], (body, r.text)
+    nan_prompt = torch.full((L, D), float("nan"))
+    with pytest.raises(ValueError, match="prompt must hold finite values"):
+        sched.open_session(seed=1, prompt=nan_prompt)         # refused before any GPU work
+    sid = create(http, seed=2)
+    with pytest.raises(ValueError, match="prompt must hold finite values"):
+        sched.set_prompt(sid, nan_prompt)
+    assert http.delete(f"/v1/sessions/{sid}").status_code == 204
+    no_sessions(sched)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA out of memory"), ValueError("late")])
+def test_a_prompt_change_whose_recache_fails_answers_an_error_and_streams_on(server,
+                                                                             monkeypatch,
+                                                                             error):
+    """A re-cache that raises (out of memory, anything) leaves the session streaming under
+    its old prompt: the socket answers {"type": "error"}, PUT answers 500 {"error"}; the
+    socket stays open and the chunks go on, their prompt version unchanged."""
+    http, port, sched = server
+    no_sessions(sched)
     real = sched.runner.prefill_rows
 
-    def refuse(rows, prompt=None, **kw):
-        if prompt is not None:           # as the runner refuses a non-finite prompt
-            raise ValueError("prompt must hold finite values, got 3 NaN")
-        return real(rows, prompt, **kw)
-    monkeypatch.setattr(sched.runner, "prefill_rows", refuse)
-    r = http.post("/v1/sessions", json={"seed": 1, "prompt_seed": 3})
-    assert r.status_code == 422 and "finite values, got 3 NaN" in r.json()["error"]
-    sid = create(http, seed=2)                                   # open-ended
+    def failing(rows, prompt=None, *, rewrite=False):
+        if rewrite:
+            raise error
+        return real(rows, prompt, rewrite=rewrite)
+    sid = create(http, seed=5)
     with ws_client.connect(ws_url(port, sid), max_size=None) as ws:
+        first = ack(ws, ws.recv(timeout=30))
+        monkeypatch.setattr(sched.runner, "prefill_rows", failing)
         ws.send(json.dumps({"type": "prompt", "prompt_seed": 4}))
-        while isinstance(msg := ws.recv(timeout=30), bytes):     # chunks go on meanwhile
-            pass
-    assert json.loads(msg) == {"type": "error",
-                               "error": "prompt must hold finite values, got 3 NaN"}
-    no_sessions(sched)                                           # the client left
+        versions, reply = [], None
+        while reply is None or len(versions) < 3:
+            msg = ws.recv(timeout=30)
+            if isinstance(msg, str):
+                reply = json.loads(msg)
+                continue
+            versions.append(wire.decode(msg)[0]["prompt_version"])
+            ack(ws, msg)
+        assert reply["type"] == "error" and type(error).__name__ in reply["error"]
+        assert "goes on under its old prompt" in reply["error"] and first == 0
+        assert versions == [0, 0, 0]
+        L, D = sched.prompt_shape
+        raw = torch.zeros(L, D).numpy().tobytes()
+        r = http.put(f"/v1/sessions/{sid}/prompt", content=raw,
+                     headers={"X-Prompt-Shape": f"{L},{D}", "X-Prompt-Dtype": "fp32"})
+        assert r.status_code == 500 and "goes on under its old prompt" in r.json()["error"]
+        assert http.get(f"/v1/sessions/{sid}").json()["prompt_version"] == 0
+        ack(ws, ws.recv(timeout=30))                        # it streams on
+    assert http.delete(f"/v1/sessions/{sid}").status_code == 204
+    no_sessions(sched)
 
 
 # 5 -------------------------------------------------------------------------- shutdown

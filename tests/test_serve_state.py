@@ -10,10 +10,10 @@ one of another geometry logged (naming the difference) and left; /metrics and
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pathlib
-import struct
 import time
 
 import pytest
@@ -24,7 +24,9 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 ws_client = pytest.importorskip("websockets.sync.client")
 
-from framekv.engine.scheduler import StreamScheduler  # noqa: E402
+from websockets.exceptions import ConnectionClosed  # noqa: E402
+from framekv.engine.serving import StreamScheduler  # noqa: E402
+from framekv.specs import wire  # noqa: E402
 from serve_harness import serving  # noqa: E402
 from test_scheduler import alone_chunks  # noqa: E402
 
@@ -48,10 +50,11 @@ def read(ws, count=None, limit=30.0):
             if json.loads(msg)["type"] == "end":
                 return chunks, json.loads(msg)
             continue
-        (n,) = struct.unpack(">I", msg[:4])
-        head = json.loads(msg[4:4 + n])
-        latents = torch.frombuffer(bytearray(msg[4 + n:]), dtype=torch.float32)
+        head, payload = wire.decode(msg)
+        latents = torch.frombuffer(bytearray(payload), dtype=torch.float32)
         chunks.append((head["index"], latents.view(head["shape"])))
+        with contextlib.suppress(ConnectionClosed):   # a draining server closes first
+            ws.send(json.dumps({"type": "ack", "index": head["index"]}))
     return chunks, None
 
 
@@ -62,8 +65,9 @@ def wait_for(cond, limit=30.0):
         time.sleep(0.02)
 
 
-def url(port, sid):
-    return f"ws://127.0.0.1:{port}/v1/sessions/{sid}/stream?token={TOKEN}"
+def url(port, sid, after=None):
+    tail = "" if after is None else f"&after={after}"
+    return f"ws://127.0.0.1:{port}/v1/sessions/{sid}/stream?token={TOKEN}{tail}"
 
 
 def foreign_file(tmp_path: pathlib.Path, into: pathlib.Path) -> str:
@@ -123,7 +127,8 @@ def test_sessions_survive_a_restart_and_go_on_bit_for_bit(tmp_path, caplog):
                "session does not fit this scheduler's runner: pool.geometry.window_tokens: " \
                "the state has 64, the runner 48" in caplog.text
         got = {}
-        with ws_client.connect(url(port, ids["live"]), max_size=None) as ws:
+        last = seen["live"][-1][0]               # the client says what it has
+        with ws_client.connect(url(port, ids["live"], after=last), max_size=None) as ws:
             got["live"], _ = read(ws, 3)
         for name in ("unread", "other", "paused"):
             with ws_client.connect(url(port, ids[name]), max_size=None) as ws:

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from framekv.engine import Rollout
-from framekv.engine.runner import chunk_noise
-from framekv.engine.scheduler import SchedulerFull, StreamScheduler
-from framekv.engine.swap import pick_victim
+from framekv.engine.step import chunk_noise
+from framekv.engine.serving import SchedulerFull, StreamScheduler
+from framekv.engine.serving import pick_victim
 from test_scheduler import _clear, alone_chunks
 
 SLOTS = 2
@@ -31,10 +31,11 @@ def sched():
 
 
 def drain(sched, sessions, got):
-    """Take every queued chunk of ``sessions`` as a client does (`next_chunk`)."""
+    """Take every queued chunk of ``sessions`` as a client does (`next_chunk`, `ack`)."""
     for s in sessions:
         while (chunk := sched.next_chunk(s.id, 0)) is not None:
             got.setdefault(s.id, []).append(chunk)
+            sched.ack(s.id, chunk.index)
 
 
 def run_all(sched, sessions, got, steps=None):
@@ -59,8 +60,10 @@ def test_eight_sessions_over_two_slots_take_turns_and_equal_their_runs_alone(sch
     _clear(sched)
     m0 = sched.metrics()
     sessions = [sched.open_session(seed=60 + i, chunks=3) for i in range(8)]
-    assert [s.sequence is not None for s in sessions] == [True] * SLOTS + [False] * 6
-    got = run_all(sched, sessions, {}, steps=4)
+    assert all(s.slot is None for s in sessions)              # slots are taken by steps
+    got = run_all(sched, sessions, {}, steps=1)
+    assert [s.slot is not None for s in sessions] == [True] * SLOTS + [False] * 6
+    got = run_all(sched, sessions, got, steps=3)
     assert [len(got.get(s.id, [])) for s in sessions] == [1] * 8     # every one had a turn
     run_all(sched, sessions, got)
     m = sched.metrics()
@@ -105,11 +108,11 @@ def test_a_paused_session_gives_its_slot_up_and_comes_back_where_it_was(sched):
     a, b = sched.open_session(seed=71), sched.open_session(seed=72)
     c = sched.open_session(seed=73, chunks=2)            # no slot free: it waits
     got = run_all(sched, [a, b, c], {}, steps=1)
-    assert (a.chunks, b.chunks, c.chunks, c.sequence) == (1, 1, 0, None)
-    slot_a, slot_b, outs = a.sequence, b.sequence, sched.metrics()["swap_outs"]
+    assert (a.chunks, b.chunks, c.chunks, c.slot) == (1, 1, 0, None)
+    slot_a, slot_b, outs = a.slot, b.slot, sched.metrics()["swap_outs"]
     sched.pause(a.id)
     run_all(sched, [a, b, c], got, steps=1)               # c needs a slot: a's (paused)
-    assert (a.sequence, b.sequence, c.sequence) == (None, slot_b, slot_a)
+    assert (a.slot, b.slot, c.slot) == (None, slot_b, slot_a)
     assert sched.metrics()["swap_outs"] == outs + 1 and sched.metrics()["swapped_bytes"] > 0
     sched.pause(a.id, False)
     run_all(sched, [c], got)                              # a and b take turns with c
@@ -122,8 +125,8 @@ def test_a_paused_session_gives_its_slot_up_and_comes_back_where_it_was(sched):
 
 
 def test_the_victim_is_not_ready_first_then_least_recently_stepped():
-    def s(sid, last, ready, sequence=0):
-        return SimpleNamespace(id=sid, last_stepped=last, ready=ready, sequence=sequence)
+    def s(sid, last, ready, slot=0):
+        return SimpleNamespace(id=sid, last_stepped=last, ready=ready, slot=slot)
 
     ready = [s("old-ready", 1, True), s("new-paused", 9, False), s("mid-paused", 5, False)]
     assert pick_victim(ready, set(), lambda x: x.ready).id == "mid-paused"
@@ -158,7 +161,7 @@ def test_a_failing_swap_fails_its_session_alone(sched, monkeypatch, method):
             assert_alone(sched, s, got[s.id])
     m = sched.metrics()
     assert m["failed_swaps"] == m0["failed_swaps"] + 1 and sched.loop_error is None
-    assert m["sessions_resident"] <= SLOTS and len(sched._free) + m["sessions_resident"] == SLOTS
+    assert m["sessions_resident"] <= SLOTS and len(sched.pool.free) + m["sessions_resident"] == SLOTS
 
 
 def test_a_prompt_change_while_swapped_out_equals_the_same_change_resident(sched):
@@ -169,9 +172,9 @@ def test_a_prompt_change_while_swapped_out_equals_the_same_change_resident(sched
     s = sched.open_session(seed=91, prompt=p1, chunks=4)
     others = [sched.open_session(seed=92 + i, chunks=4) for i in range(3)]
     got = run_all(sched, [s], {}, steps=2)
-    while s.sequence is not None:                         # until it is swapped out
+    while s.slot is not None:                         # until it is swapped out
         run_all(sched, [s, *others], got, steps=1)
-    assert s.chunks < 4 and s.id in sched.pool.parked
+    assert s.chunks < 4 and s.parked is not None
     assert sched.set_prompt(s.id, p2) == (1, s.chunks)
     with pytest.raises(ValueError, match=r"prompt must be a \[6, 32\] tensor, got \[3\]"):
         sched.set_prompt(s.id, torch.zeros(3))
@@ -195,7 +198,7 @@ def test_sessions_saved_and_restored_go_on_in_another_scheduler(sched, tmp_path,
     got = run_all(sched, [a, b, c, done], {}, steps=3)
     sched.step()                                          # undelivered chunks stay queued
     assert done.state == "done" and any(x.queue for x in (a, b, c))
-    parked = next(x for x in (a, b, c) if x.sequence is None)
+    parked = next(x for x in (a, b, c) if x.slot is None)
     sched.set_prompt(parked.id, p2)                      # applies as it swaps back in
     change_at, failed = parked.chunks, sched.open_session(seed=106)
     failed.state, failed.error = "failed", "injected"
@@ -208,11 +211,13 @@ def test_sessions_saved_and_restored_go_on_in_another_scheduler(sched, tmp_path,
         assert sorted(other.restore_sessions(tmp_path)) == sorted(saved)
         assert not list(tmp_path.iterdir())                         # files read, removed
         moved = {x.id: other.sessions[x.id] for x in (a, b, c, done, fresh)}
-        assert all(m.sequence is None for m in moved.values()) and moved[fresh.id].paused
+        assert all(m.slot is None for m in moved.values()) and moved[fresh.id].paused
         assert moved[done.id].state == "done" and moved[done.id].chunks == 1
-        assert moved[parked.id].prompt_version == 1
+        # its change went along, accepted: it is taken as the stream takes a slot
+        assert [c.version for c in moved[parked.id].pending] == [1]
         other.pause(fresh.id, False)
         run_all(other, list(moved.values()), got)
+        assert moved[parked.id].prompt_version == 1 and not moved[parked.id].pending
         for x in (a, b, c, fresh):
             kw = dict(rewrite_at=change_at, new_prompt=p2) if x is parked else {}
             assert_alone(other, moved[x.id], got[x.id], **kw)

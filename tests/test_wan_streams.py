@@ -10,8 +10,8 @@ import torch
 
 from framekv.engine import WanRollout
 from framekv.engine.history import History, pieces
-from framekv.engine.runner import chunk_noise
-from framekv.engine.scheduler import StreamScheduler
+from framekv.engine.step import chunk_noise
+from framekv.engine.serving import StreamScheduler
 from framekv.engine.wan import CONFIGS, build_model
 
 TS = (1000, 500)

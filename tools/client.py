@@ -16,7 +16,10 @@ Contracts. An HTTP error raises `ServerError` (``status``, the server's ``error`
 message); so does a socket the server refuses (``status`` its close code: 1008 token,
 4404 no such session open, 4409 a second socket), or one that closes before its end
 message. `Session.stream` yields the chunks in order until the end message, then
-stops; ``session.end`` holds that message (``state`` "done", "failed" with ``error``,
+stops, acknowledging each as it hands it out (a session whose chunks are not taken
+stops making them); after a drop, `Session.reconnect` (or ``client.session(id,
+after=last)``) goes on from the chunk after the last one streamed, each index once.
+``session.end`` holds the end message (``state`` "done", "failed" with ``error``,
 or "closed" with a ``reason``). Control messages go over the session's socket (opened
 on first use), a tensor prompt over ``PUT /v1/sessions/{id}/prompt`` (bf16 and fp16
 as they are, anything else as float32); `Session.change_prompt` returns the server's
@@ -42,8 +45,8 @@ class Session(SessionState):
     """A session of a `Client` (module doc): ``id``, ``end``, ``errors`` (error messages
     the socket answered), ``pending`` (chunks received, not yet streamed)."""
 
-    def __init__(self, client, sid: str, resume: bool):
-        super().__init__(client, sid, resume)
+    def __init__(self, client, sid: str, resume: bool, after: int | None = None):
+        super().__init__(client, sid, resume, after)
         self._exit = contextlib.ExitStack()       # the socket, once open
 
     def info(self) -> dict:
@@ -81,10 +84,19 @@ class Session(SessionState):
         self.connect()
         while True:
             while self.pending:
-                yield self.pending.popleft()
+                chunk = self.pending.popleft()
+                self._ws.send(self._handed(chunk))   # ours now: the server may make more
+                yield chunk
             if self.end is not None:
                 return
             self._read(timeout)
+
+    def reconnect(self) -> None:
+        """Open the session's socket again (after a drop, or a server's restart): the
+        chunks after the last one streamed come, then new ones."""
+        self._exit.close()
+        self._ws = None
+        self.connect()
 
     def change_prompt(self, text: str | None = None, *, prompt=None,
                       prompt_seed: int | None = None, timeout: float | None = None) -> dict:
@@ -148,9 +160,10 @@ class Client:
             s.change_prompt(prompt=prompt)
         return s
 
-    def session(self, sid: str) -> Session:
-        """A `Session` for an id opened elsewhere."""
-        return Session(self, sid, resume=False)
+    def session(self, sid: str, *, after: int | None = None) -> Session:
+        """A `Session` for an id opened elsewhere (or before a drop): its chunks after
+        index ``after`` (None: every one not yet acknowledged)."""
+        return Session(self, sid, resume=False, after=after)
 
     def close(self) -> None:
         self.http.close()
@@ -198,10 +211,18 @@ class AsyncSession(SessionState):
         await self.connect()
         while True:
             while self.pending:
-                yield self.pending.popleft()
+                chunk = self.pending.popleft()
+                await self._ws.send(self._handed(chunk))
+                yield chunk
             if self.end is not None:
                 return
             await self._read(timeout)
+
+    async def reconnect(self) -> None:
+        if self._ws is not None:
+            await self._ws.close()
+        self._ws = None
+        await self.connect()
 
     async def change_prompt(self, text: str | None = None, *, prompt=None,
                             prompt_seed: int | None = None,
@@ -260,8 +281,8 @@ class AsyncClient:
             await s.change_prompt(prompt=prompt)
         return s
 
-    def session(self, sid: str) -> AsyncSession:
-        return AsyncSession(self, sid, resume=False)
+    def session(self, sid: str, *, after: int | None = None) -> AsyncSession:
+        return AsyncSession(self, sid, resume=False, after=after)
 
     async def close(self) -> None:
         await self.http.aclose()

@@ -11,7 +11,8 @@ import functools
 import io
 import json
 import os
-import struct
+
+from framekv.specs import wire
 
 
 class ServerError(Exception):
@@ -55,9 +56,7 @@ class Chunk:
     @property
     def images(self) -> list[bytes]:
         """A frames chunk's encoded images (``header["format"]``), in frame order."""
-        sizes = self.header.get("sizes", [])
-        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-        return [self.payload[a:b] for a, b in zip([0] + ends[:-1], ends)]
+        return wire.split_images(self.header, self.payload)
 
     def video(self):
         """A frames chunk's images decoded (Pillow) into a numpy uint8 [F', H, W, 3];
@@ -73,10 +72,8 @@ class Chunk:
 
 
 def decode_chunk(msg: bytes) -> Chunk:
-    """A binary chunk message (a 4-byte big-endian header length, the JSON header, the
-    payload) as a `Chunk`."""
-    (n,) = struct.unpack(">I", msg[:4])
-    return Chunk(json.loads(msg[4:4 + n]), msg[4 + n:])
+    """A binary chunk message (`framekv.engine.serving.wire`) as a `Chunk`."""
+    return Chunk(*wire.decode(msg))
 
 
 def env_token(token: str | None) -> str | None:
@@ -143,8 +140,12 @@ def prompt_message(text, prompt_seed) -> str:
 class SessionState:
     """What a session's socket said: chunks not yet streamed, the end, errors, acks."""
 
-    def __init__(self, client, sid: str, resume: bool):
+    def __init__(self, client, sid: str, resume: bool, after: int | None = None):
+        if after is not None and (isinstance(after, bool) or not isinstance(after, int)):
+            raise ValueError(f"after must be None or a chunk index (an int), got {after!r}")
         self.client, self.id, self._resume = client, sid, resume
+        #: the index of the last chunk handed out by ``stream`` (None: none yet)
+        self.last: int | None = after
         self.pending: collections.deque = collections.deque()
         self.end: dict | None = None
         self.errors: list[dict] = []
@@ -153,13 +154,23 @@ class SessionState:
 
     def _ws_url(self) -> str:
         base = self.client.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
-        return f"{base}/v1/sessions/{self.id}/stream"
+        after = "" if self.last is None else f"?after={self.last}"
+        return f"{base}/v1/sessions/{self.id}/stream{after}"
+
+    def _handed(self, chunk) -> str:
+        """Note ``chunk`` handed out; the ack message to send for it."""
+        self.last = chunk.index
+        return json.dumps({"type": "ack", "index": chunk.index})
 
     def _take(self, msg) -> None:
-        """File one socket message: a chunk to ``pending``, the end to ``end``, an ack
-        (or an error, which answers the control message before it) to the acks."""
+        """File one socket message: a chunk to ``pending`` (one at or below ``last``,
+        sent again after a reconnect, is dropped), the end to ``end``, an ack (or an
+        error, which answers the control message before it) to the acks."""
         if isinstance(msg, bytes):
-            return self.pending.append(decode_chunk(msg))
+            chunk = decode_chunk(msg)
+            if self.last is None or chunk.index > self.last:
+                self.pending.append(chunk)
+            return
         m = json.loads(msg)
         if m["type"] == "end":
             self.end = m

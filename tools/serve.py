@@ -60,8 +60,12 @@ and /health needs ``Authorization: Bearer T`` (any case of "Bearer"; a 401 carri
                                          open), 4409 (a second socket on a session)
 
 ``--model wan-diffusers`` serves diffusers' Wan transformer (``--config``, random weights,
-or ``--weights DIR``, a diffusers folder with its VAE and text encoder) at the sizes of
-``--preset`` (default the config's, `framekv.engine.wan.PRESETS`); a prompt is then
+or ``--weights DIR``, a diffusers folder with its VAE and text encoder; ``--checkpoint
+FILE``, a Self-Forcing / CausVid generator checkpoint in the original Wan layout,
+replaces the transformer's weights and is sampled as Self-Forcing samples unless
+``--sampler`` and ``--shift`` say otherwise, as ``framekv generate --checkpoint`` is;
+`framekv.engine.wan.pipeline.WanPipeline` loads them) at the sizes of ``--preset``
+(default the config's, `framekv.engine.wan.PRESETS`); a prompt is then
 text (the config's text encoder, random, or the folder's) or [L, text_dim] text
 embeddings, and a prompt change re-caches the session's visible frames by clean passes.
 Its output is by default ``frames``: every chunk decoded by the VAE in the GPU loop
@@ -99,11 +103,16 @@ import dataclasses
 import os
 import signal
 import sys
+import typing
 
 from .args import add_kv_dtype_argument, bearer_token, nonnegative_int, positive_int, seconds
 from .conventions import add_preset_arguments
+from .generate import SAMPLERS, SELF_FORCING_SHIFT, positive_number
 from .serve_app import FRAME_FORMATS, OUTPUTS, build_app, page_html, state_dir_path
 from .serve_wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
+
+if typing.TYPE_CHECKING:
+    from framekv.engine.wan.pipeline import WanPipeline
 
 __all__ = ["MAX_BODY_BYTES", "WAN_CONFIGS", "WanParts", "add_parser", "build_app", "chunk_frame",
            "frames_message", "page_html", "parse_prompt", "run", "wan_factory"]
@@ -127,6 +136,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--weights", metavar="DIR", default=None,
                    help="with --model wan-diffusers: a local diffusers folder (transformer, "
                         "VAE, text encoder)")
+    _checkpoint_options(p)
     p.add_argument("--output", choices=OUTPUTS, default=None,
                    help="what a chunk message carries: decoded video frames (default with "
                         "--model wan-diffusers) or latents (default, and the only choice, "
@@ -141,6 +151,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.set_defaults(func=run)
     return p
+
+
+def _checkpoint_options(p: argparse.ArgumentParser) -> None:
+    """``--checkpoint``, ``--sampler`` and ``--shift``, as ``framekv generate`` has them."""
+    p.add_argument("--checkpoint", metavar="FILE", default=None,
+                   help="with --model wan-diffusers: a Self-Forcing generator checkpoint "
+                        "(.pt/.pth/.safetensors, the original Wan layout) replacing the "
+                        "transformer's weights; its shape, VAE and text encoder from "
+                        "--weights, else random ones of --config")
+    p.add_argument("--sampler", choices=SAMPLERS, default=None,
+                   help="with --model wan-diffusers: euler, or self_forcing (x0, then fresh "
+                        "noise; default with --checkpoint)")
+    p.add_argument("--shift", type=positive_number, default=None,
+                   help=f"with --model wan-diffusers: timestep shift of the preset's steps "
+                        f"(default {SELF_FORCING_SHIFT} with --checkpoint, as Self-Forcing "
+                        "samples; else 1)")
 
 
 def _session_options(p: argparse.ArgumentParser) -> None:
@@ -185,6 +211,17 @@ def output_of(args) -> str:
     return output
 
 
+def check_wan_options(args) -> None:
+    """ValueError for a Wan-only option (``--checkpoint``, ``--sampler``, ``--shift``)
+    beside the reference model, which would ignore it."""
+    given = [f"--{name}" for name in ("checkpoint", "sampler", "shift")
+             if getattr(args, name, None) is not None]
+    if given and args.model != "wan-diffusers":
+        raise ValueError(f"{', '.join(given)}: only with --model wan-diffusers (the "
+                         f"reference model has no checkpoint or sampler to set), got --model "
+                         f"{args.model}")
+
+
 def token_of(args) -> str | None:
     """The bearer token: ``--token`` (with a warning on stderr: every user of the machine
     sees a process's arguments), else ``FRAMEKV_TOKEN``, else None. ValueError for a
@@ -211,24 +248,27 @@ def kv_dtype_of(args) -> str | None:
 
 def model_name(args) -> str:
     """The model's name in /v1/info: "reference:PRESET" or "wan-diffusers:CONFIG" (or
-    ":" + the weights folder's name)."""
+    ":" + the weights folder's name), then "+" + the checkpoint's file name if any."""
     if args.model != "wan-diffusers":
         return f"reference:{args.preset or 'tiny'}"
     import pathlib
 
-    return "wan-diffusers:" + (pathlib.Path(args.weights).name if args.weights else args.config)
+    name = pathlib.Path(args.weights).name if args.weights else args.config
+    checkpoint = getattr(args, "checkpoint", None)
+    return f"wan-diffusers:{name}" + (f"+{pathlib.Path(checkpoint).name}" if checkpoint else "")
 
 
 def run(args) -> int:
     """``framekv serve``: build, capture, serve until SIGTERM; the exit status (2 for a
     bad option combination, before anything is built)."""
-    from framekv.engine.scheduler import StreamScheduler
+    from framekv.engine.serving import StreamScheduler
 
     from .serve_net import DrainingServer, server_config
 
     try:
         token = token_of(args)
         output = output_of(args)
+        check_wan_options(args)
         if args.slots is not None and args.slots > args.max_sessions:
             raise ValueError(f"--slots must be at most --max-sessions ({args.max_sessions}), "
                              f"got {args.slots}")
@@ -258,39 +298,34 @@ def run(args) -> int:
 
 @dataclasses.dataclass
 class WanParts:
-    """``--model wan-diffusers``: the transformer, its text encoder and VAE (None:
-    latents only) and the rollout's sizes (`framekv.engine.wan.preset_sizes`). Called
-    ``(sequences=N, batch_sizes=...)`` it builds the scheduler's runner (a `WanRollout`
-    that encodes text); `decoder` is the scheduler's ``decoder_factory``. ``backend``:
-    the rollout's attention backend (default: the device's, `default_backend`);
-    ``kv_dtype``: its K/V pool (`WanRollout`'s: None the model's dtype, or "fp8")."""
+    """``--model wan-diffusers``: a loaded `WanPipeline` (transformer, text encoder, VAE
+    or None: latents only, the rollout's sizes and sampling) as the scheduler's
+    factories. Called ``(sequences=N, batch_sizes=...)`` it builds the scheduler's
+    runner (the pipeline's `WanRollout`, which encodes text); `decoder` is the
+    scheduler's ``decoder_factory``. ``backend``: the rollout's attention backend
+    (default: the device's, `default_backend`); ``kv_dtype``: its K/V pool
+    (`WanRollout`'s: None the model's dtype, or "fp8")."""
 
-    model: object
-    text_encoder: object
-    vae: object | None
-    sizes: dict
+    pipeline: "WanPipeline"
     cache_dir: str | None = None
     use_graphs: bool = True
     backend: str | None = None
     kv_dtype: str | None = None
 
-    def __call__(self, *, sequences: int, batch_sizes):
-        from framekv.engine import WanRollout
+    model = property(lambda self: self.pipeline.transformer, doc="The transformer.")
+    text_encoder = property(lambda self: self.pipeline.text_encoder, doc="Its TextEncoder.")
+    vae = property(lambda self: self.pipeline.vae, doc="The VAE, or None.")
+    sizes = property(lambda self: self.pipeline.sizes, doc="`preset_sizes` of the preset.")
 
-        return WanRollout(self.model, cache_dir=self.cache_dir, use_graphs=self.use_graphs,
-                          sequences=sequences, batch_sizes=batch_sizes, backend=self.backend,
-                          text_encoder=self.text_encoder, kv_dtype=self.kv_dtype, **self.sizes)
+    def __call__(self, *, sequences: int, batch_sizes):
+        return self.pipeline.rollout(cache_dir=self.cache_dir, use_graphs=self.use_graphs,
+                                     sequences=sequences, batch_sizes=batch_sizes,
+                                     backend=self.backend, kv_dtype=self.kv_dtype)
 
     def decoder(self, slots: int):
         """A `StreamingVAEDecoder` of one row per pool slot; on CUDA with graphs,
         every batch of 1 to ``slots`` rows captured in both stages up front."""
-        from framekv.engine.wan.vae import StreamingVAEDecoder
-
-        if self.vae is None:
-            raise ValueError("decoder() needs the VAE: build the parts with decode=True")
-        dev = next(self.model.parameters()).device
-        dec = StreamingVAEDecoder(self.vae, sequences=slots, use_graphs=self.use_graphs,
-                                  device=dev)
+        dec = self.pipeline.decoder(slots, use_graphs=self.use_graphs)
         if dec.use_graphs:
             for b in range(1, slots + 1):
                 dec.capture(b, self.sizes["frames_per_chunk"], self.sizes["latent_size"])
@@ -298,27 +333,21 @@ class WanParts:
 
 
 def wan_factory(args, *, use_graphs: bool = True, decode: bool = True) -> WanParts:
-    """The `WanParts` of ``--model wan-diffusers``: ``--config``'s transformer, text
-    encoder (its built-in tokenizer) and, with ``decode``, VAE, all random; or those of
-    the diffusers folder ``--weights``; at the sizes of ``--preset`` (default the
-    config's), prompts of the preset's ``prompt_tokens``, the pool of ``--kv-dtype``."""
-    from framekv.engine.wan import PRESETS, build_model, preset_sizes
-    from framekv.engine.wan.text import TextEncoder
-    from framekv.engine.wan.vae import build_vae
+    """The `WanParts` of ``--model wan-diffusers`` (`WanPipeline.load`): ``--config``'s
+    transformer, text encoder (its built-in tokenizer) and, with ``decode``, VAE, all
+    random; or those of the diffusers folder ``--weights`` (its text encoder where it
+    has one); the transformer's weights those of ``--checkpoint`` if given, sampled by
+    ``--sampler`` at ``--shift`` (default Self-Forcing's with a checkpoint); at the
+    sizes of ``--preset`` (default: the preset of the shipped config the transformer
+    matches), prompts of the preset's ``prompt_tokens``, the pool of ``--kv-dtype``.
+    ValueError for a bad option, before anything is built."""
+    from framekv.engine.wan.pipeline import WanPipeline
 
-    sizes = preset_sizes(getattr(args, "preset", None) or PRESETS[args.config])
-    L, device = sizes["prompt_tokens"], args.device
-    if args.weights:
-        from framekv.engine.wan.weights import load_folder
-
-        parts = load_folder(args.weights, device=device, max_tokens=L)
-        model, text, vae = parts.transformer, parts.text_encoder, parts.vae
-    else:
-        model = build_model(args.config, device=device)
-        text = TextEncoder.from_config(args.config, max_tokens=L, device=device)
-        vae = build_vae(args.config, device=device) if decode else None
-    if decode and vae is None:
-        raise ValueError(f"--weights {args.weights} has no vae/ to decode frames with: add "
-                         "one, or serve --output latents")
-    return WanParts(model, text, vae if decode else None, sizes, args.cache_dir, use_graphs,
-                    kv_dtype=kv_dtype_of(args))
+    weights = getattr(args, "weights", None)
+    pipe = WanPipeline.load(None if weights else args.config, weights=weights,
+                            checkpoint=getattr(args, "checkpoint", None),
+                            preset=getattr(args, "preset", None),
+                            sampler=getattr(args, "sampler", None),
+                            shift=getattr(args, "shift", None), device=args.device,
+                            text_encoder=None, vae=decode)
+    return WanParts(pipe, args.cache_dir, use_graphs, kv_dtype=kv_dtype_of(args))

@@ -11,15 +11,18 @@ stops; should it end by an exception, /health answers 503 and new sessions are r
 (422) included. With a token, every route but / and /health needs it (`BearerAuth`),
 the docs (/docs, /openapi.json) included. /docs is a local page (``page/docs.html``)
 that renders /openapi.json and loads nothing from elsewhere. A session with no socket
-for ``idle_timeout`` seconds (created and never connected) is ended with reason
-"idle"; a socket that ends ends its session at once. ``app.state.drain`` ends every
-stream cleanly on shutdown (`DrainingServer`): the scheduler is held (`StreamScheduler.
-hold`: no chunk is made any more), every socket sends its queued chunks and an end
-message with reason "shutdown". With a ``state_dir`` the sessions then stay open:
-once the loop has stopped they are written there (`StreamScheduler.save_sessions`),
-and the next app over the same folder opens them again at startup
-(`StreamScheduler.restore_sessions`), each waiting ``idle_timeout`` seconds for its
-client to reconnect.
+for ``idle_timeout`` seconds (created and never connected, or its socket gone) is ended
+with reason "idle"; a socket that ends leaves its session open for its client to
+reconnect. ``app.state.drain`` ends every stream cleanly on shutdown
+(`DrainingServer`): the scheduler is held (`StreamScheduler.hold`: no chunk is made any
+more), every socket sends its queued chunks and an end message with reason "shutdown".
+With a ``state_dir`` the sessions then stay open: once the loop has stopped they are
+written there (`StreamScheduler.save_sessions`), and the next app over the same folder
+opens them again at startup (`StreamScheduler.restore_sessions`), each waiting
+``idle_timeout`` seconds for its client to reconnect. With ``checkpoint_every`` N too,
+every session is also written there every N chunks as it goes (`Checkpoints`), so a
+server killed outright (SIGKILL, out of memory) restarts them from their last
+checkpoint.
 (No ``from __future__ import annotations``: FastAPI reads the routes' annotations.
 FastAPI, pydantic and uvicorn are imported when an app is built, so the command line
 parses without the ``serve`` extra.)
@@ -41,11 +44,13 @@ IDLE_TIMEOUT_S = 60.0    # seconds a session may go without a socket
 API_DOC = ("Streaming sessions of an autoregressive video model. Create a session (POST "
            "/v1/sessions), then connect to WS /v1/sessions/{id}/stream: one binary message "
            "per chunk (a 4-byte big-endian header length, a JSON header, the payload), "
-           "text control messages {\"type\": \"prompt\" | \"pause\" | \"resume\"}, a "
+           "each acknowledged by the client {\"type\": \"ack\", \"index\"}; text "
+           "control messages {\"type\": \"prompt\" | \"pause\" | \"resume\"}, a "
            "prompt change answered {\"type\": \"prompt_ack\", \"prompt_version\", "
-           "\"applies_from\"}, a last {\"type\": \"end\"}. The socket takes ?token= where "
-           "the server has a token; it closes 1008 for a bad token, 4404 for an unknown "
-           "session, 4409 for a second socket.")
+           "\"applies_from\"} once it took, a last {\"type\": \"end\"}. A session "
+           "outlives its socket: reconnect with ?after=<last index>. The socket takes "
+           "?token= where the server has a token; it closes 1008 for a bad token, 4404 "
+           "for an unknown session, 4409 for a second socket.")
 log = logging.getLogger("framekv.serve")
 
 
@@ -132,8 +137,9 @@ class _Server:
             await asyncio.sleep(0.02)
 
     async def reap_idle(self) -> None:
-        """Forever: end (reason "idle") each session created ``idle_timeout`` s ago
-        that no socket has taken; forget those that ended otherwise."""
+        """Forever: end (reason "idle") each session without a socket for
+        ``idle_timeout`` s (never connected, or its socket gone); forget those that
+        ended otherwise."""
         while True:
             await asyncio.sleep(min(1.0, self.idle_timeout / 4))
             now, idle = time.monotonic(), []
@@ -149,7 +155,8 @@ class _Server:
     def restore_sessions(self) -> None:
         """Open the sessions kept in ``state_dir`` again; each waits ``idle_timeout``
         seconds for its client (then it ends, reason "idle")."""
-        ids = self.sched.restore_sessions(self.state_dir)
+        ids = self.sched.restore_sessions(self.state_dir,
+                                          keep_files=self.sched.checkpoints is not None)
         now = time.monotonic()
         for sid in ids:
             self.unattached[sid] = now
@@ -161,9 +168,11 @@ class _Server:
         log.info("saved %d of %d open sessions to %s", len(saved), len(self.sched.sessions),
                  self.state_dir)
 
-    def _close_all(self, ids, reason: str, skip=()) -> None:
+    def _close_all(self, ids, reason: str, skip=(), keep_files: bool = False) -> None:
         """Close the sessions ``ids`` not in ``skip`` (a socket took them meanwhile) and
-        still open."""
+        still open; ``keep_files``: their saved files stay (a shutdown that kept them)."""
+        if keep_files:
+            self.sched.checkpoints = None   # closed: a close must not remove the files
         for sid in ids:
             if sid not in skip:
                 with contextlib.suppress(KeyError):       # ended meanwhile
@@ -205,7 +214,7 @@ class _Server:
 def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIMEOUT_S,
               output: str | None = None, frame_format: str = "jpeg", fps: int = 16,
               quality: int = 85, idle_timeout: float = IDLE_TIMEOUT_S,
-              model: str | None = None, state_dir=None):
+              model: str | None = None, state_dir=None, checkpoint_every: int | None = None):
     """The FastAPI app over ``sched``; its lifespan runs the GPU loop thread and the idle
     reaper, and at its end closes every session left (reason "shutdown").
 
@@ -216,8 +225,9 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
     ``idle_timeout``: seconds a session may go without a socket. ``model``: its name in
     /v1/info (default the runner's class). ``state_dir``: None, or a folder (made if
     missing; ValueError if it cannot be) the open sessions are written to on shutdown
-    and opened again from at startup (module doc). Installs `redact_tokens` on
-    uvicorn's loggers.
+    and opened again from at startup (module doc); ``checkpoint_every``: None, or N:
+    each session written there every N chunks too (needs ``state_dir``). Installs
+    `redact_tokens` on uvicorn's loggers.
     """
     from fastapi import FastAPI
 
@@ -227,6 +237,13 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
 
     output = _check_options(sched, output, frame_format, fps, quality, token, idle_timeout)
     state_dir = None if state_dir is None else state_dir_path(state_dir)
+    if checkpoint_every is not None:
+        from framekv.engine.serving import Checkpoints
+
+        if state_dir is None:
+            raise ValueError(f"checkpoint_every needs a state_dir to write to, got "
+                             f"checkpoint_every={checkpoint_every!r} and no state_dir")
+        sched.checkpoints = Checkpoints(state_dir, checkpoint_every)
     encode = (chunk_frame if output == "latents"
               else lambda c: frames_message(c, frame_format, quality))
     srv = _Server(sched, BearerAuth(token), body_timeout=body_timeout, output=output,
@@ -263,9 +280,11 @@ def _lifespan(srv: _Server):
         reaper.cancel()
         stop.set()
         loop.join()
+        if sched.checkpoints is not None:
+            sched.checkpoints.close()       # what it was writing lands first
         if srv.state_dir is not None:
             srv.save_sessions()
-        srv._close_all(list(sched.sessions), "shutdown")
+        srv._close_all(list(sched.sessions), "shutdown", keep_files=srv.state_dir is not None)
     return lifespan
 
 

@@ -19,12 +19,12 @@ the ``serve`` extra.
 """
 import argparse
 import json
-import struct
 import sys
 import threading
 import time
 
 from framekv.bench.timing import stderr_progress, write_result
+from framekv.specs import wire
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -45,9 +45,9 @@ def _client(url: str, stop: threading.Event, out: list) -> None:
                 return
             if isinstance(msg, str):
                 return
-            (n,) = struct.unpack(">I", msg[:4])
-            header = json.loads(msg[4:4 + n])
+            header, _ = wire.decode(msg)
             out.append((time.perf_counter(), header))
+            ws.send(json.dumps({"type": "ack", "index": header["index"]}))
 
 
 def _scraper(url: str, every: float, stop: threading.Event, out: list) -> None:
@@ -67,7 +67,7 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
     import httpx
     import uvicorn
 
-    from framekv.engine.scheduler import StreamScheduler
+    from framekv.engine.serving import StreamScheduler
     from framekv.tools.serve import build_app, wan_factory
 
     progress(f"serve_load {preset}: building and capturing ({sessions} slots)")

@@ -6,16 +6,20 @@ drain checked first, then at most 1 MiB counted as it arrives, then strict JSON)
 FastAPI validates it against `CreateSession`. ``DELETE`` is idempotent: 204 while the
 session is open, 404 after (also when a socket closing ends it first). ``PUT
 .../prompt`` takes the raw prompt (`framekv.tools.serve_wire.upload_spec`), its body
-capped at the prompt's byte size. The socket is accepted, then closed with a code and a
-reason when refused: 1008 (token), 4404 (no such session open), 4409 (it already has
-a socket).
+capped at the prompt's byte size; it answers once the change took (200, or 500 if its
+re-cache failed: the session goes on under its old prompt), or after `PROMPT_WAIT_S`
+with 202 ``prompt_pending`` (a paused or swapped-out session takes it as it comes
+back). The socket (``?after=i``: the last chunk index the client has) is accepted, then
+closed with a code and a reason when refused: 1008 (token), 4404 (no such session
+open), 4409 (it already has a socket), 4422 (a bad ``after``). A session whose socket
+closes stays open, its idle clock running.
 (No ``from __future__ import annotations``: FastAPI reads the routes' annotations.)
 """
 import asyncio
 import time
 
 from fastapi import Depends, Header, Request, WebSocket
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from .serve_auth import WS_AUTH_CLOSE
@@ -27,6 +31,10 @@ from .serve_wire import RequestError, json_body, parse_prompt, read_body, upload
 NO_SESSION = 4404
 #: a second socket on a session is closed with this code (and a reason)
 SESSION_TAKEN = 4409
+#: a socket whose ``after`` is not a chunk index is closed with this code
+BAD_AFTER = 4422
+#: seconds PUT .../prompt waits for the change to take before answering 202
+PROMPT_WAIT_S = 10.0
 RAW_PROMPT = {"requestBody": {"required": True, "description": "L x text_dim values, "
               "little-endian, C order, of X-Prompt-Dtype", "content": {
                   "application/octet-stream": {"schema": {"type": "string",
@@ -117,7 +125,7 @@ def _creator(srv):
     async def create(body: CreateSession) -> SessionCreated:
         """Open a session (`CreateSession`); 503 with Retry-After when every slot is
         taken."""
-        from framekv.engine.scheduler import LoopStopped, SchedulerFull
+        from framekv.engine.serving import LoopStopped, SchedulerFull
 
         prompt = parse_prompt(body.model_dump(exclude_none=True), srv.sched.prompt_shape)
         try:
@@ -152,6 +160,17 @@ async def _upload(srv, sid: str, request, shape: str, dtype: str) -> PromptAck:
         raise _not_open(srv, sid) from None
     except ValueError as exc:
         raise RequestError(422, str(exc)) from None
+    try:  # it takes at the session's next step boundary (off the pool: as it comes back)
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(change.future)),
+                               PROMPT_WAIT_S)
+    except asyncio.TimeoutError:
+        return JSONResponse({"type": "prompt_pending", "prompt_version": change.version,
+                             "applies_from": change.applies_from}, 202)
+    except KeyError:
+        raise _not_open(srv, sid) from None
+    except Exception as exc:
+        raise RequestError(500, f"the prompt change failed, the session goes on under its "
+                                f"old prompt: {type(exc).__name__}: {exc}") from None
     return PromptAck(prompt_version=change.version, applies_from=change.applies_from)
 
 
@@ -171,10 +190,19 @@ def stream_route(app, srv) -> None:
         if sid in srv.streams:              # checked and taken with no await between
             return await ws.close(code=SESSION_TAKEN, reason="session already has a stream: "
                                                              "one socket per session")
+        after = ws.query_params.get("after")
+        if after is not None:
+            try:
+                after = int(after)
+            except ValueError:
+                return await ws.close(code=BAD_AFTER, reason="after must be a chunk index "
+                                                             f"(an integer), got {after[:40]!r}")
         srv.streams.add(sid)
         srv.unattached.pop(sid, None)
         try:
-            await serve_socket(ws, srv.sched, sid, srv.encode, srv.draining,
+            await serve_socket(ws, srv.sched, sid, srv.encode, srv.draining, after=after,
                                keep_on_drain=srv.state_dir is not None)
         finally:
             srv.streams.discard(sid)
+            if sid in srv.sched.sessions:   # it waits for its client: the idle clock runs
+                srv.unattached[sid] = time.monotonic()

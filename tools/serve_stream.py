@@ -1,18 +1,23 @@
 """One session's WebSocket in `framekv serve` (`serve_socket`): its chunks pushed as they
-come, its control messages applied, its end message, its slot freed when it goes.
+come, its acknowledgements and control messages applied, its end message.
 
-The messages are those of `framekv.tools.serve`'s module doc. Control messages are
-JSON text; a binary one, bad JSON or a bad value is answered ``{"type": "error",
-"error"}`` and the session goes on. A prompt change is answered ``{"type":
-"prompt_ack", "prompt_version", "applies_from"}``: chunks from index ``applies_from`` on
-are made under it. The last message is ``{"type": "end", "state", "error"}``, with a
-``"reason"`` when the session did not end by itself: "shutdown" when the server drains,
-"deleted" or "idle" when it was closed under the socket. When the socket goes, its
-session ends (reason: its state if it had finished, "disconnected" if not, "shutdown"
-on a drain), except on a drain of a server that keeps its sessions over a restart
-(``keep_on_drain``): the session stays open to be saved, and its end message says
-``"resumable": true`` (unless it failed): the client reconnects to the same session
-id once the server is back.
+The messages are those of `framekv.tools.serve`'s module doc. The client acknowledges
+chunks with ``{"type": "ack", "index": i}`` (every chunk up to i): a chunk stays the
+session's until acknowledged, and a session with ``queue_chunks`` chunks unacknowledged
+(sent or not) makes no more, so a client that stops reading stops its stream. Other
+control messages are JSON text too; a binary one, bad JSON or a bad value is answered
+``{"type": "error", "error"}`` and the session goes on. A prompt change is answered
+``{"type": "prompt_ack", "prompt_version", "applies_from"}`` once it took (chunks from
+index ``applies_from`` on are made under it), or ``{"type": "error"}`` if its re-cache
+failed (the session goes on under its old prompt).
+
+A socket that closes leaves its session open: it ends by DELETE, its chunk budget (once
+every chunk is acknowledged: then the end message), the idle timeout, or an error. A
+client reconnects by id (``?after=i``: the last index it has) and gets the
+unacknowledged chunks after i, then new ones. The last message is ``{"type": "end",
+"state", "error"}``, with a ``"reason"`` when the session did not end by itself:
+"shutdown" when the server drains (``"resumable": true`` where the server keeps its
+sessions over a restart), "deleted" or "idle" when it was closed under the socket.
 """
 import asyncio
 import contextlib
@@ -24,15 +29,17 @@ from .serve_wire import PROMPT_KEYS, RequestError, json_body, parse_prompt
 GOING_AWAY = 1001
 
 
-async def serve_socket(ws, sched, sid: str, encode, draining, *,
+async def serve_socket(ws, sched, sid: str, encode, draining, *, after: int | None = None,
                        keep_on_drain: bool = False) -> None:
     """Push the session's chunks as they come (``encode(chunk) -> bytes`` on a worker
-    thread); apply its control messages; free the slot when the client goes. Once
-    ``draining`` (a `threading.Event`, set with the scheduler held) is set, its queued
-    chunks go out, then an end message with reason "shutdown", and the socket closes
-    (1001); the session ends too, unless ``keep_on_drain`` (module doc)."""
+    thread), from the first one after ``after``; apply its acknowledgements and control
+    messages. Once ``draining`` (a `threading.Event`, set with the scheduler held) is
+    set, its queued chunks go out, then an end message with reason "shutdown", and the
+    socket closes (1001). The session stays open when the socket goes (module doc)."""
     from fastapi import WebSocketDisconnect
 
+    with contextlib.suppress(KeyError):
+        sched.rewind(sid, after)
     tasks = [asyncio.create_task(_send(ws, sched, sid, encode, draining, keep_on_drain)),
              asyncio.create_task(_receive(ws, sched, sid))]
     try:
@@ -43,22 +50,17 @@ async def serve_socket(ws, sched, sid: str, encode, draining, *,
     finally:
         for t in tasks:
             t.cancel()
-        s = sched.sessions.get(sid)
-        reason = ("shutdown" if draining.is_set() else s.state if s is not None and s.finished
-                  else "disconnected")
-        if not (keep_on_drain and draining.is_set()):
-            with contextlib.suppress(KeyError):      # closed meanwhile (DELETE, idle)
-                await asyncio.to_thread(sched.close_session, sid, reason)
         with contextlib.suppress(Exception):
             await ws.close(GOING_AWAY if draining.is_set() else 1000)
 
 
 def _end(sched, sid: str, reason: str | None = None, kept: bool = False) -> str:
-    """The end message of session ``sid``: open and finished, or open and stopped by
-    the drain (``reason`` "shutdown", state "closed"; ``kept``: the server keeps it
-    over its restart, so unless it failed it is "resumable"), or closed under the
-    socket (its record's state and end reason)."""
-    info = sched.session_info(sid) or {"state": "closed", "error": None, "end_reason": None}
+    """The end message of session ``sid``: finished, or stopped by the drain (``reason``
+    "shutdown", state "closed"; ``kept``: the server keeps it over its restart, so
+    unless it failed it is "resumable"), or closed under the socket (its record's state
+    and end reason)."""
+    info = sched.session_info(sid) or {"state": "closed", "error": None, "end_reason": None,
+                                       "ended": True}
     reason = reason or info["end_reason"]
     state = "closed" if info["state"] == "active" else info["state"]
     end = {"type": "end", "state": state, "error": info["error"]}
@@ -76,8 +78,16 @@ async def _send(ws, sched, sid: str, encode, draining, kept: bool) -> None:
             await ws.send_bytes(await asyncio.to_thread(encode, chunk))
             continue
         s = sched.sessions.get(sid)
-        if s is None or s.finished:
+        if s is None:                                       # closed under the socket
             return await ws.send_text(_end(sched, sid))
+        if s.finished and s.sent >= len(s.queue):
+            if s.queue:                                     # sent, not yet acknowledged
+                await asyncio.sleep(0.02)
+                continue
+            end = _end(sched, sid)
+            with contextlib.suppress(KeyError):             # every chunk is the client's
+                await asyncio.to_thread(sched.close_session, sid, s.state)
+            return await ws.send_text(end)
     # The scheduler is held: no chunk comes after those queued.
     while (chunk := await asyncio.to_thread(sched.next_chunk, sid, 0)) is not None:
         await ws.send_bytes(await asyncio.to_thread(encode, chunk))
@@ -95,7 +105,7 @@ async def _receive(ws, sched, sid: str) -> None:
             if msg.get("text") is None:
                 raise RequestError(400, f"a control message must be JSON text, got a binary "
                                         f"message of {len(msg.get('bytes') or b'')} bytes")
-            reply = await _control(sched, sid, json_body(msg["text"].encode()))
+            reply = await _control(ws, sched, sid, json_body(msg["text"].encode()))
         except KeyError:  # the session ended meanwhile: the sender says how
             return await asyncio.Event().wait()
         except RequestError as exc:
@@ -104,15 +114,23 @@ async def _receive(ws, sched, sid: str) -> None:
             await ws.send_text(json.dumps(reply))
 
 
-async def _control(sched, sid: str, msg: dict) -> dict | None:
-    """Apply one control message; the reply to send (a prompt change: its ack)."""
+async def _control(ws, sched, sid: str, msg: dict) -> dict | None:
+    """Apply one control message; the reply to send now (a prompt change is answered
+    once it took, by `_prompt_reply`)."""
     kind = msg.get("type")
-    if kind not in ("prompt", "pause", "resume"):
-        raise RequestError(422, f"type must be prompt, pause or resume, got {kind!r}")
-    keys = {"type", *PROMPT_KEYS} if kind == "prompt" else {"type"}
+    if kind not in ("ack", "prompt", "pause", "resume"):
+        raise RequestError(422, f"type must be ack, prompt, pause or resume, got {kind!r}")
+    keys = ({"type", *PROMPT_KEYS} if kind == "prompt"
+            else {"type", "index"} if kind == "ack" else {"type"})
     if set(msg) - keys:
         raise RequestError(422, f"a {kind} message takes {sorted(keys)}, got unknown "
                                 f"{sorted(set(msg) - keys)}")
+    if kind == "ack":
+        index = msg.get("index")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise RequestError(422, f"an ack message's index must be an integer, got {index!r}")
+        sched.ack(sid, index)                   # host work under a short lock
+        return None
     if kind != "prompt":
         await asyncio.to_thread(sched.pause, sid, kind == "pause")
         return None
@@ -123,5 +141,20 @@ async def _control(sched, sid: str, msg: dict) -> dict | None:
         change = await asyncio.to_thread(sched.set_prompt, sid, prompt)
     except ValueError as exc:
         raise RequestError(422, str(exc)) from None
-    return {"type": "prompt_ack", "prompt_version": change.version,
-            "applies_from": change.applies_from}
+    asyncio.ensure_future(_prompt_reply(ws, change))
+    return None
+
+
+async def _prompt_reply(ws, change) -> None:
+    """Once ``change`` took: its ack, or the error its re-cache raised."""
+    try:
+        await asyncio.wrap_future(change.future)
+        reply = {"type": "prompt_ack", "prompt_version": change.version,
+                 "applies_from": change.applies_from}
+    except KeyError:                    # the session ended first: the sender says how
+        return
+    except Exception as exc:
+        reply = {"type": "error", "error": f"the prompt change failed, the session goes on "
+                                           f"under its old prompt: {type(exc).__name__}: {exc}"}
+    with contextlib.suppress(Exception):
+        await ws.send_text(json.dumps(reply))

@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import struct
 import time
+
+from framekv.specs import wire
 
 MAX_BODY_BYTES = 1 << 20   # a request body or control message: JSON, at most 1 MiB
 BODY_TIMEOUT_S = 10.0      # seconds a client may take to send its body
@@ -200,15 +201,10 @@ def upload_prompt(raw: bytes, dtype: str, shape):
     return emb
 
 
-def _message(header: dict, payload: bytes) -> bytes:
-    raw = json.dumps(header).encode()
-    return struct.pack(">I", len(raw)) + raw + payload
-
-
 def chunk_frame(chunk) -> bytes:
     """A chunk's latents as one binary WebSocket message (module doc)."""
     lat = chunk.latents.contiguous()
-    return _message({"type": "chunk", "index": chunk.index, "frame0": chunk.frame0,
+    return wire.encode({"type": "chunk", "index": chunk.index, "frame0": chunk.frame0,
                      "frames": chunk.frames, "dtype": "float32", "shape": list(lat.shape),
                      "seconds": chunk.seconds, "batch": chunk.batch,
                      "prompt_version": chunk.prompt_version}, lat.numpy().tobytes())
@@ -225,14 +221,8 @@ def frames_message(chunk, fmt: str = "jpeg", quality: int = 85) -> bytes:
                          "with a decoder), got chunk.video=None")
     images = [encode_image(frame, fmt, quality) for frame in video]   # each [H, W, 3]
     F, H, W, _ = video.shape
-    return _message({"type": "frames", "index": chunk.index, "frame0": chunk.video_frame0,
+    return wire.encode({"type": "frames", "index": chunk.index, "frame0": chunk.video_frame0,
                      "frames": F, "width": W, "height": H, "format": fmt,
                      "sizes": [len(b) for b in images], "seconds": chunk.seconds,
                      "latency": time.monotonic() - chunk.requested, "batch": chunk.batch,
                      "prompt_version": chunk.prompt_version}, b"".join(images))
-
-
-def parse_message(msg: bytes) -> tuple[dict, bytes]:
-    """(header, payload) of a binary chunk message."""
-    (n,) = struct.unpack(">I", msg[:4])
-    return json.loads(msg[4:4 + n]), msg[4 + n:]

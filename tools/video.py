@@ -1,9 +1,6 @@
-"""Frames to bytes: decoded video as uint8 pixels, H.264 MP4 files written chunk by
-chunk, single frames as JPEG or WebP.
+"""Frames to bytes: H.264 MP4 files written chunk by chunk, single frames as JPEG or
+WebP (their uint8 pixels: `framekv.engine.serving.to_uint8`).
 
-- `to_uint8`: frames in [-1, 1] (a VAE's output) to uint8 RGB, channels last, on the
-  CPU. A value x becomes round((x + 1) * 127.5) (ties to even, computed in fp32) clamped
-  to [0, 255]: -1 -> 0, 0 -> 128, 1 -> 255; non-finite values are refused.
 - `MP4Writer`: an H.264 (libx264, yuv420p) MP4 written as frames arrive. The file is
   built under a temporary name in the destination's folder and renamed onto the path
   only by a clean close, so a reader never sees a half-written video and a failure
@@ -26,32 +23,6 @@ from fractions import Fraction
 #: visually lossless.
 DEFAULT_CRF = 18
 IMAGE_FORMATS = {"jpeg": "JPEG", "webp": "WEBP"}
-
-
-def to_uint8(frames):
-    """Frames in [-1, 1] as uint8 RGB on the CPU, channels last.
-
-    Args:
-        frames: a float tensor [3, F, H, W] (one video) or [B, 3, F, H, W] (B videos),
-            on any device.
-
-    Returns:
-        uint8 [F, H, W, 3] for one video, [B, F, H, W, 3] for B (``out[b]`` is video
-        b): round((x + 1) * 127.5), ties to even, clamped to [0, 255].
-    """
-    import torch
-
-    if not isinstance(frames, torch.Tensor) or frames.dim() not in (4, 5) or frames.shape[-4] != 3:
-        raise ValueError(f"frames must be a tensor [3, F, H, W] or [B, 3, F, H, W], got "
-                         f"{tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__}")
-    if not frames.is_floating_point():
-        raise ValueError(f"frames must be floating point in [-1, 1], got {frames.dtype}")
-    x = frames.detach().float()
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("frames must be finite, got NaN or inf values")
-    # On the frames' device, so that only the uint8 pixels cross to the host.
-    x = ((x + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
-    return x.movedim(-4, -1).contiguous().cpu()  # [..., F, H, W, 3]
 
 
 def check_mp4_path(path) -> str:

@@ -16,11 +16,11 @@ offsets that tile the data exactly, file size, dtypes, shapes, the CRC) and rais
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zlib
 
-import numpy as np
 import torch
 
 __all__ = ["CorruptFile", "read_tensors", "write_tensors"]
@@ -132,7 +132,8 @@ def _check_entries(path, entries: dict, data_bytes: int) -> dict:
         if dtype is None or not isinstance(shape, list) or not all(
                 isinstance(s, int) and s >= 0 for s in shape):
             raise CorruptFile(f"{path}: tensor {name!r} has a bad dtype or shape: {e}")
-        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        # Python ints: a declared shape cannot wrap its byte count round to a small one
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if a != at or b - a != n:
             raise CorruptFile(f"{path}: tensor {name!r} at bytes [{a}, {b}) does not follow "
                               f"byte {at} with its {n} bytes")

@@ -1,0 +1,399 @@
+"""`StreamScheduler`: streams on one batched pool, stepped together.
+
+A server keeps one stream per client session and one GPU for all of them. Up to
+``max_sessions`` N streams are open, and up to ``slots`` S <= N of them hold a slot, one
+sequence of a `ChunkRunner`'s pool (a `Rollout(preset, sequences=S + scratch,
+batch_sizes=...)` by default, or what ``runner_factory`` builds: a `WanRollout`). One
+loop steps the ready streams together (`steps`: plan, run, commit)::
+
+    ready = active, not paused, budget left, fewer than queue_chunks chunks
+            unacknowledged (sent to a socket or not: a client that stops reading
+            stops its stream)
+    batch = the S ready streams (at most): within their swap quantum first, then the
+            longest waiting; one without a slot takes a free one or a victim's
+    one `ChunkRunner.execute` of the `StepPlan` (swaps, prompt rewrites, one chunk of
+            the batch padded with scratch rows to a captured batch size)
+    with a decoder: the decode of the step's chunks and the uint8 frames
+
+Every record of a stream is its `Stream` (position, seed, prompt, what it holds off the
+pool, its chunks); the runner and the decoder hold its device state while it has a
+slot. ``lock`` guards the records and is held for host work only: no GPU work runs
+under it, so readers (`session_info`, `metrics`) never wait on a step. GPU work runs in
+the loop's thread (`run`), or in the caller's when no loop runs; requests that need it
+(`export_session`, `save_sessions`) are handed to the loop and run between steps.
+
+A stream's chunk i starts from `chunk_noise(seed, i)` (self_forcing re-noises from
+`chunk_renoise(seed, i)`): a stream is a function of its seed and prompts, alone or
+batched, moved, swapped or restarted. Its chunks stay queued until acknowledged, and it
+leaves and enters as one `StreamState` (`moves`: swaps, restarts, checkpoints, moves).
+
+A step (or its decode) that raises fails the streams in it and the loop goes on; a
+swap that raises fails its stream alone; a prompt change whose re-cache raises leaves
+its stream under the old prompt (`PromptChange.result` raises it). A loop that ends by
+an exception fails every stream and refuses new ones (`loop_error`, `LoopStopped`).
+No web imports here: `framekv.tools.serve` puts HTTP and WebSockets around it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import queue
+import secrets
+import threading
+import time
+
+import torch
+
+from ..checks import check_prompt
+from ..rollout import Rollout
+from ..runner import ChunkRunner
+from .records import (EndedSessions, Histogram, LoopStopped, PromptChange, SchedulerFull,
+                      default_batch_sizes)
+from .moves import Moves
+from .slots import SlotPool
+from .steps import Steps
+from .stream import Stream
+
+__all__ = ["LoopStopped", "SchedulerFull", "StreamScheduler"]
+log = logging.getLogger("framekv.scheduler")
+
+
+class StreamScheduler(Steps, Moves):
+    """Streams on one batched pool (module doc).
+
+    Args:
+        preset: the rollout preset of the reference model (a name, path or `Preset`).
+        max_sessions: streams open at once; beyond them `open_session` raises
+            `SchedulerFull`.
+        slots: streams on the pool at once (the runner's sequences, besides scratch
+            rows), in [1, max_sessions]; None: max_sessions (no stream swaps).
+        swap_quantum: steps a ready stream keeps a slot it took before a waiting one
+            may take it.
+        device, backend, cache_dir, use_graphs: as for `Rollout`.
+        queue_chunks: unacknowledged chunks a stream may hold before it pauses.
+        batch_sizes: the batch sizes captured (default `default_batch_sizes`).
+        runner_factory: instead of the preset's `Rollout`, a callable
+            ``(sequences=N, batch_sizes=sizes) -> ChunkRunner`` (a `WanRollout` partial).
+        kv_dtype: the preset `Rollout`'s K/V pool (None or "bf16": the model's dtype,
+            "fp8"); a ``runner_factory`` sets its runner's, so it takes None here.
+        decoder_factory: None (latents only), or ``(slots) ->`` a streaming video
+            decoder (``decode(latents, rows=)``, ``reset(rows=)``, ``snapshot(row)``,
+            ``restore(row, state)``, ``close()``: `framekv.engine.wan.StreamingVAEDecoder`).
+        ended_records: the ended streams' infos `ended` keeps (the latest).
+        checkpoints: None, or a `Checkpoints` writer: every stream written every N chunks.
+    """
+
+    def __init__(self, preset="tiny", *, max_sessions: int = 8, slots: int | None = None,
+                 device=None, backend=None, cache_dir=None, use_graphs: bool = True,
+                 queue_chunks: int = 4, batch_sizes=None, progress: bool = False,
+                 runner_factory=None, decoder_factory=None, ended_records: int = 1024,
+                 swap_quantum: int = 16, kv_dtype=None, checkpoints=None):
+        S = _check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum,
+                        kv_dtype, runner_factory, decoder_factory)
+        sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(S))))
+        if sizes[-1] < S or sizes[0] < 1:
+            raise ValueError(f"batch_sizes must reach slots={S}, got {sizes}")
+        scratch = max(min(b for b in sizes if b >= k) - k for k in range(1, S + 1))
+        self.max_sessions, self.slots, self.queue_chunks = max_sessions, S, queue_chunks
+        self.swap_quantum, self.batch_sizes, self.checkpoints = swap_quantum, sizes, checkpoints
+        make = runner_factory or functools.partial(
+            Rollout, preset, device, backend=backend, cache_dir=cache_dir, use_graphs=use_graphs,
+            kv_dtype=kv_dtype)
+        self.runner: ChunkRunner = make(sequences=S + scratch, batch_sizes=sizes)
+        if not isinstance(self.runner, ChunkRunner):
+            raise ValueError(f"runner_factory must build a ChunkRunner, got "
+                             f"{type(self.runner).__name__}")
+        self.report, self.decoder = self._start(S + scratch, max_sessions - S, progress,
+                                                decoder_factory)
+        self._scratch = list(range(S, S + scratch))
+        self.pool = SlotPool(S)
+        self._held = False                  # `hold`: no stream is stepped
+        self.sessions: dict[str, Stream] = {}
+        self.ended = EndedSessions(ended_records)
+        self.lock = threading.RLock()       # the records: streams, slots, counters
+        self.ready = threading.Condition(self.lock)
+        self._gpu = threading.Lock()        # the runner and the decoder: one user at a time
+        self._text_lock = threading.Lock()
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: threading.Thread | None = None
+        self._counts = {"steps": 0, "chunks": 0, "failed_steps": 0, "failed_resets": 0,
+                        "video_frames": 0}
+        self._stale: set[int] = set()       # scratch rows to start over before a step
+        self._due: list[str] = []           # streams whose checkpoint is due
+        #: why the GPU loop ended by an exception (`run`); None while it has not
+        self.loop_error: str | None = None
+        self._step_seconds, self._chunk_seconds = Histogram(), Histogram()
+        #: one chunk of a stream, [C, F, H, W]; prompt: [L, text_dim]
+        self.chunk_shape = tuple(self.runner.chunk_shape)
+        self.frames_per_chunk = self.runner.frames_per_chunk
+        self.prompt_shape = tuple(self.runner.prompt_shape)
+        self.decoding = self.decoder is not None
+        self.text_prompts = getattr(self.runner, "text_encoder", None) is not None
+        self.model = self.runner.describe()
+
+    def _start(self, rows: int, parked: int, progress, decoder_factory):
+        """Capture the graphs, start every row, reserve the swapped-out streams' host
+        memory, build the decoder; (capture report, decoder)."""
+        try:
+            report = self.runner.capture(progress=progress) if self.runner.use_graphs else None
+            self.runner.prefill_rows(range(rows))
+            cache = self.runner.cache
+            if cache is not None and parked > 0:
+                branches = 1 if getattr(self.runner, "guidance", None) is None else 2
+                cache.reserve_exports(branches * parked)
+            return report, None if decoder_factory is None else decoder_factory(self.slots)
+        except BaseException:
+            self.runner.close()
+            raise
+
+    # ------------------------------------------------------------------ streams
+    def _prompt(self, prompt):
+        """``prompt`` as a host [L, text_dim] tensor (text encoded here: ValueError where
+        the runner has no text encoder), or None: the runner's default."""
+        if prompt is None:
+            return None
+        if isinstance(prompt, str):
+            if not self.text_prompts:
+                raise ValueError(f"prompt text needs a runner with a text encoder; "
+                                 f"{type(self.runner).__name__} has none: give a "
+                                 f"{list(self.prompt_shape)} tensor, got {prompt!r}")
+            with self._text_lock:  # the encoder's prompt cache is not thread safe
+                prompt = self.runner.encode_prompt(prompt)            # [1, L, text_dim]
+        return check_prompt("prompt", prompt, self.prompt_shape).detach().to("cpu")
+
+    def open_session(self, *, seed: int, prompt: torch.Tensor | str | None = None,
+                     chunks: int | None = None, paused: bool = False) -> Stream:
+        """A new stream at position 0 (``prompt``: `prompt_shape` or text, default the
+        runner's; ``chunks``: a budget, None for open-ended; ``paused``: no chunk until
+        `pause` (..., False)). It takes a slot at its first step. Raises `SchedulerFull`
+        when ``max_sessions`` are open, ValueError for a bad argument, `LoopStopped`
+        once the GPU loop has ended by an exception."""
+        self._check_running()
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+            raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
+        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                                   or chunks < 1):
+            raise ValueError(f"chunks must be None or an integer >= 1, got {chunks!r}")
+        prompt = self._prompt(prompt)
+        with self.lock:
+            if len(self.sessions) >= self.max_sessions:
+                raise SchedulerFull(f"all {self.max_sessions} sessions are open")
+            steps = self._counts["steps"]
+            s = Stream(secrets.token_urlsafe(18), seed, chunks, prompt=prompt,
+                       paused=bool(paused), last_stepped=steps, slot_since=steps)
+            self.sessions[s.id] = s
+            self._mark_waiting(s)
+            self.ready.notify_all()
+            return s
+
+    def close_session(self, session_id: str, reason: str = "closed") -> None:
+        """End a stream ("closed" unless done or failed): its chunks dropped, its slot
+        freed (its next user starts it over), its info to `ended` with ``end_reason`` =
+        ``reason``, its checkpoint removed. KeyError for an id that is not open, so of
+        two racing closes exactly one succeeds. Host work only."""
+        with self.lock:
+            s = self.sessions.pop(session_id)
+            if s.slot is not None:
+                self.pool.give(s.slot)
+            if s.state == "active":
+                s.state = "closed"
+            s.end_reason, s.waiting_since, s.parked, s.decoder = reason, None, None, None
+            s.queue.clear()
+            for c in s.pending:
+                c.settle(error=KeyError(session_id))
+            self.ended.add(s.info())
+            self.ready.notify_all()
+        if self.checkpoints is not None:
+            self.checkpoints.drop(session_id)
+
+    def session_info(self, session_id: str) -> dict | None:
+        """`Stream.info` of an open stream, else the one `ended` keeps, else None."""
+        with self.lock:
+            s = self.sessions.get(session_id)
+            return s.info() if s is not None else self.ended.get(session_id)
+
+    def set_prompt(self, session_id: str, prompt: torch.Tensor | str) -> PromptChange:
+        """A new prompt for a stream from its next chunk on (a tensor, or text). Its
+        history is re-cached under it before that chunk, at the next step boundary (a
+        stream off the pool: as it takes a slot; one not started: at once); the video
+        goes on. Returns the `PromptChange` (``result()`` waits for the re-cache and
+        raises what it raised: the stream then stays under its old prompt). KeyError for
+        an id that is not open, ValueError for a bad prompt."""
+        if session_id not in self.sessions:
+            raise KeyError(session_id)
+        prompt = self._prompt(prompt)
+        with self.lock:
+            s = self.sessions[session_id]
+            version = max([s.prompt_version] + [c.version for c in s.pending]) + 1
+            change = PromptChange(version, s.chunks)
+            if not s.started:                # nothing to re-cache: it starts under it
+                s.prompt, s.prompt_version = prompt, version
+                change.settle(s.chunks)
+            else:
+                s.pending.append(change)
+                s.pending_prompt = prompt
+            self.ready.notify_all()
+            return change
+
+    def pause(self, session_id: str, paused: bool = True) -> None:
+        """Stop (or, ``paused=False``, restart) stepping a stream, from the next step on
+        (a step under way finishes its chunk)."""
+        with self.lock:
+            s = self.sessions[session_id]
+            s.paused = paused
+            self._mark_waiting(s)
+            self.ready.notify_all()
+
+    def hold(self, held: bool = True) -> None:
+        """Step no stream (or, ``held=False``, step them again), their own pause
+        untouched: a server's drain, before `save_sessions`. Returns once a step under
+        way has ended."""
+        with self.lock:
+            self._held = bool(held)
+            self.ready.notify_all()
+        with self._gpu:
+            pass
+
+    # ------------------------------------------------------------------ steps
+    def step(self) -> int:
+        """One step: requests handed to the loop, then one batched chunk of every ready
+        stream (`steps`); returns how many streams got a chunk."""
+        with self._gpu:
+            self._serve_requests()
+            with self.lock:
+                planned = self._plan()
+            if planned is None:
+                return 0
+            plan, batch, taken = planned
+            t0 = time.perf_counter()
+            res, rows_out, video, latents = self._run_plan(plan, batch)
+            if res.error is not None and plan.rows:
+                self._restart_rows(plan)    # before its streams are seen failed
+            with self.lock:
+                made = self._commit(plan, batch, taken, res, rows_out, video, latents,
+                                    time.perf_counter() - t0)
+                due, self._due = self._due, []
+                self.ready.notify_all()
+            self._checkpoint(due)
+            return made
+
+    def _on_gpu(self, fn, *args):
+        """``fn(*args)`` where GPU work may run: handed to the loop thread between
+        steps, or run here when no loop runs (or this is it)."""
+        loop = self._loop
+        if loop is None or not loop.is_alive() or threading.current_thread() is loop:
+            with self._gpu:
+                return fn(*args)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._requests.put((fn, args, done))
+        with self.ready:
+            self.ready.notify_all()
+        while True:
+            try:
+                return done.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if not loop.is_alive():     # it ended before taking the request
+                    with self._gpu:
+                        self._serve_requests()
+
+    def _serve_requests(self) -> None:
+        while True:
+            try:
+                fn, args, done = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.set_result(fn(*args))
+            except BaseException as exc:
+                done.set_exception(exc)
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> dict:
+        """A snapshot for a server's metrics (host work only): streams open and allowed,
+        slots, streams on the pool (``sessions_resident``) and off it
+        (``sessions_swapped``), the host bytes those hold (``swapped_bytes``), swaps and
+        their bytes and failures, steps, chunks, failed steps, video frames decoded,
+        streams ended by reason (``ended``), histograms of step seconds, chunk latency
+        and swap seconds, the device and `ChunkRunner.stats` (graphs, pool bytes)."""
+        with self.lock:
+            streams = list(self.sessions.values())
+            resident = sum(s.slot is not None for s in streams)
+            return {"sessions": len(streams), "max_sessions": self.max_sessions,
+                    "slots": self.slots, "sessions_resident": resident,
+                    "sessions_swapped": len(streams) - resident,
+                    "swapped_bytes": sum(s.held_bytes for s in streams), **self.pool.counts,
+                    "device": str(self.runner.device), "decoding": self.decoding,
+                    "ended": dict(self.ended.by_reason), **self._counts,
+                    "step_seconds": self._step_seconds.snapshot(),
+                    "chunk_seconds": self._chunk_seconds.snapshot(),
+                    "swap_seconds": self.pool.seconds.snapshot(), **self.runner.stats()}
+
+    # ------------------------------------------------------------------ loop
+    def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        """Step until ``stop`` is set (the GPU loop of a server, in its own thread). A
+        failing step fails its streams and the loop goes on; should the loop itself
+        raise, `loop_error` keeps why, every stream still going fails with it,
+        `open_session` raises `LoopStopped` from then on, and the exception propagates."""
+        self._loop = threading.current_thread()
+        try:
+            while not stop.is_set():
+                if self.step() == 0:
+                    with self.ready:
+                        if (not self._ready() and self._requests.empty()
+                                and not stop.is_set()):
+                            self.ready.wait(idle_wait)
+        except BaseException as exc:
+            self._stopped(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._serve_requests_after_stop()
+
+    def _serve_requests_after_stop(self) -> None:
+        """Requests handed over as the loop ended run here (nobody else would)."""
+        self._loop = None
+        with self._gpu:
+            self._serve_requests()
+
+    def _stopped(self, reason: str) -> None:
+        with self.lock:
+            self.loop_error = reason
+            for s in self.sessions.values():
+                if not s.finished:
+                    s.state, s.waiting_since = "failed", None
+                    s.error = f"the GPU loop stopped: {reason}"
+            self.ready.notify_all()
+
+    def _check_running(self) -> None:
+        if self.loop_error is not None:
+            raise LoopStopped(f"the GPU loop stopped ({self.loop_error}): no session can "
+                              "be stepped; restart the server")
+
+    def close(self) -> None:
+        """Free the pool, the graphs and the decoder; flush the checkpoints."""
+        if self.checkpoints is not None:
+            self.checkpoints.flush()
+        with self._gpu:
+            self.runner.close()
+            if self.decoder is not None:
+                self.decoder.close()
+
+
+def _check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum, kv_dtype,
+                runner_factory, decoder_factory) -> int:
+    """The slots S once every argument is valid; else a ValueError naming it."""
+    for name, v in (("max_sessions", max_sessions), ("queue_chunks", queue_chunks),
+                    ("ended_records", ended_records), ("swap_quantum", swap_quantum)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if kv_dtype is not None and runner_factory is not None:
+        raise ValueError(f"kv_dtype is the preset's Rollout's: with a runner_factory, "
+                         f"set it in the factory, got kv_dtype={kv_dtype!r}")
+    if decoder_factory is not None and not callable(decoder_factory):
+        raise ValueError(f"decoder_factory must be a callable, got {decoder_factory!r}")
+    if slots is None:
+        return max_sessions
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= max_sessions:
+        raise ValueError(f"slots must be None or an integer in [1, max_sessions="
+                         f"{max_sessions}], got {slots!r}")
+    return slots

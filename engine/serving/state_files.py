@@ -1,0 +1,224 @@
+"""A `Stream` as one `StreamState`, and folders of them: how a stream leaves a process
+(`StreamScheduler.export_session`: a move, a restart, a checkpoint) and how it comes
+back (`StreamScheduler.import_session`).
+
+The state's sequences, prompts and history are the runner's stream (empty when it has
+made no chunk); its ``extra`` and ``extra_tensors`` carry the rest of the record::
+
+    extra["session"]   format, version, id, seed, state ("active" or "done"), chunks,
+                       frames, budget, prompt_version, paused, video_frames, acked
+    extra["stream"]    "live": the state's sequences are its stream; "start": it has
+                       made no chunk and starts under ``prompt`` (else the runner's
+                       default); "none": done, no chunk comes any more
+    extra["pending"]   the prompt version of a change not yet taken, its prompt
+                       ``pending``, re-cached as the stream takes a slot (else None)
+    extra["decoding"]  whether its chunks carry decoded video
+    extra["queue"]     its unacknowledged chunks, oldest first (index, frame0, frames,
+                       seconds, latency, batch, prompt_version, video_frame0); their
+                       tensors ``chunk<i>.latents`` and ``chunk<i>.video``
+    extra["decoder"]   None, or its decoder row's fields; the row's cache ``decoder.<j>``
+
+A state fits a scheduler whose runner describes itself the same way
+(`ChunkRunner.describe`; a refusal names each field that differs, nested ones by dotted
+name) and that decodes as the stream did. Files: ``<id>.session`` in one folder,
+written atomically (`StreamState.save`). `read_states` takes a folder's files in name
+order: a corrupt one (`CorruptFile`: truncated, a bad CRC, a header whose shapes do not
+tile the file) is logged and renamed ``*.corrupt``; one that does not fit, or whose
+stream is open already, is logged and left (another server may take it); once the room
+is taken the rest are left for a later start; every other one is read, then removed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import re
+import time
+
+from ..cache import CorruptFile
+from ..stream_state import StreamState
+from .records import PromptChange, SessionChunk
+from .stream import Stream
+
+__all__ = ["SUFFIX", "read_states", "remove", "stream_of", "stream_state", "write_state"]
+log = logging.getLogger("framekv.scheduler")
+
+SUFFIX = ".session"
+FORMAT, VERSION = "framekv.session", 2
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+#: the record's fields besides its id, as `Stream` names them (seed, budget first)
+_RECORD = ("seed", "budget", "state", "chunks", "frames", "prompt_version", "paused",
+           "video_frames", "acked")
+_COUNTS = ("seed", "chunks", "frames", "prompt_version", "video_frames")
+
+
+def stream_state(s: Stream, stream: StreamState | None, decoder: dict | None, model: dict,
+                 decoding: bool) -> StreamState:
+    """``s`` as one `StreamState` (module doc): ``stream`` its runner state (None: it
+    has none, "start" or "none"), ``decoder`` its decoder row, ``model`` the runner's
+    `ChunkRunner.describe`. Host tensors only; nothing is copied."""
+    tensors: dict = {}
+    queue = [_chunk_record(j, c, tensors) for j, c in enumerate(s.queue)]
+    kind = "none" if s.finished else "live" if stream is not None else "start"
+    if decoder is not None and kind == "live":
+        tensors.update({f"decoder.{j}": t for j, t in enumerate(decoder["cache"])})
+        decoder = {**{k: v for k, v in decoder.items() if k != "cache"},
+                   "cache": len(decoder["cache"])}
+    else:
+        decoder = None
+    start = s.prompt if kind == "start" else None
+    for name, t in (("prompt", start), ("pending", s.pending_prompt if s.pending else None)):
+        if t is not None:
+            tensors[name] = t.detach().cpu()
+    record = {"format": FORMAT, "version": VERSION, "id": s.id,
+              **{k: getattr(s, k) for k in _RECORD}}
+    record["state"] = "done" if kind == "none" else "active"
+    extra = {"session": record, "stream": kind, "decoding": bool(decoding), "queue": queue,
+             "decoder": decoder, "pending": s.pending[-1].version if s.pending else None}
+    base = (stream if kind == "live" else
+            StreamState(model, [], [], None, s.chunks, s.frames, (s.seed, 0)))
+    return dataclasses.replace(base, chunks=s.chunks, frames=s.frames, noise=(s.seed, 0),
+                               extra=extra, extra_tensors=tensors)
+
+
+def _chunk_record(j: int, c: SessionChunk, tensors: dict) -> dict:
+    """An unacknowledged chunk's fields; its latents and video go to ``tensors``."""
+    tensors[f"chunk{j}.latents"] = c.latents
+    if c.video is not None:
+        tensors[f"chunk{j}.video"] = c.video
+    return {"index": c.index, "frame0": c.frame0, "frames": c.frames, "seconds": c.seconds,
+            "latency": c.queued - c.requested, "batch": c.batch,
+            "prompt_version": c.prompt_version, "video_frame0": c.video_frame0,
+            "video": c.video is not None}
+
+
+def stream_of(state: StreamState, model: dict, decoding: bool, where: str = "state") -> Stream:
+    """The `Stream` a state holds, off the pool (``parked`` its runner state, ``decoder``
+    its row), its unacknowledged chunks queued. ValueError naming every difference for
+    one that does not fit ``model`` or ``decoding``, or for an incomplete or foreign
+    record (``where``: what the messages call it, a file's path)."""
+    try:
+        state.check_fits(model)
+    except ValueError as exc:
+        raise ValueError(f"{where}: the session does not fit this scheduler's runner: "
+                         f"{str(exc).split(': ', 1)[1]}") from None
+    try:
+        return _stream_of(where, state, decoding)
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"{where}: the session record is incomplete: {exc!r}") from None
+
+
+def _stream_of(where, state: StreamState, decoding: bool) -> Stream:
+    extra, rec = state.extra, state.extra["session"]
+    kind = _check_record(where, rec, extra, decoding)
+    s = Stream(rec["id"], rec["seed"], rec["budget"], **{k: rec[k] for k in _RECORD[2:]})
+    s.queue.extend(_chunks(state, extra["queue"]))
+    tensors = state.extra_tensors
+    s.prompt = tensors.get("prompt")
+    if extra["pending"] is not None:
+        change = PromptChange(int(extra["pending"]), s.chunks)
+        change.settle(s.chunks)  # accepted before it left: it takes as the stream comes back
+        s.pending, s.pending_prompt = [change], tensors["pending"]
+    if kind != "live":
+        return s
+    decoder = extra["decoder"]
+    if decoding and decoder is None:
+        raise ValueError(f"{where}: a decoded stream without its decoder row")
+    if decoder is not None:
+        s.decoder = {**decoder, "cache": [tensors[f"decoder.{j}"] for j in range(decoder["cache"])]}
+    s.parked = dataclasses.replace(state, extra={}, extra_tensors={})
+    return s
+
+
+def _check_record(where, rec: dict, extra: dict, decoding: bool) -> str:
+    """The state's stream kind once its record is one this version wrote, of a valid
+    id, state, counts and decoding; else a ValueError naming the field."""
+    if (rec.get("format"), rec.get("version")) != (FORMAT, VERSION):
+        raise ValueError(f"{where}: a {rec.get('format')!r} record of version "
+                         f"{rec.get('version')!r}, not {FORMAT!r} version {VERSION}")
+    kind, sid = extra["stream"], rec["id"]
+    if not isinstance(sid, str) or not _ID.fullmatch(sid):
+        raise ValueError(f"{where}: session id must be 1 to 128 of A-Z a-z 0-9 _ -, got {sid!r}")
+    if (rec["state"], kind) not in (("active", "live"), ("active", "start"), ("done", "none")):
+        raise ValueError(f"{where}: a stream in state {rec['state']!r} with stream {kind!r}")
+    bad = [k for k in _COUNTS if isinstance(rec[k], bool) or not isinstance(rec[k], int)
+           or rec[k] < 0]
+    acked_ok = type(rec["acked"]) is int and rec["acked"] >= -1
+    if bad or not acked_ok or not isinstance(rec["paused"], bool) or not (
+            rec["budget"] is None or (type(rec["budget"]) is int and rec["budget"] >= 1)):
+        raise ValueError(f"{where}: stream fields {bad or ['acked', 'paused', 'budget']} must "
+                         f"be integers >= 0 (acked >= -1, paused a boolean, budget None or "
+                         f">= 1), got { {k: rec[k] for k in _RECORD} }")
+    if bool(extra["decoding"]) != decoding:
+        raise ValueError(f"{where}: the stream's chunks carry "
+                         f"{'decoded video' if extra['decoding'] else 'latents only'}, this "
+                         f"scheduler's {'decoded video' if decoding else 'latents only'}")
+    return kind
+
+
+def _chunks(state: StreamState, queue: list) -> list[SessionChunk]:
+    """The unacknowledged chunks of a state, their latency kept and their clock now."""
+    now, out = time.monotonic(), []
+    for j, q in enumerate(queue):
+        video = state.extra_tensors[f"chunk{j}.video"] if q["video"] else None
+        out.append(SessionChunk(q["index"], q["frame0"], state.extra_tensors[f"chunk{j}.latents"],
+                                q["seconds"], q["batch"], q["prompt_version"], q["frames"],
+                                video, q["video_frame0"], now - q["latency"], now))
+    return out
+
+
+def write_state(directory, state: StreamState) -> int:
+    """Write ``state`` as ``<directory>/<id>.session`` atomically; its bytes."""
+    sid = state.extra["session"]["id"]
+    return state.save(pathlib.Path(directory) / f"{sid}{SUFFIX}")
+
+
+def read_states(directory, *, room: int, taken=(),
+                pin_memory: bool = False) -> list[tuple[pathlib.Path, StreamState]]:
+    """(path, state) of each state file of ``directory``, at most ``room`` of them, none
+    whose id is in ``taken`` (module doc for the files skipped and what becomes of
+    them). Never raises for a file: each one skipped is logged. Whether a state fits is
+    the caller's check (`stream_of`); it removes a file once its stream is open
+    (`remove`)."""
+    out, seen = [], set(taken)
+    for path in sorted(pathlib.Path(directory).glob(f"*{SUFFIX}")):
+        if len(out) >= room:
+            log.warning("%s: left unread for a later start: %d sessions opened, no room "
+                        "for more", path, len(out))
+            continue
+        try:
+            state = StreamState.load(path, pin_memory=pin_memory)
+            sid = state.extra["session"]["id"]
+        except CorruptFile as exc:
+            _set_aside(path, exc)
+            continue
+        except (ValueError, OSError, KeyError, TypeError) as exc:
+            log.error("session file left as it is, not opened: %s: %r", path, exc)
+            continue
+        if sid in seen:
+            log.error("%s: session file left as it is: session %s is open already", path, sid)
+            continue
+        seen.add(sid)
+        out.append((path, state))
+    return out
+
+
+def remove(path) -> None:
+    """Remove a state file once its stream is open here (logged if that fails: the
+    stream is open; the file is written over at its next checkpoint or shutdown)."""
+    try:
+        pathlib.Path(path).unlink()
+    except OSError as exc:
+        log.error("%s: removing the session file after reading it failed: %s", path, exc)
+
+
+def _set_aside(path: pathlib.Path, exc: Exception) -> None:
+    """Log a corrupt session file and rename it ``*.corrupt`` (kept for a look)."""
+    bad = path.with_name(path.name + ".corrupt")
+    try:
+        os.replace(path, bad)
+    except OSError as err:
+        log.error("corrupt session file not opened (renaming it failed: %s): %s", err, exc)
+        return
+    log.error("corrupt session file renamed %s, not opened: %s", bad.name, exc)

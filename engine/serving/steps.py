@@ -1,0 +1,308 @@
+"""How `StreamScheduler` steps: plan under the lock, run on the GPU without it, commit
+under it again.
+
+    plan     (lock; host work only) the ready streams in order (within their swap
+             quantum first, then the longest waiting), cut to the slots; each one
+             without a slot takes a free one or a victim's (`slots.pick_victim`), a
+             swap out then a swap in; prompt changes of resident streams; rows padded
+             with scratch rows to a captured batch size. Records move at once (the
+             victim leaves its slot, the newcomer takes it).
+    run      (GPU thread, no lock) noise drawn, `ChunkRunner.execute`, then the result
+             stage: the decoder rows of the swaps, the decode (first chunks and later
+             ones apart), the uint8 frames, the latents to the host.
+    commit   (lock) parked states stored, failed swaps and rewrites settled, prompt
+             changes settled, each stream's chunk queued (a chunk made again at or
+             below its acknowledged index is dropped), counters, checkpoints due.
+
+Readers of the records (a server's routes, metrics) take the lock only around host
+work, so none of them waits on a step. A chunk whose stream was closed or exported
+while it ran is dropped at the commit.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..step import StepPlan, Swap
+from .frames import to_uint8
+from .records import SessionChunk
+from .slots import pick_victim
+from .stream import Stream
+
+log = logging.getLogger("framekv.scheduler")
+
+
+@dataclass
+class Entry:
+    """One batch row's stream as planned: its record, chunk index, rope frame, whether
+    it is its first chunk, and when it became ready."""
+
+    stream: Stream
+    index: int
+    frame0: int
+    first: bool
+    requested: float
+
+
+class Steps:
+    """The step of `StreamScheduler` (module doc); its attributes are the scheduler's."""
+
+    def _is_ready(self, s: Stream) -> bool:
+        return s.state == "active" and not s.paused and len(s.queue) < self.queue_chunks
+
+    def _ready(self) -> list[Stream]:
+        if self._held:
+            return []
+        ready = [s for s in self.sessions.values() if self._is_ready(s)]
+        steps = self._counts["steps"]
+
+        def order(s: Stream) -> tuple:
+            within = s.slot is not None and steps - s.slot_since < self.swap_quantum
+            return (not within, math.inf if s.waiting_since is None else s.waiting_since)
+
+        return sorted(ready, key=order)[:self.slots]
+
+    def _mark_waiting(self, s: Stream) -> None:
+        """Start (or stop) the clock of a stream's next chunk as it turns ready (or not)."""
+        if not self._is_ready(s):
+            s.waiting_since = None
+        elif s.waiting_since is None:
+            s.waiting_since = time.monotonic()
+
+    # ------------------------------------------------------------------ plan
+    def _plan(self) -> tuple[StepPlan, list[Entry], dict] | None:
+        """The next step (lock held): the plan, its batch, the prompt changes it takes."""
+        plan, batch, steps = StepPlan(), [], self._counts["steps"]
+        ready = self._ready()
+        keep = {s.id for s in ready}
+        for s in ready:
+            if s.slot is None and not self._place(s, plan, keep, steps):
+                continue
+            batch.append(s)
+        taken = self._rewrites(plan)
+        stale = sorted(self._stale)
+        if not batch and not plan.rewrites and not plan.swap_ins and not stale:
+            return None
+        entries = [Entry(s, s.chunks, s.frames, s.chunks == 0,
+                         s.waiting_since if s.waiting_since is not None else time.monotonic())
+                   for s in batch]
+        if batch:
+            B = min(b for b in self.batch_sizes if b >= len(batch))
+            plan.rows = [s.slot for s in batch] + self._scratch[:B - len(batch)]
+            plan.streams = [s.id for s in batch]
+            plan.keys = [(s.seed, s.chunks) for s in batch]
+            plan.frame0 = [s.frames for s in batch] + [0] * (B - len(batch))
+            plan.restarts = [r for r in stale if r in plan.rows]
+        return plan, entries, taken
+
+    def _place(self, s: Stream, plan: StepPlan, keep: set, steps: int) -> bool:
+        """Give ``s`` a slot in ``plan``: a free one, else a victim's (swapped out)."""
+        slot = self.pool.take()
+        if slot is None:
+            victim = pick_victim(self.sessions.values(), keep, self._is_ready)
+            if victim is None:
+                return False
+            slot, victim.slot = victim.slot, None
+            if not victim.finished:       # a finished one keeps nothing: no copy out
+                plan.swap_outs.append(Swap(victim.id, slot))
+        if s.parked is None:              # no stream yet: it starts under its prompt
+            plan.swap_ins.append(Swap(s.id, slot, None, s.prompt))
+        else:
+            rewrite = s.pending_prompt if s.pending else None
+            plan.swap_ins.append(Swap(s.id, slot, s.parked, rewrite, s.decoder))
+            s.parked, s.decoder = None, None
+        s.slot, s.last_stepped, s.slot_since = slot, steps, steps
+        return True
+
+    def _rewrites(self, plan: StepPlan) -> dict:
+        """Prompt changes the plan takes: resident streams' rewrites, and the changes
+        of those swapped in (their swap in rewrites). stream id -> (changes, prompt)."""
+        entering = {sw.stream for sw in plan.swap_ins}
+        taken = {}
+        for s in self.sessions.values():
+            if not s.pending or s.slot is None:
+                continue
+            taken[s.id] = (list(s.pending), s.pending_prompt)
+            if s.id not in entering:
+                plan.rewrites.append(Swap(s.id, s.slot, None, s.pending_prompt))
+        return taken
+
+    # ------------------------------------------------------------------ run
+    def _run_plan(self, plan: StepPlan, batch: list[Entry]):
+        """GPU work of a plan (no lock): (result, decoder rows out, videos, host latents)."""
+        if plan.rows:
+            steps = len(self.runner.sigmas) - 1 if self.runner.sampler == "self_forcing" else None
+            plan.draw_noise(self.chunk_shape, steps)
+        res = self.runner.execute(plan)
+        rows_out, video, latents = {}, [None] * len(batch), None
+        if self.decoder is not None:
+            rows_out = self._decoder_swaps(plan, res)
+        if res.error is None and res.latents is not None:
+            try:
+                if self.decoder is not None:
+                    video = self._decode(batch, plan, res.latents[:len(batch)])
+                latents = res.latents.cpu()
+            except Exception as exc:   # a decode that fails fails the step's streams
+                res.error = exc
+        return res, rows_out, video, latents
+
+    def _decoder_swaps(self, plan: StepPlan, res) -> dict:
+        """The decoder rows of the swaps: each swapped-out stream's copied out, then each
+        swapped-in one's restored (or reset: a new stream)."""
+        out = {}
+        for sw in plan.swap_outs:
+            if sw.stream not in res.failed:
+                try:
+                    out[sw.stream] = self.decoder.snapshot(sw.slot)
+                except Exception as exc:
+                    res.failed[sw.stream] = f"swapping the session out failed: its decoder row: {exc!r}"
+        for sw in plan.swap_ins:
+            try:
+                if sw.state is None or sw.stream in res.failed:
+                    self.decoder.reset(rows=[sw.slot])
+                else:
+                    self.decoder.restore(sw.slot, sw.decoder)
+            except Exception as exc:
+                res.failed[sw.stream] = f"swapping the session in failed: its decoder row: {exc!r}"
+        return out
+
+    def _decode(self, batch: list[Entry], plan: StepPlan, latents: torch.Tensor) -> list:
+        """Each stream's frames (host uint8 [F', H, W, 3]): one batched decode per stage,
+        first chunks and later ones (the decoder takes one stage per call)."""
+        video = [None] * len(batch)
+        for first in (True, False):
+            idx = [i for i, e in enumerate(batch) if e.first == first]
+            if idx:
+                frames = self.decoder.decode(latents[idx], rows=[plan.rows[i] for i in idx])
+                frames = to_uint8(frames).cpu()                       # [b, F', H, W, 3]
+                for j, i in enumerate(idx):
+                    video[i] = frames[j]
+        return video
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, plan: StepPlan, batch: list[Entry], taken: dict, res, rows_out: dict,
+                video: list, latents, seconds: float) -> int:
+        """Apply a run's outcome to the records (lock held); the streams that got a chunk."""
+        self._commit_swaps(plan, res, rows_out)
+        self._settle_prompts(taken, res)
+        if res.error is not None:
+            self._fail_batch(batch, plan, f"{type(res.error).__name__}: {res.error}")
+            return 0
+        self._stale.difference_update(plan.restarts)
+        now, made = time.monotonic(), 0
+        for r, e in enumerate(batch):
+            s = e.stream
+            if self.sessions.get(s.id) is not s or s.state != "active" or s.id in res.failed:
+                continue
+            # the version in force once this step's prompt changes are settled: a change
+            # it took was re-cached before its chunk
+            chunk = SessionChunk(e.index, e.frame0, latents[r], seconds, len(plan.rows),
+                                 s.prompt_version, self.frames_per_chunk, video[r],
+                                 s.video_frames, e.requested, now)
+            self._queue(s, chunk)
+            made += 1
+        self._counts["steps"] += bool(batch)
+        self._counts["chunks"] += made
+        for e in batch:
+            e.stream.last_stepped = self._counts["steps"]
+        if batch:
+            self._step_seconds.observe(seconds)
+        return made
+
+    def _commit_swaps(self, plan: StepPlan, res, rows_out: dict) -> None:
+        for sw in plan.swap_outs:
+            s = self.sessions.get(sw.stream)
+            if sw.stream in res.failed:
+                self.pool.counts["failed_swaps"] += 1
+                if s is not None:
+                    self._fail(s, res.failed[sw.stream])
+                continue
+            state = res.parked[sw.stream]
+            self.pool.count("swap_outs", state.nbytes)
+            self.pool.seconds.observe(res.swap_seconds.get(sw.stream, 0.0))
+            if s is not None and s.slot is None:
+                s.parked, s.decoder = state, rows_out.get(sw.stream)
+        for sw in plan.swap_ins:
+            s = self.sessions.get(sw.stream)
+            if sw.stream in res.failed:
+                self.pool.counts["failed_swaps"] += 1
+                if s is not None:
+                    self._fail(s, res.failed[sw.stream])
+                    s.slot = None
+                self.pool.give(sw.slot)
+            elif sw.state is not None:
+                self.pool.count("swap_ins", sw.state.nbytes)
+                self.pool.seconds.observe(res.swap_seconds.get(sw.stream, 0.0))
+            if s is None and sw.stream not in res.failed:  # closed while it came in
+                self.pool.give(sw.slot)
+
+    def _settle_prompts(self, taken: dict, res) -> None:
+        """The prompt changes the plan took: taken (the stream's prompt and version
+        move) or failed (its old prompt stays; each change says why)."""
+        for sid, (changes, prompt) in taken.items():
+            s = self.sessions.get(sid)
+            err = res.rewrite_errors.get(sid) or (RuntimeError(res.failed[sid])
+                                                  if sid in res.failed else None)
+            if s is not None:
+                s.pending = [c for c in s.pending if c not in changes]
+                if err is None:
+                    s.prompt, s.prompt_version = prompt, changes[-1].version
+                if not s.pending:
+                    s.pending_prompt = None
+            for c in changes:
+                c.settle(None if s is None else s.chunks, err)
+
+    def _queue(self, s: Stream, chunk: SessionChunk) -> None:
+        if chunk.index > s.acked:  # else its client has it already (a resumed stream)
+            s.queue.append(chunk)
+        s.chunks += 1
+        s.frames += chunk.frames
+        if chunk.video is not None:
+            s.video_frames += chunk.video.shape[0]
+            self._counts["video_frames"] += chunk.video.shape[0]
+        if s.budget is not None and s.chunks >= s.budget:
+            s.state = "done"
+        self._chunk_seconds.observe(chunk.queued - chunk.requested)
+        s.waiting_since = None
+        self._mark_waiting(s)
+        if self.checkpoints is not None and self.checkpoints.due(s.chunks):
+            self._due.append(s.id)
+
+    def _fail(self, s: Stream, message: str) -> None:
+        """``s`` failed: its record keeps why, its slot is free (its next user starts it
+        over), what it held off the pool is dropped."""
+        s.state, s.error, s.waiting_since = "failed", message, None
+        s.parked = s.decoder = None
+        if s.slot is not None:
+            self.pool.give(s.slot)
+            s.slot = None
+        log.warning("stream %s failed: %s", s.id, message)
+
+    def _fail_batch(self, batch: list[Entry], plan: StepPlan, message: str) -> None:
+        """Fail the streams of a step that raised (each keeps ``message``); their rows and
+        the scratch rows are started over next (`_restart_rows`)."""
+        self._counts["failed_steps"] += 1
+        for e in batch:
+            if self.sessions.get(e.stream.id) is e.stream and e.stream.state == "active":
+                self._fail(e.stream, message)
+
+    def _restart_rows(self, plan: StepPlan) -> None:
+        """After a failed step (GPU work, no lock): its rows and the scratch rows started
+        over (a step that failed part way may have moved them). Never raises: a failing
+        start-over is logged and counted (``failed_resets``), and the scratch rows stay
+        stale until a step that runs them starts them over first."""
+        rows = list(dict.fromkeys(plan.rows + self._scratch))
+        try:
+            self.runner.prefill_rows(rows)
+            with self.lock:
+                self._stale.clear()
+        except Exception:
+            with self.lock:
+                self._counts["failed_resets"] += 1
+                self._stale.update(self._scratch)
+            log.exception("starting rows %s over after a failed step raised too; the "
+                          "scratch rows are started over before their next step", rows)
