@@ -6,8 +6,8 @@ modules run on their own.
 
 Modules run as ``python -m framekv.bench.NAME [--json FILE]`` (each checks its results
 against a reference before timing and writes JSON; ``--help`` says what it takes). Each
-needs a CUDA GPU: without one it says so in one line and exits with status 2
-(`framekv.bench.timing.require_cuda`, called once its arguments are checked):
+but serve_load needs a CUDA GPU: without one it says so in one line and exits with
+status 2 (`framekv.bench.timing.require_cuda`, called once its arguments are checked):
 
     clean_pass      a clean pass kept for its K/V only against the whole clean pass
     commit          the commit at the seed geometry: kernels, uploads, device and host time
@@ -21,6 +21,8 @@ needs a CUDA GPU: without one it says so in one line and exits with status 2
     merge           the fused split-KV merge against torch merges
     ops             the ops at the seed geometry against torch equivalents
     pixels          prompt to pixels: the Wan VAE's streaming decode, text to frames
+    serve_load      sessions streaming from `framekv serve` in its own process, /metrics
+                    scraped meanwhile (runs on a CPU too: ``--device cpu``)
     snapshots       a stream's export and import against PCIe, sessions over fewer slots
     startup         process start to the first replayed chunk, cold and warm
     streams         concurrent streams: B sequences batched on one pool against B in turn

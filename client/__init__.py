@@ -1,7 +1,8 @@
-"""``framekv.client``: the Python clients of `framekv serve`, `Client` and `AsyncClient`
-(their module: `framekv.tools.client`, which documents them)."""
-from framekv.tools.client import (AsyncClient, AsyncSession, Chunk, Client, ServerError, Session,
-                                  decode_chunk)
+"""``framekv.client``: the Python clients of `framekv serve`, `Client` (blocking) and
+`AsyncClient` (asyncio), documented in ``sessions.py``; ``wire.py`` is what they send
+and read (the chunk message itself is `framekv.specs.wire`)."""
+from .sessions import AsyncClient, AsyncSession, Client, Session
+from .wire import Chunk, ServerError, decode_chunk
 
 __all__ = ["AsyncClient", "AsyncSession", "Chunk", "Client", "ServerError", "Session",
            "decode_chunk"]

@@ -19,7 +19,7 @@ args = p.parse_args()
 if args.url is None:                           # the app `framekv serve` runs, in a thread
     from framekv.engine.serving import StreamScheduler
     from framekv.tools.serve import build_app
-    from framekv.tools.serve_net import DrainingServer, server_config
+    from framekv.tools.serve.net import DrainingServer, server_config
 
     sched = StreamScheduler("tiny", max_sessions=4, device=args.device, queue_chunks=2)
     server = DrainingServer(server_config(build_app(sched), port=0, log_level="warning"))

@@ -12,7 +12,7 @@ import time
 
 from framekv.specs import wire
 from framekv.tools.serve import build_app
-from framekv.tools.serve_net import DrainingServer, server_config
+from framekv.tools.serve.net import DrainingServer, server_config
 
 
 @contextlib.contextmanager

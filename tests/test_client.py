@@ -1,4 +1,4 @@
-"""`framekv.client` (`framekv.tools.client`) against a real `framekv serve` on 127.0.0.1
+"""`framekv.client` (`framekv.client.sessions`) against a real `framekv serve` on 127.0.0.1
 (CPU, the tiny reference model): the blocking and the asyncio client create, stream,
 change prompts (text messages and tensor uploads), pause, resume and close sessions;
 their chunks equal each seed run alone; refusals are `ServerError` with the server's
@@ -8,7 +8,6 @@ same module's names; the client example runs.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -24,8 +23,8 @@ pytest.importorskip("httpx")
 pytest.importorskip("websockets.asyncio.client")
 
 from framekv.engine.serving import SessionChunk, StreamScheduler  # noqa: E402
-from framekv.tools import client as fc  # noqa: E402
-from framekv.tools.serve_wire import chunk_frame, frames_message  # noqa: E402
+import framekv.client.sessions as fc  # noqa: E402
+from framekv.tools.serve.wire import chunk_frame, frames_message  # noqa: E402
 from serve_harness import no_sessions, serving  # noqa: E402
 from test_scheduler import alone_chunks  # noqa: E402
 
@@ -172,21 +171,12 @@ def test_chunk_messages_of_both_outputs_decode():
 
 
 def test_framekv_client_is_the_same_client():
-    """``framekv.client`` (the ``client/`` folder, mapped by pyproject's package-dir)
-    re-exports `framekv.tools.client`'s names: loaded from its file here, imported by
-    name where the install maps it."""
-    spec = importlib.util.spec_from_file_location("framekv_client_face",
-                                                  ROOT / "client" / "__init__.py")
-    face = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(face)
+    """``framekv.client`` (the ``client/`` folder, mapped by pyproject's package-dir) is
+    one client: its face's names are `framekv.client.sessions`'."""
+    import framekv.client as face
+
     assert all(getattr(face, n) is getattr(fc, n) for n in face.__all__)
     assert set(face.__all__) == set(fc.__all__)
-    try:
-        import framekv.client as installed
-    except ModuleNotFoundError:
-        return                                   # the install predates the mapping
-    assert installed.Client is fc.Client and installed.AsyncClient is fc.AsyncClient
-
 
 def test_the_client_example_streams_from_its_own_server():
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "client.py"), "--device",

@@ -237,7 +237,7 @@ def test_a_failing_step_ends_its_sessions_with_the_error_and_the_others_go_on(se
 
 
 def test_the_load_script_streams_and_counts_no_capture():
-    from framekv.tools.serve_load import measure_load
+    from framekv.bench.serve_load import measure_load
 
     res = measure_load("tiny", sessions=3, seconds=2.0, scrape=0.25, device="cpu",
                        progress=lambda m: None)

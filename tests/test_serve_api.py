@@ -162,7 +162,7 @@ def test_a_prompt_body_is_capped_at_the_prompt_not_at_one_mebibyte():
 
     from starlette.requests import Request
 
-    from framekv.tools.serve_wire import MAX_BODY_BYTES, read_body, upload_spec
+    from framekv.tools.serve.wire import MAX_BODY_BYTES, read_body, upload_spec
 
     dtype, cap = upload_spec("512, 4096", "BF16", (512, 4096))      # Wan 1.3b's prompt
     assert (dtype, cap) == ("bf16", 512 * 4096 * 2) and cap > MAX_BODY_BYTES

@@ -37,7 +37,7 @@ from websockets.exceptions import ConnectionClosed  # noqa: E402
 from framekv.engine.serving import StreamScheduler  # noqa: E402
 from framekv.specs import wire  # noqa: E402
 from framekv.tools.serve import build_app  # noqa: E402
-from framekv.tools.serve_wire import MAX_BODY_BYTES, RequestError, read_body  # noqa: E402
+from framekv.tools.serve.wire import MAX_BODY_BYTES, RequestError, read_body  # noqa: E402
 from serve_harness import (ack, create, index_of, no_sessions, raw_request, read_stream,  # noqa: E402
                            serving, trickle)
 from test_scheduler import alone_chunks  # noqa: E402

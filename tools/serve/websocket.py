@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import json
 
-from .serve_wire import PROMPT_KEYS, RequestError, json_body, parse_prompt
+from .wire import PROMPT_KEYS, RequestError, json_body, parse_prompt
 
 #: the socket's close code once the server drains (going away)
 GOING_AWAY = 1001

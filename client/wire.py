@@ -1,4 +1,4 @@
-"""What `framekv.tools.client` sends and reads: `ServerError`, chunk messages (`Chunk`,
+"""What `framekv.client.sessions` sends and reads: `ServerError`, chunk messages (`Chunk`,
 `decode_chunk`), request bodies and headers, and `SessionState`, what a session's
 socket said (chunks not yet streamed, the end message, errors, prompt acks), which the
 blocking and the asyncio sessions share.

@@ -2,8 +2,8 @@
 GPU loop thread, the idle-session reaper), the routes outside a session (the page at
 ``/``, /health, /metrics, /v1/info, the docs) and the error shape. The routes and
 messages are those of `framekv.tools.serve`'s module doc; the session routes and the
-WebSocket are `framekv.tools.serve_routes`', the chunk messages
-`framekv.tools.serve_wire`'s, the models `framekv.tools.serve_models`'.
+WebSocket are `framekv.tools.serve.routes`', the chunk messages
+`framekv.tools.serve.wire`'s, the models `framekv.tools.serve.models`'.
 
 The GPU loop (`StreamScheduler.run`) runs in a thread the app's lifespan starts and
 stops; should it end by an exception, /health answers 503 and new sessions are refused
@@ -35,8 +35,8 @@ import pathlib
 import threading
 import time
 
-from .serve_metrics import metrics_registry, render
-from .serve_wire import BODY_TIMEOUT_S, PROMPT_DTYPES, RequestError, chunk_frame, frames_message
+from .metrics import metrics_registry, render
+from .wire import BODY_TIMEOUT_S, PROMPT_DTYPES, RequestError, chunk_frame, frames_message
 
 OUTPUTS = ("frames", "latents")
 FRAME_FORMATS = ("jpeg", "webp")
@@ -70,17 +70,17 @@ def state_dir_path(state_dir) -> pathlib.Path:
 
 
 def page_html(name: str = "index.html") -> str:
-    """A page of ``tools/page/`` (package data): the page at ``/`` by default."""
+    """A page of ``tools/serve/page/`` (package data): the page at ``/`` by default."""
     from importlib.resources import files
 
-    return (files("framekv.tools") / "page" / name).read_text(encoding="utf-8")
+    return (files("framekv.tools.serve") / "page" / name).read_text(encoding="utf-8")
 
 
 def _check_options(sched, output, frame_format, fps, quality, token, idle_timeout) -> str:
     import argparse
     import math
 
-    from .args import bearer_token
+    from ..args import bearer_token
 
     output = output or ("frames" if sched.decoding else "latents")
     if output not in OUTPUTS:
@@ -231,9 +231,9 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
     """
     from fastapi import FastAPI
 
-    from .serve_auth import BearerAuth
-    from .serve_net import redact_tokens
-    from .serve_routes import session_routes, stream_route
+    from .auth import BearerAuth
+    from .net import redact_tokens
+    from .routes import session_routes, stream_route
 
     output = _check_options(sched, output, frame_format, fps, quality, token, idle_timeout)
     state_dir = None if state_dir is None else state_dir_path(state_dir)
@@ -303,7 +303,7 @@ def _handlers(app) -> None:
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
-    from .serve_models import validation_message
+    from .models import validation_message
 
     @app.exception_handler(RequestError)
     async def _err(request, exc: RequestError):
@@ -318,7 +318,7 @@ def _http_routes(app, srv: _Server, page: str) -> None:
     from fastapi import Depends, Request
     from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 
-    from .serve_models import Health, ServerInfo, errors
+    from .models import Health, ServerInfo, errors
 
     registry, auth = metrics_registry(srv.sched), [Depends(srv.auth.dependency())]
 

@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
 
-from .serve_wire import RequestError
+from .wire import RequestError
 
 #: a WebSocket refused for its token is closed with this code (policy violation)
 WS_AUTH_CLOSE = 1008

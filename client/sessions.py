@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 
-from .client_wire import (Chunk, ServerError, SessionState, auth_headers, check_response,
+from .wire import (Chunk, ServerError, SessionState, auth_headers, check_response,
                           create_body, decode_chunk, env_token, prompt_message, prompt_upload)
 
 __all__ = ["AsyncClient", "AsyncSession", "Chunk", "Client", "ServerError", "Session",

@@ -213,7 +213,7 @@ def chunk_frame(chunk) -> bytes:
 def frames_message(chunk, fmt: str = "jpeg", quality: int = 85) -> bytes:
     """A chunk's decoded frames (``chunk.video`` uint8 [F', H, W, 3]) as one binary
     WebSocket message of ``fmt`` images (module doc). Encodes on the calling thread."""
-    from .video import encode_image
+    from ..video import encode_image
 
     video = chunk.video
     if video is None:

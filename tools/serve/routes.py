@@ -5,7 +5,7 @@ delete a session, upload its prompt, stream it.
 drain checked first, then at most 1 MiB counted as it arrives, then strict JSON) and
 FastAPI validates it against `CreateSession`. ``DELETE`` is idempotent: 204 while the
 session is open, 404 after (also when a socket closing ends it first). ``PUT
-.../prompt`` takes the raw prompt (`framekv.tools.serve_wire.upload_spec`), its body
+.../prompt`` takes the raw prompt (`framekv.tools.serve.wire.upload_spec`), its body
 capped at the prompt's byte size; it answers once the change took (200, or 500 if its
 re-cache failed: the session goes on under its old prompt), or after `PROMPT_WAIT_S`
 with 202 ``prompt_pending`` (a paused or swapped-out session takes it as it comes
@@ -22,10 +22,10 @@ from fastapi import Depends, Header, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
-from .serve_auth import WS_AUTH_CLOSE
-from .serve_models import CreateSession, PromptAck, SessionCreated, SessionInfo, errors
-from .serve_stream import serve_socket
-from .serve_wire import RequestError, json_body, parse_prompt, read_body, upload_prompt, upload_spec
+from .auth import WS_AUTH_CLOSE
+from .models import CreateSession, PromptAck, SessionCreated, SessionInfo, errors
+from .websocket import serve_socket
+from .wire import RequestError, json_body, parse_prompt, read_body, upload_prompt, upload_spec
 
 #: a socket for a session that is not open is closed with this code (and a reason)
 NO_SESSION = 4404

@@ -44,7 +44,7 @@ and /health needs ``Authorization: Bearer T`` (any case of "Bearer"; a 401 carri
                                          {"type": "chunk", index, frame0, frames,
                                          dtype, shape, seconds, batch, prompt_version}
                                          and the latents (fp32, C order)
-                                         (`framekv.tools.serve_wire`); a last text
+                                         (`framekv.tools.serve.wire`); a last text
                                          message {"type": "end", "state", "error"}
                                          (+ "reason": "shutdown", "deleted", "idle"
                                          when it did not end by itself; "resumable":
@@ -85,7 +85,7 @@ disconnects ends its session; a session no socket has taken for
 ``--queue-chunks`` undelivered chunks. Request bodies are JSON of at most 1 MiB
 (a prompt upload: its prompt's bytes), counted as they arrive (a Content-Length, no
 Transfer-Encoding); a request head must arrive within ``--head-timeout`` seconds
-(`framekv.tools.serve_net`). Token values never reach the logs (`redact_tokens`).
+(`framekv.tools.serve.net`). Token values never reach the logs (`redact_tokens`).
 SIGTERM drains: no chunk is made any more, every socket gets its queued chunks and an
 end message with reason "shutdown", then uvicorn's graceful shutdown, then the loop
 stops and the pool is freed. With ``--state-dir D`` the open sessions are written to D
@@ -95,7 +95,7 @@ from its next chunk, its undelivered chunks first; a corrupt file is logged and 
 ``*.corrupt``, one of another model or geometry logged and left in D. (The end
 message of a session kept so says ``"resumable": true``; unless a client reconnects
 within ``--session-idle-timeout`` seconds of the restart, the session ends.)
-Python clients: `framekv.tools.client` (``framekv.client``).
+Python clients: `framekv.client.sessions` (``framekv.client``).
 """
 
 import argparse
@@ -105,11 +105,11 @@ import signal
 import sys
 import typing
 
-from .args import add_kv_dtype_argument, bearer_token, nonnegative_int, positive_int, seconds
-from .conventions import add_preset_arguments
-from .generate import SAMPLERS, SELF_FORCING_SHIFT, positive_number
-from .serve_app import FRAME_FORMATS, OUTPUTS, build_app, page_html, state_dir_path
-from .serve_wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
+from ..args import add_kv_dtype_argument, bearer_token, nonnegative_int, positive_int, seconds
+from ..conventions import add_preset_arguments
+from ..generate import SAMPLERS, SELF_FORCING_SHIFT, positive_number
+from .app import FRAME_FORMATS, OUTPUTS, build_app, page_html, state_dir_path
+from .wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
 
 if typing.TYPE_CHECKING:
     from framekv.engine.wan.pipeline import WanPipeline
@@ -263,7 +263,7 @@ def run(args) -> int:
     bad option combination, before anything is built)."""
     from framekv.engine.serving import StreamScheduler
 
-    from .serve_net import DrainingServer, server_config
+    from .net import DrainingServer, server_config
 
     try:
         token = token_of(args)

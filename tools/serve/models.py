@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .serve_wire import MAX_TEXT_CHARS
+from .wire import MAX_TEXT_CHARS
 
 SEED_RANGE = dict(ge=0, lt=2**31)
 #: what a 4xx/5xx of the server means, for the docs

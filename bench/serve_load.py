@@ -1,0 +1,212 @@
+"""Load on `framekv serve`: N sessions streaming over real WebSockets for a while.
+
+    python -m framekv.bench.serve_load [--preset small-stream] [--sessions 8]
+        [--seconds 60] [--scrape S] [--device D] [--json FILE]
+
+A preset ``wan-diffusers:CONFIG[:PRESET]`` serves diffusers' Wan transformer instead
+(``framekv serve --model wan-diffusers --config CONFIG [--preset PRESET] --output
+latents``, random weights).
+
+Starts ``framekv serve`` as its own process on 127.0.0.1 (every graph captured before
+its socket opens: /health answers once it serves), opens the sessions, and lets one
+client thread per session read and acknowledge its chunks for ``--seconds``. Reports
+the aggregate latent frames/s received, p50/p99 of the batched step time of each chunk
+and of the gap between a session's chunks, the batch sizes seen, and the graph captures
+after start (which must be 0; from /metrics). ``--scrape S`` GETs ``/metrics`` every S
+seconds through the measured window, as a monitoring system would, and reports the
+scrapes, their p50/p99 latency and the first and last body sizes (a bounded registry
+keeps them flat). Runs on a CPU too (``--device cpu``). Needs the ``serve`` extra.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from framekv.specs import wire
+
+from .timing import stderr_progress, write_result
+
+#: seconds the server may take to build and capture before it serves
+START_TIMEOUT_S = 900.0
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def server_command(preset: str, sessions: int, port: int, device=None) -> list[str]:
+    """The ``framekv serve`` command line of a load run (module doc)."""
+    cmd = [sys.executable, "-m", "framekv.tools.cli", "serve"]
+    if preset.startswith("wan-diffusers:"):
+        _, config, *sizes = preset.split(":")
+        cmd += ["--model", "wan-diffusers", "--config", config, "--output", "latents"]
+        cmd += ["--preset", sizes[0]] if sizes else []
+    else:
+        cmd += [preset]
+    cmd += ["--max-sessions", str(sessions), "--host", "127.0.0.1", "--port", str(port),
+            "--session-idle-timeout", "3600"]
+    return cmd + (["--device", str(device)] if device is not None else [])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _client(url: str, stop: threading.Event, out: list) -> None:
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    with connect(url, max_size=None, open_timeout=60) as ws:
+        while not stop.is_set():
+            try:
+                msg = ws.recv(timeout=60)
+            except (ConnectionClosed, TimeoutError):  # the server going after the run
+                return
+            if isinstance(msg, str):
+                return
+            header, _ = wire.decode(msg)
+            out.append((time.perf_counter(), header))
+            try:
+                ws.send(json.dumps({"type": "ack", "index": header["index"]}))
+            except ConnectionClosed:
+                return
+
+
+def _scraper(url: str, every: float, stop: threading.Event, out: list) -> None:
+    import httpx
+
+    with httpx.Client(timeout=30) as http:
+        while not stop.wait(every):
+            t = time.perf_counter()
+            r = http.get(url)
+            r.raise_for_status()
+            out.append((time.perf_counter() - t, len(r.content)))
+
+
+def _captures(http) -> int:
+    text = http.get("/metrics").text
+    m = re.search(r"^framekv_graph_captures_total (\S+)$", text, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
+def _started(proc, http, log_path: str) -> None:
+    """Wait until the server serves (/health 200); RuntimeError with its log if it ends."""
+    import httpx
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path) as f:
+                raise RuntimeError(f"framekv serve exited with status {proc.returncode}:\n"
+                                   f"{f.read()[-4000:]}")
+        try:
+            if http.get("/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"framekv serve did not serve within {START_TIMEOUT_S:.0f} s")
+
+
+def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: float = 60.0,
+                 scrape: float | None = None, device=None, progress=print) -> dict:
+    """Serve ``sessions`` open-ended sessions for ``seconds`` (module doc)."""
+    import httpx
+
+    port = _free_port()
+    progress(f"serve_load {preset}: starting framekv serve ({sessions} slots) on port {port}")
+    with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
+        proc = subprocess.Popen(server_command(preset, sessions, port, device),
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            _started(proc, http, log.name)
+            captures0 = _captures(http)
+            ids = [http.post("/v1/sessions", json={"seed": i}).json()["id"]
+                   for i in range(sessions)]
+            res = _measure(port, ids, seconds, scrape, progress, preset)
+            res["captures_after_start"] = _captures(http) - captures0
+        return res
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        os.unlink(log.name)
+
+
+def _measure(port: int, ids: list[str], seconds: float, scrape, progress, preset) -> dict:
+    """The clients (and the scraper) over ``seconds``: the load's numbers."""
+    stop, received = threading.Event(), [[] for _ in ids]
+    clients = [threading.Thread(target=_client, args=(
+        f"ws://127.0.0.1:{port}/v1/sessions/{sid}/stream", stop, out), daemon=True)
+        for sid, out in zip(ids, received)]
+    progress(f"serve_load {preset}: {len(ids)} sessions streaming for {seconds:.0f} s")
+    for c in clients:
+        c.start()
+    time.sleep(min(10.0, seconds / 6))        # past the first chunks: steady state
+    scrapes, scrape_stop = [], threading.Event()
+    if scrape:
+        threading.Thread(target=_scraper, args=(f"http://127.0.0.1:{port}/metrics", scrape,
+                                                scrape_stop, scrapes), daemon=True).start()
+    t0, n0 = time.perf_counter(), [len(r) for r in received]
+    time.sleep(seconds)
+    t1, n1 = time.perf_counter(), [len(r) for r in received]
+    scrape_stop.set()
+    stop.set()
+    frames = sum(h["frames"] for r, a, b in zip(received, n0, n1) for _, h in r[a:b])
+    steps = [h["seconds"] for r in received for _, h in r]
+    gaps = [b[0] - a[0] for r in received for a, b in zip(r, r[1:])]
+    res = {"preset": preset, "sessions": len(ids), "seconds": t1 - t0,
+           "chunks": sum(b - a for a, b in zip(n0, n1)), "frames_per_second": frames / (t1 - t0),
+           "step_seconds_p50": _percentile(steps, 0.5), "step_seconds_p99": _percentile(steps, 0.99),
+           "chunk_gap_p50": _percentile(gaps, 0.5), "chunk_gap_p99": _percentile(gaps, 0.99),
+           "batch_sizes_seen": sorted({h["batch"] for r in received for _, h in r})}
+    if scrape:
+        lat = [t for t, _ in scrapes]
+        res.update(scrapes=len(scrapes), scrape_seconds_p50=_percentile(lat, 0.5),
+                   scrape_seconds_p99=_percentile(lat, 0.99),
+                   metrics_bytes_first=scrapes[0][1] if scrapes else None,
+                   metrics_bytes_last=scrapes[-1][1] if scrapes else None)
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m framekv.bench.serve_load",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", action="append", default=None,
+                   help="preset (repeatable; default small-stream)")
+    p.add_argument("--sessions", type=int, action="append", default=None,
+                   help="sessions per preset, in order (default 8)")
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--scrape", type=float, default=None, metavar="S",
+                   help="GET /metrics every S seconds while measuring")
+    p.add_argument("--device", default=None, help="the server's device (default its own)")
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+    presets = args.preset or ["small-stream"]
+    counts = args.sessions or [8] * len(presets)
+    out = []
+    for preset, n in zip(presets, counts):
+        out.append(measure_load(preset, sessions=n, seconds=args.seconds, scrape=args.scrape,
+                                device=args.device, progress=stderr_progress("load")))
+        print(json.dumps(out[-1]), flush=True)
+        write_result(args.json_path, load=out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
