@@ -247,3 +247,25 @@ def test_a_self_forcing_decoded_stream_moves_bit_for_bit():
         assert [c.index for c in got[seed]] == list(range(5)) == [c.index for c in chunks]
         for c, w in zip(got[seed], chunks):
             assert torch.equal(c.latents, w.latents) and torch.equal(c.video, w.video), c.index
+
+
+def test_a_latent_preview_is_one_image_per_latent_frame_in_range():
+    from framekv.engine.serving import LatentPreview
+
+    p = LatentPreview(3, scale=4)
+    z = torch.randn(2, 4, 3, 5, 7, generator=torch.Generator().manual_seed(0)) * 10
+    out = p.decode(z, rows=[2, 0])
+    assert out.shape == (2, 3, 3, 20, 28) and out.abs().max() <= 1     # tanh: 1 in fp32 at most
+    # red is channels 0 and 3, each pixel 4x4 the same
+    want = torch.tanh((z[:, 0] + z[:, 3]) / 2 ** 0.5)
+    torch.testing.assert_close(out[:, 0, :, ::4, ::4], want)
+    assert torch.equal(out[:, :, :, 1::4, 2::4], out[:, :, :, ::4, ::4])
+    assert p.snapshot(2)["frames"] == 3 and p.snapshot(1)["frames"] == 0
+    p.restore(1, {"frames": 7, "cache": []})
+    p.reset(rows=[2])
+    assert [p.snapshot(r)["frames"] for r in range(3)] == [3, 7, 0]
+    assert p.video_frames(3, True) == p.video_frames(3, False) == 3
+    with pytest.raises(ValueError, match=r"rows must be 2 of \[0, 3\), got \[0, 3\]"):
+        p.decode(z, rows=[0, 3])
+    with pytest.raises(ValueError, match="scale must be an integer >= 1, got 0"):
+        LatentPreview(1, scale=0)

@@ -196,6 +196,12 @@ class StreamingVAEDecoder:
             self._frames[r] += F
         return out
 
+    @staticmethod
+    def video_frames(latent_frames: int, first: bool) -> int:
+        """Frames a chunk of ``latent_frames`` decodes to: 1 + 4 (F - 1) for a video's
+        first chunk (the VAE's causal start), 4 F for a later one."""
+        return 1 + 4 * (latent_frames - 1) if first else 4 * latent_frames
+
     def reset(self, rows=None) -> None:
         """Sequences ``rows`` (default all) start a new video at their next decode."""
         self._check_open()

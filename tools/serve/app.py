@@ -196,7 +196,8 @@ class _Server:
     def info(self) -> dict:
         """/v1/info (`ServerInfo`)."""
         s, F = self.sched, self.sched.frames_per_chunk
-        video = {"first": 1 + 4 * (F - 1), "later": 4 * F} if s.decoding else None  # Wan VAE
+        video = ({"first": s.decoder.video_frames(F, True),
+                  "later": s.decoder.video_frames(F, False)} if s.decoding else None)
         return {"model": self.model,
                 "prompt": {"shape": list(s.prompt_shape), "dtype": str(s.runner.dtype).removeprefix("torch."),
                            "upload_dtypes": sorted({v[0] for v in PROMPT_DTYPES.values()}),
