@@ -37,9 +37,8 @@ import torch
 
 from framekv.engine import CachedAttention, CausalKVCache
 from framekv.engine.attention import get_backend
-from framekv.engine.attention.backend import attend_fp32
 from framekv.engine.attention.registry import default_backend
-from framekv.engine.cache.reference import ExactWindowReference, visible_positions
+from framekv.engine.cache.reference import ExactWindowReference
 from framekv.engine.rollout import resolve_specs
 from framekv.ops import q_bound, qk_norm_rope_stage_
 
@@ -145,13 +144,7 @@ class PoolPair:
     def reference(self, b: int) -> torch.Tensor:
         """fp32 exact-window attention of the chunk's queries in blocks of ``b`` over
         the unquantized K/V: [T, H, D] on the caches' device."""
-        q = self.q
-        out = torch.empty(self.T, self.H, self.D, device=self.device)
-        for j in range(self.T // b):
-            pos = visible_positions(self.g, self.ref.committed, self.ref.committed + j * b, b)
-            k, v = (x.to(self.device) for x in self.ref.kv(0, pos))
-            out[j * b:(j + 1) * b] = attend_fp32(q[j * b:(j + 1) * b], k, v, self.D ** -0.5)
-        return out
+        return self.ref.attention(0, self.q, self.T, b, device=self.device)
 
     def shutdown(self) -> None:
         for cache in self.caches.values():

@@ -24,7 +24,6 @@ Per pool:
 """
 from __future__ import annotations
 
-import math
 
 import msgspec
 import torch
@@ -45,28 +44,6 @@ from .fp8_common import (
 def measured_layers(num_layers: int) -> list[int]:
     """The layers whose attention is checked: first, middle and last."""
     return sorted({0, num_layers // 2, num_layers - 1})
-
-
-def reference_attention(reference, layer: int, q: torch.Tensor, seq_len: int,
-                        block_size: int) -> torch.Tensor:
-    """`ExactWindowReference.attention` computed on ``q``'s device: fp32 [S, H, D] over
-    exactly V(j) of each block (the reference's K/V moved there one block at a time;
-    rows >= seq_len zero)."""
-    from framekv.engine.cache.reference import visible_positions
-
-    S, H, D = q.shape
-    out = torch.zeros(S, H, D, dtype=torch.float32, device=q.device)
-    qf = q.float()
-    for j in range(seq_len // block_size):
-        rows = slice(j * block_size, (j + 1) * block_size)
-        pos = visible_positions(reference.geometry, reference.committed,
-                                reference.committed + j * block_size, block_size)
-        k, v = (x.to(q.device) for x in reference.kv(layer, pos))       # [n, H_kv, D]
-        group = H // k.shape[1]
-        k, v = (x.repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))  # [H, n, D]
-        out[rows] = torch.nn.functional.scaled_dot_product_attention(
-            qf[rows].transpose(0, 1), k, v, scale=1.0 / math.sqrt(D)).transpose(0, 1)
-    return out
 
 
 class AttentionErrors:
@@ -91,7 +68,7 @@ class AttentionErrors:
         ref = self.reference
         ref.write(i, ref.committed, qkv[0, :seq_len, H:H + Hkv], qkv[0, :seq_len, H + Hkv:])
         if self.measure:
-            want = reference_attention(ref, i, qkv[0, :, :H], seq_len, block_size)
+            want = ref.attention(i, qkv[0, :, :H], seq_len, block_size, device=qkv.device)
             d = (out[0, :seq_len].float() - want[:seq_len]).abs()
             self.max = max(self.max, float(d.max()))
             self.total += float(d.sum())

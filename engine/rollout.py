@@ -33,7 +33,7 @@ from .cache_dir import build_counts, use_cache_dir
 from .kv import KVStore, PagedKV, ReferenceKV
 from .memory import check_fits, rollout_bytes
 from .model import CausalVideoDiT, DiTChunks, default_backend, model_dtype
-from .checks import check_choice
+from framekv.specs.checks import check_choice
 from .runner import ChunkRunner
 
 #: The names ``kv_dtype`` takes (also ``--kv-dtype``): "bf16" the model's own dtype (an

@@ -65,10 +65,11 @@ from typing import Protocol
 import torch
 
 from framekv.graphs import CaptureRequest, GraphCache, WarmupReport, chunk_key, owner_token, run_warmup
+from framekv.specs.checks import (check_batch_sizes, check_choice, check_count, check_finite,
+                                  check_flag, check_frames, check_guidance, check_prompt,
+                                  check_shape, check_timesteps)
 
 from .cache.sequences import check_rows
-from .checks import (check_batch_sizes, check_choice, check_count, check_finite, check_flag,
-                     check_frames, check_guidance, check_shape, check_timesteps)
 from .history import History, pieces
 from .kv import ForwardContext, KVStore, Recorder
 from .step import StepPlan, StepResult, chunk_noise, chunk_renoise
@@ -333,21 +334,10 @@ class ChunkRunner:
             self._reset_rows(list(dict.fromkeys(moved + again)))
 
     def _check_prompt(self, name: str, x) -> torch.Tensor:
-        """``x`` as [L, text_dim] if it is one (or [1, L, text_dim]) of the model's prompt
-        shape with finite values only, else a ValueError naming ``name``."""
+        """``x`` as [L, text_dim] of the model's prompt shape (`check_prompt`)."""
         want = self.prompt_shape
-        if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 1:
-            x = x[0]
-        D = self.chunk_model.text_dim
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != D:
-            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            L = "L" if want is None else want[0]
-            raise ValueError(f"{name} must be a [1, {L}, {D}] tensor (or [{L}, {D}]), got {got}")
-        if want is not None and x.shape[0] != want[0]:
-            raise ValueError(f"{name} must keep the prompt length of the first set_prompt "
-                             f"(or prompt_tokens): {want[0]} tokens, got {x.shape[0]}")
-        check_finite(name, x)
-        return x
+        return check_prompt(name, x, (None if want is None else want[0],
+                                      self.chunk_model.text_dim))
 
     def _require_prompt(self, rows) -> None:
         missing = [r for r in rows if self._prompts[r] is None]

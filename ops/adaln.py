@@ -70,7 +70,7 @@ from ._float import (check_float_dtype, load_f32, load_f32x4, quotient, reciproc
 from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, threads_holding,
                       use_kernel)
 from ._reduce import WARP, warps_total
-from ._validate import check_last_dim_contiguous, check_no_overlap, check_same_device, check_tensor
+from framekv.specs.checks import check_last_dim_contiguous, check_no_overlap, check_same_device, check_tensor
 
 __all__ = ["adaln_", "adaln_reference", "gated_residual_", "gated_residual_reference",
            "MAX_N"]

@@ -26,7 +26,7 @@ import torch
 from numba import cuda
 
 from ._launch import Kernel, array_arg, int_arg, use_kernel
-from ._validate import check_no_overlap, check_tensor
+from framekv.specs.checks import check_no_overlap, check_tensor
 
 __all__ = ["advance_commit_", "advance_commit_reference", "NUM_COUNTERS"]
 

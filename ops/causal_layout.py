@@ -45,7 +45,7 @@ from numba import cuda
 
 from . import _launch
 from ._launch import Kernel, array_arg, blocks_for, int_arg, use_kernel
-from ._validate import check_same_device, check_tensor
+from framekv.specs.checks import check_same_device, check_tensor
 from .advance_commit import check_counters, check_int, check_page_args
 
 __all__ = ["causal_layout_", "causal_layout_reference", "DESC_COLUMNS"]

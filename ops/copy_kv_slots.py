@@ -14,7 +14,7 @@ import torch
 from numba import cuda
 
 from ._launch import Kernel, array_arg, blocks_for, pick_word_size, threads_for, use_kernel
-from ._validate import check_index_list, check_pool_pair
+from framekv.specs.checks import check_index_list, check_pool_pair
 from ._words import load_word, store_word
 
 __all__ = ["copy_kv_slots_", "copy_kv_slots_reference"]

@@ -20,7 +20,7 @@ from numba import cuda
 
 from ._launch import (SIMULATOR, Kernel, array_arg, blocks_for, int_arg, pointer_arg,
                       threads_for, use_kernel)
-from ._validate import check_no_overlap, check_tensor
+from framekv.specs.checks import check_no_overlap, check_tensor
 
 __all__ = ["fill_pattern_", "fill_pattern_reference", "fill_node_params", "ELEMENT_SIZES"]
 

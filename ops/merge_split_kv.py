@@ -47,7 +47,7 @@ from numba import float32 as _f32
 
 from . import _launch
 from ._launch import Kernel, array_arg, blocks_for, int_arg, use_kernel
-from ._validate import check_last_dim_contiguous, check_no_overlap, check_same_device, check_tensor
+from framekv.specs.checks import check_last_dim_contiguous, check_no_overlap, check_same_device, check_tensor
 from ._words import load_word, store_word
 from .advance_commit import check_int
 

@@ -107,7 +107,7 @@ from ._float import (E4M3_MAX, FLOAT_DTYPES, FP8_DTYPE, f32_bits, load_f32, load
 from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, threads_holding,
                       use_kernel)
 from ._reduce import WARP, segment_total, warps_total
-from ._validate import check_last_dim_contiguous, check_no_overlap, check_tensor
+from framekv.specs.checks import check_last_dim_contiguous, check_no_overlap, check_tensor
 from .advance_commit import check_int
 from .scatter_kv_slots import _check_pools, _check_slots, scatter_kv_slots_reference
 

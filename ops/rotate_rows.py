@@ -17,7 +17,7 @@ import torch
 from numba import cuda
 
 from ._launch import Kernel, array_arg, blocks_for, int_arg, threads_for, use_kernel
-from ._validate import check_no_overlap, check_shift_tensor, check_tensor
+from framekv.specs.checks import check_no_overlap, check_shift_tensor, check_tensor
 
 __all__ = ["rotate_rows_", "rotate_rows_reference"]
 

@@ -21,7 +21,7 @@ from numba import cuda
 
 from ._launch import (Kernel, array_arg, blocks_for, int_arg, pick_word_size, threads_for,
                       use_kernel)
-from ._validate import (check_index_list, check_last_dim_contiguous, check_pool_pair,
+from framekv.specs.checks import (check_index_list, check_last_dim_contiguous, check_pool_pair,
                         check_same_device, check_tensor)
 from ._words import load_word, store_word
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ._validate import check_int, check_int_tuple, sorted_unique
+from .checks import check_int, check_int_tuple, sorted_unique
 
 
 class Geometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -5,7 +5,7 @@ from typing import Any
 
 import msgspec
 
-from ._validate import check_choice, check_int, check_int_tuple, check_power_of_two, check_str
+from .checks import check_choice, check_int, check_int_tuple, check_power_of_two, check_str
 
 #: Weight and K/V element types. The GPU path runs bf16/fp16; float32 exists for the
 #: CPU reference path and tests.
@@ -17,7 +17,7 @@ MAX_TOKENS_PER_PAGE = 1024
 
 def check_dtype(owner: str, value: Any) -> None:
     """Raise ValueError unless ``value`` names a supported dtype."""
-    check_choice(owner, "dtype", value, DTYPES)
+    check_choice(f"{owner}.dtype" if owner else "dtype", value, DTYPES)
 
 
 def check_head_dim(owner: str, value: Any) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ._validate import check_instance, check_str
+from .checks import check_instance, check_str
 from .geometry import Geometry
 from .model import ModelSpec
 from .rollout import RolloutSpec

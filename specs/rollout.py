@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ._validate import check_int
+from .checks import check_int
 from .geometry import Geometry
 
 

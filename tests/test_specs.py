@@ -143,7 +143,7 @@ def test_model_tokens_per_page_valid(tpp):
 
 @pytest.mark.parametrize("field, value, fragments", [
     ("head_dim", 12, ("ModelSpec.head_dim", "multiple of 8", "12")),
-    ("dtype", "int8", ("ModelSpec.dtype", "one of bfloat16, float16, float32", "'int8'")),
+    ("dtype", "int8", ("ModelSpec.dtype", "one of 'bfloat16', 'float16', 'float32'", "'int8'")),
     ("dtype", 16, ("ModelSpec.dtype", "one of", "16")),
     ("tokens_per_page", 48, ("ModelSpec.tokens_per_page", "power of two", "48")),
     ("tokens_per_page", 0, ("ModelSpec.tokens_per_page", ">= 1", "0")),

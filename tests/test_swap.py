@@ -176,7 +176,7 @@ def test_a_prompt_change_while_swapped_out_equals_the_same_change_resident(sched
         run_all(sched, [s, *others], got, steps=1)
     assert s.chunks < 4 and s.parked is not None
     assert sched.set_prompt(s.id, p2) == (1, s.chunks)
-    with pytest.raises(ValueError, match=r"prompt must be a \[6, 32\] tensor, got \[3\]"):
+    with pytest.raises(ValueError, match=r"prompt must be a \[1, 6, 32\] tensor \(or \[6, 32\]\), got \[3\]"):
         sched.set_prompt(s.id, torch.zeros(3))
     with pytest.raises(ValueError, match="finite values only"):
         sched.set_prompt(s.id, torch.full((P, dim), float("nan")))

@@ -120,7 +120,7 @@ class ExactWindowReference:
         return self._k[layer][idx], self._v[layer][idx]
 
     def attention(self, layer: int, q: torch.Tensor, seq_len: int, causal_block_size: int,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, device=None) -> torch.Tensor:
         """fp32 attention of a forward's queries over exactly V(j) for each block j.
 
         Args:
@@ -128,8 +128,10 @@ class ExactWindowReference:
             seq_len: real tokens, a multiple of ``causal_block_size``, at most S.
             causal_block_size: b; block j holds rows [j*b, (j+1)*b).
             scale: softmax scale, 1/sqrt(D) when None.
+            device: where it is computed (the recorded K/V moved there a block at a
+                time): the CPU by default, a GPU for large geometries.
         Returns:
-            fp32 [S, H, D]. Query head h reads kv head h // (H // H_kv) (GQA).
+            fp32 [S, H, D] on ``device``. Query head h reads kv head h // (H // H_kv) (GQA).
         """
         b = causal_block_size
         if q.dim() != 3:
@@ -139,11 +141,12 @@ class ExactWindowReference:
             raise ValueError(f"seq_len must be a multiple of causal_block_size={b} in "
                              f"[0, {S}], got {seq_len}")
         scale = 1.0 / math.sqrt(D) if scale is None else scale
-        out = torch.zeros(S, H, D, dtype=torch.float32)
-        qf = q.detach().to("cpu", torch.float32)
+        device = torch.device("cpu" if device is None else device)
+        out = torch.zeros(S, H, D, dtype=torch.float32, device=device)
+        qf = q.detach().to(device, torch.float32)
         for j in range(seq_len // b):
             pos = visible_positions(self.geometry, self.committed, self.committed + j * b, b)
-            k, v = self.kv(layer, pos)                                 # [n, H_kv, D]
+            k, v = (x.to(device) for x in self.kv(layer, pos))          # [n, H_kv, D]
             if k.shape[2] != D or H % k.shape[1]:
                 raise ValueError(f"q heads {H} / head_dim {D} do not fit k/v "
                                  f"{tuple(k.shape[1:])}")

@@ -45,7 +45,8 @@ import time
 
 import torch
 
-from ..checks import check_prompt
+from framekv.specs.checks import check_prompt
+
 from ..rollout import Rollout
 from ..runner import ChunkRunner
 from .records import (EndedSessions, Histogram, LoopStopped, PromptChange, SchedulerFull,

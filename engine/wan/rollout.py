@@ -31,7 +31,7 @@ from ..attention.registry import default_backend
 from ..cache import CausalKVCache
 from ..cache_dir import use_cache_dir
 from ..kv import KVStore, PagedKV
-from ..checks import check_choice, check_count
+from framekv.specs.checks import check_choice, check_count
 from ..rollout import check_store_dtype, resolve_kv_dtype
 from ..runner import CLEAN_BLOCKS, SAMPLERS, ChunkRunner
 from .model import WanChunks

@@ -29,7 +29,7 @@ import torch
 
 from framekv.graphs import GraphCache, owner_token
 
-from ..checks import check_count, check_flag
+from framekv.specs.checks import check_count, check_flag
 from .vae_graph import STAGES, CacheArena, CacheLayout, chunk_program, graph_key
 
 __all__ = ["VAE_CONFIGS", "StreamingVAEDecoder", "build_vae", "load_vae"]
