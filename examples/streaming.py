@@ -26,6 +26,7 @@ loop.start()                                                 # the GPU loop
 sessions = [sched.open_session(seed=seed, chunks=3) for seed in (1, 2, 3)]
 for s in sessions:
     while (chunk := sched.next_chunk(s.id, timeout=60)) is not None:
+        sched.ack(s.id, chunk.index)                     # ours now: the stream may go on
         C, F, H, W = chunk.latents.shape
         print(f"session {s.seed}: chunk {chunk.index}, frames {chunk.frame0}..{chunk.frame0 + F - 1}"
               f" of {C}x{H}x{W}, batch of {chunk.batch}")
