@@ -90,6 +90,7 @@ class ChunkModel(Protocol):
     prompt_shape: tuple[int, int] | None      # (L, text_dim) of one prompt (None: L unknown)
     text_dim: int                             # a prompt token's width
     keeps_history: bool                       # finished frames' K/V depend on the prompt
+    prompt_in_store: bool                     # its K/V are the store's (a snapshot's); default False
     timestep_scale: float                     # the model timestep at sigma = 1
     attention: torch.nn.Module                # a layer's CachedAttention (every layer plans alike)
 
@@ -597,9 +598,9 @@ class ChunkRunner:
         for sw in plan.swap_outs:
             t0 = time.perf_counter()
             try:
-                state = self.snapshot(sw.slot)
-                state.synchronize()         # the slot is written next: a whole host copy
-                res.parked[sw.stream] = state
+                # Its copy runs on a side stream; whatever writes the slot next (the swap
+                # in) waits for it on the device (the cache's fence), the host does not.
+                res.parked[sw.stream] = self.snapshot(sw.slot)
             except Exception as exc:
                 res.failed[sw.stream] = f"swapping the session out failed: {_why(exc)}"
             res.swap_seconds[sw.stream] = time.perf_counter() - t0
@@ -759,10 +760,12 @@ class ChunkRunner:
         cache = self._paged_cache()
         for r, snap, prompt in zip(rows, state.sequences, state.prompts):
             self._use([r])
-            self.chunk_model.write_prompt(self.kv, (r,), prompt, rewrite=False)
+            # A prompt that lives in the store is in the snapshot's K/V: the import
+            # brings it, no prompt forward. One that lives in the model (Wan's
+            # cross-attention K/V) is recomputed from the embeddings.
+            if not getattr(self.chunk_model, "prompt_in_store", False):
+                self.chunk_model.write_prompt(self.kv, (r,), prompt, rewrite=False)
             self._prompts[r] = prompt
-            # A model whose prompt lives in the store wrote it there; the snapshot holds
-            # it too, so the row goes back to 0 and the import needs no write-back copy.
             cache.reset_sequences([r])
             cache.import_sequence(r, snap)
             if self.history is not None:

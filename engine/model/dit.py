@@ -208,6 +208,7 @@ class DiTChunks:
     """
 
     keeps_history = False  # a prompt change rewrites the prefix; the window's K/V stay
+    prompt_in_store = True  # the pinned prefix: a sequence's snapshot carries it
     timestep_scale = 1.0   # the sampler's sigma is the model's t
 
     def __init__(self, model: CausalVideoDiT, glue: str):

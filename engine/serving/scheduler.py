@@ -95,7 +95,7 @@ class StreamScheduler(Steps, Moves):
         sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(S))))
         if sizes[-1] < S or sizes[0] < 1:
             raise ValueError(f"batch_sizes must reach slots={S}, got {sizes}")
-        scratch = max(min(b for b in sizes if b >= k) - k for k in range(1, S + 1))
+        scratch = _scratch_rows(sizes, S)
         self.max_sessions, self.slots, self.queue_chunks = max_sessions, S, queue_chunks
         self.swap_quantum, self.batch_sizes, self.checkpoints = swap_quantum, sizes, checkpoints
         make = runner_factory or functools.partial(
@@ -380,6 +380,25 @@ class StreamScheduler(Steps, Moves):
                 self.decoder.close()
 
 
+#: streams one scheduler holds at most: its records, slots and batch sizes stay small
+#: host state (`framekv serve --max-sessions` refuses more at parse time)
+MAX_SESSIONS = 4096
+
+
+def _scratch_rows(sizes: tuple[int, ...], slots: int) -> int:
+    """The scratch rows a batch of 1 to ``slots`` streams may need: the most that the
+    smallest captured size of ``sizes`` (ascending) at or above its count pads it with.
+    Between two sizes a < b the widest padding is the batch of a + 1, so one pass over
+    the sizes (not over every batch) finds it."""
+    scratch, below = 0, 0
+    for b in sizes:
+        scratch = max(scratch, b - below - 1)
+        if b >= slots:
+            break
+        below = b
+    return scratch
+
+
 def _check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum, kv_dtype,
                 runner_factory, decoder_factory) -> int:
     """The slots S once every argument is valid; else a ValueError naming it."""
@@ -387,6 +406,9 @@ def _check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum, 
                     ("ended_records", ended_records), ("swap_quantum", swap_quantum)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if max_sessions > MAX_SESSIONS:
+        raise ValueError(f"max_sessions must be an integer in [1, {MAX_SESSIONS}], got "
+                         f"{max_sessions}")
     if kv_dtype is not None and runner_factory is not None:
         raise ValueError(f"kv_dtype is the preset's Rollout's: with a runner_factory, "
                          f"set it in the factory, got kv_dtype={kv_dtype!r}")

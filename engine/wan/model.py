@@ -44,6 +44,7 @@ class WanChunks:
     """
 
     keeps_history = True
+    prompt_in_store = False  # cross-attention K/V in the model, recomputed at a restore
     timestep_scale = 1000.0
 
     def __init__(self, model, shape: WanShape, *, glue: str, backend, sequences: int,
