@@ -117,25 +117,30 @@ def _consume(sched, sid: str, stop: threading.Event, got: list) -> None:
     while not stop.is_set():
         chunk = sched.next_chunk(sid, timeout=0.5)
         if chunk is not None:
+            sched.ack(sid, chunk.index)     # a client that keeps up: its queue never fills
             got.append(time.perf_counter())
 
 
 def measure_swap(preset: str = "small-stream", *, sessions: int = 16, slots: int = 8,
-                 seconds: float = 30.0, warmup: float = 10.0, progress=print) -> dict:
+                 seconds: float = 30.0, warmup: float = 10.0, device: str = "cuda",
+                 progress=print) -> dict:
     """``sessions`` over ``slots`` against ``slots`` resident (module doc)."""
     out = {}
     for name, n in (("resident", slots), ("swapped", sessions)):
-        out[name] = _serve(preset, n, slots, seconds, warmup, progress)
+        out[name] = _serve(preset, n, slots, seconds, warmup, device, progress)
+        if out[name]["frames_per_second"] <= 0:
+            raise RuntimeError(f"swap {preset}: {name} made no frames in {seconds} s")
     out["swapped_vs_resident"] = (out["swapped"]["frames_per_second"]
                                   / out["resident"]["frames_per_second"])
     return {"preset": preset, "sessions": sessions, "slots": slots, **out}
 
 
-def _serve(preset, n: int, slots: int, seconds: float, warmup: float, progress) -> dict:
+def _serve(preset, n: int, slots: int, seconds: float, warmup: float, device: str,
+           progress) -> dict:
     from framekv.engine.serving import StreamScheduler
 
     progress(f"swap {preset}: {n} sessions over {slots} slots, capturing")
-    sched = StreamScheduler(preset, max_sessions=n, slots=slots, device="cuda")
+    sched = StreamScheduler(preset, max_sessions=n, slots=slots, device=device)
     captures0 = sched.metrics()["graph_captures"]
     ids = [sched.open_session(seed=i).id for i in range(n)]
     stop, got = threading.Event(), [[] for _ in ids]
@@ -162,7 +167,8 @@ def _serve(preset, n: int, slots: int, seconds: float, warmup: float, progress) 
         if isinstance(m1.get(key), (int, float)):
             res[key] = m1[key] - m0.get(key, 0)
     sched.close()
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return res
 
 
