@@ -163,12 +163,14 @@ class SessionState:
         return json.dumps({"type": "ack", "index": chunk.index})
 
     def _take(self, msg) -> None:
-        """File one socket message: a chunk to ``pending`` (one at or below ``last``,
-        sent again after a reconnect, is dropped), the end to ``end``, an ack (or an
-        error, which answers the control message before it) to the acks."""
+        """File one socket message: a chunk to ``pending`` (one at or below the newest
+        streamed or pending, sent again after a reconnect, is dropped), the end to
+        ``end``, an ack (or an error, which answers the control message before it) to
+        the acks."""
         if isinstance(msg, bytes):
             chunk = decode_chunk(msg)
-            if self.last is None or chunk.index > self.last:
+            newest = self.pending[-1].index if self.pending else self.last
+            if newest is None or chunk.index > newest:
                 self.pending.append(chunk)
             return
         m = json.loads(msg)

@@ -193,3 +193,19 @@ def test_the_client_example_streams_from_its_own_server():
     applies = int(ack.rsplit(" ", 1)[1])
     versions = [ln.endswith("version 1") for ln in lines if ln.startswith("session 1: chunk")]
     assert versions == [i >= applies for i in range(6)]
+
+
+def test_chunks_sent_again_after_a_reconnect_come_once():
+    """Chunks received but not yet streamed when a socket drops come again on the new
+    one: each index reaches the caller once, in order."""
+    from framekv.client.wire import SessionState
+
+    msg = lambda i: chunk_frame(SessionChunk(i, 2 * i, torch.zeros(1, 2, 2, 2), 0.1, 2, 0, 2))  # noqa: E731
+    st = SessionState(None, "s", resume=False, after=0)
+    for i in (1, 2):
+        st._take(msg(i))
+    for i in (1, 2, 3):                                    # the new socket's resend
+        st._take(msg(i))
+    assert [c.index for c in st.pending] == [1, 2, 3]
+    st._take(msg(0))                                       # at or below the last streamed
+    assert [c.index for c in st.pending] == [1, 2, 3]

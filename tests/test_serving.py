@@ -120,6 +120,25 @@ def test_a_client_that_stops_acknowledging_stops_its_stream(pair):
         a.ack(s.id, "3")
 
 
+def test_a_replaced_reader_takes_nothing(pair):
+    """A dropped socket's reader still waiting when the client's new socket rewinds:
+    the chunk made next goes to the new reader only (none is lost between them)."""
+    a, _ = pair
+    _clear(a)
+    s = a.open_session(seed=6)
+    old = a.rewind(s.id)
+    took = []
+    waiting = threading.Thread(target=lambda: took.append(a.next_chunk(s.id, 5, reader=old)))
+    waiting.start()
+    new = a.rewind(s.id)                             # the reconnect, before the chunk
+    assert new != old
+    a.step()
+    waiting.join()
+    assert took == [None], "the replaced reader took a chunk"
+    assert a.next_chunk(s.id, 0, reader=new).index == 0
+    assert a.next_chunk(s.id, 0, reader=old) is None
+
+
 def test_no_reader_waits_on_a_step(pair, monkeypatch):
     """A step whose chunk takes 0.5 s: session_info, metrics, set_prompt, pause and ack
     answer at once meanwhile (the lock is held for host work only)."""

@@ -151,21 +151,29 @@ class Moves:
             except Exception:
                 log.exception("taking the checkpoint of stream %s failed", sid)
 
-    def next_chunk(self, session_id: str, timeout: float | None = None) -> SessionChunk | None:
+    def next_chunk(self, session_id: str, timeout: float | None = None, *,
+                   reader: int | None = None) -> SessionChunk | None:
         """The stream's oldest chunk not yet handed out (it stays queued until `ack`),
         waiting up to ``timeout`` seconds for one; None when none came (then see the
-        stream's state) or the stream is gone."""
+        stream's state), the stream is gone, or ``reader`` (what `rewind` returned) is
+        no longer its reader: a socket that was replaced takes nothing, so no chunk
+        goes to a dead socket while its successor skips it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.ready:
             s = self.sessions.get(session_id)
             if s is None:
                 return None
-            while s.sent >= len(s.queue) and not s.finished and self.sessions.get(session_id) is s:
+
+            def gone() -> bool:
+                return self.sessions.get(session_id) is not s or (
+                    reader is not None and reader != s.reader)
+
+            while s.sent >= len(s.queue) and not s.finished and not gone():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
                 self.ready.wait(left)
-            if s.sent >= len(s.queue) or self.sessions.get(session_id) is not s:
+            if s.sent >= len(s.queue) or gone():
                 return None
             s.sent += 1
             return s.queue[s.sent - 1]
@@ -188,11 +196,15 @@ class Moves:
             self.ready.notify_all()
             return n
 
-    def rewind(self, session_id: str, after: int | None = None) -> None:
+    def rewind(self, session_id: str, after: int | None = None) -> int:
         """A client (re)connects: every unacknowledged chunk is sent again, after those
-        up to ``after`` (the last index it has) are acknowledged."""
+        up to ``after`` (the last index it has) are acknowledged. Returns the new
+        reader's number for `next_chunk` (any reader before it takes no more)."""
         if after is not None:
             self.ack(session_id, after)
         with self.lock:
-            self.sessions[session_id].sent = 0
+            s = self.sessions[session_id]
+            s.sent = 0
+            s.reader += 1
             self.ready.notify_all()
+            return s.reader

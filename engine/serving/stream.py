@@ -40,10 +40,12 @@ class Stream:
     "failed" (``error`` says why) or "closed". ``waiting_since``: when it last became
     ready for a chunk (None while it is not). ``acked``: the last chunk index its client
     acknowledged (-1: none), every one before it acknowledged too; a chunk made again
-    at or below it (a stream resumed from a checkpoint) is not sent again. ``last_stepped``: the scheduler's step count when it last made a chunk
-    or took its slot (which resident stream gives its slot up first: the least recent);
-    ``slot_since``: the step count when it took its slot (its swap quantum runs from
-    it)."""
+    at or below it (a stream resumed from a checkpoint) is not sent again. ``sent``: how
+    many queued chunks the current reader took; ``reader``: which connection reads its
+    chunks (`rewind` makes a new one; those before it take none). ``last_stepped``: the
+    scheduler's step count when it last made a chunk or took its slot (which resident
+    stream gives its slot up first: the least recent); ``slot_since``: the step count
+    when it took its slot (its swap quantum runs from it)."""
 
     id: str
     seed: int
@@ -60,6 +62,7 @@ class Stream:
     decoder: dict | None = None
     queue: collections.deque = field(default_factory=collections.deque)
     sent: int = 0
+    reader: int = 0
     acked: int = -1
     paused: bool = False
     state: str = "active"

@@ -21,6 +21,7 @@ sessions over a restart), "deleted" or "idle" when it was closed under the socke
 """
 import asyncio
 import contextlib
+import functools
 import json
 
 from .wire import PROMPT_KEYS, RequestError, json_body, parse_prompt
@@ -38,9 +39,11 @@ async def serve_socket(ws, sched, sid: str, encode, draining, *, after: int | No
     socket closes (1001). The session stays open when the socket goes (module doc)."""
     from fastapi import WebSocketDisconnect
 
-    with contextlib.suppress(KeyError):
-        sched.rewind(sid, after)
-    tasks = [asyncio.create_task(_send(ws, sched, sid, encode, draining, keep_on_drain)),
+    try:
+        reader = sched.rewind(sid, after)
+    except KeyError:
+        reader = None
+    tasks = [asyncio.create_task(_send(ws, sched, sid, encode, draining, keep_on_drain, reader)),
              asyncio.create_task(_receive(ws, sched, sid))]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -71,15 +74,20 @@ def _end(sched, sid: str, reason: str | None = None, kept: bool = False) -> str:
     return json.dumps(end)
 
 
-async def _send(ws, sched, sid: str, encode, draining, kept: bool) -> None:
+async def _send(ws, sched, sid: str, encode, draining, kept: bool, reader) -> None:
+    # ``reader``: a worker thread still waiting in next_chunk after this socket closed
+    # takes nothing once a new socket rewound the session.
+    take = functools.partial(sched.next_chunk, sid, reader=reader)
     while not draining.is_set():
-        chunk = await asyncio.to_thread(sched.next_chunk, sid, 0.25)
+        chunk = await asyncio.to_thread(take, 0.25)
         if chunk is not None:
             await ws.send_bytes(await asyncio.to_thread(encode, chunk))
             continue
         s = sched.sessions.get(sid)
         if s is None:                                       # closed under the socket
             return await ws.send_text(_end(sched, sid))
+        if reader is not None and s.reader != reader:       # another socket reads it now
+            return None
         if s.finished and s.sent >= len(s.queue):
             if s.queue:                                     # sent, not yet acknowledged
                 await asyncio.sleep(0.02)
@@ -89,7 +97,7 @@ async def _send(ws, sched, sid: str, encode, draining, kept: bool) -> None:
                 await asyncio.to_thread(sched.close_session, sid, s.state)
             return await ws.send_text(end)
     # The scheduler is held: no chunk comes after those queued.
-    while (chunk := await asyncio.to_thread(sched.next_chunk, sid, 0)) is not None:
+    while (chunk := await asyncio.to_thread(take, 0)) is not None:
         await ws.send_bytes(await asyncio.to_thread(encode, chunk))
     await ws.send_text(_end(sched, sid, "shutdown", kept))
 
