@@ -7,7 +7,8 @@ A preset ``wan-diffusers:CONFIG[:PRESET]`` serves diffusers' Wan transformer ins
 (``framekv serve --model wan-diffusers --config CONFIG [--preset PRESET] --output
 latents``, random weights).
 
-Starts ``framekv serve`` as its own process on 127.0.0.1 (every graph captured before
+Starts ``framekv serve PRESET --output latents`` (the stream, not its preview pictures)
+as its own process on 127.0.0.1 (every graph captured before
 its socket opens: /health answers once it serves), opens the sessions, and lets one
 client thread per session read and acknowledge its chunks for ``--seconds``. Reports
 the aggregate latent frames/s received, p50/p99 of the batched step time of each chunk
@@ -52,7 +53,7 @@ def server_command(preset: str, sessions: int, port: int, device=None) -> list[s
         cmd += ["--model", "wan-diffusers", "--config", config, "--output", "latents"]
         cmd += ["--preset", sizes[0]] if sizes else []
     else:
-        cmd += [preset]
+        cmd += [preset, "--output", "latents"]      # the stream, not its preview pictures
     cmd += ["--max-sessions", str(sessions), "--host", "127.0.0.1", "--port", str(port),
             "--session-idle-timeout", "3600"]
     return cmd + (["--device", str(device)] if device is not None else [])

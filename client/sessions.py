@@ -81,11 +81,14 @@ class Session(SessionState):
     def stream(self, timeout: float | None = None):
         """Yield each chunk (`Chunk`) as it comes, until the end message (``end``);
         ``timeout``: seconds to wait for one message (TimeoutError past it)."""
+        from websockets.exceptions import ConnectionClosed
+
         self.connect()
         while True:
             while self.pending:
                 chunk = self.pending.popleft()
-                self._ws.send(self._handed(chunk))   # ours now: the server may make more
+                with contextlib.suppress(ConnectionClosed):   # a drain closed it: the
+                    self._ws.send(self._handed(chunk))        # chunk is ours all the same
                 yield chunk
             if self.end is not None:
                 return
@@ -208,11 +211,14 @@ class AsyncSession(SessionState):
             raise self._closed(exc) from None
 
     async def stream(self, timeout: float | None = None):
+        from websockets.exceptions import ConnectionClosed
+
         await self.connect()
         while True:
             while self.pending:
                 chunk = self.pending.popleft()
-                await self._ws.send(self._handed(chunk))
+                with contextlib.suppress(ConnectionClosed):   # as the blocking client's
+                    await self._ws.send(self._handed(chunk))
                 yield chunk
             if self.end is not None:
                 return

@@ -244,9 +244,12 @@ def test_bad_app_options_are_named(kwargs, match):
         build_app(latents_only, **kwargs)
 
 
-def test_frames_of_the_reference_model_are_a_clear_startup_error(capsys):
-    from framekv.tools.cli import main
+def test_the_reference_model_streams_frames_unless_latents_are_asked_for():
+    """It has no VAE: its frames are pictures of its latents (`LatentPreview`; served in
+    tests/test_serve_defects.py)."""
+    from framekv.tools.cli import build_parser
+    from framekv.tools.serve.command import output_of
 
-    assert main(["serve", "--output", "frames"]) == 2
-    err = capsys.readouterr().err
-    assert "--output frames needs --model wan-diffusers" in err and "--output latents" in err
+    for argv, output in ((["serve"], "frames"), (["serve", "--output", "frames"], "frames"),
+                         (["serve", "--output", "latents"], "latents")):
+        assert output_of(build_parser().parse_args(argv)) == output, argv

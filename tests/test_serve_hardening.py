@@ -362,6 +362,28 @@ def test_shutdown_sends_the_queued_chunks_and_an_end_with_its_reason():
     assert exc.value.rcvd.code == 1001
 
 
+def test_the_client_streams_every_queued_chunk_through_a_drain():
+    """The server drains while a `framekv.client` session streams slowly: every chunk
+    it sent comes out of ``stream`` in order, then the end (its acks may meet a socket
+    the server closed already)."""
+    import framekv.client.sessions as fc
+
+    sched = StreamScheduler("tiny", max_sessions=1, device="cpu", use_graphs=False,
+                            queue_chunks=3)
+    with serving(sched) as (srv, port):
+        with fc.Client(f"http://127.0.0.1:{port}") as client:
+            s = client.create(seed=5)
+            got = []
+            for chunk in s.stream(timeout=30):
+                got.append(chunk.index)
+                if len(got) == 1:
+                    time.sleep(0.5)                          # chunks pile up meanwhile
+                    srv.should_exit = True
+                time.sleep(0.05)                             # a slow reader
+    assert got == list(range(len(got))) and len(got) >= 2, got
+    assert s.end["reason"] == "shutdown", s.end
+
+
 def test_sigterm_ends_a_stream_with_its_queued_chunks_and_a_shutdown_end():
     """``framekv serve --preset tiny`` as its own process, SIGTERM mid-stream."""
     with socket.socket() as s:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
+import urllib.parse
 
 
 def positive_int(text: str) -> int:
@@ -25,6 +27,22 @@ def _int_at_least(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
     return value
+
+
+def int_in(low: int, high: int):
+    """An argument type: an integer in [low, high] (a port, a frame rate, a bound that a
+    larger value would only fail later, after the model is built)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got "
+                                             f"{text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got "
+                                             f"{value}")
+        return value
+    return parse
 
 
 def tolerance(text: str) -> float:
@@ -72,7 +90,50 @@ def writable_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+    refusal = None if os.path.exists(path) else creation_refused(folder)
+    if refusal is not None:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {refusal}")
     return text
+
+
+def creation_refused(folder: str) -> str | None:
+    """Why no file can be made in ``folder``, or None when one can. access(2) answers
+    yes for root everywhere and for folders of filesystems that take no new files
+    (sysfs, procfs), so a file is made there and removed."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".framekv-probe-", dir=folder)
+    except OSError as exc:
+        return f"folder {folder!r} takes no new files ({exc.strerror or exc})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+#: a browser origin: http(s), a host, a port perhaps, nothing after
+_ORIGIN_FORM = "scheme://host[:port] with scheme http or https (e.g. https://app.example.com)"
+
+
+def origins(text: str) -> tuple[str, ...]:
+    """``--allowed-origins``: comma-separated browser origins, each
+    ``http(s)://host[:port]`` (lower-cased, a trailing slash dropped), or ``*`` for any."""
+    found = []
+    for item in text.split(","):
+        origin = item.strip().lower().removesuffix("/")
+        if origin != "*" and not _is_origin(origin):
+            raise argparse.ArgumentTypeError(f"must be comma-separated origins, each "
+                                             f"{_ORIGIN_FORM} or *, got {item.strip()!r}")
+        found.append(origin)
+    return tuple(dict.fromkeys(found))
+
+
+def _is_origin(text: str) -> bool:
+    try:
+        parts = urllib.parse.urlsplit(text)
+        _ = parts.port                       # a port out of range raises ValueError
+    except ValueError:
+        return False
+    return (parts.scheme in ("http", "https") and bool(parts.hostname) and "@" not in text
+            and text == f"{parts.scheme}://{parts.netloc}")
 
 
 #: ``--kv-dtype`` values: "bf16" the model's own dtype (an unquantized pool, as without
@@ -87,3 +148,10 @@ def add_kv_dtype_argument(p: argparse.ArgumentParser, choices: tuple[str, ...] =
     p.add_argument("--kv-dtype", choices=choices, default="bf16",
                    help="the K/V cache's pool: bf16 (the model's dtype, default) or fp8 "
                         "(float8 e4m3, per-head scales; half the bytes)" + extra)
+
+
+def kv_dtype_of(args) -> str | None:
+    """The ``kv_dtype`` of the rollout ``--kv-dtype`` names: None (the model's dtype)
+    for bf16, "fp8" for fp8."""
+    value = getattr(args, "kv_dtype", "bf16")
+    return None if value == "bf16" else value

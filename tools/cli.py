@@ -19,19 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from . import bench, generate, serve
 from .args import (add_kv_dtype_argument, nonnegative_int, positive_int, tolerance,
                    writable_file)
-from .conventions import add_backend_argument, add_preset_arguments, preset_help, version_line
+from .conventions import (PresetError, add_backend_argument, add_preset_arguments,
+                          load_preset_arg, preset_help, version_line)
 
 CPU_NOTE = "cpu: graphs run eagerly; nothing is captured"
-
-
-class PresetError(ValueError):
-    """PRESET names neither a readable preset file nor a shipped preset."""
 
 
 def _cmd_info(args) -> int:
@@ -96,33 +92,6 @@ def _rollout_args(p: argparse.ArgumentParser, note: str) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     add_backend_argument(p, "cudnn on CUDA, reference on CPU")
     add_kv_dtype_argument(p)
-
-
-def load_preset_arg(name: str):
-    """The `Preset` PRESET names (a file path or a shipped preset's name).
-
-    Raises `PresetError` saying what PRESET was taken for and why it failed.
-    """
-    from framekv import specs
-
-    if not _is_path(name):
-        try:
-            return specs.load_preset(name)
-        except ValueError as exc:
-            raise PresetError(f"PRESET must be a preset name or a .toml/.json preset file: "
-                              f"{exc}") from exc
-    try:
-        return specs.load(name, specs.Preset)
-    except FileNotFoundError as exc:
-        raise PresetError(f"preset file not found: {name}") from exc
-    except ValueError as exc:
-        raise PresetError(f"not a preset file: {exc}") from exc
-
-
-def _is_path(name: str) -> bool:
-    # Preset names may hold dots ("wan-1.3b"): only a spec suffix or a separator makes
-    # PRESET a path (the rule `framekv.specs.load_preset` uses).
-    return name.lower().endswith((".toml", ".json")) or "/" in name or os.sep in name
 
 
 def _cmd_warmup(args: argparse.Namespace) -> int:

@@ -11,11 +11,16 @@ or bench section shows up in every help without an edit here: the shipped preset
 (`framekv.engine.attention.BACKENDS`, read only when a help is printed or a
 ``--backend`` value checked: importing the engine imports torch) and the bench sections
 (`framekv.tools.bench.SECTIONS`).
+
+A command whose options are all checked before it builds anything (serve, generate)
+reports a bad one in one line, ``framekv COMMAND: error: ...``, with exit status 2
+(`one_line_errors`).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 from collections.abc import Callable, Sequence
 
 #: The namespace attribute that remembers which of PRESET / --preset set the preset.
@@ -41,6 +46,50 @@ def preset_help(note: str | None = None) -> str:
     default, say) in parentheses."""
     text = f"a preset: {', '.join(preset_names())}, or a .toml/.json preset file"
     return text + (f" ({note})" if note else "")
+
+
+class PresetError(ValueError):
+    """PRESET names neither a readable preset file nor a shipped preset."""
+
+
+def load_preset_arg(name: str):
+    """The `Preset` PRESET names (a file path or a shipped preset's name).
+
+    Raises `PresetError` saying what PRESET was taken for and why it failed.
+    """
+    from framekv import specs
+
+    if not _is_path(name):
+        try:
+            return specs.load_preset(name)
+        except ValueError as exc:
+            raise PresetError(f"PRESET must be a preset name or a .toml/.json preset file: "
+                              f"{exc}") from exc
+    try:
+        return specs.load(name, specs.Preset)
+    except FileNotFoundError as exc:
+        raise PresetError(f"PRESET: preset file not found: {name}") from exc
+    except ValueError as exc:
+        raise PresetError(f"PRESET: not a preset file: {exc}") from exc
+    except OSError as exc:                   # a folder, no permission
+        raise PresetError(f"PRESET: cannot read the preset file {name}: "
+                          f"{exc.strerror or exc}") from exc
+
+
+def _is_path(name: str) -> bool:
+    # Preset names may hold dots ("wan-1.3b"): only a spec suffix or a separator makes
+    # PRESET a path (the rule `framekv.specs.load_preset` uses).
+    return name.lower().endswith((".toml", ".json")) or "/" in name or os.sep in name
+
+
+def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``p`` with its usage errors as one line on stderr, ``PROG: error: MESSAGE`` (the
+    option, what it takes, what it got), exit status 2: no usage block, so a script or
+    a log sees exactly the reason. ``PROG --help`` still prints the usage."""
+    def error(message: str):
+        p.exit(2, f"{p.prog}: error: {' '.join(message.split())}\n")
+    p.error = error
+    return p
 
 
 class RegistryNames(Sequence):

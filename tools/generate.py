@@ -28,7 +28,8 @@ would; random weights are always those of seed 0, so that the same config is the
 model.
 
 Progress goes to stderr, the summary line to stdout. A bad argument, missing weights
-or an unwritable ``--out`` exit 2 before any work, a failure during the run exits 1;
+or an ``--out`` whose folder takes no new file exit 2 before any work, with one line
+on stderr; a failure during the run exits 1;
 either way nothing is left at ``--out`` (`MP4Writer` renames its file there only
 after a clean finish).
 """
@@ -42,7 +43,7 @@ import sys
 import time
 
 from .args import nonnegative_int, positive_int, writable_file
-from .conventions import add_preset_arguments
+from .conventions import add_preset_arguments, one_line_errors
 from .video import DEFAULT_CRF, check_mp4_path
 
 CONFIGS = ("tiny", "1.3b")
@@ -220,8 +221,9 @@ def positive_number(text: str) -> float:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("generate", help="a text prompt in, an H.264 MP4 out",
-                              description=__doc__.split("\n\n")[0])
+    p = one_line_errors(subparsers.add_parser("generate",
+                                              help="a text prompt in, an H.264 MP4 out",
+                                              description=__doc__.split("\n\n")[0]))
     source = p.add_mutually_exclusive_group()
     # default None: argparse sees a value equal to the default as absent, so "--config
     # tiny --weights DIR" would pass the exclusive group.

@@ -19,6 +19,8 @@ import secrets
 import weakref
 from fractions import Fraction
 
+from .args import creation_refused
+
 #: x264's constant rate factor by default: 0 is lossless, 51 the worst; 18 is close to
 #: visually lossless.
 DEFAULT_CRF = 18
@@ -27,7 +29,8 @@ IMAGE_FORMATS = {"jpeg": "JPEG", "webp": "WEBP"}
 
 def check_mp4_path(path) -> str:
     """The absolute path of an MP4 this process may write: it ends in ``.mp4``, its
-    folder exists and is writable, it is not a folder. ValueError saying which fails."""
+    folder exists and takes new files, it is not a folder. ValueError saying which
+    fails."""
     text = os.fspath(path)
     full = os.path.abspath(text)
     folder = os.path.dirname(full)
@@ -39,6 +42,9 @@ def check_mp4_path(path) -> str:
         raise ValueError(f"cannot write {text!r}: folder {folder!r} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write {text!r}: folder {folder!r} is not writable")
+    refusal = creation_refused(folder)       # the video is made there under a temporary name
+    if refusal is not None:
+        raise ValueError(f"cannot write {text!r}: {refusal}")
     return full
 
 

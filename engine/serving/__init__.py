@@ -2,7 +2,8 @@
 
 ``stream.py`` the record of one stream (`Stream`); ``scheduler.py`` the scheduler that
 steps them (`StreamScheduler`), ``steps.py`` its plan, run and commit; ``slots.py`` the
-slots and which stream gives one up; ``state_files.py`` a stream as one `StreamState`
+slots and which stream gives one up; ``sizes.py`` how many streams, slots, batch sizes
+and scratch rows; ``state_files.py`` a stream as one `StreamState`
 and folders of them; ``checkpoint.py`` streams written as they go; ``records.py`` the
 chunks, prompt changes and counters handed out; ``moves.py`` chunks and streams in and
 out; ``frames.py`` decoded frames as pixels; ``preview.py`` a picture of latents for a
@@ -12,12 +13,12 @@ and the runner is `framekv.engine.step`; the chunk message `framekv.specs.wire`.
 from .checkpoint import Checkpoints
 from .frames import to_uint8
 from .preview import LatentPreview
-from .records import (LATENCY_BUCKETS, EndedSessions, Histogram, PromptChange,
-                      SessionChunk, default_batch_sizes)
+from .records import LATENCY_BUCKETS, EndedSessions, Histogram, PromptChange, SessionChunk
 from .scheduler import LoopStopped, SchedulerFull, StreamScheduler
+from .sizes import default_batch_sizes
 from .slots import SlotPool, pick_victim
 from .stream import Stream
 
-__all__ = ["Checkpoints", "EndedSessions", "Histogram", "LATENCY_BUCKETS", "LatentPreview", "LoopStopped",
-           "PromptChange", "SchedulerFull", "SessionChunk", "SlotPool", "Stream",
+__all__ = ["Checkpoints", "EndedSessions", "Histogram", "LATENCY_BUCKETS", "LatentPreview",
+           "LoopStopped", "PromptChange", "SchedulerFull", "SessionChunk", "SlotPool", "Stream",
            "StreamScheduler", "default_batch_sizes", "pick_victim", "to_uint8"]

@@ -1,8 +1,7 @@
 """What a scheduler hands out, counts and raises: `SessionChunk`, one chunk a stream made;
 `PromptChange`, a prompt change and when it took; `EndedSessions`, the bounded record
 of streams that ended; `Histogram`, the step, chunk and swap latencies;
-`default_batch_sizes`, the batch sizes captured by default; `SchedulerFull` and
-`LoopStopped`, why a stream cannot open."""
+`SchedulerFull` and `LoopStopped`, why a stream cannot open."""
 from __future__ import annotations
 
 import collections
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["EndedSessions", "Histogram", "LATENCY_BUCKETS", "LoopStopped", "PromptChange",
-           "SWAP_BUCKETS", "SchedulerFull", "SessionChunk", "default_batch_sizes"]
+           "SWAP_BUCKETS", "SchedulerFull", "SessionChunk"]
 
 #: upper bounds (seconds) of the step and chunk latency histograms
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -128,12 +127,6 @@ class EndedSessions:
 
     def __len__(self) -> int:
         return len(self._infos)
-
-
-def default_batch_sizes(max_sessions: int) -> tuple[int, ...]:
-    """Powers of two below ``max_sessions``, and ``max_sessions``."""
-    sizes = [1 << i for i in range(max_sessions.bit_length()) if 1 << i < max_sessions]
-    return tuple(sizes) + (max_sessions,)
 
 
 class Histogram:

@@ -49,9 +49,9 @@ from framekv.specs.checks import check_prompt
 
 from ..rollout import Rollout
 from ..runner import ChunkRunner
-from .records import (EndedSessions, Histogram, LoopStopped, PromptChange, SchedulerFull,
-                      default_batch_sizes)
+from .records import EndedSessions, Histogram, LoopStopped, PromptChange, SchedulerFull
 from .moves import Moves
+from .sizes import check_args, default_batch_sizes, scratch_rows
 from .slots import SlotPool
 from .steps import Steps
 from .stream import Stream
@@ -90,12 +90,12 @@ class StreamScheduler(Steps, Moves):
                  queue_chunks: int = 4, batch_sizes=None, progress: bool = False,
                  runner_factory=None, decoder_factory=None, ended_records: int = 1024,
                  swap_quantum: int = 16, kv_dtype=None, checkpoints=None):
-        S = _check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum,
+        S = check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum,
                         kv_dtype, runner_factory, decoder_factory)
         sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(S))))
         if sizes[-1] < S or sizes[0] < 1:
             raise ValueError(f"batch_sizes must reach slots={S}, got {sizes}")
-        scratch = _scratch_rows(sizes, S)
+        scratch = scratch_rows(sizes, S)
         self.max_sessions, self.slots, self.queue_chunks = max_sessions, S, queue_chunks
         self.swap_quantum, self.batch_sizes, self.checkpoints = swap_quantum, sizes, checkpoints
         make = runner_factory or functools.partial(
@@ -378,45 +378,3 @@ class StreamScheduler(Steps, Moves):
             self.runner.close()
             if self.decoder is not None:
                 self.decoder.close()
-
-
-#: streams one scheduler holds at most: its records, slots and batch sizes stay small
-#: host state (`framekv serve --max-sessions` refuses more at parse time)
-MAX_SESSIONS = 4096
-
-
-def _scratch_rows(sizes: tuple[int, ...], slots: int) -> int:
-    """The scratch rows a batch of 1 to ``slots`` streams may need: the most that the
-    smallest captured size of ``sizes`` (ascending) at or above its count pads it with.
-    Between two sizes a < b the widest padding is the batch of a + 1, so one pass over
-    the sizes (not over every batch) finds it."""
-    scratch, below = 0, 0
-    for b in sizes:
-        scratch = max(scratch, b - below - 1)
-        if b >= slots:
-            break
-        below = b
-    return scratch
-
-
-def _check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum, kv_dtype,
-                runner_factory, decoder_factory) -> int:
-    """The slots S once every argument is valid; else a ValueError naming it."""
-    for name, v in (("max_sessions", max_sessions), ("queue_chunks", queue_chunks),
-                    ("ended_records", ended_records), ("swap_quantum", swap_quantum)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    if max_sessions > MAX_SESSIONS:
-        raise ValueError(f"max_sessions must be an integer in [1, {MAX_SESSIONS}], got "
-                         f"{max_sessions}")
-    if kv_dtype is not None and runner_factory is not None:
-        raise ValueError(f"kv_dtype is the preset's Rollout's: with a runner_factory, "
-                         f"set it in the factory, got kv_dtype={kv_dtype!r}")
-    if decoder_factory is not None and not callable(decoder_factory):
-        raise ValueError(f"decoder_factory must be a callable, got {decoder_factory!r}")
-    if slots is None:
-        return max_sessions
-    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= max_sessions:
-        raise ValueError(f"slots must be None or an integer in [1, max_sessions="
-                         f"{max_sessions}], got {slots!r}")
-    return slots

@@ -1,23 +1,25 @@
 """``framekv serve``: streaming sessions over HTTP and WebSockets (the command and its
 contract: ``command.py``).
 
-    command.py    the command line (options checked before anything is built), the Wan
-                  parts, the server's start and drain
+    command.py    the command line (options checked before anything is built), the
+                  server's start and drain
+    wan.py        the Wan parts (--model wan-diffusers) as the scheduler's factories
     app.py        the FastAPI app: its lifespan (the GPU loop, the idle reaper), /health,
-                  /metrics, /v1/info, the docs, the error shape
+                  /metrics, /v1/info, the docs
+    errors.py     the error shape: every error {"error"}, 404, 405 and 500 included
     routes.py     the session routes and the socket's gate
     websocket.py  one session's socket: chunks out, acknowledgements and control in
     models.py     the request and response bodies (pydantic)
-    auth.py       bearer tokens
+    auth.py       bearer tokens, and which pages' origins may open a socket
     wire.py       request bodies, prompts, uploads, chunk messages
     net.py        uvicorn around it: header deadlines, the draining shutdown, redacted logs
     metrics.py    /metrics (prometheus_client)
     page/         the page at / and at /docs
 """
 from .command import (MAX_BODY_BYTES, WAN_CONFIGS, WanParts, add_parser, build_app, chunk_frame,
-                      frames_message, kv_dtype_of, page_html, parse_prompt, run, token_of,
-                      wan_factory)
+                      frames_message, kv_dtype_of, model_name, page_html, parse_prompt, run,
+                      token_of, wan_factory)
 
 __all__ = ["MAX_BODY_BYTES", "WAN_CONFIGS", "WanParts", "add_parser", "build_app", "chunk_frame",
-           "frames_message", "kv_dtype_of", "page_html", "parse_prompt", "run", "token_of",
-           "wan_factory"]
+           "frames_message", "kv_dtype_of", "model_name", "page_html", "parse_prompt", "run",
+           "token_of", "wan_factory"]

@@ -7,10 +7,16 @@ WebSocket are `framekv.tools.serve.routes`', the chunk messages
 
 The GPU loop (`StreamScheduler.run`) runs in a thread the app's lifespan starts and
 stops; should it end by an exception, /health answers 503 and new sessions are refused
-(503), both with the reason. Every error is ``{"error": ...}``, a validation error
-(422) included. With a token, every route but / and /health needs it (`BearerAuth`),
-the docs (/docs, /openapi.json) included. /docs is a local page (``page/docs.html``)
-that renders /openapi.json and loads nothing from elsewhere. A session with no socket
+(503), both with the reason. Every error is ``{"error": ...}`` (`error_handlers`): a
+validation error (422), an unknown route (404), a wrong method (405, ``Allow`` naming
+the right ones) and an internal error (500 "internal error: <type>: <message>", its
+traceback logged) included; an error answered to a request whose body was not read (a
+401 before an upload, say) closes the connection (`closes_unread`). A WebSocket from a
+browser page of another origin than the server's is closed 1008 unless
+``allowed_origins`` lists it (`OriginCheck`). With a token, every route but / and
+/health needs it (`BearerAuth`), the docs (/docs, /openapi.json) included. /docs is a
+local page (``page/docs.html``) that renders /openapi.json and loads nothing from
+elsewhere. A session with no socket
 for ``idle_timeout`` seconds (created and never connected, or its socket gone) is ended
 with reason "idle"; a socket that ends leaves its session open for its client to
 reconnect. ``app.state.drain`` ends every stream cleanly on shutdown
@@ -35,11 +41,15 @@ import pathlib
 import threading
 import time
 
+import framekv
+
+from .errors import error_handlers
 from .metrics import metrics_registry, render
 from .wire import BODY_TIMEOUT_S, PROMPT_DTYPES, RequestError, chunk_frame, frames_message
 
 OUTPUTS = ("frames", "latents")
 FRAME_FORMATS = ("jpeg", "webp")
+MAX_FPS = 240            # the page's frame rate at most
 IDLE_TIMEOUT_S = 60.0    # seconds a session may go without a socket
 API_DOC = ("Streaming sessions of an autoregressive video model. Create a session (POST "
            "/v1/sessions), then connect to WS /v1/sessions/{id}/stream: one binary message "
@@ -90,7 +100,7 @@ def _check_options(sched, output, frame_format, fps, quality, token, idle_timeou
                          "(decoder_factory), got one without")
     if frame_format not in FRAME_FORMATS:
         raise ValueError(f"frame_format must be one of {FRAME_FORMATS}, got {frame_format!r}")
-    for name, v, hi in (("fps", fps, 240), ("quality", quality, 100)):
+    for name, v, hi in (("fps", fps, MAX_FPS), ("quality", quality, 100)):
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
             raise ValueError(f"{name} must be an integer in [1, {hi}], got {v!r}")
     if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float)) \
@@ -113,8 +123,9 @@ class _Server:
     drains, the folder sessions are kept in over a restart (None: they end)."""
 
     def __init__(self, sched, auth, *, body_timeout, output, encode, fps, frame_format,
-                 idle_timeout, model, state_dir=None):
+                 idle_timeout, model, state_dir=None, origins=None):
         self.sched, self.auth, self.body_timeout, self.output = sched, auth, body_timeout, output
+        self.origins = origins
         self.encode, self.fps, self.frame_format = encode, fps, frame_format
         self.idle_timeout, self.model, self.state_dir = float(idle_timeout), model, state_dir
         self.streams: set[str] = set()
@@ -215,7 +226,8 @@ class _Server:
 def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIMEOUT_S,
               output: str | None = None, frame_format: str = "jpeg", fps: int = 16,
               quality: int = 85, idle_timeout: float = IDLE_TIMEOUT_S,
-              model: str | None = None, state_dir=None, checkpoint_every: int | None = None):
+              model: str | None = None, state_dir=None, checkpoint_every: int | None = None,
+              allowed_origins=None):
     """The FastAPI app over ``sched``; its lifespan runs the GPU loop thread and the idle
     reaper, and at its end closes every session left (reason "shutdown").
 
@@ -227,16 +239,20 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
     /v1/info (default the runner's class). ``state_dir``: None, or a folder (made if
     missing; ValueError if it cannot be) the open sessions are written to on shutdown
     and opened again from at startup (module doc); ``checkpoint_every``: None, or N:
-    each session written there every N chunks too (needs ``state_dir``). Installs
+    each session written there every N chunks too (needs ``state_dir``).
+    ``allowed_origins``: None, or origins (``http(s)://host[:port]``, or ``*`` for any;
+    a list, or a comma-separated string) whose pages may open WebSockets besides the
+    server's own origin; a client that sends no Origin is not checked. Installs
     `redact_tokens` on uvicorn's loggers.
     """
     from fastapi import FastAPI
 
-    from .auth import BearerAuth
+    from .auth import BearerAuth, OriginCheck
     from .net import redact_tokens
     from .routes import session_routes, stream_route
 
     output = _check_options(sched, output, frame_format, fps, quality, token, idle_timeout)
+    origins = OriginCheck.parse(allowed_origins)
     state_dir = None if state_dir is None else state_dir_path(state_dir)
     if checkpoint_every is not None:
         from framekv.engine.serving import Checkpoints
@@ -250,12 +266,12 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
     srv = _Server(sched, BearerAuth(token), body_timeout=body_timeout, output=output,
                   encode=encode, fps=fps, frame_format=frame_format,
                   idle_timeout=idle_timeout, model=model or type(sched.runner).__name__,
-                  state_dir=state_dir)
-    app = FastAPI(title="framekv", version=_version(), description=API_DOC,
+                  state_dir=state_dir, origins=origins)
+    app = FastAPI(title="framekv", version=framekv.__version__, description=API_DOC,
                   lifespan=_lifespan(srv), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.drain = srv.drain
     redact_tokens()
-    _handlers(app)
+    error_handlers(app)
     _http_routes(app, srv, page_html())
     session_routes(app, srv)
     stream_route(app, srv)
@@ -287,32 +303,6 @@ def _lifespan(srv: _Server):
             srv.save_sessions()
         srv._close_all(list(sched.sessions), "shutdown", keep_files=srv.state_dir is not None)
     return lifespan
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("framekv")
-    except PackageNotFoundError:
-        return "0"
-
-
-def _handlers(app) -> None:
-    """Every error as ``{"error": ...}``: the server's own, and FastAPI's validation
-    errors (422, one line naming the field, expected and actual value)."""
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-
-    from .models import validation_message
-
-    @app.exception_handler(RequestError)
-    async def _err(request, exc: RequestError):
-        return JSONResponse({"error": exc.message}, exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc: RequestValidationError):
-        return JSONResponse({"error": validation_message(exc.errors())}, 422)
 
 
 def _http_routes(app, srv: _Server, page: str) -> None:

@@ -1,4 +1,5 @@
-"""Bearer tokens of `framekv serve` (`BearerAuth`).
+"""Bearer tokens of `framekv serve` (`BearerAuth`), and which pages may open its
+WebSockets (`OriginCheck`).
 
 HTTP routes take ``Authorization: Bearer <token>`` through `fastapi.security.HTTPBearer`
 (the scheme's case does not matter; /openapi.json documents the scheme); the WebSocket
@@ -6,6 +7,13 @@ and the docs pages (a browser sets no header on them) also take ``?token=<token>
 Tokens compare as bytes in constant time; a non-ASCII one is wrong. A refusal is a 401
 ``{"error"}`` with ``WWW-Authenticate: Bearer`` (``error="invalid_token"`` for a wrong
 one); a refused WebSocket is accepted and closed with code 1008 and the reason.
+
+A browser lets a page of any site open a WebSocket to any server (same-origin rules do
+not hold for sockets) and names the page's origin in the Origin header: `OriginCheck`
+takes a socket whose Origin is the server's own (its host and port those of the
+request's Host header) or one listed, and refuses the others (1008, the reason naming
+the origin). A socket with no Origin is not a browser page's, and is taken (its
+token, if any, still checked).
 (No ``from __future__ import annotations``: FastAPI reads the dependency's annotations.)
 """
 import secrets
@@ -67,3 +75,48 @@ class BearerAuth:
     def check_connection(self, conn) -> None:
         """`check` of a WebSocket or a docs page: its header, else its ``?token=``."""
         self.check(conn.headers.get("authorization"), conn.query_params.get("token"))
+
+
+class OriginCheck:
+    """The origins whose pages may open a WebSocket besides the server's own:
+    ``allowed``, normalized (`framekv.tools.args.origins`: lower case, no trailing
+    slash), or ``"*"`` among them for any."""
+
+    def __init__(self, allowed=()):
+        self.allowed = frozenset(allowed)
+
+    @classmethod
+    def parse(cls, value) -> "OriginCheck":
+        """The check of ``allowed_origins`` (None, a comma-separated string or a list of
+        origins, `framekv.tools.args.origins`); a ValueError naming it."""
+        import argparse
+
+        from ..args import origins
+
+        if value is None or (isinstance(value, (list, tuple)) and not value):
+            return cls()
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            value = ",".join(value)
+        if not isinstance(value, str):
+            raise ValueError(f"allowed_origins must be None, a comma-separated string or a "
+                             f"list of origins, got a {type(value).__name__}")
+        try:
+            return cls(origins(value))
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"allowed_origins {exc}") from None
+
+    def refusal(self, conn) -> str | None:
+        """None when ``conn`` (a WebSocket) may go on, else the close reason (at most
+        123 bytes, naming the origin)."""
+        origin = conn.headers.get("origin")
+        if origin is None or "*" in self.allowed:
+            return None
+        given = origin.strip().lower().removesuffix("/")
+        scheme, sep, netloc = given.partition("://")
+        host = (conn.headers.get("host") or "").strip().lower()
+        if given in self.allowed or (sep and scheme in ("http", "https") and host
+                                     and netloc == host):
+            return None
+        shown = origin if len(origin) <= 60 else origin[:57] + "..."
+        reason = f"origin {shown!r} is not allowed (this server's own, or --allowed-origins)"
+        return reason.encode()[:123].decode(errors="ignore")

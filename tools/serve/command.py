@@ -1,9 +1,11 @@
 """`framekv serve`: streaming sessions over HTTP and WebSockets around a `StreamScheduler`.
 
 Routes (every error is ``{"error": ...}`` naming the argument, the value expected and
-the value given; with a token, from ``FRAMEKV_TOKEN`` or ``--token``, every route but /
-and /health needs ``Authorization: Bearer T`` (any case of "Bearer"; a 401 carries
-``WWW-Authenticate: Bearer``), the WebSocket and /docs also ``?token=T``)::
+the value given: an unknown route's 404, a wrong method's 405 (``Allow`` says the right
+ones) and an internal error's 500 (its traceback logged) too; with a token, from
+``FRAMEKV_TOKEN`` or ``--token``, every route but / and /health needs ``Authorization:
+Bearer T`` (any case of "Bearer"; a 401 carries ``WWW-Authenticate: Bearer``), the
+WebSocket and /docs also ``?token=T``)::
 
     GET    /                             the page: a prompt box, start / stop, the live
                                          video on a canvas (``--output frames``)
@@ -57,7 +59,8 @@ and /health needs ``Authorization: Bearer T`` (any case of "Bearer"; a 401 carri
                                          one (binary included) is answered {"type":
                                          "error", "error"}. Refused sockets close with
                                          a reason: 1008 (token), 4404 (no such session
-                                         open), 4409 (a second socket on a session)
+                                         open), 4409 (a second socket on a session);
+                                         1008 too for a page of another origin
 
 ``--model wan-diffusers`` serves diffusers' Wan transformer (``--config``, random weights,
 or ``--weights DIR``, a diffusers folder with its VAE and text encoder; ``--checkpoint
@@ -68,10 +71,12 @@ replaces the transformer's weights and is sampled as Self-Forcing samples unless
 (default the config's, `framekv.engine.wan.PRESETS`); a prompt is then
 text (the config's text encoder, random, or the folder's) or [L, text_dim] text
 embeddings, and a prompt change re-caches the session's visible frames by clean passes.
-Its output is by default ``frames``: every chunk decoded by the VAE in the GPU loop
-(one `StreamingVAEDecoder` row per pool slot) and sent as ``--frame-format``
-images. The reference model (``--model reference``, default) has no VAE: it streams
-latents, and ``--output frames`` is a startup error.
+Either model's output is by default ``frames``, sent as ``--frame-format`` images:
+Wan's chunks decoded by its VAE in the GPU loop (one `StreamingVAEDecoder` row per pool
+slot); the reference model's (``--model reference``, default), which has no VAE, drawn
+as a picture of their latents, one image per latent frame at 8 times its size
+(`framekv.engine.serving.LatentPreview`), so the page shows a stream of either.
+``--output latents`` streams the latents themselves.
 ``--kv-dtype fp8`` keeps either model's K/V pool in float8 e4m3 (half a bf16 pool's
 bytes; `framekv.engine.rollout.resolve_kv_dtype`).
 
@@ -79,13 +84,19 @@ One thread runs the GPU loop (`StreamScheduler.run`); every graph is captured be
 the socket opens. ``--max-sessions`` sessions may be open, ``--slots`` of them (default
 all) on the pool at once: the others wait swapped out to host memory and take turns,
 the longest waiting first, swapped back in without a capture; a session keeps a slot it
-took for ``--swap-quantum`` steps while it is ready. A client that
-disconnects ends its session; a session no socket has taken for
-``--session-idle-timeout`` seconds is ended (reason "idle"). A session holds at most
-``--queue-chunks`` undelivered chunks. Request bodies are JSON of at most 1 MiB
-(a prompt upload: its prompt's bytes), counted as they arrive (a Content-Length, no
-Transfer-Encoding); a request head must arrive within ``--head-timeout`` seconds
-(`framekv.tools.serve.net`). Token values never reach the logs (`redact_tokens`).
+took for ``--swap-quantum`` steps while it is ready. A session outlives its socket: a
+client that drops reconnects by id (``?after=`` its last chunk); a session no socket
+has taken for ``--session-idle-timeout`` seconds is ended (reason "idle"). A session
+holds at most ``--queue-chunks`` unacknowledged chunks. Request bodies are JSON of at
+most 1 MiB (a prompt upload: its prompt's bytes), counted as they arrive (a
+Content-Length, no Transfer-Encoding); an error answered before a body is read (a 401,
+say) closes the connection, the body unread. A request head is at most 16 KiB (431,
+and the connection closed) and must arrive within ``--head-timeout`` seconds
+(`framekv.tools.serve.net`). A browser's WebSocket is taken from a page of the
+server's own origin (the Host it was asked at) and from those ``--allowed-origins``
+lists (comma-separated ``http(s)://host[:port]``, or ``*`` for any); one from any
+other page is closed 1008 naming its origin; a client that sends no Origin (not a
+browser) is not checked. Token values never reach the logs (`redact_tokens`).
 SIGTERM drains: no chunk is made any more, every socket gets its queued chunks and an
 end message with reason "shutdown", then uvicorn's graceful shutdown, then the loop
 stops and the pool is freed. With ``--state-dir D`` the open sessions are written to D
@@ -95,35 +106,45 @@ from its next chunk, its undelivered chunks first; a corrupt file is logged and 
 ``*.corrupt``, one of another model or geometry logged and left in D. (The end
 message of a session kept so says ``"resumable": true``; unless a client reconnects
 within ``--session-idle-timeout`` seconds of the restart, the session ends.)
+``--checkpoint-every N`` (needs ``--state-dir``) also writes each session to D every N
+of its chunks, off the GPU thread, atomically, so a server killed outright (SIGKILL,
+out of memory) resumes every session from its last checkpoint when started over D.
+
+Every option is checked before anything is built: a bad one (an unknown preset or a
+malformed preset file, a device other than cpu or an available cuda[:N], ``--fps``
+outside 1..240, ``--port`` outside 0..65535, ``--max-sessions`` over 4096,
+``--checkpoint-every`` without ``--state-dir``, ...) is one line on stderr and exit
+status 2.
 Python clients: `framekv.client.sessions` (``framekv.client``).
 """
 
 import argparse
-import dataclasses
 import os
 import signal
 import sys
-import typing
 
-from ..args import add_kv_dtype_argument, bearer_token, nonnegative_int, positive_int, seconds
-from ..conventions import add_preset_arguments
+from ..args import (add_kv_dtype_argument, bearer_token, int_in, kv_dtype_of, origins,
+                    positive_int, seconds)
+from ..conventions import add_preset_arguments, load_preset_arg, one_line_errors
 from ..generate import SAMPLERS, SELF_FORCING_SHIFT, positive_number
-from .app import FRAME_FORMATS, OUTPUTS, build_app, page_html, state_dir_path
+from .app import FRAME_FORMATS, MAX_FPS, OUTPUTS, build_app, page_html, state_dir_path
+from .wan import WanParts, wan_factory
 from .wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
-
-if typing.TYPE_CHECKING:
-    from framekv.engine.wan.pipeline import WanPipeline
 
 __all__ = ["MAX_BODY_BYTES", "WAN_CONFIGS", "WanParts", "add_parser", "build_app", "chunk_frame",
            "frames_message", "page_html", "parse_prompt", "run", "wan_factory"]
 
 #: --model wan-diffusers --config names (each rolls out at its preset's sizes by default)
 WAN_CONFIGS = ("tiny", "1.3b")
+#: the parser's copy of `framekv.engine.serving.sizes.MAX_SESSIONS` (building the
+#: parser imports no engine): --max-sessions beyond it is refused at parse time
+MAX_SESSIONS = 4096
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="streaming sessions over HTTP/WebSockets",
-                              description=__doc__.split("\n\n")[0])
+    p = one_line_errors(subparsers.add_parser(
+        "serve", help="streaming sessions over HTTP/WebSockets",
+        description=__doc__.split("\n\n")[0]))
     add_preset_arguments(p, default=None, note="the rollout's: the reference model's, "
                          "default tiny; or the sizes diffusers' Wan runs at, default the "
                          "config's: tiny or wan-1.3b")
@@ -138,17 +159,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "VAE, text encoder)")
     _checkpoint_options(p)
     p.add_argument("--output", choices=OUTPUTS, default=None,
-                   help="what a chunk message carries: decoded video frames (default with "
-                        "--model wan-diffusers) or latents (default, and the only choice, "
-                        "with the reference model)")
+                   help="what a chunk message carries: video frames (default: Wan's decoded "
+                        "by its VAE, the reference model's a picture of its latents) or "
+                        "latents")
     p.add_argument("--frame-format", choices=FRAME_FORMATS, default="jpeg",
                    help="with --output frames: the images' format (default jpeg)")
-    p.add_argument("--fps", type=positive_int, default=16,
-                   help="the video's frame rate the page plays at (default 16)")
+    p.add_argument("--fps", type=int_in(1, MAX_FPS), default=16,
+                   help=f"the video's frame rate the page plays at, 1 to {MAX_FPS} "
+                        "(default 16)")
     add_kv_dtype_argument(p)
     _session_options(p)
     p.add_argument("--cache-dir", default=None, help="kernels and cuDNN plans kept on disk")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--device", default=None,
+                   help="cpu or cuda[:N] (default: cuda if available)")
     p.set_defaults(func=run)
     return p
 
@@ -171,8 +194,8 @@ def _checkpoint_options(p: argparse.ArgumentParser) -> None:
 
 def _session_options(p: argparse.ArgumentParser) -> None:
     """Slots, queues, timeouts, the address and the token."""
-    p.add_argument("--max-sessions", type=positive_int, default=8,
-                   help="sessions open at once (default 8)")
+    p.add_argument("--max-sessions", type=int_in(1, MAX_SESSIONS), default=8,
+                   help=f"sessions open at once, at most {MAX_SESSIONS} (default 8)")
     p.add_argument("--slots", type=positive_int, default=None,
                    help="sessions on the GPU pool at once, at most --max-sessions (default: "
                         "--max-sessions); the others wait swapped out to host memory and "
@@ -184,6 +207,10 @@ def _session_options(p: argparse.ArgumentParser) -> None:
                    help="keep sessions over a restart: on SIGTERM the open sessions are "
                         "written to DIR, and a server started with the same DIR opens them "
                         "again (clients reconnect with their session ids)")
+    p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="CHUNKS",
+                   help="with --state-dir: also write each session there every CHUNKS of "
+                        "its chunks (off the GPU thread, atomically), so a server killed "
+                        "outright resumes them from the last one")
     p.add_argument("--queue-chunks", type=positive_int, default=4,
                    help="undelivered chunks a session may hold before it waits for its "
                         "client (default 4)")
@@ -191,24 +218,25 @@ def _session_options(p: argparse.ArgumentParser) -> None:
                    help="a session no socket has taken for this long is ended and its "
                         "slot freed (default 60)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=nonnegative_int, default=8000)
+    p.add_argument("--port", type=int_in(0, 65535), default=8000,
+                   help="0 to 65535; 0: any free port (default 8000)")
     p.add_argument("--token", type=bearer_token, default=None,
                    help="bearer token every route but / and /health needs (printable "
                         "ASCII, no spaces); prefer the FRAMEKV_TOKEN environment "
                         "variable: an option is visible to every user in ps")
     p.add_argument("--head-timeout", type=seconds, default=10.0,
-                   help="seconds a client may take to send a request head before its "
-                        "connection is closed (default 10)")
+                   help="seconds a client may take to send a request head (at most 16 "
+                        "KiB) before its connection is closed (default 10)")
+    p.add_argument("--allowed-origins", type=origins, default=None, metavar="ORIGINS",
+                   help="pages of other origins whose WebSockets are taken, comma-separated "
+                        "http(s)://host[:port], or * for any (default: only the server's "
+                        "own origin, and clients that send no Origin)")
 
 
 def output_of(args) -> str:
-    """The ``--output`` in force: the model's default, or ValueError for frames of the
-    reference model."""
-    output = args.output or ("frames" if args.model == "wan-diffusers" else "latents")
-    if output == "frames" and args.model != "wan-diffusers":
-        raise ValueError("--output frames needs --model wan-diffusers: the reference model "
-                         "has no VAE to decode its latents; use --output latents")
-    return output
+    """The ``--output`` in force: frames unless latents are asked for (the reference
+    model's frames are `LatentPreview` pictures of its latents)."""
+    return args.output or "frames"
 
 
 def check_wan_options(args) -> None:
@@ -239,13 +267,6 @@ def token_of(args) -> str | None:
         raise ValueError(f"FRAMEKV_TOKEN {exc}") from None
 
 
-def kv_dtype_of(args) -> str | None:
-    """The ``kv_dtype`` of the rollout ``--kv-dtype`` names: None (the model's dtype)
-    for bf16, "fp8" for fp8."""
-    value = getattr(args, "kv_dtype", "bf16")
-    return None if value == "bf16" else value
-
-
 def model_name(args) -> str:
     """The model's name in /v1/info: "reference:PRESET" or "wan-diffusers:CONFIG" (or
     ":" + the weights folder's name), then "+" + the checkpoint's file name if any."""
@@ -258,10 +279,26 @@ def model_name(args) -> str:
     return f"wan-diffusers:{name}" + (f"+{pathlib.Path(checkpoint).name}" if checkpoint else "")
 
 
+def check_checkpoint_every(args) -> None:
+    """ValueError for ``--checkpoint-every`` without ``--state-dir`` to write to."""
+    every = getattr(args, "checkpoint_every", None)
+    if every is not None and args.state_dir is None:
+        raise ValueError(f"--checkpoint-every needs --state-dir, the folder the sessions are "
+                         f"written to: got --checkpoint-every {every} and no --state-dir")
+
+
+def _fail(exc: Exception) -> int:
+    """``exc`` as the command's one-line error; exit status 2."""
+    print(f"framekv serve: error: {' '.join(str(exc).split())}", file=sys.stderr)
+    return 2
+
+
 def run(args) -> int:
     """``framekv serve``: build, capture, serve until SIGTERM; the exit status (2 for a
-    bad option combination, before anything is built)."""
-    from framekv.engine.serving import StreamScheduler
+    bad option or option combination, before anything is built; or for a scheduler
+    that cannot be built, e.g. a pool too large for the device)."""
+    from framekv.engine.serving import LatentPreview, StreamScheduler
+    from framekv.ops.device import resolve_device
 
     from .net import DrainingServer, server_config
 
@@ -269,24 +306,38 @@ def run(args) -> int:
         token = token_of(args)
         output = output_of(args)
         check_wan_options(args)
+        device = resolve_device(args.device, name="--device")
+        # the reference model's preset, loaded once here: a bad one is refused before
+        # the model is built (Wan's sizes are `WanPipeline.load`'s to check)
+        preset = (None if args.model == "wan-diffusers"
+                  else load_preset_arg(args.preset or "tiny"))
         if args.slots is not None and args.slots > args.max_sessions:
             raise ValueError(f"--slots must be at most --max-sessions ({args.max_sessions}), "
                              f"got {args.slots}")
+        check_checkpoint_every(args)
         state_dir = None if args.state_dir is None else state_dir_path(args.state_dir)
         parts = (wan_factory(args, decode=output == "frames") if args.model == "wan-diffusers"
                  else None)
     except ValueError as exc:
-        print(f"framekv serve: error: {exc}", file=sys.stderr)
-        return 2
-    sched = StreamScheduler(args.preset or "tiny", max_sessions=args.max_sessions,
-                            slots=args.slots, swap_quantum=args.swap_quantum,
-                            device=args.device, cache_dir=args.cache_dir,
-                            progress=True, queue_chunks=args.queue_chunks, runner_factory=parts,
-                            kv_dtype=kv_dtype_of(args) if parts is None else None,
-                            decoder_factory=parts.decoder if output == "frames" else None)
+        return _fail(exc)
+    # frames of a model without a VAE: a picture of its latents
+    decoder = None if output != "frames" else LatentPreview if parts is None else parts.decoder
+    try:
+        sched = StreamScheduler(preset if parts is None else args.preset or "tiny",
+                                max_sessions=args.max_sessions,
+                                slots=args.slots, swap_quantum=args.swap_quantum,
+                                device=device, cache_dir=args.cache_dir,
+                                progress=True, queue_chunks=args.queue_chunks,
+                                runner_factory=parts,
+                                kv_dtype=kv_dtype_of(args) if parts is None else None,
+                                decoder_factory=decoder)
+    except ValueError as exc:
+        return _fail(exc)
     app = build_app(sched, token=token, output=output, frame_format=args.frame_format,
                     fps=args.fps, idle_timeout=args.session_idle_timeout,
-                    model=model_name(args), state_dir=state_dir)
+                    model=model_name(args), state_dir=state_dir,
+                    checkpoint_every=args.checkpoint_every,
+                    allowed_origins=args.allowed_origins)
     server = DrainingServer(server_config(app, host=args.host, port=args.port,
                                           head_timeout=args.head_timeout))
     # uvicorn drains on SIGTERM, then puts back the handler it found and raises the
@@ -294,60 +345,3 @@ def run(args) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     return 0 if server.started else 3   # 3: uvicorn's status for a failed startup
-
-
-@dataclasses.dataclass
-class WanParts:
-    """``--model wan-diffusers``: a loaded `WanPipeline` (transformer, text encoder, VAE
-    or None: latents only, the rollout's sizes and sampling) as the scheduler's
-    factories. Called ``(sequences=N, batch_sizes=...)`` it builds the scheduler's
-    runner (the pipeline's `WanRollout`, which encodes text); `decoder` is the
-    scheduler's ``decoder_factory``. ``backend``: the rollout's attention backend
-    (default: the device's, `default_backend`); ``kv_dtype``: its K/V pool
-    (`WanRollout`'s: None the model's dtype, or "fp8")."""
-
-    pipeline: "WanPipeline"
-    cache_dir: str | None = None
-    use_graphs: bool = True
-    backend: str | None = None
-    kv_dtype: str | None = None
-
-    model = property(lambda self: self.pipeline.transformer, doc="The transformer.")
-    text_encoder = property(lambda self: self.pipeline.text_encoder, doc="Its TextEncoder.")
-    vae = property(lambda self: self.pipeline.vae, doc="The VAE, or None.")
-    sizes = property(lambda self: self.pipeline.sizes, doc="`preset_sizes` of the preset.")
-
-    def __call__(self, *, sequences: int, batch_sizes):
-        return self.pipeline.rollout(cache_dir=self.cache_dir, use_graphs=self.use_graphs,
-                                     sequences=sequences, batch_sizes=batch_sizes,
-                                     backend=self.backend, kv_dtype=self.kv_dtype)
-
-    def decoder(self, slots: int):
-        """A `StreamingVAEDecoder` of one row per pool slot; on CUDA with graphs,
-        every batch of 1 to ``slots`` rows captured in both stages up front."""
-        dec = self.pipeline.decoder(slots, use_graphs=self.use_graphs)
-        if dec.use_graphs:
-            for b in range(1, slots + 1):
-                dec.capture(b, self.sizes["frames_per_chunk"], self.sizes["latent_size"])
-        return dec
-
-
-def wan_factory(args, *, use_graphs: bool = True, decode: bool = True) -> WanParts:
-    """The `WanParts` of ``--model wan-diffusers`` (`WanPipeline.load`): ``--config``'s
-    transformer, text encoder (its built-in tokenizer) and, with ``decode``, VAE, all
-    random; or those of the diffusers folder ``--weights`` (its text encoder where it
-    has one); the transformer's weights those of ``--checkpoint`` if given, sampled by
-    ``--sampler`` at ``--shift`` (default Self-Forcing's with a checkpoint); at the
-    sizes of ``--preset`` (default: the preset of the shipped config the transformer
-    matches), prompts of the preset's ``prompt_tokens``, the pool of ``--kv-dtype``.
-    ValueError for a bad option, before anything is built."""
-    from framekv.engine.wan.pipeline import WanPipeline
-
-    weights = getattr(args, "weights", None)
-    pipe = WanPipeline.load(None if weights else args.config, weights=weights,
-                            checkpoint=getattr(args, "checkpoint", None),
-                            preset=getattr(args, "preset", None),
-                            sampler=getattr(args, "sampler", None),
-                            shift=getattr(args, "shift", None), device=args.device,
-                            text_encoder=None, vae=decode)
-    return WanParts(pipe, args.cache_dir, use_graphs, kv_dtype=kv_dtype_of(args))

@@ -122,8 +122,10 @@ class LatentSpec(BaseModel):
 
 
 class VideoFrames(BaseModel):
-    first: int = Field(description="Frames of a session's first chunk: 1 + 4 (F - 1).")
-    later: int = Field(description="Frames of every later chunk: 4 F.")
+    first: int = Field(description="Frames of a session's first chunk (a VAE's: 1 + 4 (F - "
+                                   "1); a picture of the latents: F).")
+    later: int = Field(description="Frames of every later chunk (a VAE's: 4 F; a picture "
+                                   "of the latents: F).")
 
 
 class ServerInfo(BaseModel):

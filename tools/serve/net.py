@@ -5,7 +5,10 @@ Deadlines: a connection must send each request head within ``head_timeout`` seco
 opening, or of its previous response ending (`HeadDeadline`), however slowly it
 trickles, else it is closed; an idle keep-alive connection closes after ``keep_alive``
 seconds (uvicorn's ``timeout_keep_alive``); a request body has the app's
-``body_timeout`` (`build_app`), and h11 bounds a head's size (16 KiB).
+``body_timeout`` (`build_app`). A request head is at most `MAX_HEAD_BYTES` (16 KiB),
+counted as it arrives (`HeadDeadline`: h11's own bound holds only while a head is
+incomplete, so a large head that arrives at once would pass it): a longer one is
+answered 431 ``{"error"}`` and its connection closed, before the app sees it.
 
 Shutdown (SIGTERM): `DrainingServer` stops accepting, then awaits the app's
 ``state.drain`` (every socket gets its queued chunks and an end message with reason
@@ -17,6 +20,7 @@ browser's WebSocket and docs pages carry ``?token=``; `redact_tokens` installs
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -26,6 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 HEAD_TIMEOUT_S = 10.0     # seconds a client may take to send a request head
 KEEP_ALIVE_S = 5          # seconds an idle keep-alive connection stays open
 DRAIN_TIMEOUT_S = 10.0    # seconds the streams get to end on shutdown
+MAX_HEAD_BYTES = 16 * 1024   # a request head's bytes at most: its line and headers
 #: the loggers uvicorn writes request paths to (access lines; WebSocket lines)
 UVICORN_LOGGERS = ("uvicorn.access", "uvicorn.error")
 
@@ -57,8 +62,8 @@ def redact_tokens() -> None:
 
 
 class HeadDeadline(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request head (module doc); the
-    subclasses `server_config` makes set ``head_timeout``."""
+    """uvicorn's h11 protocol with a deadline and a size bound on each request head
+    (module doc); the subclasses `server_config` makes set ``head_timeout``."""
 
     head_timeout = HEAD_TIMEOUT_S
 
@@ -68,6 +73,9 @@ class HeadDeadline(H11Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        # Armed: a head is awaited, so these bytes are (the start of) one.
+        if self._deadline is not None and self._head_too_long(data):
+            return self._refuse_head()
         super().data_received(data)
         if self.cycle is not self._waiting or self.transport.get_protocol() is not self:
             self._disarm()                     # a request began, or a WebSocket took over
@@ -85,7 +93,32 @@ class HeadDeadline(H11Protocol):
     def _arm(self) -> None:
         self._disarm()
         self._waiting = self.cycle
+        self._head_bytes, self._head_tail = 0, b""
         self._deadline = self.loop.call_later(self.head_timeout, self._expired)
+
+    def _head_too_long(self, data: bytes) -> bool:
+        """Whether the head being received, with ``data``, is over `MAX_HEAD_BYTES`:
+        its bytes up to the blank line that ends it, or all of them while none came."""
+        window = self._head_tail + data          # the end may straddle two reads
+        end = window.find(b"\r\n\r\n")
+        if end >= 0:
+            return self._head_bytes - len(self._head_tail) + end + 4 > MAX_HEAD_BYTES
+        self._head_bytes += len(data)
+        self._head_tail = window[-3:]
+        return self._head_bytes > MAX_HEAD_BYTES
+
+    def _refuse_head(self) -> None:
+        """431 and the connection closed; h11 never saw the head, so the answer is
+        written as is."""
+        self._disarm()
+        self.logger.info("refusing a request head over %d bytes", MAX_HEAD_BYTES)
+        body = json.dumps({"error": f"the request head (its line and headers) must be at "
+                                    f"most {MAX_HEAD_BYTES} bytes, got more"}).encode()
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                             b"content-type: application/json\r\n"
+                             b"content-length: " + str(len(body)).encode() + b"\r\n"
+                             b"connection: close\r\n\r\n" + body)
+        self.transport.close()
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -109,7 +142,8 @@ def server_config(app, *, host: str = "127.0.0.1", port: int = 8000,
                          f"{head_timeout} and {keep_alive}")
     protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": head_timeout})
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
-                            timeout_keep_alive=keep_alive)
+                            timeout_keep_alive=keep_alive,
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     redact_tokens()              # after uvicorn's logging setup, which keeps filters
     return config
 

@@ -10,7 +10,8 @@ capped at the prompt's byte size; it answers once the change took (200, or 500 i
 re-cache failed: the session goes on under its old prompt), or after `PROMPT_WAIT_S`
 with 202 ``prompt_pending`` (a paused or swapped-out session takes it as it comes
 back). The socket (``?after=i``: the last chunk index the client has) is accepted, then
-closed with a code and a reason when refused: 1008 (token), 4404 (no such session
+closed with a code and a reason when refused: 1008 (a page of a foreign origin,
+`OriginCheck`; the token), 4404 (no such session
 open), 4409 (it already has a socket), 4422 (a bad ``after``). A session whose socket
 closes stays open, its idle clock running.
 (No ``from __future__ import annotations``: FastAPI reads the routes' annotations.)
@@ -180,6 +181,9 @@ def stream_route(app, srv) -> None:
     @app.websocket("/v1/sessions/{sid}/stream")
     async def stream(ws: WebSocket, sid: str):
         await ws.accept()
+        refusal = srv.origins.refusal(ws)
+        if refusal is not None:             # a page of another site: before anything else
+            return await ws.close(code=WS_AUTH_CLOSE, reason=refusal)
         try:
             srv.auth.check_connection(ws)
         except RequestError as exc:

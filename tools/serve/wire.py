@@ -30,6 +30,10 @@ from framekv.specs import wire
 MAX_BODY_BYTES = 1 << 20   # a request body or control message: JSON, at most 1 MiB
 BODY_TIMEOUT_S = 10.0      # seconds a client may take to send its body
 MAX_TEXT_CHARS = 2000      # a text prompt's length
+#: the ASGI scope key `read_body` sets once a request's body is read whole: an error
+#: answered to a request with a body not read closes the connection
+#: (`framekv.tools.serve.errors.closes_unread`)
+BODY_READ = "framekv.body_read"
 PROMPT_KEYS = ("text", "prompt_seed", "prompt")
 #: X-Prompt-Dtype -> (canonical name, numpy little-endian dtype of the raw values)
 PROMPT_DTYPES = {"bf16": ("bf16", "<u2"), "bfloat16": ("bf16", "<u2"),
@@ -144,9 +148,11 @@ async def read_body(request, timeout: float, cap: int = MAX_BODY_BYTES) -> bytes
         raise RequestError(413, f"Content-Length must be in [0, {cap}] bytes, got {length}",
                            CLOSE)
     try:
-        return await asyncio.wait_for(_read_capped(request, length, cap), timeout)
+        body = await asyncio.wait_for(_read_capped(request, length, cap), timeout)
     except asyncio.TimeoutError:
         raise RequestError(408, f"the body did not arrive within {timeout} s", CLOSE) from None
+    request.scope[BODY_READ] = True          # an error answered now keeps the connection
+    return body
 
 
 async def _read_capped(request, length: str, cap: int) -> bytes:
