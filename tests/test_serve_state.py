@@ -113,17 +113,20 @@ def test_sessions_survive_a_restart_and_go_on_bit_for_bit(tmp_path, caplog):
     assert sorted(p.name for p in state.iterdir()) == sorted(f"{v}.session" for v in ids.values())
     assert "saved 4 of 4 open sessions" in caplog.text
 
-    (state / "corrupt.session").write_bytes(b"not a session file" * 8)
+    # names that sort first and last: the file that does not fit takes no room, so
+    # the corrupt one is still reached with one place left
+    (state / "~corrupt.session").write_bytes(b"not a session file" * 8)
     foreign = foreign_file(tmp_path, state)
-    again = scheduler(sessions=5)                             # room for every file
+    (state / f"{foreign}.session").rename(state / "0-foreign.session")
+    again = scheduler(sessions=5)                             # the four and one more
     caplog.clear()
     with serving(again, token=TOKEN, state_dir=state) as (srv, port):
         assert sorted(again.sessions) == sorted(ids.values())
-        assert {p.name for p in state.iterdir()} == {"corrupt.session.corrupt",
-                                                     f"{foreign}.session"}
-        assert "corrupt session file renamed corrupt.session.corrupt, not opened: " \
-               f"{state / 'corrupt.session'}: header length" in caplog.text
-        assert f"session file left as it is, not opened: {state / foreign}.session: the " \
+        assert {p.name for p in state.iterdir()} == {"~corrupt.session.corrupt",
+                                                     "0-foreign.session"}
+        assert "corrupt session file renamed ~corrupt.session.corrupt, not opened: " \
+               f"{state / '~corrupt.session'}: header length" in caplog.text
+        assert f"session file left as it is, not opened: {state}/0-foreign.session: the " \
                "session does not fit this scheduler's runner: pool.geometry.window_tokens: " \
                "the state has 64, the runner 48" in caplog.text
         got = {}

@@ -127,8 +127,8 @@ class Moves:
             room, taken = self.max_sessions - len(self.sessions), set(self.sessions)
         pin = torch.device(self.runner.device).type == "cuda"
         opened = []
-        for path, state in state_files.read_states(directory, room=room, taken=taken,
-                                                   pin_memory=pin):
+        for path, state in state_files.read_states(
+                directory, room=lambda: len(opened) < room, taken=taken, pin_memory=pin):
             try:
                 opened.append(self._admit(state_files.stream_of(
                     state, self.model, self.decoding, where=str(path))))

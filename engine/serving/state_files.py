@@ -174,18 +174,17 @@ def write_state(directory, state: StreamState) -> int:
     return state.save(pathlib.Path(directory) / f"{sid}{SUFFIX}")
 
 
-def read_states(directory, *, room: int, taken=(),
-                pin_memory: bool = False) -> list[tuple[pathlib.Path, StreamState]]:
-    """(path, state) of each state file of ``directory``, at most ``room`` of them, none
-    whose id is in ``taken`` (module doc for the files skipped and what becomes of
-    them). Never raises for a file: each one skipped is logged. Whether a state fits is
-    the caller's check (`stream_of`); it removes a file once its stream is open
-    (`remove`)."""
-    out, seen = [], set(taken)
+def read_states(directory, *, room, taken=(), pin_memory: bool = False):
+    """Yield (path, state) for each state file of ``directory`` in name order while
+    ``room()`` is true (the caller counts what it opened: a file that does not fit
+    takes no place), none whose id is in ``taken`` (module doc for the files skipped
+    and what becomes of them). Never raises for a file: each one skipped is logged.
+    Whether a state fits is the caller's check (`stream_of`); it removes a file once
+    its stream is open (`remove`)."""
+    seen = set(taken)
     for path in sorted(pathlib.Path(directory).glob(f"*{SUFFIX}")):
-        if len(out) >= room:
-            log.warning("%s: left unread for a later start: %d sessions opened, no room "
-                        "for more", path, len(out))
+        if not room():
+            log.warning("%s: left unread for a later start: no room for more sessions", path)
             continue
         try:
             state = StreamState.load(path, pin_memory=pin_memory)
@@ -200,8 +199,7 @@ def read_states(directory, *, room: int, taken=(),
             log.error("%s: session file left as it is: session %s is open already", path, sid)
             continue
         seen.add(sid)
-        out.append((path, state))
-    return out
+        yield path, state
 
 
 def remove(path) -> None:
