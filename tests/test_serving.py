@@ -139,6 +139,36 @@ def test_a_replaced_reader_takes_nothing(pair):
     assert a.next_chunk(s.id, 0, reader=old) is None
 
 
+def test_a_resumed_stream_skips_what_its_client_has(pair):
+    """A stream imported from a state taken two chunks before its client's last one: a
+    reconnect naming that index gets the chunks after it only, each equal to the
+    uninterrupted run's."""
+    a, b = pair
+    _clear(a)
+    _clear(b)
+    s = a.open_session(seed=21, chunks=7)
+    want = take(a, s, 1, {})
+    old = a.export_session(s.id)                    # the last checkpoint: one chunk made
+    a.import_session(old)
+    want = take(a, a.sessions[s.id], 4, want)[s.id]  # the client got 0..3, then the kill
+    a.close_session(s.id, "test")
+    b.import_session(old)
+    reader = b.rewind(s.id, after=3)
+    got = []
+    while len(got) < 3:
+        b.step()
+        while (c := b.next_chunk(s.id, 0, reader=reader)) is not None:
+            got.append(c)
+            b.ack(s.id, c.index)
+    assert [c.index for c in got] == [4, 5, 6]
+    b.close_session(s.id, "test")
+    alone = a.open_session(seed=21, chunks=7)
+    full = take(a, alone, 7, {})[alone.id]
+    for c in got:
+        assert torch.equal(c.latents, full[c.index].latents), c.index
+    assert [c.index for c in want] == [0, 1, 2, 3]
+
+
 def test_no_reader_waits_on_a_step(pair, monkeypatch):
     """A step whose chunk takes 0.5 s: session_info, metrics, set_prompt, pause and ack
     answer at once meanwhile (the lock is held for host work only)."""

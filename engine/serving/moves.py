@@ -198,12 +198,17 @@ class Moves:
 
     def rewind(self, session_id: str, after: int | None = None) -> int:
         """A client (re)connects: every unacknowledged chunk is sent again, after those
-        up to ``after`` (the last index it has) are acknowledged. Returns the new
-        reader's number for `next_chunk` (any reader before it takes no more)."""
+        up to ``after`` (the last index it has) are acknowledged. ``after`` may lie
+        beyond the chunks made here (a stream resumed from a checkpoint older than what
+        its client got): those chunks, made again, are not queued (within the budget).
+        Returns the new reader's number for `next_chunk` (any reader before it takes no
+        more)."""
         if after is not None:
             self.ack(session_id, after)
         with self.lock:
             s = self.sessions[session_id]
+            if after is not None:
+                s.acked = max(s.acked, after if s.budget is None else min(after, s.budget - 1))
             s.sent = 0
             s.reader += 1
             self.ready.notify_all()
