@@ -193,6 +193,30 @@ def test_a_second_socket_is_refused_and_the_first_gets_every_chunk(server):
     assert indices == list(range(8)) and texts[-1]["state"] == "done"
 
 
+def test_a_reconnect_before_the_old_socket_is_seen_gone_is_taken(server, monkeypatch):
+    """The server sees a dropped socket go late (a busy host): the client's new socket,
+    come first, waits for it instead of a 4409, and gets the chunks after the last."""
+    import framekv.tools.serve.routes as routes
+
+    http, port, sched = server
+    no_sessions(sched)
+    sid = create(http, seed=32, chunks=4)
+    real = routes.serve_socket
+
+    async def late(ws, *args, **kw):      # its end is seen a second after it closed
+        try:
+            await real(ws, *args, **kw)
+        finally:
+            await asyncio.sleep(1.0)
+
+    monkeypatch.setattr(routes, "serve_socket", late)
+    with ws_client.connect(ws_url(port, sid), max_size=None) as first:
+        head = index_of(first.recv(timeout=30))
+    with ws_client.connect(ws_url(port, sid) + f"&after={head}", max_size=None) as second:
+        indices, texts = read_stream(second)
+    assert head == 0 and indices == [1, 2, 3] and texts[-1]["state"] == "done"
+
+
 # 5 -------------------------------------------------------------------------- tokens
 def test_tokens_compare_as_bytes_and_non_ascii_ones_are_refused(server, capsys):
     from framekv.tools.cli import main as cli

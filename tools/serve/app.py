@@ -220,7 +220,8 @@ class _Server:
                 "frame_format": self.frame_format if self.output == "frames" else None,
                 "max_sessions": s.max_sessions, "slots": s.slots,
                 "queue_chunks": s.queue_chunks,
-                "session_idle_timeout": self.idle_timeout}
+                "session_idle_timeout": self.idle_timeout,
+                **({"replicas": s.replica_info()} if hasattr(s, "replica_info") else {})}
 
 
 def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIMEOUT_S,
@@ -332,9 +333,10 @@ def _http_routes(app, srv: _Server, page: str) -> None:
         return Response(body, media_type=content_type)
 
     @app.get("/v1/info", response_model=ServerInfo, dependencies=auth, responses=errors(401),
+             response_model_exclude_unset=True,
              summary="What the server streams: model, prompt and chunk shapes, output")
     async def info():
-        return srv.info()
+        return await asyncio.to_thread(srv.info)
 
 
 def _docs_routes(app, srv: _Server, page: str) -> None:

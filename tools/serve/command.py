@@ -287,56 +287,69 @@ def check_checkpoint_every(args) -> None:
                          f"written to: got --checkpoint-every {every} and no --state-dir")
 
 
-def _fail(exc: Exception) -> int:
+def fail(exc: Exception) -> int:
     """``exc`` as the command's one-line error; exit status 2."""
     print(f"framekv serve: error: {' '.join(str(exc).split())}", file=sys.stderr)
     return 2
+
+
+def checked_options(args) -> dict:
+    """What ``args`` ask for, each option checked before anything is built: the token,
+    the output, the device, the reference model's preset (None for Wan), the state
+    folder (made). ValueError naming the option for a bad value or combination."""
+    from framekv.ops.device import resolve_device
+
+    token = token_of(args)
+    output = output_of(args)
+    check_wan_options(args)
+    device = resolve_device(args.device, name="--device")
+    # the reference model's preset, loaded once here: a bad one is refused before
+    # the model is built (Wan's sizes are `WanPipeline.load`'s to check)
+    preset = None if args.model == "wan-diffusers" else load_preset_arg(args.preset or "tiny")
+    if args.slots is not None and args.slots > args.max_sessions:
+        raise ValueError(f"--slots must be at most --max-sessions ({args.max_sessions}), "
+                         f"got {args.slots}")
+    check_checkpoint_every(args)
+    state_dir = None if args.state_dir is None else state_dir_path(args.state_dir)
+    return {"token": token, "output": output, "device": device, "preset": preset,
+            "state_dir": state_dir}
+
+
+def build_scheduler(args, options: dict):
+    """The `StreamScheduler` of ``args`` (``options``: `checked_options`'): the reference
+    model of its preset, or Wan's parts (`wan_factory`); ValueError for one that
+    cannot be built (a bad Wan preset, a pool too large for the device)."""
+    from framekv.engine.serving import LatentPreview, StreamScheduler
+
+    output = options["output"]
+    parts = (wan_factory(args, decode=output == "frames") if args.model == "wan-diffusers"
+             else None)
+    # frames of a model without a VAE: a picture of its latents
+    decoder = None if output != "frames" else LatentPreview if parts is None else parts.decoder
+    return StreamScheduler(options["preset"] if parts is None else args.preset or "tiny",
+                           max_sessions=args.max_sessions, slots=args.slots,
+                           swap_quantum=args.swap_quantum, device=options["device"],
+                           cache_dir=args.cache_dir, progress=True,
+                           queue_chunks=args.queue_chunks, runner_factory=parts,
+                           kv_dtype=kv_dtype_of(args) if parts is None else None,
+                           decoder_factory=decoder)
 
 
 def run(args) -> int:
     """``framekv serve``: build, capture, serve until SIGTERM; the exit status (2 for a
     bad option or option combination, before anything is built; or for a scheduler
     that cannot be built, e.g. a pool too large for the device)."""
-    from framekv.engine.serving import LatentPreview, StreamScheduler
-    from framekv.ops.device import resolve_device
-
     from .net import DrainingServer, server_config
 
     try:
-        token = token_of(args)
-        output = output_of(args)
-        check_wan_options(args)
-        device = resolve_device(args.device, name="--device")
-        # the reference model's preset, loaded once here: a bad one is refused before
-        # the model is built (Wan's sizes are `WanPipeline.load`'s to check)
-        preset = (None if args.model == "wan-diffusers"
-                  else load_preset_arg(args.preset or "tiny"))
-        if args.slots is not None and args.slots > args.max_sessions:
-            raise ValueError(f"--slots must be at most --max-sessions ({args.max_sessions}), "
-                             f"got {args.slots}")
-        check_checkpoint_every(args)
-        state_dir = None if args.state_dir is None else state_dir_path(args.state_dir)
-        parts = (wan_factory(args, decode=output == "frames") if args.model == "wan-diffusers"
-                 else None)
+        options = checked_options(args)
+        sched = build_scheduler(args, options)
     except ValueError as exc:
-        return _fail(exc)
-    # frames of a model without a VAE: a picture of its latents
-    decoder = None if output != "frames" else LatentPreview if parts is None else parts.decoder
-    try:
-        sched = StreamScheduler(preset if parts is None else args.preset or "tiny",
-                                max_sessions=args.max_sessions,
-                                slots=args.slots, swap_quantum=args.swap_quantum,
-                                device=device, cache_dir=args.cache_dir,
-                                progress=True, queue_chunks=args.queue_chunks,
-                                runner_factory=parts,
-                                kv_dtype=kv_dtype_of(args) if parts is None else None,
-                                decoder_factory=decoder)
-    except ValueError as exc:
-        return _fail(exc)
-    app = build_app(sched, token=token, output=output, frame_format=args.frame_format,
-                    fps=args.fps, idle_timeout=args.session_idle_timeout,
-                    model=model_name(args), state_dir=state_dir,
-                    checkpoint_every=args.checkpoint_every,
+        return fail(exc)
+    app = build_app(sched, token=options["token"], output=options["output"],
+                    frame_format=args.frame_format, fps=args.fps,
+                    idle_timeout=args.session_idle_timeout, model=model_name(args),
+                    state_dir=options["state_dir"], checkpoint_every=args.checkpoint_every,
                     allowed_origins=args.allowed_origins)
     server = DrainingServer(server_config(app, host=args.host, port=args.port,
                                           head_timeout=args.head_timeout))

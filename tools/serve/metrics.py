@@ -70,38 +70,65 @@ HISTOGRAMS = (("step_seconds", "framekv_step_seconds",
 
 
 class SchedulerCollector:
-    """A prometheus_client collector over ``sched.metrics()`` (module doc)."""
+    """A prometheus_client collector over ``sched.metrics()`` (module doc); over a
+    cluster's sessions (``sched.metrics_by_replica()``) each series has a ``replica``
+    label, one sample per replica."""
 
     def __init__(self, sched):
         self.sched = sched
+
+    def _rows(self) -> tuple[list[str], list[tuple[list[str], dict]]]:
+        by_replica = getattr(self.sched, "metrics_by_replica", None)
+        if by_replica is None:
+            return [], [([], _with_device_bytes(self.sched.metrics()))]
+        return ["replica"], [([rid], _with_device_bytes(m)) for rid, m in by_replica().items()]
 
     def collect(self):
         from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                             HistogramMetricFamily)
 
-        m = self.sched.metrics()
-        for key, name, doc in GAUGES:
-            yield GaugeMetricFamily(name, doc, value=m[key])
-        if m["device"].startswith("cuda"):
-            import torch
+        labels, rows = self._rows()
 
-            yield GaugeMetricFamily("framekv_gpu_allocated_bytes",
-                                    "Bytes torch has allocated on the server's GPU.",
-                                    value=torch.cuda.memory_allocated(m["device"]))
+        def family(kind, name, doc, key):
+            f = kind(name, doc, labels=labels)
+            for values, m in rows:
+                if key in m:
+                    f.add_metric(values, m[key])
+            return [f] if f.samples else []    # a series only some servers have
+
+        for key, name, doc in GAUGES:
+            yield from family(GaugeMetricFamily, name, doc, key)
+        yield from family(GaugeMetricFamily, "framekv_gpu_allocated_bytes",
+                          "Bytes torch has allocated on the server's GPU.", "gpu_allocated_bytes")
         for key, name, doc in COUNTERS:
-            yield CounterMetricFamily(name, doc, value=m[key])
-        if m["decoding"]:
-            yield CounterMetricFamily("framekv_video_frames", "Video frames decoded.",
-                                      value=m["video_frames"])
+            yield from family(CounterMetricFamily, name, doc, key)
+        yield from family(CounterMetricFamily, "framekv_video_frames", "Video frames decoded.",
+                          "video_frames_decoded")
         ended = CounterMetricFamily("framekv_sessions_ended", "Sessions closed, by reason.",
-                                    labels=["reason"])
-        for reason, n in sorted(m["ended"].items()):
-            ended.add_metric([reason], n)
+                                    labels=[*labels, "reason"])
+        for values, m in rows:
+            for reason, n in sorted(m["ended"].items()):
+                ended.add_metric([*values, reason], n)
         yield ended
         for key, name, doc in HISTOGRAMS:
-            h = m[key]
-            buckets = [(repr(float(b)), n) for b, n in h["buckets"]] + [("+Inf", h["count"])]
-            yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
+            h = HistogramMetricFamily(name, doc, labels=labels)
+            for values, m in rows:
+                buckets = [(repr(float(b)), n) for b, n in m[key]["buckets"]]
+                h.add_metric(values, buckets + [("+Inf", m[key]["count"])], m[key]["sum"])
+            yield h
+
+
+def _with_device_bytes(m: dict) -> dict:
+    """``m`` with ``gpu_allocated_bytes`` on CUDA and ``video_frames_decoded`` when
+    decoding (the series only such a server has)."""
+    m = dict(m)
+    if m["device"].startswith("cuda") and "gpu_allocated_bytes" not in m:
+        import torch
+
+        m["gpu_allocated_bytes"] = torch.cuda.memory_allocated(m["device"])
+    if m["decoding"]:
+        m["video_frames_decoded"] = m["video_frames"]
+    return m
 
 
 def metrics_registry(sched):

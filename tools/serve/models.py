@@ -145,6 +145,9 @@ class ServerInfo(BaseModel):
     queue_chunks: int = Field(description="Undelivered chunks a session holds at most.")
     session_idle_timeout: float = Field(description="Seconds a session may go without a "
                                                     "socket before it is ended (idle).")
+    replicas: list[dict] | None = Field(None, description="A cluster's replicas (id, "
+                                        "sessions, max_sessions, slots, draining); absent "
+                                        "for one server.")
 
 
 class Health(BaseModel):

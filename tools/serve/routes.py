@@ -12,8 +12,9 @@ with 202 ``prompt_pending`` (a paused or swapped-out session takes it as it come
 back). The socket (``?after=i``: the last chunk index the client has) is accepted, then
 closed with a code and a reason when refused: 1008 (a page of a foreign origin,
 `OriginCheck`; the token), 4404 (no such session
-open), 4409 (it already has a socket), 4422 (a bad ``after``). A session whose socket
-closes stays open, its idle clock running.
+open), 4409 (it still has a socket `TAKEN_WAIT_S` after this one came: a reconnect may
+come before the old socket's end is seen), 4422 (a bad ``after``). A session whose
+socket closes stays open, its idle clock running.
 (No ``from __future__ import annotations``: FastAPI reads the routes' annotations.)
 """
 import asyncio
@@ -34,6 +35,8 @@ NO_SESSION = 4404
 SESSION_TAKEN = 4409
 #: a socket whose ``after`` is not a chunk index is closed with this code
 BAD_AFTER = 4422
+#: seconds a second socket waits for the session's socket to end before its 4409
+TAKEN_WAIT_S = 3.0
 #: seconds PUT .../prompt waits for the change to take before answering 202
 PROMPT_WAIT_S = 10.0
 RAW_PROMPT = {"requestBody": {"required": True, "description": "L x text_dim values, "
@@ -94,7 +97,7 @@ def session_routes(app, srv) -> None:
              responses=errors(401, 404, 422),
              summary="A session's state, open or ended")
     async def read(sid: str):
-        info = srv.sched.session_info(sid)
+        info = await asyncio.to_thread(srv.sched.session_info, sid)
         if info is None:
             raise RequestError(404, f"no such session: {sid[:64]!r} (unknown, or ended "
                                     "too long ago to be kept)")
@@ -108,7 +111,7 @@ def session_routes(app, srv) -> None:
         try:
             await asyncio.to_thread(srv.sched.close_session, sid, "deleted")
         except KeyError:                  # never open, or ended first (its socket closed)
-            raise _not_open(srv, sid) from None
+            raise await asyncio.to_thread(_not_open, srv, sid) from None
         return Response(status_code=204)
 
     @app.put("/v1/sessions/{sid}/prompt", response_model=PromptAck, dependencies=auth,
@@ -146,9 +149,9 @@ def _creator(srv):
 async def _upload(srv, sid: str, request, shape: str, dtype: str) -> PromptAck:
     """PUT .../prompt: the headers checked, the body read (capped at the prompt's
     bytes), the prompt set; its version and the first chunk under it."""
-    s = srv.sched.sessions.get(sid)
+    s = await asyncio.to_thread(srv.sched.sessions.get, sid)
     if s is None:
-        raise _not_open(srv, sid)
+        raise await asyncio.to_thread(_not_open, srv, sid)
     if s.finished:
         raise RequestError(409, f"session {sid[:64]!r} is {s.state}: no chunk will come "
                                 "under a new prompt")
@@ -158,7 +161,7 @@ async def _upload(srv, sid: str, request, shape: str, dtype: str) -> PromptAck:
     try:
         change = await asyncio.to_thread(srv.sched.set_prompt, sid, prompt)
     except KeyError:
-        raise _not_open(srv, sid) from None
+        raise await asyncio.to_thread(_not_open, srv, sid) from None
     except ValueError as exc:
         raise RequestError(422, str(exc)) from None
     try:  # it takes at the session's next step boundary (off the pool: as it comes back)
@@ -168,7 +171,7 @@ async def _upload(srv, sid: str, request, shape: str, dtype: str) -> PromptAck:
         return JSONResponse({"type": "prompt_pending", "prompt_version": change.version,
                              "applies_from": change.applies_from}, 202)
     except KeyError:
-        raise _not_open(srv, sid) from None
+        raise await asyncio.to_thread(_not_open, srv, sid) from None
     except Exception as exc:
         raise RequestError(500, f"the prompt change failed, the session goes on under its "
                                 f"old prompt: {type(exc).__name__}: {exc}") from None
@@ -189,8 +192,14 @@ def stream_route(app, srv) -> None:
         except RequestError as exc:
             return await ws.close(code=WS_AUTH_CLOSE, reason=exc.message)
         if sid not in srv.sched.sessions:
-            reason = _not_open(srv, sid).message.encode()[:123].decode(errors="ignore")
-            return await ws.close(code=NO_SESSION, reason=reason)   # at most 123 bytes
+            why = (await asyncio.to_thread(_not_open, srv, sid)).message
+            reason = why.encode()[:123].decode(errors="ignore")     # at most 123 bytes
+            return await ws.close(code=NO_SESSION, reason=reason)
+        # A reconnect can come before the server has seen its old socket go: the
+        # old one gets TAKEN_WAIT_S to end before this one is refused.
+        deadline = time.monotonic() + TAKEN_WAIT_S
+        while sid in srv.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         if sid in srv.streams:              # checked and taken with no await between
             return await ws.close(code=SESSION_TAKEN, reason="session already has a stream: "
                                                              "one socket per session")

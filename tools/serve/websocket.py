@@ -40,7 +40,7 @@ async def serve_socket(ws, sched, sid: str, encode, draining, *, after: int | No
     from fastapi import WebSocketDisconnect
 
     try:
-        reader = sched.rewind(sid, after)
+        reader = await asyncio.to_thread(sched.rewind, sid, after)
     except KeyError:
         reader = None
     tasks = [asyncio.create_task(_send(ws, sched, sid, encode, draining, keep_on_drain, reader)),
@@ -83,23 +83,23 @@ async def _send(ws, sched, sid: str, encode, draining, kept: bool, reader) -> No
         if chunk is not None:
             await ws.send_bytes(await asyncio.to_thread(encode, chunk))
             continue
-        s = sched.sessions.get(sid)
+        s = await asyncio.to_thread(sched.sessions.get, sid)
         if s is None:                                       # closed under the socket
-            return await ws.send_text(_end(sched, sid))
+            return await ws.send_text(await asyncio.to_thread(_end, sched, sid))
         if reader is not None and s.reader != reader:       # another socket reads it now
             return None
         if s.finished and s.sent >= len(s.queue):
             if s.queue:                                     # sent, not yet acknowledged
                 await asyncio.sleep(0.02)
                 continue
-            end = _end(sched, sid)
+            end = await asyncio.to_thread(_end, sched, sid)
             with contextlib.suppress(KeyError):             # every chunk is the client's
                 await asyncio.to_thread(sched.close_session, sid, s.state)
             return await ws.send_text(end)
     # The scheduler is held: no chunk comes after those queued.
     while (chunk := await asyncio.to_thread(take, 0)) is not None:
         await ws.send_bytes(await asyncio.to_thread(encode, chunk))
-    await ws.send_text(_end(sched, sid, "shutdown", kept))
+    await ws.send_text(await asyncio.to_thread(_end, sched, sid, "shutdown", kept))
 
 
 async def _receive(ws, sched, sid: str) -> None:
@@ -137,7 +137,7 @@ async def _control(ws, sched, sid: str, msg: dict) -> dict | None:
         index = msg.get("index")
         if isinstance(index, bool) or not isinstance(index, int):
             raise RequestError(422, f"an ack message's index must be an integer, got {index!r}")
-        sched.ack(sid, index)                   # host work under a short lock
+        await asyncio.to_thread(sched.ack, sid, index)
         return None
     if kind != "prompt":
         await asyncio.to_thread(sched.pause, sid, kind == "pause")
