@@ -6,13 +6,16 @@ modules run on their own.
 
 Modules run as ``python -m framekv.bench.NAME [--json FILE]`` (each checks its results
 against a reference before timing and writes JSON; ``--help`` says what it takes). Each
-but serve_load needs a CUDA GPU: without one it says so in one line and exits with
+but serve_load and cluster need a CUDA GPU: without one it says so in one line and exits with
 status 2 (`framekv.bench.timing.require_cuda`, called once its arguments are checked):
 
     clean_pass      a clean pass kept for its K/V only against the whole clean pass
     commit          the commit at the seed geometry: kernels, uploads, device and host time
     fp8             bf16 against fp8 K/V side by side, speed beside accuracy: one paged
                     attention forward, the reference DiT, diffusers' Wan
+    cluster         a live stream's move between replicas of `framekv serve --replicas`
+                    (bytes, export, transfer, import, the client's gap), sessions
+                    placed per second (runs on a CPU: ``--device cpu``)
     cudnn_plans     cuDNN's execution plans for the paged forwards, each timed
     glue_ops        the fused glue ops, one call each at a model's chunk shape, against
                     a copy_ of their bytes

@@ -65,7 +65,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _client(url: str, stop: threading.Event, out: list) -> None:
+def read_chunks(url: str, stop: threading.Event, out: list) -> None:
+    """Read and acknowledge the chunks of the socket at ``url`` until ``stop`` (or its
+    end): (arrival time, header) of each into ``out``."""
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
@@ -152,7 +154,7 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
 def _measure(port: int, ids: list[str], seconds: float, scrape, progress, preset) -> dict:
     """The clients (and the scraper) over ``seconds``: the load's numbers."""
     stop, received = threading.Event(), [[] for _ in ids]
-    clients = [threading.Thread(target=_client, args=(
+    clients = [threading.Thread(target=read_chunks, args=(
         f"ws://127.0.0.1:{port}/v1/sessions/{sid}/stream", stop, out), daemon=True)
         for sid, out in zip(ids, received)]
     progress(f"serve_load {preset}: {len(ids)} sessions streaming for {seconds:.0f} s")

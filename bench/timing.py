@@ -7,6 +7,8 @@ before each interval where asked. Host times are `time.perf_counter` intervals.
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -268,11 +270,21 @@ def matmul_ceiling(flush: Flusher | None = None) -> float:
     return 2 * n ** 3 / us / 1e6
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
 def environment() -> dict[str, str]:
     """What the numbers were measured on."""
     import importlib.metadata as md
 
-    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"cpu: {_cpu_model()} x {os.cpu_count()}")   # serve_load, cluster
+    env = {"device": device, "torch": torch.__version__,
            "cuda": str(torch.version.cuda), "cudnn_torch": str(torch.backends.cudnn.version())}
     for dist in ("nvidia-cudnn-frontend", "numba-cuda"):
         try:

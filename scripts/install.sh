@@ -2,6 +2,7 @@
 # Installs framekv into the current Python environment.
 #   bash scripts/install.sh        # the runtime (the main job: framekv demo)
 #   bash scripts/install.sh test   # the runtime and the test tools
+#   bash scripts/install.sh cluster  # the runtime and Ray Serve (framekv serve --replicas)
 # Where no torch is installed, the CPU build is installed first (a plain `torch`
 # requirement would pull a multi-GB CUDA build); an existing torch is kept. Where torch
 # sees a CUDA device, the GPU extra (nvidia-cudnn-frontend, the cuDNN backend) comes too.
@@ -16,6 +17,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 extras=()
 [ "${1:-}" = "test" ] && extras+=(test)
+[ "${1:-}" = "cluster" ] && extras+=(cluster)
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
   echo "framekv: torch sees a CUDA device, installing the GPU extra (nvidia-cudnn-frontend)"
   extras+=(gpu)

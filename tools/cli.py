@@ -22,6 +22,7 @@ import json
 import sys
 
 from . import bench, generate, serve
+from .cluster import command as cluster
 from .args import (add_kv_dtype_argument, nonnegative_int, positive_int, tolerance,
                    writable_file)
 from .conventions import (PresetError, add_backend_argument, add_preset_arguments,
@@ -222,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     _warmup_args(sub.add_parser("warmup", help="capture every graph a preset's rollout "
                                 "replays, up front"))
     bench.add_parser(sub)
-    serve.add_parser(sub)
+    cluster.add_arguments(serve.add_parser(sub))
+    cluster.add_parser(sub)
     generate.add_parser(sub)
     return p
 

@@ -301,8 +301,9 @@ def _lifespan(srv: _Server):
         if sched.checkpoints is not None:
             sched.checkpoints.close()       # what it was writing lands first
         if srv.state_dir is not None:
-            srv.save_sessions()
-        srv._close_all(list(sched.sessions), "shutdown", keep_files=srv.state_dir is not None)
+            await asyncio.to_thread(srv.save_sessions)
+        await asyncio.to_thread(srv._close_all, list(sched.sessions), "shutdown",
+                                keep_files=srv.state_dir is not None)
     return lifespan
 
 

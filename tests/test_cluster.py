@@ -1,0 +1,172 @@
+"""``framekv serve --replicas 2`` on a local Ray cluster (tiny preset, fp32, the CPU),
+real HTTP and WebSocket clients on 127.0.0.1: four sessions spread over the replicas;
+one moved mid-stream, then a replica drained (``framekv cluster drain``), then the
+replica holding every session killed (SIGKILL) while they stream. Every session's
+chunks 0..N arrive once each, equal byte for byte to the same seed's on one
+single-process server of the same flags (one slot: every step a batch of one).
+And the command's refusals: a replica that cannot start, bad cluster options.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+httpx = pytest.importorskip("httpx")
+
+import framekv.client as fc  # noqa: E402
+
+CHUNKS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def cluster(tmp_path, *extra, replicas=2):
+    """``framekv serve --replicas`` in its own process: its URL once /health is 200."""
+    port, log = _free_port(), open(tmp_path / "cluster.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "framekv.tools.cli", "serve", "--replicas", str(replicas),
+         "--device", "cpu", "--output", "latents", "--max-sessions", "4", "--slots", "1",
+         "--queue-chunks", "3", "--port", str(port), "--state-dir", str(tmp_path / "state"),
+         "--checkpoint-every", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "cluster.log").read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(f"{url}/v1/cluster/replicas", timeout=5)
+                if r.status_code == 200 and len(r.json()) == replicas:
+                    break
+            assert time.monotonic() < deadline, "the cluster did not come up"
+            time.sleep(0.5)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+
+
+def replicas(url) -> dict:
+    return {r["id"]: r for r in httpx.get(f"{url}/v1/cluster/replicas", timeout=30).json()}
+
+
+def reader(url, sid, got, errors):
+    """Stream session ``sid`` to its end, each chunk's (index, payload) into ``got``."""
+    try:
+        with fc.Client(url, timeout=60) as client:
+            s = client.session(sid)
+            for chunk in s.stream(timeout=180):
+                got.append((chunk.index, bytes(chunk.payload)))
+            assert s.end["state"] == "done", s.end
+    except BaseException as exc:  # reported by the test
+        errors.append(exc)
+
+
+def wait_until(what, limit=180.0):
+    deadline = time.monotonic() + limit
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_sessions_move_drain_and_survive_a_killed_replica(tmp_path):
+    with cluster(tmp_path) as (url, proc):
+        with fc.Client(url) as client:
+            sids = [client.create(seed=300 + i, chunks=CHUNKS).id for i in range(4)]
+        assert sorted(r["sessions"] for r in replicas(url).values()) == [2, 2]
+        got, errors = {sid: [] for sid in sids}, []
+        threads = [threading.Thread(target=reader, args=(url, sid, got[sid], errors))
+                   for sid in sids]
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(got[sids[0]]) >= 3)
+        r = httpx.post(f"{url}/v1/sessions/{sids[0]}/move", json={}, timeout=60)
+        assert r.status_code == 200 and r.json()["bytes"] > 0, r.text
+
+        wait_until(lambda: min(len(g) for g in got.values()) >= 5)
+        first = min(replicas(url))
+        out = subprocess.run([sys.executable, "-m", "framekv.tools.cli", "cluster", "drain",
+                              first, "--url", url], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        after = replicas(url)
+        assert after[first]["draining"] and after[first]["sessions"] == 0
+
+        wait_until(lambda: min(len(g) for g in got.values()) >= 7)
+        holder = next(r for rid, r in after.items() if rid != first)
+        os.kill(holder["pid"], signal.SIGKILL)            # every session is there
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors, errors
+    want = single_server(tmp_path, [300 + i for i in range(4)])
+    for i, sid in enumerate(sids):
+        assert [k for k, _ in got[sid]] == list(range(CHUNKS)), sid
+        assert [payload for _, payload in got[sid]] == want[i], sid
+
+
+def single_server(tmp_path, seeds) -> list[list[bytes]]:
+    """The chunk payloads of each seed on one ``framekv serve`` of the same flags."""
+    port, log = _free_port(), open(tmp_path / "single.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "framekv.tools.cli", "serve", "--device", "cpu", "--output",
+         "latents", "--max-sessions", "4", "--slots", "1", "--queue-chunks", "3", "--port",
+         str(port)], stdout=log, stderr=subprocess.STDOUT,
+        # Ray gives a replica of --replica-cpus 1 one thread; the CPU's sums follow
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "single.log").read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        with fc.Client(url) as client:
+            return [[c.payload for c in client.create(seed=seed, chunks=CHUNKS).stream(
+                timeout=120)] for seed in seeds]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        log.close()
+
+
+def test_a_replica_that_cannot_start_is_one_line_naming_it(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "framekv.tools.cli", "serve", "--replicas",
+                          "1", "--device", "cpu", "--model", "wan-diffusers", "--preset",
+                          "nosuch", "--port", str(_free_port()), "--state-dir",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and last.startswith("framekv serve: error: the cluster did not "
+                                                   "start"), out.stderr[-2000:]
+    assert "nosuch" in last
+
+
+def test_bad_cluster_options_are_one_line_before_ray_starts():
+    for argv, words in ((["--replicas", "2", "--min-replicas", "1", "--max-replicas", "2"],
+                         "no --replicas"),
+                        (["--min-replicas", "3", "--max-replicas", "2"],
+                         "--min-replicas must be at most --max-replicas"),
+                        (["--replicas", "0"], "--replicas")):
+        out = subprocess.run([sys.executable, "-m", "framekv.tools.cli", "serve", *argv,
+                              "--device", "cpu"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and words in out.stderr, (argv, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr

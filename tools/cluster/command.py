@@ -1,0 +1,250 @@
+"""``framekv serve --replicas N`` and ``framekv cluster``: the server on a Ray cluster.
+
+``--replicas N`` (or ``--min-replicas A --max-replicas B``: Ray Serve scales between
+them on the sessions each replica streams, ``--target-sessions`` per replica) starts a
+local Ray cluster, or joins one (``--ray-address``), and deploys the application
+`deployments` builds: N replicas of the scheduler every other ``framekv serve`` flag
+describes (one GPU each; on a CPU host ``--replica-cpus`` cores), behind the ingress on
+``--host``/``--port`` serving the API and the page of one server. Sessions are kept in
+``--state-dir`` (a temporary folder on a local cluster without one; joining a cluster
+of several hosts needs one every host reads), so a replica that stops hands its
+sessions on; ``--checkpoint-every`` makes that hold for a replica killed outright.
+
+``framekv cluster replicas`` lists the replicas; ``framekv cluster drain REPLICA``
+moves every session off one (``--url`` the ingress, the token from FRAMEKV_TOKEN).
+Ray is imported only here (``pip install 'framekv[cluster]'``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+from ..args import int_in, positive_int
+from ..serve import command as serve_command
+
+MAX_REPLICAS = 256
+APP = "framekv"
+#: Ray Serve's proxy checks, lengthened: a host whose cores are busy (replicas starting,
+#: a test suite beside them) answers its first check late, and Serve kills the proxy
+SLOW_HOST_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+                 "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+                 "RAY_SERVE_PROXY_GRACEFUL_SHUTDOWN_TIMEOUT_S": "30"}
+
+
+def add_arguments(serve_parser: argparse.ArgumentParser) -> None:
+    """The cluster's flags on ``framekv serve``; its command dispatches by them."""
+    g = serve_parser.add_argument_group("cluster (pip install 'framekv[cluster]')")
+    g.add_argument("--replicas", type=int_in(1, MAX_REPLICAS), default=None, metavar="N",
+                   help="serve from N replicas on a Ray cluster, each a scheduler of the "
+                        "flags above (one GPU each)")
+    g.add_argument("--min-replicas", type=int_in(0, MAX_REPLICAS), default=None, metavar="A",
+                   help="with --max-replicas: Ray Serve scales the replicas between A and B")
+    g.add_argument("--max-replicas", type=int_in(1, MAX_REPLICAS), default=None, metavar="B")
+    g.add_argument("--target-sessions", type=positive_int, default=None, metavar="S",
+                   help="autoscaling's target of sessions streaming per replica (default: "
+                        "--max-sessions)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (default: start a local one)")
+    g.add_argument("--replica-cpus", type=positive_int, default=1, metavar="N",
+                   help="CPU cores a replica takes on a host without GPUs (default 1)")
+    serve_parser.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    """``framekv serve``: one server, or a cluster with ``--replicas`` / autoscaling."""
+    if args.replicas is None and args.min_replicas is None and args.max_replicas is None:
+        return serve_command.run(args)
+    return run_cluster(args)
+
+
+def scaling(args) -> dict:
+    """Ray Serve's replica count: ``num_replicas``, or ``autoscaling_config``;
+    ValueError naming the flags for a bad combination."""
+    lo, hi = args.min_replicas, args.max_replicas
+    if lo is None and hi is None:
+        return {"num_replicas": args.replicas}
+    if args.replicas is not None or lo is None or hi is None:
+        raise ValueError(f"autoscaling takes both --min-replicas and --max-replicas and no "
+                         f"--replicas, got --replicas {args.replicas}, --min-replicas {lo}, "
+                         f"--max-replicas {hi}")
+    if lo > hi:
+        raise ValueError(f"--min-replicas must be at most --max-replicas ({hi}), got {lo}")
+    target = args.target_sessions or args.max_sessions
+    # each streaming session keeps one call waiting on its replica for its next chunk
+    return {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi,
+                                   "initial_replicas": max(lo, 1),
+                                   "target_ongoing_requests": target,
+                                   "upscale_delay_s": 5.0, "downscale_delay_s": 30.0}}
+
+
+def settings(args, options: dict) -> dict:
+    """`build_app`'s options for the ingress (resolved here: a worker does not see this
+    process's environment, FRAMEKV_TOKEN included)."""
+    return {"token": options["token"], "output": options["output"],
+            "frame_format": args.frame_format, "fps": args.fps,
+            "idle_timeout": args.session_idle_timeout, "model": serve_command.model_name(args),
+            "allowed_origins": args.allowed_origins}
+
+
+def deployments(args, options: dict):
+    """The Ray Serve application: the ingress bound to the replica deployment."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from .ingress import Ingress
+    from .replica import Replica
+    from .router import ReplicaRouter
+
+    gpu = str(options["device"]).startswith("cuda")
+    replica = serve.deployment(
+        Replica, name="replica", max_ongoing_requests=100_000,
+        ray_actor_options={"num_gpus": 1} if gpu else {"num_cpus": args.replica_cpus},
+        # named, not pickled: the ingress reads this very module's routers (`live_replicas`)
+        request_router_config=RequestRouterConfig(
+            request_router_class=f"{ReplicaRouter.__module__}.{ReplicaRouter.__name__}",
+            request_routing_stats_period_s=1.0),
+        graceful_shutdown_timeout_s=60, health_check_period_s=2,
+        max_constructor_retry_count=2, **scaling(args))   # a replica that cannot start: fail
+    ingress = serve.deployment(serve.ingress()(Ingress), name="ingress",
+                               max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(args), settings(args, options))
+
+
+def _cluster_args(args) -> tuple[argparse.Namespace, dict]:
+    """``args`` checked (`checked_options`), with a state folder every replica uses."""
+    options = serve_command.checked_options(args)
+    scaling(args)
+    if options["state_dir"] is None:
+        if args.ray_address is not None:
+            print("framekv serve: warning: no --state-dir on a joined cluster: a replica "
+                  "that stops ends its sessions", file=sys.stderr)
+        else:
+            args.state_dir = tempfile.mkdtemp(prefix="framekv-sessions-")
+            options["state_dir"] = args.state_dir
+    args.state_dir = None if options["state_dir"] is None else str(options["state_dir"])
+    return args, options
+
+
+def start_ray(args, options: dict) -> None:
+    """Join ``--ray-address`` or start a local cluster with room for every replica;
+    ValueError when it has fewer GPUs than replicas asked for."""
+    import ray
+    from ray import serve
+
+    want = args.replicas or args.min_replicas or 1
+    for name, value in SLOW_HOST_ENV.items():     # a busy host must not fail Serve's checks
+        os.environ.setdefault(name, value)
+    if args.ray_address is None:
+        cpus = max(os.cpu_count() or 1, want * args.replica_cpus + 1,
+                   (args.max_replicas or want) * args.replica_cpus + 1)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace=APP,
+                 logging_level="WARNING", configure_logging=False)
+    else:
+        ray.init(address=args.ray_address, namespace=APP, logging_level="WARNING")
+    if str(options["device"]).startswith("cuda"):
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        if gpus < want:
+            raise ValueError(f"--replicas needs a GPU per replica: the cluster has {gpus}, "
+                             f"{want} asked for")
+    serve.start(http_options={"host": args.host, "port": args.port})
+
+
+def run_cluster(args) -> int:
+    """Deploy, print where, serve until SIGTERM or Ctrl-C (module doc); 2 for a bad
+    option, or a replica that cannot start (its error named)."""
+    import signal
+
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return serve_command.fail(ValueError("--replicas needs Ray Serve: pip install "
+                                             "'framekv[cluster]'"))
+    try:
+        args, options = _cluster_args(args)
+    except ValueError as exc:
+        return serve_command.fail(exc)
+    from ray import serve
+
+    try:
+        start_ray(args, options)
+        serve.run(deployments(args, options), name=APP, route_prefix="/")
+    except ValueError as exc:
+        return serve_command.fail(exc)
+    except RuntimeError as exc:       # a replica or the ingress failed to start
+        return serve_command.fail(RuntimeError(f"the cluster did not start: "
+                                                f"{_why_not_started(exc)}"))
+    print(f"framekv cluster: serving on http://{args.host}:{args.port} (state in "
+          f"{args.state_dir})", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    try:
+        while not stop:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    serve.shutdown()
+    return 0
+
+
+def _why_not_started(exc: Exception) -> str:
+    """The failed deployment's own error (a replica's constructor: its last line)."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications[APP]
+        for name, d in app.deployments.items():
+            if str(d.status).endswith("UNHEALTHY") or "DEPLOY_FAILED" in str(d.status):
+                return f"deployment {name!r}: {_last_line(d.message)}"
+    except Exception:  # the status itself is gone: the exception says what it can
+        pass
+    return _last_line(exc)
+
+
+def _last_line(exc) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+# ---------------------------------------------------------------------- framekv cluster
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``framekv cluster replicas|drain``."""
+    from ..conventions import one_line_errors
+
+    p = one_line_errors(subparsers.add_parser(
+        "cluster", help="a serving cluster's replicas: list them, drain one"))
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for name, text in (("replicas", "list the replicas: sessions, slots, draining"),
+                       ("drain", "move every session off a replica; it takes no new one")):
+        a = one_line_errors(sub.add_parser(name, help=text))
+        if name == "drain":
+            a.add_argument("replica", help="the replica's id (framekv cluster replicas)")
+        a.add_argument("--url", default="http://127.0.0.1:8000",
+                       help="the cluster's ingress (default http://127.0.0.1:8000)")
+        a.set_defaults(func=run_admin)
+    return p
+
+
+def run_admin(args) -> int:
+    """One call to the ingress; its JSON answer printed; 1 for an error it answered."""
+    import httpx
+
+    token = os.environ.get("FRAMEKV_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    path = ("/v1/cluster/replicas" if args.action == "replicas"
+            else f"/v1/cluster/replicas/{args.replica}/drain")
+    try:
+        r = httpx.request("GET" if args.action == "replicas" else "POST", args.url + path,
+                          headers=headers, timeout=600)
+    except httpx.HTTPError as exc:
+        print(f"framekv cluster: error: {args.url}: {exc}", file=sys.stderr)
+        return 2
+    if r.status_code >= 400:
+        print(f"framekv cluster: error: {r.status_code}: {r.json().get('error', r.text)}",
+              file=sys.stderr)
+        return 1
+    print(json.dumps(r.json(), indent=2))
+    return 0
