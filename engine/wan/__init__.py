@@ -10,6 +10,8 @@
 - ``text.py``: `TextEncoder`, UMT5 from a local folder or random, prompts to embeddings.
 - ``vae.py``: the Wan VAE and `StreamingVAEDecoder`, a rollout's latents to frames chunk
   by chunk with the causal cache in an arena; ``vae_graph.py`` its CUDA graphs.
+- ``tiny_decoder.py``: `TinyStreamingDecoder`, a small per-frame decoder of the TAEHV
+  ``taew2_1`` layout with `StreamingVAEDecoder`'s interface, frame counts and range.
 - ``pipeline.py``: `WanPipeline`, the one loader the commands share: a config, a
   diffusers folder or an original-layout checkpoint to transformer, text encoder, VAE,
   sizes and sampling.
@@ -21,10 +23,11 @@ from .pipeline import WanPipeline
 from .rollout import CLEAN_BLOCKS, SAMPLERS, WanRollout
 from .setup import CONFIGS, PRESETS, WanShape, build_model, preset_sizes
 from .text import TEXT_CONFIGS, TextEncoder
+from .tiny_decoder import TinyStreamingDecoder
 from .vae import VAE_CONFIGS, StreamingVAEDecoder, build_vae, load_vae
 from .weights import WanWeights, load_folder, load_model, save_original_checkpoint
 
 __all__ = ["CLEAN_BLOCKS", "CONFIGS", "PRESETS", "SAMPLERS", "TEXT_CONFIGS", "VAE_CONFIGS",
-           "StreamingVAEDecoder", "TextEncoder", "WanChunks", "WanPipeline", "WanRollout",
-           "WanShape", "WanWeights", "build_model", "build_vae", "load_folder", "load_model",
-           "load_vae", "preset_sizes", "save_original_checkpoint"]
+           "StreamingVAEDecoder", "TextEncoder", "TinyStreamingDecoder", "WanChunks",
+           "WanPipeline", "WanRollout", "WanShape", "WanWeights", "build_model", "build_vae",
+           "load_folder", "load_model", "load_vae", "preset_sizes", "save_original_checkpoint"]
