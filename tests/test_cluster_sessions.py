@@ -20,9 +20,10 @@ pytest.importorskip("fastapi")
 
 from framekv.engine.serving import SchedulerFull, StreamScheduler  # noqa: E402
 from framekv.tools.cli import build_parser  # noqa: E402
-from framekv.tools.cluster import sessions as cluster_sessions  # noqa: E402
+from framekv.tools.cluster import moves as cluster_moves  # noqa: E402
 from framekv.tools.cluster.replica import Replica  # noqa: E402
-from framekv.tools.cluster.sessions import ClusterSessions, MoveConflict  # noqa: E402
+from framekv.tools.cluster.moves import MoveConflict  # noqa: E402
+from framekv.tools.cluster.sessions import ClusterSessions  # noqa: E402
 from test_scheduler import alone_chunks  # noqa: E402
 
 
@@ -88,7 +89,7 @@ def cluster(tmp_path, monkeypatch):
     for _ in range(2):
         r = replica(tmp_path)
         reps[r.id] = r
-    monkeypatch.setattr(cluster_sessions, "live_replicas", lambda: {k: {} for k in reps})
+    monkeypatch.setattr(cluster_moves, "live_replicas", lambda: {k: {} for k in reps})
     handle = FakeHandle(reps)
     cs = ClusterSessions(handle, handle.options("").describe.remote().result(), grace=0.0)
     cs.refresh()
@@ -199,7 +200,7 @@ def test_a_dead_replicas_session_without_a_checkpoint_ends_failed(tmp_path, monk
     for _ in range(2):
         r = replica(None)
         reps[r.id] = r
-    monkeypatch.setattr(cluster_sessions, "live_replicas", lambda: {k: {} for k in reps})
+    monkeypatch.setattr(cluster_moves, "live_replicas", lambda: {k: {} for k in reps})
     handle = FakeHandle(reps)
     cs = ClusterSessions(handle, handle.options("").describe.remote().result(), grace=0.0)
     cs.refresh()
@@ -212,6 +213,32 @@ def test_a_dead_replicas_session_without_a_checkpoint_ends_failed(tmp_path, monk
         assert "no checkpoint of it was kept" in info["error"]
         assert cs.next_chunk(sid, 0.0) is None and cs.sessions.get(sid) is None
         victim.close()
+    finally:
+        for r in reps.values():
+            r.close()
+
+
+def test_a_replica_that_stops_hands_its_sessions_on(tmp_path, monkeypatch, reference):
+    """A scale-down: the replica Ray Serve stops writes its sessions as it goes (its
+    destructor, `Replica.save`), no checkpoints kept, and the others adopt them."""
+    reps = {}
+    for _ in range(2):
+        r = replica(tmp_path, checkpoint=False)
+        reps[r.id] = r
+    monkeypatch.setattr(cluster_moves, "live_replicas", lambda: {k: {} for k in reps})
+    handle = FakeHandle(reps)
+    cs = ClusterSessions(handle, handle.options("").describe.remote().result(), grace=0.0)
+    cs.refresh()
+    try:
+        sid = cs.open_session(seed=55, chunks=6).id
+        reader, got = cs.rewind(sid), []
+        read(cs, sid, 2, reader, got)
+        leaving = reps.pop(cs.where[sid])
+        leaving.__del__()                       # what Ray Serve's stop runs
+        assert leaving.stop.is_set()
+        cs.refresh()
+        assert cs.where[sid] in reps
+        assert_alone(reference, 55, read(cs, sid, 4, reader, got))
     finally:
         for r in reps.values():
             r.close()

@@ -11,7 +11,8 @@
 - ``vae.py``: the Wan VAE and `StreamingVAEDecoder`, a rollout's latents to frames chunk
   by chunk with the causal cache in an arena; ``vae_graph.py`` its CUDA graphs.
 - ``tiny_decoder.py``: `TinyStreamingDecoder`, a small per-frame decoder of the TAEHV
-  ``taew2_1`` layout with `StreamingVAEDecoder`'s interface, frame counts and range.
+  ``taew2_1`` layout with `StreamingVAEDecoder`'s interface, frame counts and range;
+  ``tiny_net.py`` its network and weight layout.
 - ``pipeline.py``: `WanPipeline`, the one loader the commands share: a config, a
   diffusers folder or an original-layout checkpoint to transformer, text encoder, VAE,
   sizes and sampling.

@@ -10,7 +10,8 @@
                            ▼ for a replica that stops or dies (`Replica.adopt`)
 
 ``replica.py`` the replica deployment's class; ``router.py`` its request router;
-``sessions.py`` the ingress's placement, moves, drains and adoptions; ``ingress.py``
+``sessions.py`` the ingress's placement and session calls, ``moves.py`` its replicas,
+adoptions, moves and drains; ``ingress.py``
 the ingress deployment and the cluster's own routes; ``models.py`` their bodies;
 ``command.py`` the command line. Ray is imported by the command and the deployments
 only (``pip install 'framekv[cluster]'``).

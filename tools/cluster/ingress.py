@@ -22,7 +22,8 @@ Every route takes the token as ``framekv serve``'s do.
 import asyncio
 import concurrent.futures
 
-from .sessions import ClusterSessions, MoveConflict
+from .moves import MoveConflict
+from .sessions import ClusterSessions
 
 
 class Ingress:

@@ -27,19 +27,13 @@ import time
 
 from framekv.engine.serving import SchedulerFull
 
-from .router import live_replicas
+from .moves import Moves, ReplicaGone
 
 log = logging.getLogger("framekv.cluster")
 CALL_TIMEOUT_S = 60.0     # a call about a session, its replica gone: it waits this long
-ENDED_KEPT = 4096         # ended sessions whose replica is remembered (GET says how)
-
-
-class MoveConflict(Exception):
-    """The session is being moved already."""
-
-
-class ReplicaGone(Exception):
-    """A call's replica did not answer: it died or left."""
+#: a socket's calls (read, rewind, view, ack): one sent to a replica as it died may
+#: hang rather than fail, and the socket tries again once the session is adopted
+SOCKET_CALL_S = 5.0
 
 
 @dataclasses.dataclass
@@ -115,7 +109,7 @@ def _named_error(text: str) -> Exception:
     return type(name if name.isidentifier() else "RuntimeError", (RuntimeError,), {})(message)
 
 
-class ClusterSessions:
+class ClusterSessions(Moves):
     """The sessions of every replica as one scheduler (module doc). ``handle``: the
     replica deployment's handle (routed by `ReplicaRouter`); ``described``: what one
     replica's `Replica.describe` returned."""
@@ -188,116 +182,6 @@ class ClusterSessions:
                         raise
             time.sleep(0.05)
 
-    # ------------------------------------------------------------------ replicas
-    @property
-    def max_sessions(self) -> int:
-        return sum(r["max_sessions"] for r in list(self.replicas.values()))
-
-    @property
-    def slots(self) -> int:
-        return sum(r["slots"] for r in list(self.replicas.values()))
-
-    @property
-    def loop_error(self) -> str | None:
-        """Why no session can be served (no replica up), else None."""
-        return None if self.replicas else "no replica is up"
-
-    def replica_info(self) -> list[dict]:
-        """Each replica: id, process id, sessions placed there, max_sessions, slots,
-        draining."""
-        with self.lock:
-            load = collections.Counter(self.where.values())
-            return [{"id": rid, "pid": r["pid"], "sessions": load[rid],
-                     "max_sessions": r["max_sessions"], "slots": r["slots"],
-                     "draining": rid in self.draining}
-                    for rid, r in sorted(self.replicas.items())]
-
-    def metrics_by_replica(self) -> dict[str, dict]:
-        """Replica id -> its `Replica.metrics` (a replica that does not answer: none)."""
-        out = {}
-        for rid in sorted(self.replicas):
-            try:
-                out[rid] = self._call(rid, "metrics", timeout=5.0)
-            except ReplicaGone:
-                continue
-        return out
-
-    def run(self, stop: threading.Event, period: float = 0.5) -> None:
-        """Until ``stop``: follow the replicas Ray Serve runs and adopt the sessions of
-        those that left (the app's loop thread)."""
-        while not stop.is_set():
-            try:
-                self.refresh()
-            except Exception:
-                log.exception("following the replicas failed; trying again")
-            stop.wait(period)
-
-    def refresh(self) -> None:
-        """One look at the replicas: new ones added, those gone dropped, orphaned
-        sessions adopted."""
-        live = live_replicas()
-        if live is None:                      # no router yet: a call makes one
-            self._call(None, "routing", timeout=10.0)
-            live = live_replicas() or {}
-        if not live and not self.handle.running_replicas_populated():
-            return                            # the router has not heard of any yet
-        for rid in live:
-            try:
-                info = self._call(rid, "routing", timeout=5.0)
-            except ReplicaGone:
-                continue
-            with self.lock:
-                self.replicas[rid] = info
-        with self.lock:
-            gone = [r for r in self.replicas if r not in live]
-            for rid in gone:
-                del self.replicas[rid]
-                self.draining.discard(rid)
-                self.left[rid] = time.monotonic()
-                log.warning("replica %s left: its sessions go to the others", rid)
-            orphans = [(sid, rid) for sid, rid in self.where.items()
-                       if rid not in self.replicas and sid not in self.moving]
-        for sid, rid in orphans:
-            self._adopt(sid, rid)
-
-    def _adopt(self, sid: str, gone: str) -> None:
-        """Session ``sid`` of the replica ``gone`` opened on another from its file."""
-        with self.lock:
-            self.moving.add(sid)
-        try:
-            target = self._pick()
-            if self._call(target, "adopt", sid):
-                with self.lock:
-                    self.where[sid] = target
-                    self.epoch[sid] += 1
-                log.info("session %s adopted by replica %s (replica %s left)", sid, target, gone)
-            elif time.monotonic() - self.left.get(gone, 0.0) > self.grace:
-                self._lose(sid, f"its replica {gone} stopped and no checkpoint of it was kept "
-                                "(--state-dir with --checkpoint-every keeps one)")
-        except (SchedulerFull, ReplicaGone) as exc:     # tried again at the next look
-            log.warning("session %s waits for a replica to adopt it: %s", sid, exc)
-        finally:
-            with self.lock:
-                self.moving.discard(sid)
-            self._release_acks(sid)
-
-    def _lose(self, sid: str, why: str) -> None:
-        with self.lock:
-            self.where.pop(sid, None)
-            seed, budget = self.budgets.pop(sid, (0, None))
-            r = self.readers.pop(sid, None)
-            made = 0 if r is None else r.handed + 1
-            self._remember(sid, {"id": sid, "state": "failed", "paused": False, "seed": seed,
-                                 "chunks": made, "delivered": made, "waiting": 0,
-                                 "budget": budget, "prompt_version": 0, "error": why,
-                                 "resident": False, "ended": True, "end_reason": "failed"})
-        log.error("session %s ended: %s", sid, why)
-
-    def _remember(self, sid: str, how) -> None:
-        self.ended[sid] = how
-        while len(self.ended) > ENDED_KEPT:
-            self.ended.popitem(last=False)
-
     def _pick(self, exclude=()) -> str:
         """The replica with the most free sessions (not draining, not ``exclude``)."""
         with self.lock:
@@ -342,7 +226,7 @@ class ClusterSessions:
             return None
         number = 0 if r is None else r.number
         try:
-            v = None if busy else self._call(rid, "view", sid, timeout=5.0)
+            v = None if busy else self._call(rid, "view", sid, timeout=SOCKET_CALL_S)
         except ReplicaGone:
             v = None
         if v is None:                    # moving, adopted or gone under the call
@@ -400,7 +284,7 @@ class ClusterSessions:
             busy = sid in self.moving
         if not busy:
             try:
-                return self._on_session(sid, "ack", index, wait=False)
+                return self._on_session(sid, "ack", index, wait=False, timeout=SOCKET_CALL_S)
             except ReplicaGone:           # held until the session is adopted
                 pass
         with self.lock:
@@ -423,7 +307,7 @@ class ClusterSessions:
         with self.lock:
             epoch = self.epoch[sid]
         try:
-            theirs = self._on_session(sid, "rewind", after, wait=False)
+            theirs = self._on_session(sid, "rewind", after, wait=False, timeout=SOCKET_CALL_S)
         except ReplicaGone:              # its replica died: rewound once it is adopted
             theirs, epoch = 0, -1
         with self.lock:
@@ -450,13 +334,15 @@ class ClusterSessions:
                 if busy:
                     time.sleep(min(0.05, max(left, 0.0)))
                 elif r.epoch != epoch:        # moved: read on from its new replica
-                    theirs = self._call(rid, "rewind", sid, None if r.handed < 0 else r.handed)
+                    theirs = self._call(rid, "rewind", sid, None if r.handed < 0 else r.handed,
+                                        timeout=SOCKET_CALL_S)
                     with self.lock:
                         r.replica_reader, r.epoch = theirs, epoch
                     continue
                 else:
                     chunk = self._call(rid, "next_chunk", sid, max(left, 0.0),
-                                       reader=r.replica_reader, timeout=max(left, 0.0) + 5)
+                                       reader=r.replica_reader,
+                                       timeout=max(left, 0.0) + SOCKET_CALL_S)
             except (KeyError, ReplicaGone):
                 # a chunk the replica handed out may be lost with the call: read again
                 # from after the last one this reader has (a rewind at the next read)
@@ -494,78 +380,3 @@ class ClusterSessions:
                 change.future.set_result(change)
             return
 
-    # ------------------------------------------------------------------ moves
-    def move(self, sid: str, to: str | None = None) -> dict:
-        """Session ``sid`` exported on its replica and imported on ``to`` (default: the
-        one with the most free sessions), its state through the object store; its socket
-        reads on from there. KeyError: not open; ValueError: ``to`` is no replica, or
-        its own; `MoveConflict`: moving already. Returns the move's bytes and seconds
-        (export, transfer, import, all of it)."""
-        with self.lock:
-            if sid not in self.where:
-                raise KeyError(sid)
-            if sid in self.moving:
-                raise MoveConflict(f"session {sid[:64]!r} is being moved already")
-            src = self.where[sid]
-            if to is not None and to not in self.replicas:
-                raise ValueError(f"to must be one of the replicas {sorted(self.replicas)}, "
-                                 f"got {to!r}")
-            if to == src:
-                raise ValueError(f"to must be another replica than the session's own, got "
-                                 f"{to!r}, where it is")
-            self.moving.add(sid)
-        try:
-            dst = to or self._pick(exclude={src})
-            return {"id": sid, "from": src, "to": dst, **self._carry(sid, src, dst)}
-        finally:
-            with self.lock:
-                self.moving.discard(sid)
-            self._release_acks(sid)
-
-    def _carry(self, sid: str, src: str, dst: str) -> dict:
-        from ray.exceptions import RayTaskError
-
-        t = time.perf_counter()
-        exported = self._handle(src).export_session.remote(sid)
-        try:
-            done = self._handle(dst).import_session.remote(exported).result(
-                timeout_s=self.call_timeout)
-        except Exception as exc:
-            self._bring_back(sid, src, exported)
-            if isinstance(exc, RayTaskError):
-                raise exc.cause from None
-            raise
-        with self.lock:
-            self.where[sid] = dst
-            self.epoch[sid] += 1
-        done.pop("id", None)
-        return {**done, "seconds": time.perf_counter() - t}
-
-    def _bring_back(self, sid: str, src: str, exported) -> None:
-        """A move whose import failed: the session back on its replica (if it left)."""
-        try:
-            if self._call(src, "view", sid, timeout=10.0) is not None:
-                return                                      # the export failed: it stayed
-            self._handle(src).import_session.remote(exported).result(timeout_s=self.call_timeout)
-        except Exception as exc:
-            self._lose(sid, f"a move from replica {src} failed and the session could not go "
-                            f"back: {type(exc).__name__}: {exc}")
-
-    def drain(self, rid: str) -> dict:
-        """No new session on replica ``rid``; each of its sessions moved to the others.
-        KeyError for an unknown replica. Returns the moves and the sessions left there
-        (with why)."""
-        with self.lock:
-            if rid not in self.replicas:
-                raise KeyError(rid)
-            self.draining.add(rid)
-            here = [sid for sid, r in self.where.items() if r == rid]
-        moved, left = [], {}
-        for sid in here:
-            try:
-                moved.append(self.move(sid))
-            except (KeyError, MoveConflict):          # ended, or moving already
-                continue
-            except Exception as exc:
-                left[sid] = f"{type(exc).__name__}: {exc}"
-        return {"replica": rid, "moved": moved, "left": left}
