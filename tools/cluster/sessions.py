@@ -287,20 +287,24 @@ class ClusterSessions(Moves):
                 return self._on_session(sid, "ack", index, wait=False, timeout=SOCKET_CALL_S)
             except ReplicaGone:           # held until the session is adopted
                 pass
-        with self.lock:
+        with self.lock:       # applied by the session's next read, or as a move ends
             self.acks[sid] = max(index, self.acks.get(sid, index))
-        if not busy and sid not in self.moving:   # adopted meanwhile: apply it now
-            self._release_acks(sid)
         return 0
 
     def _release_acks(self, sid: str) -> None:
+        """Apply the acknowledgement held for ``sid`` (kept again if its replica does
+        not answer)."""
         with self.lock:
             index = self.acks.pop(sid, None)
-        if index is not None:
-            try:
-                self._on_session(sid, "ack", index)
-            except (KeyError, ReplicaGone):
-                pass
+        if index is None:
+            return
+        try:
+            self._on_session(sid, "ack", index, wait=False, timeout=SOCKET_CALL_S)
+        except KeyError:
+            pass
+        except ReplicaGone:
+            with self.lock:
+                self.acks[sid] = max(index, self.acks.get(sid, index))
 
     def rewind(self, sid: str, after: int | None = None) -> int:
         """A socket (re)connects (`StreamScheduler.rewind`); this object's reader."""
@@ -327,7 +331,9 @@ class ClusterSessions(Moves):
                 r, rid = self.readers.get(sid), self.where.get(sid)
                 if rid is None or r is None or (reader is not None and r.number != reader):
                     return None
-                busy, epoch = sid in self.moving, self.epoch[sid]
+                busy, epoch, held = sid in self.moving, self.epoch[sid], sid in self.acks
+            if held and not busy:
+                self._release_acks(sid)
             left = deadline - time.monotonic()
             chunk = None
             try:
