@@ -15,7 +15,7 @@ status 2 (`framekv.bench.timing.require_cuda`, called once its arguments are che
                     attention forward, the reference DiT, diffusers' Wan
     cluster         a live stream's move between replicas of `framekv serve --replicas`
                     (bytes, export, transfer, import, the client's gap), sessions
-                    placed per second (runs on a CPU: ``--device cpu``)
+                    placed per second (``--device cpu``: runs on a CPU)
     cudnn_plans     cuDNN's execution plans for the paged forwards, each timed
     glue_ops        the fused glue ops, one call each at a model's chunk shape, against
                     a copy_ of their bytes

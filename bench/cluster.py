@@ -1,8 +1,8 @@
 """Moves on a framekv cluster: what a live stream's move costs, and how fast sessions
 are placed.
 
-    python -m framekv.bench.cluster [--presets tiny,small-stream] [--moves 8]
-        [--placements 32] [--device cpu] [--json FILE]
+    python -m framekv.bench.cluster --device cpu [--presets tiny,small-stream]
+        [--moves 8] [--placements 32] [--json FILE]
 
 For each preset, starts ``framekv serve PRESET --replicas 2 --output latents`` (a
 local Ray cluster, its own process), then:
@@ -148,7 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--presets", default="tiny,small-stream")
     p.add_argument("--moves", type=int, default=8)
     p.add_argument("--placements", type=int, default=32)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", required=True,
+                   help="the replicas' device: cpu (here: Ray's wheels do not travel to the "
+                        "GPU machines), or cuda on a host with a GPU per replica")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
     progress, out = stderr_progress("cluster"), {}
