@@ -33,6 +33,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def serving(proc, log, limit: float, up) -> None:
+    """Wait (``limit`` s) until ``up()`` (HTTP errors: not yet), the process alive."""
+    deadline = time.monotonic() + limit
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        with contextlib.suppress(httpx.HTTPError):
+            if up():
+                return
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.3)
+
+
+def replicas_of(url) -> list:
+    """GET /v1/cluster/replicas, or [] while the ingress answers no 200."""
+    r = httpx.get(f"{url}/v1/cluster/replicas", timeout=5)
+    return r.json() if r.status_code == 200 else []
+
+
 @contextlib.contextmanager
 def cluster(tmp_path, *extra, replicas=2):
     """``framekv serve --replicas`` in its own process: its URL once /health is 200."""
@@ -44,15 +62,7 @@ def cluster(tmp_path, *extra, replicas=2):
          "--checkpoint-every", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "cluster.log").read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(f"{url}/v1/cluster/replicas", timeout=5)
-                if r.status_code == 200 and len(r.json()) == replicas:
-                    break
-            assert time.monotonic() < deadline, "the cluster did not come up"
-            time.sleep(0.5)
+        serving(proc, tmp_path / "cluster.log", 300, lambda: len(replicas_of(url)) == replicas)
         yield url, proc
     finally:
         if proc.poll() is None:
@@ -132,14 +142,8 @@ def single_server(tmp_path, seeds) -> list[list[bytes]]:
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "single.log").read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        serving(proc, tmp_path / "single.log", 240,
+                lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200)
         with fc.Client(url) as client:
             return [[c.payload for c in client.create(seed=seed, chunks=CHUNKS).stream(
                 timeout=120)] for seed in seeds]

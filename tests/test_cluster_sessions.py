@@ -9,6 +9,7 @@ index once, each chunk equal to its seed run alone. The same over Ray: test_clus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import threading
 
@@ -82,20 +83,29 @@ def replica(state_dir=None, sessions=4, checkpoint=True) -> Replica:
     return Replica(build_parser().parse_args(argv))
 
 
-@pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    """(sessions, the fake handle's replicas) over two replicas sharing a state dir."""
+@contextlib.contextmanager
+def over_replicas(monkeypatch, state_dir, checkpoint=True):
+    """(sessions, the fake handle's replicas) over two replicas sharing ``state_dir``
+    (None: no state folder), the replicas closed after."""
     reps = {}
     for _ in range(2):
-        r = replica(tmp_path)
+        r = replica(state_dir, checkpoint=checkpoint)
         reps[r.id] = r
     monkeypatch.setattr(cluster_moves, "live_replicas", lambda: {k: {} for k in reps})
     handle = FakeHandle(reps)
     cs = ClusterSessions(handle, handle.options("").describe.remote().result(), grace=0.0)
     cs.refresh()
-    yield cs, reps
-    for r in reps.values():
-        r.close()
+    try:
+        yield cs, reps
+    finally:
+        for r in reps.values():
+            r.close()
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    with over_replicas(monkeypatch, tmp_path) as out:
+        yield out
 
 
 @pytest.fixture(scope="module")
@@ -195,16 +205,8 @@ def test_a_dead_replicas_sessions_go_on_from_their_checkpoints(cluster, referenc
     victim.sched.close()
 
 
-def test_a_dead_replicas_session_without_a_checkpoint_ends_failed(tmp_path, monkeypatch):
-    reps = {}
-    for _ in range(2):
-        r = replica(None)
-        reps[r.id] = r
-    monkeypatch.setattr(cluster_moves, "live_replicas", lambda: {k: {} for k in reps})
-    handle = FakeHandle(reps)
-    cs = ClusterSessions(handle, handle.options("").describe.remote().result(), grace=0.0)
-    cs.refresh()
-    try:
+def test_a_dead_replicas_session_without_a_checkpoint_ends_failed(monkeypatch):
+    with over_replicas(monkeypatch, None) as (cs, reps):
         sid = cs.open_session(seed=3, chunks=4).id
         victim = reps.pop(cs.where[sid])
         cs.refresh()
@@ -213,23 +215,12 @@ def test_a_dead_replicas_session_without_a_checkpoint_ends_failed(tmp_path, monk
         assert "no checkpoint of it was kept" in info["error"]
         assert cs.next_chunk(sid, 0.0) is None and cs.sessions.get(sid) is None
         victim.close()
-    finally:
-        for r in reps.values():
-            r.close()
 
 
 def test_a_replica_that_stops_hands_its_sessions_on(tmp_path, monkeypatch, reference):
     """A scale-down: the replica Ray Serve stops writes its sessions as it goes (its
     destructor, `Replica.save`), no checkpoints kept, and the others adopt them."""
-    reps = {}
-    for _ in range(2):
-        r = replica(tmp_path, checkpoint=False)
-        reps[r.id] = r
-    monkeypatch.setattr(cluster_moves, "live_replicas", lambda: {k: {} for k in reps})
-    handle = FakeHandle(reps)
-    cs = ClusterSessions(handle, handle.options("").describe.remote().result(), grace=0.0)
-    cs.refresh()
-    try:
+    with over_replicas(monkeypatch, tmp_path, checkpoint=False) as (cs, reps):
         sid = cs.open_session(seed=55, chunks=6).id
         reader, got = cs.rewind(sid), []
         read(cs, sid, 2, reader, got)
@@ -239,9 +230,6 @@ def test_a_replica_that_stops_hands_its_sessions_on(tmp_path, monkeypatch, refer
         cs.refresh()
         assert cs.where[sid] in reps
         assert_alone(reference, 55, read(cs, sid, 4, reader, got))
-    finally:
-        for r in reps.values():
-            r.close()
 
 
 def test_placement_is_refused_when_every_replica_is_full_or_gone(cluster):
