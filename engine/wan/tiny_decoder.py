@@ -50,7 +50,7 @@ from framekv.specs.checks import check_count, check_flag
 
 from .tiny_net import WIDTHS, TinyDecoderNet, random_init, read_taehv, unset_net
 from .vae import StreamingVAEDecoder
-from .vae_graph import STAGES, CacheArena, CacheLayout
+from .vae_graph import STAGES, CacheArena, CacheLayout, DecoderRows
 
 __all__ = ["TinyDecoderNet", "TinyStreamingDecoder", "WIDTHS", "random_init"]
 
@@ -81,7 +81,7 @@ def _chunk_program(net: TinyDecoderNet, arena: CacheArena, *, first: bool, write
     return fn
 
 
-class TinyStreamingDecoder:
+class TinyStreamingDecoder(DecoderRows):
     """Decode Wan 2.1 latents chunk by chunk with a `TinyDecoderNet` (module doc),
     each sequence's carried frames kept between calls.
 
@@ -98,7 +98,6 @@ class TinyStreamingDecoder:
     """
 
     video_frames = staticmethod(StreamingVAEDecoder.video_frames)
-    _check_rows = staticmethod(StreamingVAEDecoder._check_rows)
 
     def __init__(self, net: TinyDecoderNet, *, sequences=None, use_graphs=None, device=None):
         from framekv.ops import resolve_device
@@ -150,30 +149,6 @@ class TinyStreamingDecoder:
         dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         return cls(net.to(dev, dtype), device=dev, **kwargs)
 
-    # ------------------------------------------------------------------ state
-    def frames_decoded(self, row: int) -> int:
-        """Latent frames sequence ``row`` has decoded since its video started."""
-        S = self.sequences or 0
-        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < S:
-            raise ValueError(f"row must be an integer in [0, {S}) (the decoder's sequences), "
-                             f"got {row!r}")
-        return self._frames[row]
-
-    @property
-    def state(self) -> tuple[int, ...]:
-        """Latent frames decoded per sequence (empty while S is unknown)."""
-        return tuple(self._frames or ())
-
-    @property
-    def arena_bytes(self) -> int:
-        """Bytes the carried-frame arena maps (0 before the first decode, after `close`)."""
-        return 0 if self._cache is None else self._cache.nbytes
-
-    @property
-    def graph_count(self) -> int:
-        """Chunk graphs captured (0 when eager)."""
-        return 0 if self._graphs is None else len(self._graphs)
-
     # ------------------------------------------------------------------ decode
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, rows=None) -> torch.Tensor:
@@ -197,15 +172,6 @@ class TinyStreamingDecoder:
         for r in rows:
             self._frames[r] += F_
         return out
-
-    def reset(self, rows=None) -> None:
-        """Sequences ``rows`` (default all) start a new video at their next decode."""
-        self._check_open()
-        if rows is None:
-            self._frames = None if self._frames is None else [0] * len(self._frames)
-            return
-        for r in self._check_rows(rows, None, self.sequences or 0):
-            self._frames[r] = 0
 
     def snapshot(self, row: int) -> dict:
         """Sequence ``row``'s video state on the host: {"frames": latent frames decoded,
@@ -272,18 +238,6 @@ class TinyStreamingDecoder:
                 captured += 1
         return captured
 
-    def close(self) -> None:
-        """Free the graphs and the arena; the decoder is unusable after (idempotent)."""
-        if self.closed:
-            return
-        self.closed = True
-        if self._graphs is not None:
-            self._graphs.clear()
-        self._programs.clear()
-        if self._cache is not None:
-            self._cache.close()
-            self._cache = None
-
     # ------------------------------------------------------------------ internals
     def _ensure(self, sequences: int, latent_size: tuple[int, int]) -> None:
         """Size the arena for S sequences at ``latent_size`` on first use."""
@@ -309,14 +263,6 @@ class TinyStreamingDecoder:
         latents = inputs["latents"]
         return GraphKey.build(owner=owner_token(self), inputs=inputs, batch=latents.shape[0],
                               program=f"tiny-decode:{stage}:{latents.shape[2]}f")
-
-    def _stage(self, rows: tuple[int, ...]) -> str:
-        start = [r for r in rows if self._frames[r] == 0]
-        if start and len(start) < len(rows):
-            going = [r for r in rows if self._frames[r] > 0]
-            raise ValueError(f"rows must all start a video or all continue one: rows {start} "
-                             f"start, rows {going} continue (reset them, or decode them apart)")
-        return "first" if start else "steady"
 
     def _check_latents(self, latents) -> tuple[int, int, int, int]:
         if not isinstance(latents, torch.Tensor) or latents.dim() != 5:

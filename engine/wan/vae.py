@@ -30,7 +30,7 @@ import torch
 from framekv.graphs import GraphCache, owner_token
 
 from framekv.specs.checks import check_count, check_flag
-from .vae_graph import STAGES, CacheArena, CacheLayout, chunk_program, graph_key
+from .vae_graph import STAGES, CacheArena, CacheLayout, DecoderRows, chunk_program, graph_key
 
 __all__ = ["VAE_CONFIGS", "StreamingVAEDecoder", "build_vae", "load_vae"]
 
@@ -111,7 +111,7 @@ def check_vae(vae) -> None:
                          f"is_residual={vae.config.is_residual}")
 
 
-class StreamingVAEDecoder:
+class StreamingVAEDecoder(DecoderRows):
     """Decode Wan latents chunk by chunk, each sequence's causal cache kept between calls.
 
     Args:
@@ -147,30 +147,6 @@ class StreamingVAEDecoder:
         self._graphs = GraphCache(self.device) if self.use_graphs else None
         self.closed = False
 
-    # ------------------------------------------------------------------ state
-    def frames_decoded(self, row: int) -> int:
-        """Latent frames sequence ``row`` has decoded since its video started."""
-        S = self.sequences or 0
-        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < S:
-            raise ValueError(f"row must be an integer in [0, {S}) (the decoder's sequences), "
-                             f"got {row!r}")
-        return self._frames[row]
-
-    @property
-    def state(self) -> tuple[int, ...]:
-        """Latent frames decoded per sequence (empty while S is unknown)."""
-        return tuple(self._frames or ())
-
-    @property
-    def arena_bytes(self) -> int:
-        """Bytes the cache arena maps (0 before the first decode and after `close`)."""
-        return 0 if self._cache is None else self._cache.nbytes
-
-    @property
-    def graph_count(self) -> int:
-        """Chunk graphs captured (0 when eager)."""
-        return 0 if self._graphs is None else len(self._graphs)
-
     # ------------------------------------------------------------------ decode
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, rows=None) -> torch.Tensor:
@@ -201,15 +177,6 @@ class StreamingVAEDecoder:
         """Frames a chunk of ``latent_frames`` decodes to: 1 + 4 (F - 1) for a video's
         first chunk (the VAE's causal start), 4 F for a later one."""
         return 1 + 4 * (latent_frames - 1) if first else 4 * latent_frames
-
-    def reset(self, rows=None) -> None:
-        """Sequences ``rows`` (default all) start a new video at their next decode."""
-        self._check_open()
-        if rows is None:
-            self._frames = None if self._frames is None else [0] * len(self._frames)
-            return
-        for r in self._check_rows(rows, None, self.sequences or 0):
-            self._frames[r] = 0
 
     def snapshot(self, row: int) -> dict:
         """Sequence ``row``'s video state on the host: {"frames": latent frames decoded,
@@ -278,18 +245,6 @@ class StreamingVAEDecoder:
                 captured += 1
         return captured
 
-    def close(self) -> None:
-        """Free the graphs and the arena; the decoder is unusable after (idempotent)."""
-        if self.closed:
-            return
-        self.closed = True
-        if self._graphs is not None:
-            self._graphs.clear()
-        self._programs.clear()
-        if self._cache is not None:
-            self._cache.close()
-            self._cache = None
-
     # ------------------------------------------------------------------ internals
     def _ensure(self, sequences: int, latent_size: tuple[int, int]) -> None:
         """Size the arena for S sequences at ``latent_size`` on first use."""
@@ -310,14 +265,6 @@ class StreamingVAEDecoder:
             self._programs[(stage, write)] = fn
         return fn
 
-    def _stage(self, rows: tuple[int, ...]) -> str:
-        start = [r for r in rows if self._frames[r] == 0]
-        if start and len(start) < len(rows):
-            going = [r for r in rows if self._frames[r] > 0]
-            raise ValueError(f"rows must all start a video or all continue one: rows {start} "
-                             f"start, rows {going} continue (reset them, or decode them apart)")
-        return "first" if start else "steady"
-
     def _check_latents(self, latents) -> tuple[int, int, int, int]:
         if not isinstance(latents, torch.Tensor) or latents.dim() != 5:
             got = (f"ndim {latents.dim()}" if isinstance(latents, torch.Tensor)
@@ -333,23 +280,6 @@ class StreamingVAEDecoder:
             raise ValueError(f"latents must be on the decoder's device {self.device}, got "
                              f"{latents.device}")
         return B, F, H, W
-
-    @staticmethod
-    def _check_rows(rows, batch: int | None, sequences: int) -> tuple[int, ...]:
-        """Distinct host ints in [0, sequences), ``batch`` of them when given."""
-        if isinstance(rows, torch.Tensor):
-            rows = rows.tolist()
-        try:
-            rows = tuple(rows)
-        except TypeError:
-            rows = (rows,)
-        bad = [r for r in rows if isinstance(r, bool) or not isinstance(r, int)
-               or not 0 <= r < sequences]
-        if bad or len(set(rows)) != len(rows) or (batch is not None and len(rows) != batch):
-            count = "" if batch is None else f"{batch} "
-            raise ValueError(f"rows must be {count}distinct integers in [0, {sequences}) (the "
-                             f"decoder's sequences), got {list(rows)}")
-        return rows
 
     def _check_open(self) -> None:
         if self.closed:

@@ -171,3 +171,80 @@ def graph_key(owner: int, stage: str, inputs: dict) -> GraphKey:
     latents = inputs["latents"]
     return GraphKey.build(owner=owner, program=f"vae-decode:{stage}:{latents.shape[2]}f",
                           inputs=inputs, batch=latents.shape[0])
+
+
+class DecoderRows:
+    """What a streaming decoder (`StreamingVAEDecoder`, `TinyStreamingDecoder`) keeps per
+    sequence and shares: latent frames decoded per row (``_frames``), the arena
+    (``_cache``), the graphs (``_graphs``, ``_programs``), ``closed``; the rows checked,
+    reset and staged ("first" or "steady") the same way. Subclasses set those attributes
+    and define ``sequences`` and ``_check_open``."""
+
+    def frames_decoded(self, row: int) -> int:
+        """Latent frames sequence ``row`` has decoded since its video started."""
+        S = self.sequences or 0
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < S:
+            raise ValueError(f"row must be an integer in [0, {S}) (the decoder's sequences), "
+                             f"got {row!r}")
+        return self._frames[row]
+
+    @property
+    def state(self) -> tuple[int, ...]:
+        """Latent frames decoded per sequence (empty while S is unknown)."""
+        return tuple(self._frames or ())
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes the carried arena maps (0 before the first decode and after `close`)."""
+        return 0 if self._cache is None else self._cache.nbytes
+
+    @property
+    def graph_count(self) -> int:
+        """Chunk graphs captured (0 when eager)."""
+        return 0 if self._graphs is None else len(self._graphs)
+
+    def reset(self, rows=None) -> None:
+        """Sequences ``rows`` (default all) start a new video at their next decode."""
+        self._check_open()
+        if rows is None:
+            self._frames = None if self._frames is None else [0] * len(self._frames)
+            return
+        for r in self._check_rows(rows, None, self.sequences or 0):
+            self._frames[r] = 0
+
+    def close(self) -> None:
+        """Free the graphs and the arena; the decoder is unusable after (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._graphs is not None:
+            self._graphs.clear()
+        self._programs.clear()
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+
+    def _stage(self, rows: tuple[int, ...]) -> str:
+        start = [r for r in rows if self._frames[r] == 0]
+        if start and len(start) < len(rows):
+            going = [r for r in rows if self._frames[r] > 0]
+            raise ValueError(f"rows must all start a video or all continue one: rows {start} "
+                             f"start, rows {going} continue (reset them, or decode them apart)")
+        return "first" if start else "steady"
+
+    @staticmethod
+    def _check_rows(rows, batch: int | None, sequences: int) -> tuple[int, ...]:
+        """Distinct host ints in [0, sequences), ``batch`` of them when given."""
+        if isinstance(rows, torch.Tensor):
+            rows = rows.tolist()
+        try:
+            rows = tuple(rows)
+        except TypeError:
+            rows = (rows,)
+        bad = [r for r in rows if isinstance(r, bool) or not isinstance(r, int)
+               or not 0 <= r < sequences]
+        if bad or len(set(rows)) != len(rows) or (batch is not None and len(rows) != batch):
+            count = "" if batch is None else f"{batch} "
+            raise ValueError(f"rows must be {count}distinct integers in [0, {sequences}) (the "
+                             f"decoder's sequences), got {list(rows)}")
+        return rows
