@@ -1,7 +1,8 @@
 """``framekv serve --replicas 2`` on a local Ray cluster (tiny preset, fp32, the CPU),
 real HTTP and WebSocket clients on 127.0.0.1: four sessions spread over the replicas;
 one moved mid-stream, then a replica drained (``framekv cluster drain``), then the
-replica holding every session killed (SIGKILL) while they stream. Every session's
+replica holding every session killed (SIGKILL) while they stream (the drained one, the
+only other, takes them). Autoscaling up and down on the sessions open. Every session's
 chunks 0..N arrive once each, equal byte for byte to the same seed's on one
 single-process server of the same flags (one slot: every step a batch of one).
 And the command's refusals: a replica that cannot start, bad cluster options.
@@ -52,17 +53,19 @@ def replicas_of(url) -> list:
 
 
 @contextlib.contextmanager
-def cluster(tmp_path, *extra, replicas=2):
-    """``framekv serve --replicas`` in its own process: its URL once /health is 200."""
+def cluster(tmp_path, *extra, replicas=2, scale=None):
+    """``framekv serve --replicas`` (or ``scale``'s flags) in its own process: its URL
+    once ``replicas`` replicas are up."""
     port, log = _free_port(), open(tmp_path / "cluster.log", "w")
+    scale = ["--replicas", str(replicas)] if scale is None else scale
     proc = subprocess.Popen(
-        [sys.executable, "-m", "framekv.tools.cli", "serve", "--replicas", str(replicas),
+        [sys.executable, "-m", "framekv.tools.cli", "serve", *scale,
          "--device", "cpu", "--output", "latents", "--max-sessions", "4", "--slots", "1",
          "--queue-chunks", "3", "--port", str(port), "--state-dir", str(tmp_path / "state"),
          "--checkpoint-every", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        serving(proc, tmp_path / "cluster.log", 300, lambda: len(replicas_of(url)) == replicas)
+        serving(proc, tmp_path / "cluster.log", 600, lambda: len(replicas_of(url)) == replicas)
         yield url, proc
     finally:
         if proc.poll() is None:
@@ -129,6 +132,21 @@ def test_sessions_move_drain_and_survive_a_killed_replica(tmp_path):
     for i, sid in enumerate(sids):
         assert [k for k, _ in got[sid]] == list(range(CHUNKS)), sid
         assert [payload for _, payload in got[sid]] == want[i], sid
+
+
+def test_autoscaling_follows_the_sessions_open(tmp_path):
+    """One replica to start; one open session at one per replica asks for a second
+    (floor(1 / 1) + 1), where the next session goes; none open, back to one."""
+    scale = ["--min-replicas", "1", "--max-replicas", "2", "--target-sessions", "1"]
+    with cluster(tmp_path, scale=scale, replicas=1) as (url, proc):
+        with fc.Client(url) as client:
+            first = client.create(seed=1, paused=True)
+            wait_until(lambda: len(replicas_of(url)) == 2, limit=600)
+            second = client.create(seed=2, paused=True)
+            assert sorted(r["sessions"] for r in replicas(url).values()) == [1, 1]
+            first.close()
+            second.close()
+            wait_until(lambda: len(replicas_of(url)) == 1, limit=600)
 
 
 def single_server(tmp_path, seeds) -> list[list[bytes]]:

@@ -20,8 +20,10 @@ pytest.importorskip("ray")
 pytest.importorskip("fastapi")
 
 from framekv.engine.serving import SchedulerFull, StreamScheduler  # noqa: E402
+from ray.serve import context as serve_context  # noqa: E402
 from framekv.tools.cli import build_parser  # noqa: E402
 from framekv.tools.cluster import moves as cluster_moves  # noqa: E402
+from framekv.tools.cluster.autoscale import SESSIONS, sessions_policy  # noqa: E402
 from framekv.tools.cluster.replica import Replica  # noqa: E402
 from framekv.tools.cluster.moves import MoveConflict  # noqa: E402
 from framekv.tools.cluster.sessions import ClusterSessions  # noqa: E402
@@ -44,22 +46,27 @@ class _Response:
 
 
 class FakeHandle:
-    """Ray Serve's handle over ``replicas`` (id -> `Replica`) of this process."""
+    """Ray Serve's handle over ``replicas`` (id -> `Replica`) of this process;
+    ``parents``: the internal request id each call was sent under, as Ray Serve reads
+    it for the call's metadata."""
 
-    def __init__(self, replicas: dict, target: str = ""):
+    def __init__(self, replicas: dict, target: str = "", parents=None):
         self.replicas, self.target = replicas, target
+        self.parents = [] if parents is None else parents
 
     def running_replicas_populated(self):
         return True
 
     def options(self, multiplexed_model_id=""):
-        return FakeHandle(self.replicas, multiplexed_model_id)
+        return FakeHandle(self.replicas, multiplexed_model_id, self.parents)
 
     def __getattr__(self, method):
         handle = self
 
         class _Method:
             def remote(self, *args, **kw):
+                handle.parents.append(serve_context._get_serve_request_context()
+                                      ._internal_request_id)
                 args = [a.result() if isinstance(a, _Response) else a for a in args]
                 return _Response(lambda: handle._run(method, args, kw))
         return _Method()
@@ -205,6 +212,30 @@ def test_a_dead_replicas_sessions_go_on_from_their_checkpoints(cluster, referenc
     victim.sched.close()
 
 
+def test_a_draining_replica_adopts_when_no_other_can(cluster, reference):
+    """The replica holding every session dies while the only other one drains: the
+    drained one takes the orphans rather than leave them waiting for a new replica,
+    and takes no new session still."""
+    cs, reps = cluster
+    sids = [cs.open_session(seed=40 + i, chunks=6).id for i in range(2)]
+    readers = {sid: cs.rewind(sid) for sid in sids}
+    got = {sid: read(cs, sid, 2, readers[sid], []) for sid in sids}
+    drained = next(iter(reps))
+    cs.drain(drained)
+    holder = cs.where[sids[0]]
+    assert holder != drained and all(cs.where[s] == holder for s in sids)
+    victim = reps.pop(holder)
+    victim.stop.set()
+    victim.loop.join()
+    cs.refresh()
+    assert all(cs.where[s] == drained for s in sids) and drained in cs.draining
+    for i, sid in enumerate(sids):
+        assert_alone(reference, 40 + i, read(cs, sid, 4, readers[sid], got[sid]))
+    with pytest.raises(SchedulerFull, match="no replica is up"):
+        cs.open_session(seed=1)
+    victim.sched.close()
+
+
 def test_a_dead_replicas_session_without_a_checkpoint_ends_failed(monkeypatch):
     with over_replicas(monkeypatch, None) as (cs, reps):
         sid = cs.open_session(seed=3, chunks=4).id
@@ -242,6 +273,42 @@ def test_placement_is_refused_when_every_replica_is_full_or_gone(cluster):
     with pytest.raises(SchedulerFull, match="no replica is up"):
         cs.open_session(seed=8)
     assert cs.loop_error == "no replica is up"
+
+
+def test_calls_made_while_serving_a_request_leave_its_context(cluster):
+    """A socket's calls run in its request's context (asyncio.to_thread copies it);
+    Ray Serve's router keys pending calls by the context's internal request id, so
+    calls sent under it wait on each other's entry (after a call to a dead replica,
+    forever). Every call goes out under none."""
+    cs, reps = cluster
+    sid = cs.open_session(seed=6, chunks=3).id
+    parent = serve_context._RequestContext(request_id="ws", _internal_request_id="ws-1")
+    token = serve_context._serve_request_context.set(parent)
+    try:
+        reader = cs.rewind(sid)
+        read(cs, sid, 1, reader, [])
+        cs.view(sid)
+        cs.move(sid)
+    finally:
+        serve_context._serve_request_context.reset(token)
+    handle = cs.handle
+    assert len(handle.parents) > 5 and "ws-1" not in handle.parents, handle.parents
+
+
+def test_the_autoscaling_policy_keeps_room_for_one_more_session():
+    """floor(sessions / target) + 1 replicas over what the replicas reported; the
+    replicas it has while none reported."""
+    from types import SimpleNamespace
+
+    def ctx(reported, target=2, now=3):
+        return SimpleNamespace(aggregated_metrics=reported, target_num_replicas=now,
+                               config=SimpleNamespace(target_ongoing_requests=target))
+
+    assert sessions_policy(ctx(None)) == (3, {}) and sessions_policy(ctx({})) == (3, {})
+    for sessions, want in (([0.0, 0.0], 1), ([1.0, 0.0], 1), ([1.0, 1.0], 2),
+                           ([2.0, 1.0], 2), ([2.0, 2.0], 3)):
+        reported = {SESSIONS: {f"r{i}": n for i, n in enumerate(sessions)}}
+        assert sessions_policy(ctx(reported)) == (want, {}), sessions
 
 
 def test_a_prompt_change_settles_through_its_replica(cluster):

@@ -1,7 +1,7 @@
 """``framekv serve --replicas N`` and ``framekv cluster``: the server on a Ray cluster.
 
 ``--replicas N`` (or ``--min-replicas A --max-replicas B``: Ray Serve scales between
-them on the sessions each replica streams, ``--target-sessions`` per replica) starts a
+them on the sessions open, ``--target-sessions`` a replica, `autoscale`) starts a
 local Ray cluster, or joins one (``--ray-address``), and deploys the application
 `deployments` builds: N replicas of the scheduler every other ``framekv serve`` flag
 describes (one GPU each; on a CPU host ``--replica-cpus`` cores), behind the ingress on
@@ -25,6 +25,7 @@ import time
 
 from ..args import int_in, positive_int
 from ..serve import command as serve_command
+from .autoscale import autoscaling_config
 
 MAX_REPLICAS = 256
 APP = "framekv"
@@ -41,12 +42,12 @@ def add_arguments(serve_parser: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int_in(1, MAX_REPLICAS), default=None, metavar="N",
                    help="serve from N replicas on a Ray cluster, each a scheduler of the "
                         "flags above (one GPU each)")
-    g.add_argument("--min-replicas", type=int_in(0, MAX_REPLICAS), default=None, metavar="A",
+    g.add_argument("--min-replicas", type=int_in(1, MAX_REPLICAS), default=None, metavar="A",
                    help="with --max-replicas: Ray Serve scales the replicas between A and B")
     g.add_argument("--max-replicas", type=int_in(1, MAX_REPLICAS), default=None, metavar="B")
     g.add_argument("--target-sessions", type=positive_int, default=None, metavar="S",
-                   help="autoscaling's target of sessions streaming per replica (default: "
-                        "--max-sessions)")
+                   help="autoscaling's sessions per replica: it keeps floor(sessions / S) + 1 "
+                        "replicas (default: --max-sessions)")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join this Ray cluster (default: start a local one)")
     g.add_argument("--replica-cpus", type=positive_int, default=1, metavar="N",
@@ -73,12 +74,8 @@ def scaling(args) -> dict:
                          f"--max-replicas {hi}")
     if lo > hi:
         raise ValueError(f"--min-replicas must be at most --max-replicas ({hi}), got {lo}")
-    target = args.target_sessions or args.max_sessions
-    # each streaming session keeps one call waiting on its replica for its next chunk
-    return {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi,
-                                   "initial_replicas": max(lo, 1),
-                                   "target_ongoing_requests": target,
-                                   "upscale_delay_s": 5.0, "downscale_delay_s": 30.0}}
+    return {"autoscaling_config": autoscaling_config(
+        lo, hi, args.target_sessions or args.max_sessions)}
 
 
 def settings(args, options: dict) -> dict:

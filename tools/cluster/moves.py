@@ -105,7 +105,7 @@ class Moves:
         with self.lock:
             self.moving.add(sid)
         try:
-            target = self._pick()
+            target = self._pick(adopting=True)
             if self._call(target, "adopt", sid):
                 with self.lock:
                     self.where[sid] = target
@@ -169,9 +169,9 @@ class Moves:
         from ray.exceptions import RayTaskError
 
         t = time.perf_counter()
-        exported = self._handle(src).export_session.remote(sid)
+        exported = self._send(src, "export_session", sid)
         try:
-            done = self._handle(dst).import_session.remote(exported).result(
+            done = self._send(dst, "import_session", exported).result(
                 timeout_s=self.call_timeout)
         except Exception as exc:
             self._bring_back(sid, src, exported)
@@ -189,7 +189,7 @@ class Moves:
         try:
             if self._call(src, "view", sid, timeout=10.0) is not None:
                 return                                      # the export failed: it stayed
-            self._handle(src).import_session.remote(exported).result(timeout_s=self.call_timeout)
+            self._send(src, "import_session", exported).result(timeout_s=self.call_timeout)
         except Exception as exc:
             self._lose(sid, f"a move from replica {src} failed and the session could not go "
                             f"back: {type(exc).__name__}: {exc}")

@@ -28,6 +28,8 @@ import threading
 import time
 import uuid
 
+from .autoscale import SESSIONS
+
 log = logging.getLogger("framekv.cluster")
 
 
@@ -94,6 +96,11 @@ class Replica:
     def record_routing_stats(self) -> dict:
         """Ray Serve's routing stats of this replica: `routing`."""
         return self.routing()
+
+    def record_autoscaling_stats(self) -> dict:
+        """Ray Serve's autoscaling metrics of this replica: its open sessions
+        (`framekv.tools.cluster.autoscale`)."""
+        return {SESSIONS: float(len(self.sched.sessions))}
 
     def metrics(self) -> dict:
         """`StreamScheduler.metrics`, with the GPU's allocated bytes on CUDA."""

@@ -47,6 +47,7 @@ class ReplicaRouter(RequestRouter):
         # handed back end the task's loop: a call already failed is sent nowhere.
         if not pending_request.future.done():
             pending_request.future.set_exception(ConnectionError(f"replica {want} is gone"))
+        self._remove_pending_request_from_indices(pending_request)    # else kept forever
         return [candidate_replicas]
 
     @property

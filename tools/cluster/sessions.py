@@ -9,8 +9,9 @@ on its replica and imports it on another, the state passing through Ray's object
 from one to the other; meanwhile the session's socket sees it open with nothing to
 send, then reads on from the new replica, skipping what it sent already (so a client
 sees each index once). A replica that leaves (killed, scaled down) has its sessions
-adopted by the others from their files in the shared state folder (`Replica.adopt`); a
-session with no file there ends, failed, saying so.
+adopted by the others from their files in the shared state folder (`Replica.adopt`;
+by a draining one only when no other has room); a session with no file there ends,
+failed, saying so.
 
 Readers: `rewind` hands out this object's own reader numbers; each maps to the
 replica's reader and the move it was made after (``epoch``), so a reader made before a
@@ -19,7 +20,7 @@ move rewinds on the session's new replica at its next read.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
+import contextvars
 import dataclasses
 import logging
 import threading
@@ -28,6 +29,8 @@ import time
 from framekv.engine.serving import SchedulerFull
 
 from .moves import Moves, ReplicaGone
+from .views import (OpenSessions, Opened, PartsShim, ReplicaPromptChange, StreamView,
+                    named_error)
 
 log = logging.getLogger("framekv.cluster")
 CALL_TIMEOUT_S = 60.0     # a call about a session, its replica gone: it waits this long
@@ -44,71 +47,6 @@ class _Reader:
     handed: int            # the last chunk index handed out through it
 
 
-@dataclasses.dataclass
-class StreamView:
-    """What a socket's sender reads of a session (`serve_socket`): its reader, state,
-    whether finished, chunks handed out and queued (``queue``: a range as long)."""
-
-    reader: int
-    state: str = "active"
-    finished: bool = False
-    sent: int = 0
-    queue: range = range(0)
-
-
-class _Open(collections.abc.Mapping):
-    """Session id -> `StreamView` of each open session (`ClusterSessions.sessions`):
-    membership and size from the placement, a view fetched from its replica."""
-
-    def __init__(self, owner: "ClusterSessions"):
-        self.owner = owner
-
-    def __getitem__(self, sid):
-        view = self.owner.view(sid)
-        if view is None:
-            raise KeyError(sid)
-        return view
-
-    def __contains__(self, sid):
-        return sid in self.owner.where
-
-    def __iter__(self):
-        return iter(list(self.owner.where))
-
-    def __len__(self):
-        return len(self.owner.where)
-
-
-class _Shim:
-    """What the app reads of a runner or decoder: a dtype's name, video frame counts."""
-
-    def __init__(self, dtype: str, video_frames):
-        self.dtype, self._video = dtype, video_frames
-
-    def video_frames(self, frames: int, first: bool) -> int:
-        return self._video[0 if first else 1]
-
-
-@dataclasses.dataclass
-class _Opened:
-    id: str
-
-
-class _Change:
-    """A prompt change on a replica, as `PromptChange` reads to the app."""
-
-    def __init__(self, version: int, applies_from: int):
-        self.version, self.applies_from = version, applies_from
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
-
-
-def _named_error(text: str) -> Exception:
-    """A replica's ``"Type: message"`` as an exception of that type's name (the message
-    the app writes of it is then the one a single server writes)."""
-    name, _, message = text.partition(": ")
-    return type(name if name.isidentifier() else "RuntimeError", (RuntimeError,), {})(message)
-
-
 class ClusterSessions(Moves):
     """The sessions of every replica as one scheduler (module doc). ``handle``: the
     replica deployment's handle (routed by `ReplicaRouter`); ``described``: what one
@@ -123,7 +61,7 @@ class ClusterSessions(Moves):
         self.chunk_shape = tuple(described["chunk_shape"])
         self.frames_per_chunk, self.decoding = described["frames_per_chunk"], described["decoding"]
         self.text_prompts, self.queue_chunks = described["text"], described["queue_chunks"]
-        self.runner = self.decoder = _Shim(described["dtype"], described["video_frames"])
+        self.runner = self.decoder = PartsShim(described["dtype"], described["video_frames"])
         self.lock = threading.RLock()
         self.where: dict[str, str] = {}            # session id -> replica id
         self.budgets: dict[str, tuple] = {}        # session id -> (seed, chunks budget)
@@ -136,7 +74,7 @@ class ClusterSessions(Moves):
         self.draining: set[str] = set()
         self.placing: collections.Counter = collections.Counter()
         self.ended: collections.OrderedDict = collections.OrderedDict()
-        self.sessions = _Open(self)
+        self.sessions = OpenSessions(self)
         self._handles: dict[str, object] = {}
 
     # ------------------------------------------------------------------ calls
@@ -145,12 +83,21 @@ class ClusterSessions(Moves):
             self._handles[rid] = self.handle.options(multiplexed_model_id=rid or "")
         return self._handles[rid]
 
+    def _send(self, rid: str | None, method: str, *args, **kw):
+        """The `DeploymentResponse` of ``method`` sent to replica ``rid``, sent outside
+        any request's context: a call made while serving a request carries that
+        request's internal id, and Ray Serve's router keys its pending calls by it, so
+        two calls of one WebSocket at once, or one after a call of it failed, would
+        wait on each other's entry and never be routed."""
+        handle = self._handle(rid)
+        return contextvars.Context().run(lambda: getattr(handle, method).remote(*args, **kw))
+
     def _call(self, rid: str | None, method: str, *args, timeout: float | None = None, **kw):
         """``method`` of replica ``rid`` (any for None); what it raised, raised here;
         `ReplicaGone` when it died or did not answer in time."""
         from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-        response = getattr(self._handle(rid), method).remote(*args, **kw)
+        response = self._send(rid, method, *args, **kw)
         try:
             return response.result(timeout_s=self.call_timeout if timeout is None else timeout)
         except RayTaskError as exc:
@@ -182,20 +129,25 @@ class ClusterSessions(Moves):
                         raise
             time.sleep(0.05)
 
-    def _pick(self, exclude=()) -> str:
-        """The replica with the most free sessions (not draining, not ``exclude``)."""
+    def _pick(self, exclude=(), adopting: bool = False) -> str:
+        """The replica with the most free sessions (not draining, not ``exclude``).
+        ``adopting``: a draining replica too when no other has room, since an orphan
+        would otherwise wait for Ray Serve's replacement replica (minutes on a busy
+        host); a later drain or its stop moves it on."""
         with self.lock:
             load = collections.Counter(self.where.values()) + self.placing
-            free = [(r["max_sessions"] - load[rid], -load[rid], rid)
+            free = [(rid not in self.draining, r["max_sessions"] - load[rid], -load[rid], rid)
                     for rid, r in self.replicas.items()
-                    if rid not in self.draining and rid not in exclude and r["error"] is None]
+                    if rid not in exclude and r["error"] is None
+                    and (adopting or rid not in self.draining)]
+        free = [f for f in free if f[1] > 0] or free
         if not free:
             raise SchedulerFull("no replica is up to take a session: try again later")
         best = max(free)
-        if best[0] <= 0:
+        if best[1] <= 0:
             raise SchedulerFull(f"all sessions of the {len(free)} replicas taking sessions "
                                 "are open")
-        return best[2]
+        return best[3]
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, *, seed: int, chunks=None, prompt=None, paused: bool = False):
@@ -215,7 +167,7 @@ class ClusterSessions(Moves):
         with self.lock:
             self.where[sid] = rid
             self.budgets[sid] = (seed, chunks)
-        return _Opened(sid)
+        return Opened(sid)
 
     def view(self, sid: str) -> StreamView | None:
         """`StreamView` of an open session (nothing to send while it moves); None
@@ -361,15 +313,15 @@ class ClusterSessions(Moves):
             if chunk is None and (not busy or time.monotonic() >= deadline):
                 return None                   # the replica waited its part already
 
-    def set_prompt(self, sid: str, prompt) -> _Change:
+    def set_prompt(self, sid: str, prompt) -> ReplicaPromptChange:
         """A prompt change on the session's replica; its ``future`` settles as it takes."""
         version, applies = self._on_session(sid, "set_prompt", prompt)
-        change = _Change(version, applies)
+        change = ReplicaPromptChange(version, applies)
         threading.Thread(target=self._settle, args=(sid, change), daemon=True,
                          name="framekv-prompt").start()
         return change
 
-    def _settle(self, sid: str, change: _Change) -> None:
+    def _settle(self, sid: str, change: ReplicaPromptChange) -> None:
         while True:
             try:
                 got = self._on_session(sid, "prompt_result", change.version, 5.0)
@@ -378,7 +330,7 @@ class ClusterSessions(Moves):
             if "pending" in got:
                 continue
             if "error" in got:
-                change.future.set_exception(_named_error(got["error"]))
+                change.future.set_exception(named_error(got["error"]))
             elif "ended" in got:
                 change.future.set_exception(KeyError(sid))
             else:
