@@ -105,6 +105,13 @@ CLI_REFUSALS = [
      ["--allowed-origins", "'ftp://x'"]),
     (["generate", "--prompt", "x", "--chunks", "1", "--device", "cpu", "--out", "/sys/x.mp4"],
      ["--out", "/sys/x.mp4"]),
+    (["serve", "--device", "cpu", "--model", "wan-diffusers", "--decoder", "big"],
+     ["--decoder", "wan, tiny or tiny:PATH", "'big'"]),
+    (["serve", "--device", "cpu", "--model", "wan-diffusers", "--decoder", "tiny:nope.pth"],
+     ["--decoder", "'nope.pth'", "no such file"]),
+    (["serve", "--device", "cpu", "--decoder", "tiny"], ["--decoder", "--model wan-diffusers"]),
+    (["generate", "--prompt", "x", "--chunks", "1", "--device", "cpu", "--out", "x.mp4",
+      "--decoder", "tiny:"], ["--decoder", "'tiny:'"]),
 ]
 if not torch.cuda.is_available():
     CLI_REFUSALS.append((["serve", "--device", "cuda"], ["--device", "'cuda'", "not available"]))

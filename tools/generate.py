@@ -1,12 +1,16 @@
 """`framekv generate`: a text prompt in, an H.264 MP4 out.
 
     framekv generate --prompt "a cat" --chunks 6 --out cat.mp4 [--config tiny|1.3b]
-                     [--weights DIR] [--checkpoint FILE] [PRESET] [--seed S] ...
+                     [--weights DIR] [--checkpoint FILE] [--decoder wan|tiny[:PATH]]
+                     [PRESET] [--seed S] ...
 
 The prompt is encoded once (the text encoder), the transformer rolls out ``--chunks``
 chunks of latents (`WanRollout`, one graph replay per chunk on CUDA), and one
-`StreamingVAEDecoder` decodes each chunk as it comes, so the MP4 is written chunk by
-chunk and memory stays flat in the number of chunks. A video of N chunks of F latent
+streaming decoder decodes each chunk as it comes, so the MP4 is written chunk by
+chunk and memory stays flat in the number of chunks: the Wan VAE's
+(`StreamingVAEDecoder`), or with ``--decoder tiny[:PATH]`` the tiny TAEHV decoder's
+(`TinyStreamingDecoder`: PATH, else ``taew2_1.safetensors``/``.pth`` in ``--weights``,
+else random weights with ``--config``), which has the same frame counts. A video of N chunks of F latent
 frames (H x W) has 1 + 4 (F - 1) + 4 F (N - 1) frames of 8H x 8W pixels (the VAE's
 first chunk starts with one frame, then four per latent frame).
 
@@ -79,13 +83,15 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
              guidance_scale: float | None = None, sampler: str | None = None,
              shift: float | None = None, fps: int = 16, seed: int = 0, device=None,
              use_graphs: bool | None = None, crf: int = DEFAULT_CRF, stream=None,
-             progress: bool = True, on_frames=None) -> GenerateResult:
+             progress: bool = True, on_frames=None, decoder: str = "wan") -> GenerateResult:
     """Generate ``chunks`` chunks for ``prompt`` and write them to the MP4 ``out``.
 
     Args as for the command (module doc); ``use_graphs`` None: graphs on CUDA;
     ``negative_prompt`` (default "") is the unconditional branch's prompt and needs
     ``guidance_scale``; ``sampler`` and ``shift`` default to Self-Forcing's with a
-    checkpoint, else Euler at the preset's timesteps (shift 1); ``stream``: where the header and progress go (default stderr);
+    checkpoint, else Euler at the preset's timesteps (shift 1); ``decoder``: "wan",
+    "tiny" or "tiny:PATH" (module doc); ``stream``: where the header and progress go
+    (default stderr);
     ``on_frames(index, frames)``: called with each chunk's uint8 frames [F', H, W, 3]
     as they are written.
 
@@ -102,7 +108,7 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
     # The pipeline checks the weights, the checkpoint and the sampling before it loads.
     pipe = WanPipeline.load(None if weights is not None else config, weights=weights,
                             checkpoint=checkpoint, preset=preset, sampler=sampler, shift=shift,
-                            device=dev)
+                            device=dev, decoder=decoder)
     with contextlib.ExitStack() as stack:
         r, decoder = _start(stack, pipe, prompt, negative_prompt, guidance_scale, dev,
                             use_graphs)
@@ -191,7 +197,15 @@ def _header(pipe, weights, checkpoint, r, chunks) -> str:
     return (f"framekv generate: Wan {name} ({source}), device {r.device}, "
             f"{str(r.dtype).removeprefix('torch.')}; latent {s.latent_size[0]}x"
             f"{s.latent_size[1]}, {s.frames_per_chunk}-frame chunks, {chunks} chunk(s); "
-            f"{pipe.sampler} at t = {', '.join(f'{t:.1f}' for t in pipe.timesteps)}")
+            f"{pipe.sampler} at t = {', '.join(f'{t:.1f}' for t in pipe.timesteps)}; "
+            f"{_decoder_name(pipe)}")
+
+
+def _decoder_name(pipe) -> str:
+    kind, path = pipe.decoder_choice
+    if kind == "wan":
+        return "Wan VAE decoder"
+    return f"tiny decoder ({'random weights' if path is None else path})"
 
 
 def format_result(result: GenerateResult, fps: int) -> str:
@@ -245,6 +259,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shift", type=positive_number, default=None,
                    help=f"timestep shift of the preset's steps (default {SELF_FORCING_SHIFT} "
                         "with --checkpoint, as Self-Forcing samples; else 1)")
+    p.add_argument("--decoder", metavar="wan|tiny[:PATH]", default="wan",
+                   help="frames by the Wan VAE (default), or by the tiny TAEHV decoder of "
+                        "PATH (taew2_1.pth/.safetensors; default the one in --weights, "
+                        "random weights with --config)")
     p.add_argument("--chunks", type=positive_int, required=True, help="chunks to generate")
     p.add_argument("--out", type=mp4_file, required=True, metavar="FILE.mp4",
                    help="the MP4 to write")
@@ -266,6 +284,9 @@ def _fail(exc: BaseException, status: int) -> int:
 def run(args) -> int:
     """The command; its exit status (2: bad arguments or weights, 1: the run failed)."""
     try:
+        from framekv.engine.wan.decoders import check_decoder
+
+        check_decoder(args.decoder, args.weights, name="--decoder")
         result = generate(args.prompt, chunks=args.chunks, out=args.out,
                           config=args.config or "tiny",
                           weights=args.weights, checkpoint=args.checkpoint, preset=args.preset,
@@ -273,7 +294,7 @@ def run(args) -> int:
                           guidance_scale=args.guidance_scale, sampler=args.sampler,
                           shift=args.shift, fps=args.fps, seed=args.seed,
                           device=args.device, use_graphs=False if args.no_graphs else None,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, decoder=args.decoder)
     except (ValueError, FileNotFoundError, ImportError) as exc:
         return _fail(exc, 2)
     except (OSError, RuntimeError) as exc:

@@ -12,10 +12,11 @@
   by chunk with the causal cache in an arena; ``vae_graph.py`` its CUDA graphs.
 - ``tiny_decoder.py``: `TinyStreamingDecoder`, a small per-frame decoder of the TAEHV
   ``taew2_1`` layout with `StreamingVAEDecoder`'s interface, frame counts and range;
-  ``tiny_net.py`` its network and weight layout.
+  ``tiny_net.py`` its network and weight layout; ``decoders.py`` which of the two a
+  pipeline builds (``--decoder wan|tiny[:PATH]``).
 - ``pipeline.py``: `WanPipeline`, the one loader the commands share: a config, a
-  diffusers folder or an original-layout checkpoint to transformer, text encoder, VAE,
-  sizes and sampling.
+  diffusers folder or an original-layout checkpoint to transformer, text encoder,
+  decoder, sizes and sampling.
 
 diffusers and transformers are imported on first use (``pip install 'framekv[wan]'``).
 """

@@ -23,7 +23,9 @@ Self-Forcing's: the ``self_forcing`` sampler over the steps warped by shift
 `SELF_FORCING_SHIFT` (`sampling`); ``sampler`` and ``shift`` override either.
 
 ``text_encoder`` and ``vae`` say which parts load: True (a source without one is an
-error), None (where the source has one) or False (never). Every argument, and what
+error), None (where the source has one) or False (never). ``decoder`` picks the
+streaming decoder `decoder` builds (`framekv.engine.wan.decoders`): "wan", the VAE; or
+"tiny" / "tiny:PATH", a `TinyStreamingDecoder`, and then no Wan VAE loads. Every argument, and what
 the folder holds, is checked before any weights are read or built (only configs are
 read): a ValueError naming the argument, the value expected and the value given. A
 checkpoint's contents are checked as it loads (`load_model`). Nothing is downloaded.
@@ -36,10 +38,11 @@ import os
 
 import torch
 
+from .decoders import build_decoder, check_decoder
 from .rollout import SAMPLERS, WanRollout
 from .setup import CONFIGS, PRESETS, build_model, preset_sizes
 from .text import TEXT_CONFIGS, TextEncoder, has_text_encoder
-from .vae import VAE_CONFIGS, StreamingVAEDecoder, build_vae, load_vae
+from .vae import VAE_CONFIGS, build_vae, load_vae
 from .weights import _model_config, load_model
 
 __all__ = ["CHECKPOINT_SUFFIXES", "SELF_FORCING_SHIFT", "WanPipeline", "sampling",
@@ -65,6 +68,9 @@ class WanPipeline:
         sizes: `preset_sizes` of the preset (its ``timesteps`` unshifted).
         sampler, timesteps: the rollout's sampling (`sampling`).
         config_name: the shipped config the transformer matches, or None.
+        decoder_choice: ``(kind, path)`` of the streaming decoder (module doc; path None:
+            the VAE, or random tiny weights).
+        dtype: the dtype the parts were asked in (None: each part's default).
     """
 
     transformer: torch.nn.Module
@@ -74,12 +80,14 @@ class WanPipeline:
     sampler: str = "euler"
     timesteps: tuple[float, ...] = ()
     config_name: str | None = None
+    decoder_choice: tuple[str, str | None] = ("wan", None)
+    dtype: torch.dtype | None = None
 
     @classmethod
     def load(cls, config=None, *, weights=None, checkpoint=None, preset=None,
              sampler: str | None = None, shift: float | None = None,
              text_encoder: bool | None = True, vae: bool | None = True, device=None,
-             dtype=None, key: str | None = None) -> "WanPipeline":
+             dtype=None, key: str | None = None, decoder: str = "wan") -> "WanPipeline":
         """The parts of ``config``, ``weights`` and ``checkpoint`` (module doc) at the
         sizes of ``preset`` on ``device``, in ``dtype`` (default bf16 on CUDA, fp32 on
         the CPU; the modules diffusers keeps in fp32 stay fp32). ``key``: the
@@ -88,6 +96,8 @@ class WanPipeline:
         from framekv.ops import resolve_device
 
         config = _check_sources(config, weights, checkpoint)
+        kind, tiny = check_decoder(decoder, weights)
+        vae = vae if kind == "wan" else False
         _check_sampling(sampler, shift)
         _check_folder(weights, checkpoint, text_encoder=text_encoder, vae=vae)
         shape = _shape(config, weights, checkpoint)
@@ -105,6 +115,7 @@ class WanPipeline:
         text = _text_encoder(text_encoder, weights, name, sizes["prompt_tokens"], dev, dtype)
         decoder_vae = _vae(vae, weights, name, dev, dtype)
         return cls(model, text, decoder_vae, sizes, config_name=name,
+                   decoder_choice=(kind, tiny), dtype=dtype,
                    **sampling(sizes["timesteps"], checkpoint=checkpoint is not None,
                               sampler=sampler, shift=shift))
 
@@ -124,16 +135,18 @@ class WanPipeline:
         return WanRollout(self.transformer, **{"text_encoder": self.text_encoder,
                                                **self.rollout_kwargs(), **kwargs})
 
-    def decoder(self, sequences: int | None = None, *,
-                use_graphs: bool | None = None) -> StreamingVAEDecoder:
-        """A `StreamingVAEDecoder` of the VAE on the transformer's device, ``sequences``
-        rows (default one); ``use_graphs`` None: graphs on CUDA. ValueError without a
-        VAE."""
-        if self.vae is None:
+    def decoder(self, sequences: int | None = None, *, use_graphs: bool | None = None):
+        """The streaming decoder of `decoder_choice` on the transformer's device,
+        ``sequences`` rows (default one): a `StreamingVAEDecoder` of the VAE or a
+        `TinyStreamingDecoder`; ``use_graphs`` None: graphs on CUDA. ValueError for the
+        Wan VAE's decoder without a VAE."""
+        kind, path = self.decoder_choice
+        if kind == "wan" and self.vae is None:
             raise ValueError("decoder() needs the VAE: load the pipeline with vae=True (or "
                              "None, from weights that hold one), got a pipeline without one")
-        return StreamingVAEDecoder(self.vae, sequences=sequences, use_graphs=use_graphs,
-                                   device=self.device)
+        return build_decoder(kind, path, vae=self.vae, sequences=sequences,
+                             use_graphs=use_graphs, device=self.device, dtype=self.dtype,
+                             latent_channels=self.transformer.config.out_channels)
 
 
 def sampling(timesteps, *, checkpoint: bool = False, sampler: str | None = None,

@@ -190,6 +190,10 @@ def _checkpoint_options(p: argparse.ArgumentParser) -> None:
                    help=f"with --model wan-diffusers: timestep shift of the preset's steps "
                         f"(default {SELF_FORCING_SHIFT} with --checkpoint, as Self-Forcing "
                         "samples; else 1)")
+    p.add_argument("--decoder", metavar="wan|tiny[:PATH]", default=None,
+                   help="with --model wan-diffusers: frames by the Wan VAE (default), or by "
+                        "the tiny TAEHV decoder of PATH (taew2_1.pth/.safetensors; default "
+                        "the one in --weights, random weights with --config)")
 
 
 def _session_options(p: argparse.ArgumentParser) -> None:
@@ -240,14 +244,19 @@ def output_of(args) -> str:
 
 
 def check_wan_options(args) -> None:
-    """ValueError for a Wan-only option (``--checkpoint``, ``--sampler``, ``--shift``)
-    beside the reference model, which would ignore it."""
-    given = [f"--{name}" for name in ("checkpoint", "sampler", "shift")
+    """ValueError for a Wan-only option (``--checkpoint``, ``--sampler``, ``--shift``,
+    ``--decoder``) beside the reference model, which would ignore it, or for a
+    ``--decoder`` that is none (`check_decoder`)."""
+    given = [f"--{name}" for name in ("checkpoint", "sampler", "shift", "decoder")
              if getattr(args, name, None) is not None]
     if given and args.model != "wan-diffusers":
         raise ValueError(f"{', '.join(given)}: only with --model wan-diffusers (the "
-                         f"reference model has no checkpoint or sampler to set), got --model "
-                         f"{args.model}")
+                         f"reference model has no checkpoint, sampler or decoder to set), "
+                         f"got --model {args.model}")
+    if getattr(args, "decoder", None) is not None:
+        from framekv.engine.wan.decoders import check_decoder
+
+        check_decoder(args.decoder, getattr(args, "weights", None), name="--decoder")
 
 
 def token_of(args) -> str | None:

@@ -38,7 +38,8 @@ class WanParts:
                                      backend=self.backend, kv_dtype=self.kv_dtype)
 
     def decoder(self, slots: int):
-        """A `StreamingVAEDecoder` of one row per pool slot; on CUDA with graphs,
+        """The pipeline's streaming decoder (the Wan VAE's or the tiny one, `--decoder`),
+        one row per pool slot; on CUDA with graphs,
         every batch of 1 to ``slots`` rows captured in both stages up front."""
         dec = self.pipeline.decoder(slots, use_graphs=self.use_graphs)
         if dec.use_graphs:
@@ -54,7 +55,8 @@ def wan_factory(args, *, use_graphs: bool = True, decode: bool = True) -> WanPar
     has one); the transformer's weights those of ``--checkpoint`` if given, sampled by
     ``--sampler`` at ``--shift`` (default Self-Forcing's with a checkpoint); at the
     sizes of ``--preset`` (default: the preset of the shipped config the transformer
-    matches), prompts of the preset's ``prompt_tokens``, the pool of ``--kv-dtype``.
+    matches), prompts of the preset's ``prompt_tokens``, the pool of ``--kv-dtype``,
+    frames by ``--decoder``.
     ValueError for a bad option, before anything is built."""
     from framekv.engine.wan.pipeline import WanPipeline
 
@@ -64,5 +66,6 @@ def wan_factory(args, *, use_graphs: bool = True, decode: bool = True) -> WanPar
                             preset=getattr(args, "preset", None),
                             sampler=getattr(args, "sampler", None),
                             shift=getattr(args, "shift", None), device=args.device,
-                            text_encoder=None, vae=decode)
+                            text_encoder=None, vae=decode,
+                            decoder=getattr(args, "decoder", None) or "wan")
     return WanParts(pipe, args.cache_dir, use_graphs, kv_dtype=kv_dtype_of(args))
