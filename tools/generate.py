@@ -10,7 +10,10 @@ streaming decoder decodes each chunk as it comes, so the MP4 is written chunk by
 chunk and memory stays flat in the number of chunks: the Wan VAE's
 (`StreamingVAEDecoder`), or with ``--decoder tiny[:PATH]`` the tiny TAEHV decoder's
 (`TinyStreamingDecoder`: PATH, else ``taew2_1.safetensors``/``.pth`` in ``--weights``,
-else random weights with ``--config``), which has the same frame counts. A video of N chunks of F latent
+else random weights with ``--config``), which has the same frame counts. On CUDA each
+chunk's decode runs on a stream of its own beside the next chunk's transformer
+(`framekv.engine.decode_lane.DecodeLane`; ``--no-overlap``: one after the other),
+with the same frames. A video of N chunks of F latent
 frames (H x W) has 1 + 4 (F - 1) + 4 F (N - 1) frames of 8H x 8W pixels (the VAE's
 first chunk starts with one frame, then four per latent frame).
 
@@ -83,15 +86,18 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
              guidance_scale: float | None = None, sampler: str | None = None,
              shift: float | None = None, fps: int = 16, seed: int = 0, device=None,
              use_graphs: bool | None = None, crf: int = DEFAULT_CRF, stream=None,
-             progress: bool = True, on_frames=None, decoder: str = "wan") -> GenerateResult:
+             progress: bool = True, on_frames=None, decoder: str = "wan",
+             overlap: bool | None = None) -> GenerateResult:
     """Generate ``chunks`` chunks for ``prompt`` and write them to the MP4 ``out``.
 
     Args as for the command (module doc); ``use_graphs`` None: graphs on CUDA;
     ``negative_prompt`` (default "") is the unconditional branch's prompt and needs
     ``guidance_scale``; ``sampler`` and ``shift`` default to Self-Forcing's with a
     checkpoint, else Euler at the preset's timesteps (shift 1); ``decoder``: "wan",
-    "tiny" or "tiny:PATH" (module doc); ``stream``: where the header and progress go
-    (default stderr);
+    "tiny" or "tiny:PATH" (module doc); ``overlap``: each chunk decoded on a stream of
+    its own beside the next chunk's transformer (`DecodeLane`; None: on CUDA, False:
+    one after the other); ``stream``: where the header and progress go (default
+    stderr);
     ``on_frames(index, frames)``: called with each chunk's uint8 frames [F', H, W, 3]
     as they are written.
 
@@ -116,7 +122,7 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
         print(_header(pipe, weights, checkpoint, r, chunks), file=stream)
         t1 = time.perf_counter()
         frames, width, height = _roll(stack, r, decoder, chunks, seed, path, fps, crf,
-                                      stream if progress else None, on_frames)
+                                      stream if progress else None, on_frames, overlap)
     seconds = time.perf_counter() - t1
     return GenerateResult(frames=frames, width=width, height=height, seconds=seconds,
                           path=path, size=os.path.getsize(path), setup_seconds=setup)
@@ -155,37 +161,56 @@ def _start(stack, pipe, prompt, negative_prompt, guidance_scale, device, use_gra
     return r, decoder
 
 
-def _roll(stack, r, decoder, chunks, seed, path, fps, crf, stream, on_frames):
-    """Roll out, decode and write ``chunks`` chunks; (frames, width, height). The writer
+def _roll(stack, r, decoder, chunks, seed, path, fps, crf, stream, on_frames, overlap):
+    """Roll out, decode and write ``chunks`` chunks, each chunk's decode beside the next
+    one's transformer on CUDA (`DecodeLane`); (frames, width, height). The writer
     joins ``stack``: the video is finished (or discarded) when the stack closes."""
-    from framekv.engine.serving import to_uint8
+    from framekv.engine.decode_lane import DecodeLane
     from framekv.engine.step import chunk_noise, chunk_renoise
 
     from .demo import Progress
-    from .video import MP4Writer
 
     bar = Progress(chunks, stream, label="generate") if stream is not None else None
-    writer, frames, start = None, 0, time.perf_counter()
+    lane, out = DecodeLane(decoder, overlap=overlap), _Output(stack, path, fps, crf, on_frames)
+    start = time.perf_counter()
     for i in range(chunks):
         # A server session's noise for the same seed (`framekv.engine.step`).
         noise = chunk_noise(seed, i, r.chunk_shape)[None]               # [1, C, F, H, W]
         renoise = None if r.sampler == "euler" else chunk_renoise(
             seed, i, len(r.sigmas) - 1, r.chunk_shape)[None]             # [1, n-1, C, F, H, W]
-        latents = r.step(noise, renoise)                                 # [1, C, F, H, W]
-        video = to_uint8(decoder.decode(latents))[0].cpu()               # [F', 8H, 8W, 3]
-        if writer is None:
-            writer = stack.enter_context(MP4Writer(path, fps=fps, width=video.shape[2],
-                                                   height=video.shape[1], crf=crf))
-        writer.write(video)
-        frames += video.shape[0]
-        if on_frames is not None:
-            on_frames(i, video)
+        lane.submit(r.step(noise, renoise))                              # [1, C, F, H, W]
+        # overlapped, chunk i - 1 is written once chunk i's transformer is queued
+        while len(lane) > lane.overlap:
+            out.write(lane.take()[0])                                    # [F', 8H, 8W, 3]
         if bar is not None:
-            rate = frames / max(time.perf_counter() - start, 1e-9)
-            bar.update(i + 1, f"chunk {i + 1}/{chunks}, {frames} frames, {rate:.1f} frames/s")
+            rate = out.frames / max(time.perf_counter() - start, 1e-9)
+            bar.update(i + 1, f"chunk {i + 1}/{chunks}, {out.frames} frames, {rate:.1f} frames/s")
+    for video in lane.drain():
+        out.write(video[0])
     if bar is not None:
         bar.finish()
-    return frames, writer.width, writer.height
+    return out.frames, out.writer.width, out.writer.height
+
+
+class _Output:
+    """The MP4 (opened at the first chunk's size) and ``on_frames``, chunk by chunk."""
+
+    def __init__(self, stack, path, fps, crf, on_frames):
+        self.stack, self.path, self.fps, self.crf, self.on_frames = stack, path, fps, crf, on_frames
+        self.writer, self.frames, self.chunks = None, 0, 0
+
+    def write(self, video) -> None:                     # uint8 [F', H, W, 3]
+        from .video import MP4Writer
+
+        if self.writer is None:
+            self.writer = self.stack.enter_context(MP4Writer(
+                self.path, fps=self.fps, width=video.shape[2], height=video.shape[1],
+                crf=self.crf))
+        self.writer.write(video)
+        self.frames += video.shape[0]
+        if self.on_frames is not None:
+            self.on_frames(self.chunks, video)
+        self.chunks += 1
 
 
 def _header(pipe, weights, checkpoint, r, chunks) -> str:
@@ -270,6 +295,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=nonnegative_int, default=0, help="noise seed (default 0)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--no-graphs", action="store_true", help="run every chunk eagerly")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="decode each chunk after its transformer, not beside the next one's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
     return p
@@ -294,7 +321,8 @@ def run(args) -> int:
                           guidance_scale=args.guidance_scale, sampler=args.sampler,
                           shift=args.shift, fps=args.fps, seed=args.seed,
                           device=args.device, use_graphs=False if args.no_graphs else None,
-                          progress=not args.no_progress, decoder=args.decoder)
+                          progress=not args.no_progress, decoder=args.decoder,
+                          overlap=False if args.no_overlap else None)
     except (ValueError, FileNotFoundError, ImportError) as exc:
         return _fail(exc, 2)
     except (OSError, RuntimeError) as exc:

@@ -7,7 +7,7 @@ import torch
 __all__ = ["to_uint8"]
 
 
-def to_uint8(frames: torch.Tensor) -> torch.Tensor:
+def to_uint8(frames: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """Frames in [-1, 1] as uint8 RGB, channels last, on the frames' device (so that
     only the pixels cross to the host).
 
@@ -18,6 +18,9 @@ def to_uint8(frames: torch.Tensor) -> torch.Tensor:
         uint8 [F, H, W, 3] for one video, [B, F, H, W, 3] for B (``out[b]`` is video
         b): round((x + 1) * 127.5), ties to even, clamped to [0, 255].
 
+    ``check=False`` skips the NaN / inf check, which waits for the frames on the host:
+    a caller that must not wait checks them itself (`framekv.engine.decode_lane`).
+
     Raises:
         ValueError: not such a tensor, not floating point, or NaN or inf in it.
     """
@@ -27,7 +30,7 @@ def to_uint8(frames: torch.Tensor) -> torch.Tensor:
     if not frames.is_floating_point():
         raise ValueError(f"frames must be floating point in [-1, 1], got {frames.dtype}")
     x = frames.detach().float()
-    if not bool(torch.isfinite(x).all()):
+    if check and not bool(torch.isfinite(x).all()):
         raise ValueError("frames must be finite, got NaN or inf values")
     x = ((x + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
     return x.movedim(-4, -1).contiguous()  # [..., F, H, W, 3]

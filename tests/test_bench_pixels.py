@@ -1,0 +1,37 @@
+"""`framekv.bench.pixels` on the CPU at the tiny config: both decoders decoded eager and
+"graphed" (eager on a CPU: equal), the whole path in both modes through `DecodeLane`
+(equal frames), the report's fields and table; a bad --decoders is refused. The GPU
+numbers are the bench's to take on a GPU (docs/benchmarks.md)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from framekv.bench import pixels  # noqa: E402
+
+
+def test_the_bench_runs_both_decoders_and_modes_at_the_tiny_config():
+    res = pixels.measure_pixels(config="tiny", device="cpu", latent_size=(8, 8),
+                                frames_per_chunk=2, window_frames=2, chunks=1, decode_iters=1,
+                                progress=lambda m: None)
+    assert res["gpu"] == "cpu" and set(res["decoders"]) == {"wan", "tiny"}
+    for kind, r in res["decoders"].items():
+        d, e = r["decode"], r["e2e"]
+        assert d["max_abs_diff_eager_graphed"] == 0.0, kind
+        assert set(d["chunk_us"]) == {"eager", "graphed"}
+        assert e["frames_equal"] is True and set(e["modes"]) == set(pixels.MODES)
+        assert e["modes"]["overlapped"]["overlap"] is False              # no stream on a CPU
+        for m in e["modes"].values():
+            assert m["video_frames"] == 5 + 8 * (e["chunks"] - 1) and m["first_frame_s"] > 0
+            assert m["steady_fps"] > 0 and m["overall_fps"] > 0
+        assert e["dit_ms"]["median"] > 0 and e["decode_ms"]["median"] > 0
+    table = pixels.format_pixels(res)
+    assert "prompt to pixels on cpu: 64x64 video" in table and "tiny decoder" in table
+
+
+def test_bad_decoders_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        pixels.main(["--decoders", "wan,taehv"])
+    assert exc.value.code == 2 and "--decoders must be" in capsys.readouterr().err
