@@ -37,14 +37,17 @@ __all__ = ["DecodeLane"]
 
 class DecodeLane:
     """Chunks decoded on a stream of their own (module doc). ``decoder``: a streaming
-    decoder (``decode(latents, rows)``, ``device``); ``overlap``: None (on CUDA), or
-    False (decode at once); ``priority``: the lane stream's CUDA priority (lower is
-    higher; default the highest)."""
+    decoder (``decode(latents, rows)``); ``device``: where it decodes (default its
+    ``device``, else the CPU); ``overlap``: None (on CUDA), or False (decode at once);
+    ``priority``: the lane stream's CUDA priority (lower is higher; default the
+    highest)."""
 
-    def __init__(self, decoder, *, overlap: bool | None = None, priority: int | None = None):
+    def __init__(self, decoder, *, overlap: bool | None = None, priority: int | None = None,
+                 device=None):
         if overlap not in (None, True, False):
             raise ValueError(f"overlap must be None, True or False, got {overlap!r}")
-        self.decoder, self.device = decoder, torch.device(decoder.device)
+        self.decoder = decoder
+        self.device = torch.device(device or getattr(decoder, "device", None) or "cpu")
         self.overlap = self.device.type == "cuda" and overlap is not False
         self.stream = None
         if self.overlap:

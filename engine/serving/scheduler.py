@@ -48,6 +48,7 @@ import torch
 from framekv.specs.checks import check_prompt
 
 from ..rollout import Rollout
+from ..decode_lane import DecodeLane
 from ..runner import ChunkRunner
 from .records import EndedSessions, Histogram, LoopStopped, PromptChange, SchedulerFull
 from .moves import Moves
@@ -83,13 +84,18 @@ class StreamScheduler(Steps, Moves):
             ``restore(row, state)``, ``close()``: `framekv.engine.wan.StreamingVAEDecoder`).
         ended_records: the ended streams' infos `ended` keeps (the latest).
         checkpoints: None, or a `Checkpoints` writer: every stream written every N chunks.
+        overlap: a step's decode beside the next step's transformer (`Overlap`): None,
+            where it decodes on CUDA; True, also on a CPU (the chunks queued a step
+            late, decoded at once); False, never. Steps run plainly while checkpoints
+            are kept.
     """
 
     def __init__(self, preset="tiny", *, max_sessions: int = 8, slots: int | None = None,
                  device=None, backend=None, cache_dir=None, use_graphs: bool = True,
                  queue_chunks: int = 4, batch_sizes=None, progress: bool = False,
                  runner_factory=None, decoder_factory=None, ended_records: int = 1024,
-                 swap_quantum: int = 16, kv_dtype=None, checkpoints=None):
+                 swap_quantum: int = 16, kv_dtype=None, checkpoints=None,
+                 overlap: bool | None = None):
         S = check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum,
                         kv_dtype, runner_factory, decoder_factory)
         sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(S))))
@@ -130,6 +136,10 @@ class StreamScheduler(Steps, Moves):
         self.frames_per_chunk = self.runner.frames_per_chunk
         self.prompt_shape = tuple(self.runner.prompt_shape)
         self.decoding = self.decoder is not None
+        # the decode of a step beside the next step's transformer (`Overlap`)
+        on = self.decoding and (overlap or (overlap is None and self.runner.device.type == "cuda"))
+        self.lane = DecodeLane(self.decoder, device=self.runner.device) if on else None
+        self._inflight = None
         self.text_prompts = getattr(self.runner, "text_encoder", None) is not None
         self.model = self.runner.describe()
 
@@ -254,26 +264,30 @@ class StreamScheduler(Steps, Moves):
             self._held = bool(held)
             self.ready.notify_all()
         with self._gpu:
-            pass
+            self._flush()
 
     # ------------------------------------------------------------------ steps
     def step(self) -> int:
         """One step: requests handed to the loop, then one batched chunk of every ready
-        stream (`steps`); returns how many streams got a chunk."""
+        stream (`steps`); returns how many chunks it queued (an overlapped step's are
+        queued by the next step, or by this call once there is nothing to plan)."""
         with self._gpu:
             self._serve_requests()
             with self.lock:
                 planned = self._plan()
             if planned is None:
-                return 0
+                return self._flush()
             plan, batch, taken = planned
+            if self._overlapping():
+                return self._step_overlapped(plan, batch, taken)
+            made = self._flush()          # checkpoints came on: a plain step from here
             t0 = time.perf_counter()
             res, rows_out, video, latents = self._run_plan(plan, batch)
             if res.error is not None and plan.rows:
                 self._restart_rows(plan)    # before its streams are seen failed
             with self.lock:
-                made = self._commit(plan, batch, taken, res, rows_out, video, latents,
-                                    time.perf_counter() - t0)
+                made += self._commit(plan, batch, taken, res, rows_out, video, latents,
+                                     time.perf_counter() - t0)
                 due, self._due = self._due, []
                 self.ready.notify_all()
             self._checkpoint(due)
@@ -285,6 +299,7 @@ class StreamScheduler(Steps, Moves):
         loop = self._loop
         if loop is None or not loop.is_alive() or threading.current_thread() is loop:
             with self._gpu:
+                self._flush()
                 return fn(*args)
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._requests.put((fn, args, done))
@@ -304,6 +319,7 @@ class StreamScheduler(Steps, Moves):
                 fn, args, done = self._requests.get_nowait()
             except queue.Empty:
                 return
+            self._flush()           # a request sees every chunk made, the decoder idle
             try:
                 done.set_result(fn(*args))
             except BaseException as exc:
@@ -354,6 +370,7 @@ class StreamScheduler(Steps, Moves):
         """Requests handed over as the loop ended run here (nobody else would)."""
         self._loop = None
         with self._gpu:
+            self._flush()
             self._serve_requests()
 
     def _stopped(self, reason: str) -> None:
@@ -375,6 +392,7 @@ class StreamScheduler(Steps, Moves):
         if self.checkpoints is not None:
             self.checkpoints.flush()
         with self._gpu:
+            self._flush()
             self.runner.close()
             if self.decoder is not None:
                 self.decoder.close()

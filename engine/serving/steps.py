@@ -29,6 +29,7 @@ import torch
 
 from ..step import StepPlan, Swap
 from .frames import to_uint8
+from .overlap import Overlap
 from .records import SessionChunk
 from .slots import pick_victim
 from .stream import Stream
@@ -48,11 +49,14 @@ class Entry:
     requested: float
 
 
-class Steps:
+class Steps(Overlap):
     """The step of `StreamScheduler` (module doc); its attributes are the scheduler's."""
 
     def _is_ready(self, s: Stream) -> bool:
-        return s.state == "active" and not s.paused and len(s.queue) < self.queue_chunks
+        # chunks in flight (an overlapped step's) count as queued and as made
+        return (s.state == "active" and not s.paused
+                and len(s.queue) + s.inflight < self.queue_chunks
+                and (s.budget is None or s.chunks < s.budget))
 
     def _ready(self) -> list[Stream]:
         if self._held:
@@ -257,19 +261,28 @@ class Steps:
                 c.settle(None if s is None else s.chunks, err)
 
     def _queue(self, s: Stream, chunk: SessionChunk) -> None:
-        if chunk.index > s.acked:  # else its client has it already (a resumed stream)
-            s.queue.append(chunk)
+        self._advance(s, chunk.frames)
+        self._deliver(s, chunk)
+
+    def _advance(self, s: Stream, frames: int) -> None:
+        """``s`` made a chunk: its next index and rope frame move on."""
         s.chunks += 1
-        s.frames += chunk.frames
+        s.frames += frames
+
+    def _deliver(self, s: Stream, chunk: SessionChunk) -> None:
+        """``s``'s chunk queued for its client (unless it has it: a resumed stream), and
+        what follows from it: frames counted, the budget spent, a checkpoint due."""
+        if chunk.index > s.acked:
+            s.queue.append(chunk)
         if chunk.video is not None:
             s.video_frames += chunk.video.shape[0]
             self._counts["video_frames"] += chunk.video.shape[0]
-        if s.budget is not None and s.chunks >= s.budget:
+        if s.budget is not None and chunk.index + 1 >= s.budget:
             s.state = "done"
         self._chunk_seconds.observe(chunk.queued - chunk.requested)
         s.waiting_since = None
         self._mark_waiting(s)
-        if self.checkpoints is not None and self.checkpoints.due(s.chunks):
+        if self.checkpoints is not None and self.checkpoints.due(chunk.index + 1):
             self._due.append(s.id)
 
     def _fail(self, s: Stream, message: str) -> None:

@@ -45,7 +45,8 @@ class Stream:
     chunks (`rewind` makes a new one; those before it take none). ``last_stepped``: the
     scheduler's step count when it last made a chunk or took its slot (which resident
     stream gives its slot up first: the least recent); ``slot_since``: the step count
-    when it took its slot (its swap quantum runs from it)."""
+    when it took its slot (its swap quantum runs from it); ``inflight``: chunks counted
+    made whose frames are still being decoded (an overlapped step's, `Overlap`)."""
 
     id: str
     seed: int
@@ -71,6 +72,7 @@ class Stream:
     waiting_since: float | None = None
     last_stepped: int = 0
     slot_since: int = 0
+    inflight: int = 0
 
     @property
     def finished(self) -> bool:
