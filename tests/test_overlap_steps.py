@@ -219,3 +219,16 @@ def test_on_cuda_a_step_decodes_beside_the_next_and_gives_the_same_chunks():
     finally:
         plain.close()
         lapped.close()
+
+
+def test_serve_no_overlap_reaches_the_scheduler(monkeypatch):
+    import framekv.engine.serving as serving
+    from framekv.tools.cli import build_parser
+    from framekv.tools.serve.command import build_scheduler, checked_options
+
+    seen = []
+    monkeypatch.setattr(serving, "StreamScheduler", lambda *a, **k: seen.append(k["overlap"]))
+    for flags, want in (([], None), (["--no-overlap"], False)):
+        args = build_parser().parse_args(["serve", "--device", "cpu", *flags])
+        build_scheduler(args, checked_options(args))
+        assert seen[-1] is want, flags

@@ -164,6 +164,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "latents")
     p.add_argument("--frame-format", choices=FRAME_FORMATS, default="jpeg",
                    help="with --output frames: the images' format (default jpeg)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="with --output frames on CUDA: decode each step after its "
+                        "transformer, not beside the next step's")
     p.add_argument("--fps", type=int_in(1, MAX_FPS), default=16,
                    help=f"the video's frame rate the page plays at, 1 to {MAX_FPS} "
                         "(default 16)")
@@ -341,7 +344,8 @@ def build_scheduler(args, options: dict):
                            cache_dir=args.cache_dir, progress=True,
                            queue_chunks=args.queue_chunks, runner_factory=parts,
                            kv_dtype=kv_dtype_of(args) if parts is None else None,
-                           decoder_factory=decoder)
+                           decoder_factory=decoder,
+                           overlap=False if getattr(args, "no_overlap", False) else None)
 
 
 def run(args) -> int:
