@@ -13,10 +13,11 @@ transformer between the two has it run while the decode does::
         write(lane.take())                  # chunk i-1, decoded beside chunk i
     write(lane.take())
 
-The lane's stream has the higher priority: whenever both streams have work ready its
-kernels go first, so a chunk's frames reach the host soonest and the transformer fills
-what the decode leaves of the GPU. Nothing in `submit` waits for the device (the NaN /
-inf check of the frames is made on the device and read at `take`).
+The lane's stream has the higher priority (-1 against the default streams' 0): whenever
+both streams have work ready its kernels go first, so a chunk's frames reach the host
+soonest and the transformer fills what the decode leaves of the GPU. Nothing in `submit`
+waits for the device (the NaN / inf check of the frames is made on the device and read
+at `take`).
 
 Without overlap (a CPU, or ``overlap=False``) `submit` decodes at once on the caller's
 stream. Either way the frames are the same: the same decoder, graphs and kernels, the
@@ -39,8 +40,8 @@ class DecodeLane:
     """Chunks decoded on a stream of their own (module doc). ``decoder``: a streaming
     decoder (``decode(latents, rows)``); ``device``: where it decodes (default its
     ``device``, else the CPU); ``overlap``: None (on CUDA), or False (decode at once);
-    ``priority``: the lane stream's CUDA priority (lower is higher; default the
-    highest)."""
+    ``priority``: the lane stream's CUDA priority (lower is higher; default -1, above
+    the default streams' 0)."""
 
     def __init__(self, decoder, *, overlap: bool | None = None, priority: int | None = None,
                  device=None):
@@ -51,8 +52,8 @@ class DecodeLane:
         self.overlap = self.device.type == "cuda" and overlap is not False
         self.stream = None
         if self.overlap:
-            high = torch.cuda.Stream.priority_range()[1] if priority is None else priority
-            self.stream = torch.cuda.Stream(self.device, priority=high)
+            self.stream = torch.cuda.Stream(self.device, priority=-1 if priority is None
+                                            else priority)
         self._pending: collections.deque = collections.deque()   # (done, frames, finite)
 
     def __len__(self) -> int:
