@@ -236,6 +236,31 @@ def test_a_draining_replica_adopts_when_no_other_can(cluster, reference):
     victim.sched.close()
 
 
+def test_a_moved_session_survives_its_new_replica_dying_at_once(cluster, reference,
+                                                                monkeypatch):
+    """The move returns once the target wrote the session's file (the source dropped
+    its own): a target killed right after, its writes slow, loses nothing."""
+    import time
+
+    cs, reps = cluster
+    sid = cs.open_session(seed=33, chunks=6).id
+    reader, got = cs.rewind(sid), []
+    read(cs, sid, 2, reader, got)
+    src = cs.where[sid]
+    dst = next(r for r in reps if r != src)
+    writer = reps[dst].sched.checkpoints
+    real = writer._write
+    monkeypatch.setattr(writer, "_write", lambda *a: (time.sleep(0.5), real(*a)))
+    cs.move(sid, to=dst)
+    victim = reps.pop(dst)
+    victim.stop.set()
+    victim.loop.join()
+    cs.refresh()
+    assert cs.where[sid] == src
+    assert_alone(reference, 33, read(cs, sid, 4, reader, got))
+    victim.sched.close()
+
+
 def test_a_dead_replicas_session_without_a_checkpoint_ends_failed(monkeypatch):
     with over_replicas(monkeypatch, None) as (cs, reps):
         sid = cs.open_session(seed=3, chunks=4).id

@@ -186,17 +186,19 @@ class Replica:
                 "sent": time.time()}
 
     async def import_session(self, moved: dict) -> dict:
-        """The session `export_session` gave goes on here (its file written at once
-        where checkpoints are kept): ``{"id", "bytes", "export_s", "transfer_s",
-        "import_s"}``."""
+        """The session `export_session` gave goes on here: ``{"id", "bytes",
+        "export_s", "transfer_s", "import_s"}``. Where checkpoints are kept it returns
+        once the session's file is written: its source dropped its own, so a replica
+        killed between the two would lose the session."""
         arrived, t = time.time(), time.perf_counter()
         state = moved["state"]
         sid = await self._wait(self.sched.import_session, state)
+        seconds = time.perf_counter() - t
         if self.sched.checkpoints is not None:
             self.sched.checkpoints.put(sid, state)
+            await self._wait(self.sched.checkpoints.flush)
         return {"id": sid, "bytes": moved["bytes"], "export_s": moved["export_s"],
-                "transfer_s": max(0.0, arrived - moved["sent"]),
-                "import_s": time.perf_counter() - t}
+                "transfer_s": max(0.0, arrived - moved["sent"]), "import_s": seconds}
 
     async def adopt(self, sid: str) -> bool:
         """Open session ``sid`` from its file in the state folder (its replica is gone);
