@@ -45,12 +45,11 @@ import os
 
 import torch
 
-from framekv.graphs import GraphCache, GraphKey, owner_token
 from framekv.specs.checks import check_count, check_flag
 
 from .tiny_net import WIDTHS, TinyDecoderNet, random_init, read_taehv, unset_net
 from .vae import StreamingVAEDecoder
-from .vae_graph import STAGES, CacheArena, CacheLayout, DecoderRows
+from .vae_graph import CacheArena, CacheLayout, DecoderRows
 
 __all__ = ["TinyDecoderNet", "TinyStreamingDecoder", "WIDTHS", "random_init"]
 
@@ -110,11 +109,7 @@ class TinyStreamingDecoder(DecoderRows):
         self.dtype, self.latent_channels = next(net.parameters()).dtype, net.latent_channels
         graphs = True if use_graphs is None else check_flag("use_graphs", use_graphs)
         self.use_graphs = graphs and self.device.type == "cuda"
-        self._frames = None if sequences is None else [0] * sequences
-        self._cache: CacheArena | None = None
-        self._programs: dict = {}
-        self._graphs = GraphCache(self.device) if self.use_graphs else None
-        self.closed = False
+        self._start_rows()
 
     @classmethod
     def random(cls, *, seed: int = 0, latent_channels: int = 16, device=None, dtype=None,
@@ -149,138 +144,14 @@ class TinyStreamingDecoder(DecoderRows):
         dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         return cls(net.to(dev, dtype), device=dev, **kwargs)
 
-    # ------------------------------------------------------------------ decode
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor, rows=None) -> torch.Tensor:
-        """Decode the next chunk of sequences ``rows``: latents [B, C, F, H, W] (batch row
-        i is sequence rows[i]; host ints, default 0..B-1) -> frames [B, 3, F', 8H, 8W]
-        in [-1, 1], the decoder's dtype (module doc). The rows must all start a video or
-        all continue one."""
-        self._check_open()
-        B, F_, H, W = self._check_latents(latents)
-        S = self.sequences or B
-        rows = self._check_rows(range(B) if rows is None else rows, B, S)
-        self._ensure(S, (H, W))
-        stage = self._stage(rows)
-        inputs = {"latents": latents.to(self.dtype).contiguous(),
-                  "rows": torch.tensor(rows, dtype=torch.int64, device=self.device)}
-        if self.use_graphs:
-            out = self._graphs.run(self._key(stage, inputs), self._program(stage), inputs,
-                                   warmup_fn=self._program(stage, write=False)).clone()
-        else:
-            out = self._program(stage)(**inputs)
-        for r in rows:
-            self._frames[r] += F_
-        return out
-
-    def snapshot(self, row: int) -> dict:
-        """Sequence ``row``'s video state on the host: {"frames": latent frames decoded,
-        "cache": its carried frames, a host copy per block (empty before the first
-        decode), "latent_size": (H, W) they are sized for (None before it)}, for
-        `restore` into any row of a decoder of the same layout and latent size. The
-        copies share no memory with the decoder, so the row may go on meanwhile."""
-        self.frames_decoded(row)
-        if self._cache is None:
-            return {"frames": self._frames[row], "cache": [], "latent_size": None}
-        return {"frames": self._frames[row],
-                "cache": [t[row].to("cpu", copy=True) for t in self._cache.tensors],
-                "latent_size": tuple(self._cache.layout.latent_size)}
-
-    @torch.no_grad()
-    def restore(self, row: int, state: dict) -> None:
-        """Sequence ``row`` goes on with the video ``state`` (`snapshot`) holds; a decoder
-        that has not decoded yet sizes its arena for the state's latent size first.
-        ValueError for a state of another layout or latent size (nothing changed)."""
-        self.frames_decoded(row)
-        cache = state["cache"]
-        if not cache:
-            self.reset(rows=[row])
-            return
-        if self._cache is None and state.get("latent_size") is not None:
-            self._ensure(self.sequences, tuple(state["latent_size"]))
-        have = [] if self._cache is None else self._cache.tensors
-        want = [(tuple(t.shape[1:]), t.dtype) for t in have]
-        got = [(tuple(t.shape), t.dtype) for t in cache]
-        if want != got:
-            raise ValueError(f"state's carried frames are {got}, this decoder's {want} "
-                             "(another layout, dtype or latent size)")
-        for t, x in zip(have, cache):
-            t[row].copy_(x)
-        self._frames[row] = int(state["frames"])
-
-    @torch.no_grad()
-    def capture(self, batch: int, frames: int, latent_size) -> int:
-        """Capture the chunk graphs of both stages for ``batch`` sequences and ``frames``
-        latent frames of size ``latent_size`` (H, W) ahead of the first decode, as
-        `StreamingVAEDecoder.capture`. No sequence's state changes. Returns the graphs
-        captured by this call."""
-        self._check_open()
-        if not self.use_graphs:
-            raise ValueError(f"capture() needs use_graphs=True on a CUDA device, got "
-                             f"use_graphs={self.use_graphs} on {self.device}")
-        for name, v, high in (("batch", batch, self.sequences), ("frames", frames, None)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > (high or v):
-                raise ValueError(f"{name} must be an integer in [1, {high or 'inf'}], got {v!r}")
-        size = tuple(latent_size) if isinstance(latent_size, (tuple, list)) else ()
-        if len(size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
-                                 for v in size):
-            raise ValueError(f"latent_size must be (H, W) positive integers, got {latent_size!r}")
-        self._ensure(self.sequences or batch, size)
-        inputs = {"latents": torch.zeros(batch, self.latent_channels, frames, *size,
-                                         device=self.device, dtype=self.dtype),
-                  "rows": torch.arange(batch, device=self.device)}
-        captured = 0
-        for stage in STAGES:
-            key = self._key(stage, inputs)
-            if key not in self._graphs:
-                self._graphs.capture(key, self._program(stage), inputs,
-                                     warmup_fn=self._program(stage, write=False))
-                captured += 1
-        return captured
-
     # ------------------------------------------------------------------ internals
-    def _ensure(self, sequences: int, latent_size: tuple[int, int]) -> None:
-        """Size the arena for S sequences at ``latent_size`` on first use."""
-        if self._cache is None:
-            shapes = self.net.memory_shapes(latent_size)
-            layout = CacheLayout(slots=len(shapes), shapes=shapes, latent_size=tuple(latent_size),
-                                 dtypes=(self.dtype,) * len(shapes))
-            self._cache = CacheArena(layout, sequences, self.device)
-            self.sequences = sequences
-            self._frames = self._frames or [0] * sequences
-        elif self._cache.layout.latent_size != tuple(latent_size):
-            raise ValueError(f"latents must be {list(self._cache.layout.latent_size)} (H, W), the "
-                             f"size the decoder's arena was sized for, got {list(latent_size)}")
+    PROGRAM = "tiny-decode"
+    MISMATCH = "another layout, dtype or latent size"
 
-    def _program(self, stage: str, write: bool = True):
-        fn = self._programs.get((stage, write))
-        if fn is None:
-            fn = _chunk_program(self.net, self._cache, first=stage == "first", write=write)
-            self._programs[(stage, write)] = fn
-        return fn
+    def _layout(self, latent_size: tuple[int, int]) -> CacheLayout:
+        shapes = self.net.memory_shapes(latent_size)
+        return CacheLayout(slots=len(shapes), shapes=shapes, latent_size=tuple(latent_size),
+                           dtypes=(self.dtype,) * len(shapes))
 
-    def _key(self, stage: str, inputs: dict) -> GraphKey:
-        latents = inputs["latents"]
-        return GraphKey.build(owner=owner_token(self), inputs=inputs, batch=latents.shape[0],
-                              program=f"tiny-decode:{stage}:{latents.shape[2]}f")
-
-    def _check_latents(self, latents) -> tuple[int, int, int, int]:
-        if not isinstance(latents, torch.Tensor) or latents.dim() != 5:
-            got = (f"ndim {latents.dim()}" if isinstance(latents, torch.Tensor)
-                   else type(latents).__name__)
-            raise ValueError(f"latents must be a [B, C, F, H, W] tensor, got {got}")
-        B, C, F_, H, W = latents.shape
-        z = self.latent_channels
-        if C != z or min(B, F_, H, W) < 1 or not latents.is_floating_point():
-            raise ValueError(f"latents must be a floating [B, {z}, F, H, W] tensor (the "
-                             f"decoder's latent channels, sizes >= 1), got "
-                             f"{list(latents.shape)} {latents.dtype}")
-        if latents.device != self.device:
-            raise ValueError(f"latents must be on the decoder's device {self.device}, got "
-                             f"{latents.device}")
-        return B, F_, H, W
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this TinyStreamingDecoder was closed: its arena and graphs are "
-                               "freed; build a new one")
+    def _chunk(self, first: bool, write: bool):
+        return _chunk_program(self.net, self._cache, first=first, write=write)

@@ -27,10 +27,9 @@ import os
 
 import torch
 
-from framekv.graphs import GraphCache, owner_token
 
 from framekv.specs.checks import check_count, check_flag
-from .vae_graph import STAGES, CacheArena, CacheLayout, DecoderRows, chunk_program, graph_key
+from .vae_graph import CacheLayout, DecoderRows, chunk_program
 
 __all__ = ["VAE_CONFIGS", "StreamingVAEDecoder", "build_vae", "load_vae"]
 
@@ -124,7 +123,7 @@ class StreamingVAEDecoder(DecoderRows):
 
     Attributes:
         vae, device, dtype (the vae's: frames come back in it), sequences (None until
-        known), use_graphs.
+        known), use_graphs, latent_channels (the vae's z_dim).
     """
 
     def __init__(self, vae, *, sequences=None, use_graphs=None, device=None):
@@ -133,7 +132,7 @@ class StreamingVAEDecoder(DecoderRows):
         self.device = _resolve(device if device is not None else next(vae.parameters()).device)
         if next(vae.parameters()).device != self.device:
             vae.to(self.device)
-        self.vae, self.dtype = vae, vae.dtype
+        self.vae, self.dtype, self.latent_channels = vae, vae.dtype, vae.config.z_dim
         graphs = True if use_graphs is None else check_flag("use_graphs", use_graphs)
         self.use_graphs = graphs and self.device.type == "cuda"
         cfg, shape = vae.config, (1, vae.config.z_dim, 1, 1, 1)
@@ -141,36 +140,7 @@ class StreamingVAEDecoder(DecoderRows):
         self._mean = torch.tensor(cfg.latents_mean).view(shape).to(self.device, self.dtype)
         inv_std = 1.0 / torch.tensor(cfg.latents_std)
         self._inv_std = inv_std.view(shape).to(self.device, self.dtype)
-        self._frames = None if sequences is None else [0] * sequences
-        self._cache: CacheArena | None = None
-        self._programs: dict = {}
-        self._graphs = GraphCache(self.device) if self.use_graphs else None
-        self.closed = False
-
-    # ------------------------------------------------------------------ decode
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor, rows=None) -> torch.Tensor:
-        """Decode the next chunk of sequences ``rows``: latents [B, C, F, H, W] (batch row
-        i is sequence rows[i]; host ints, default 0..B-1) -> frames [B, 3, F', 8H, 8W]
-        in [-1, 1], the vae's dtype (module doc). The rows must all start a video or all
-        continue one."""
-        self._check_open()
-        B, F, H, W = self._check_latents(latents)
-        S = self.sequences or B
-        rows = self._check_rows(range(B) if rows is None else rows, B, S)
-        self._ensure(S, (H, W))
-        stage = self._stage(rows)
-        inputs = {"latents": latents.to(self.dtype).contiguous(),  # [B, C, F, H, W]
-                  "rows": torch.tensor(rows, dtype=torch.int64, device=self.device)}
-        if self.use_graphs:
-            key = graph_key(owner_token(self), stage, inputs)
-            out = self._graphs.run(key, self._program(stage), inputs,
-                                   warmup_fn=self._program(stage, write=False)).clone()
-        else:
-            out = self._program(stage)(**inputs)
-        for r in rows:
-            self._frames[r] += F
-        return out
+        self._start_rows()
 
     @staticmethod
     def video_frames(latent_frames: int, first: bool) -> int:
@@ -178,110 +148,13 @@ class StreamingVAEDecoder(DecoderRows):
         first chunk (the VAE's causal start), 4 F for a later one."""
         return 1 + 4 * (latent_frames - 1) if first else 4 * latent_frames
 
-    def snapshot(self, row: int) -> dict:
-        """Sequence ``row``'s video state on the host: {"frames": latent frames decoded,
-        "cache": its causal feature cache, a host copy per cache entry (empty before
-        the first decode), "latent_size": (H, W) the cache is sized for (None before
-        it)}, for `restore` into any row of a decoder of the same vae and latent size.
-        The copies share no memory with the decoder (on a CPU device too), so the row
-        may decode another video meanwhile."""
-        self.frames_decoded(row)                      # checks row
-        if self._cache is None:
-            return {"frames": self._frames[row], "cache": [], "latent_size": None}
-        cache = [t[row].to("cpu", copy=True) for t in self._cache.tensors]
-        return {"frames": self._frames[row], "cache": cache,
-                "latent_size": tuple(self._cache.layout.latent_size)}
-
-    @torch.no_grad()
-    def restore(self, row: int, state: dict) -> None:
-        """Sequence ``row`` goes on with the video ``state`` (`snapshot`) holds; a
-        decoder that has not decoded yet sizes its cache for the state's latent size
-        first. ValueError for a state of another cache layout (nothing changed)."""
-        self.frames_decoded(row)
-        cache = state["cache"]
-        if not cache:                                 # nothing decoded yet
-            self.reset(rows=[row])
-            return
-        if self._cache is None and state.get("latent_size") is not None:
-            self._ensure(self.sequences, tuple(state["latent_size"]))
-        have = [] if self._cache is None else self._cache.tensors
-        want = [(tuple(t.shape[1:]), t.dtype) for t in have]
-        got = [(tuple(t.shape), t.dtype) for t in cache]
-        if want != got:
-            raise ValueError(f"state's decoder cache is {got}, this decoder's {want} (another "
-                             "vae or latent size, or a decoder that has not decoded yet)")
-        for t, x in zip(have, cache):
-            t[row].copy_(x)
-        self._frames[row] = int(state["frames"])
-
-    @torch.no_grad()
-    def capture(self, batch: int, frames: int, latent_size) -> int:
-        """Capture the chunk graphs of both stages for ``batch`` sequences (the first
-        ``batch`` rows at capture; any rows at replay) and ``frames`` latent frames of
-        size ``latent_size`` (H, W), ahead of the first decode (a server's warm-up).
-        Sizes the arena as a decode would. No sequence's cache or position changes.
-        Returns the graphs captured by this call."""
-        self._check_open()
-        if not self.use_graphs:
-            raise ValueError(f"capture() needs use_graphs=True on a CUDA device, got "
-                             f"use_graphs={self.use_graphs} on {self.device}")
-        for name, v, high in (("batch", batch, self.sequences), ("frames", frames, None)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > (high or v):
-                raise ValueError(f"{name} must be an integer in [1, {high or 'inf'}], got {v!r}")
-        size = tuple(latent_size) if isinstance(latent_size, (tuple, list)) else ()
-        if len(size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
-                                 for v in size):
-            raise ValueError(f"latent_size must be (H, W) positive integers, got {latent_size!r}")
-        self._ensure(self.sequences or batch, size)
-        inputs = {"latents": torch.zeros(batch, self.vae.config.z_dim, frames, *latent_size,
-                                         device=self.device, dtype=self.dtype),
-                  "rows": torch.arange(batch, device=self.device)}
-        captured = 0
-        for stage in STAGES:
-            key = graph_key(owner_token(self), stage, inputs)
-            if key not in self._graphs:
-                self._graphs.capture(key, self._program(stage), inputs,
-                                     warmup_fn=self._program(stage, write=False))
-                captured += 1
-        return captured
-
     # ------------------------------------------------------------------ internals
-    def _ensure(self, sequences: int, latent_size: tuple[int, int]) -> None:
-        """Size the arena for S sequences at ``latent_size`` on first use."""
-        if self._cache is None:
-            layout = CacheLayout.probe(self.vae, latent_size, self.device)
-            self._cache = CacheArena(layout, sequences, self.device)
-            self.sequences = sequences
-            self._frames = self._frames or [0] * sequences
-        elif self._cache.layout.latent_size != latent_size:
-            raise ValueError(f"latents must be {list(self._cache.layout.latent_size)} (H, W), the "
-                             f"size the decoder's cache was sized for, got {list(latent_size)}")
+    PROGRAM = "vae-decode"
+    MISMATCH = "another vae or latent size, or a decoder that has not decoded yet"
 
-    def _program(self, stage: str, write: bool = True):
-        fn = self._programs.get((stage, write))
-        if fn is None:
-            fn = chunk_program(self.vae, self._cache, first=stage == "first", mean=self._mean,
-                               inv_std=self._inv_std, write=write)
-            self._programs[(stage, write)] = fn
-        return fn
+    def _layout(self, latent_size: tuple[int, int]) -> CacheLayout:
+        return CacheLayout.probe(self.vae, latent_size, self.device)
 
-    def _check_latents(self, latents) -> tuple[int, int, int, int]:
-        if not isinstance(latents, torch.Tensor) or latents.dim() != 5:
-            got = (f"ndim {latents.dim()}" if isinstance(latents, torch.Tensor)
-                   else type(latents).__name__)
-            raise ValueError(f"latents must be a [B, C, F, H, W] tensor, got {got}")
-        B, C, F, H, W = latents.shape
-        z = self.vae.config.z_dim
-        if C != z or min(B, F, H, W) < 1 or not latents.is_floating_point():
-            raise ValueError(f"latents must be a floating [B, {z}, F, H, W] tensor (the vae's "
-                             f"z_dim channels, sizes >= 1), got {list(latents.shape)} "
-                             f"{latents.dtype}")
-        if latents.device != self.device:
-            raise ValueError(f"latents must be on the decoder's device {self.device}, got "
-                             f"{latents.device}")
-        return B, F, H, W
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this StreamingVAEDecoder was closed: its cache and graphs are "
-                               "freed; build a new one")
+    def _chunk(self, first: bool, write: bool):
+        return chunk_program(self.vae, self._cache, first=first, mean=self._mean,
+                             inv_std=self._inv_std, write=write)

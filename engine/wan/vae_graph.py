@@ -24,7 +24,7 @@ entry, ``[S, C_l, 2, H_l, W_l]`` for S sequences (shapes from an eager dry run,
     arena_l[rows] = cache_l                                        # scatter
     return clamp(cat(frames), -1, 1)
 
-Graph keys (`graph_key`) hold the batch, the frames and the stage ("first": the
+Graph keys (`DecoderRows._key`) hold the batch, the frames and the stage ("first": the
 chunk starts the rows' videos; "steady": every row continues one).
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from framekv.graphs import GraphKey
+from framekv.graphs import GraphCache, GraphKey, owner_token
 
 from ..arena import carved_bytes, make_arena
 
@@ -166,19 +166,116 @@ def chunk_program(vae, arena: CacheArena, *, first: bool, mean: torch.Tensor,
     return fn
 
 
-def graph_key(owner: int, stage: str, inputs: dict) -> GraphKey:
-    """The key of a chunk graph: stage and frames in the program, batch in ``batch``."""
-    latents = inputs["latents"]
-    return GraphKey.build(owner=owner, program=f"vae-decode:{stage}:{latents.shape[2]}f",
-                          inputs=inputs, batch=latents.shape[0])
-
-
 class DecoderRows:
     """What a streaming decoder (`StreamingVAEDecoder`, `TinyStreamingDecoder`) keeps per
-    sequence and shares: latent frames decoded per row (``_frames``), the arena
-    (``_cache``), the graphs (``_graphs``, ``_programs``), ``closed``; the rows checked,
-    reset and staged ("first" or "steady") the same way. Subclasses set those attributes
-    and define ``sequences`` and ``_check_open``."""
+    sequence and does the same way: latent frames decoded per row (``_frames``), the
+    arena (``_cache``), the graphs (``_graphs``, ``_programs``), ``closed``; rows checked,
+    reset and staged ("first" or "steady"); `decode`, `snapshot`, `restore`, `capture`.
+    Subclasses set those attributes and ``sequences``, ``device``, ``dtype``,
+    ``use_graphs``, ``latent_channels``, and define ``PROGRAM`` (the graph keys' program
+    name), ``MISMATCH`` (why a state does not fit, in `restore`'s error),
+    ``_layout(latent_size) -> CacheLayout`` and ``_chunk(first, write)`` (the chunk
+    program)."""
+
+    def _start_rows(self) -> None:
+        """No row decoded yet, no arena, graphs or programs (the constructors' end, once
+        ``sequences``, ``device`` and ``use_graphs`` are set)."""
+        self._frames = None if self.sequences is None else [0] * self.sequences
+        self._cache: CacheArena | None = None
+        self._programs: dict = {}
+        self._graphs = GraphCache(self.device) if self.use_graphs else None
+        self.closed = False
+
+    # ------------------------------------------------------------------ decode
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, rows=None) -> torch.Tensor:
+        """Decode the next chunk of sequences ``rows``: latents [B, C, F, H, W] (batch row
+        i is sequence rows[i]; host ints, default 0..B-1) -> frames [B, 3, F', 8H, 8W]
+        in [-1, 1], the decoder's dtype. The rows must all start a video or all
+        continue one."""
+        self._check_open()
+        B, F, H, W = self._check_latents(latents)
+        S = self.sequences or B
+        rows = self._check_rows(range(B) if rows is None else rows, B, S)
+        self._ensure(S, (H, W))
+        stage = self._stage(rows)
+        inputs = {"latents": latents.to(self.dtype).contiguous(),  # [B, C, F, H, W]
+                  "rows": torch.tensor(rows, dtype=torch.int64, device=self.device)}
+        if self.use_graphs:
+            out = self._graphs.run(self._key(stage, inputs), self._program(stage), inputs,
+                                   warmup_fn=self._program(stage, write=False)).clone()
+        else:
+            out = self._program(stage)(**inputs)
+        for r in rows:
+            self._frames[r] += F
+        return out
+
+    def snapshot(self, row: int) -> dict:
+        """Sequence ``row``'s video state on the host: {"frames": latent frames decoded,
+        "cache": a host copy of each of its arena entries (empty before the first
+        decode), "latent_size": (H, W) they are sized for (None before it)}, for
+        `restore` into any row of a decoder of the same layout and latent size. The
+        copies share no memory with the decoder (on a CPU device too), so the row may
+        decode another video meanwhile."""
+        self.frames_decoded(row)                      # checks row
+        if self._cache is None:
+            return {"frames": self._frames[row], "cache": [], "latent_size": None}
+        return {"frames": self._frames[row],
+                "cache": [t[row].to("cpu", copy=True) for t in self._cache.tensors],
+                "latent_size": tuple(self._cache.layout.latent_size)}
+
+    @torch.no_grad()
+    def restore(self, row: int, state: dict) -> None:
+        """Sequence ``row`` goes on with the video ``state`` (`snapshot`) holds; a decoder
+        that has not decoded yet sizes its arena for the state's latent size first.
+        ValueError for a state that does not fit (nothing changed)."""
+        self.frames_decoded(row)
+        cache = state["cache"]
+        if not cache:                                 # nothing decoded yet
+            self.reset(rows=[row])
+            return
+        if self._cache is None and state.get("latent_size") is not None:
+            self._ensure(self.sequences, tuple(state["latent_size"]))
+        have = [] if self._cache is None else self._cache.tensors
+        want = [(tuple(t.shape[1:]), t.dtype) for t in have]
+        got = [(tuple(t.shape), t.dtype) for t in cache]
+        if want != got:
+            raise ValueError(f"state's decoder cache is {got}, this decoder's {want} "
+                             f"({self.MISMATCH})")
+        for t, x in zip(have, cache):
+            t[row].copy_(x)
+        self._frames[row] = int(state["frames"])
+
+    @torch.no_grad()
+    def capture(self, batch: int, frames: int, latent_size) -> int:
+        """Capture the chunk graphs of both stages for ``batch`` sequences (the first
+        ``batch`` rows at capture; any rows at replay) and ``frames`` latent frames of
+        size ``latent_size`` (H, W), ahead of the first decode (a server's warm-up).
+        Sizes the arena as a decode would. No sequence's state changes. Returns the
+        graphs captured by this call."""
+        self._check_open()
+        if not self.use_graphs:
+            raise ValueError(f"capture() needs use_graphs=True on a CUDA device, got "
+                             f"use_graphs={self.use_graphs} on {self.device}")
+        for name, v, high in (("batch", batch, self.sequences), ("frames", frames, None)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > (high or v):
+                raise ValueError(f"{name} must be an integer in [1, {high or 'inf'}], got {v!r}")
+        size = tuple(latent_size) if isinstance(latent_size, (tuple, list)) else ()
+        if len(size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                 for v in size):
+            raise ValueError(f"latent_size must be (H, W) positive integers, got {latent_size!r}")
+        self._ensure(self.sequences or batch, size)
+        inputs = {"latents": torch.zeros(batch, self.latent_channels, frames, *size,
+                                         device=self.device, dtype=self.dtype),
+                  "rows": torch.arange(batch, device=self.device)}
+        captured = 0
+        for stage in STAGES:
+            key = self._key(stage, inputs)
+            if key not in self._graphs:
+                self._graphs.capture(key, self._program(stage), inputs,
+                                     warmup_fn=self._program(stage, write=False))
+                captured += 1
+        return captured
 
     def frames_decoded(self, row: int) -> int:
         """Latent frames sequence ``row`` has decoded since its video started."""
@@ -248,3 +345,47 @@ class DecoderRows:
             raise ValueError(f"rows must be {count}distinct integers in [0, {sequences}) (the "
                              f"decoder's sequences), got {list(rows)}")
         return rows
+
+    def _ensure(self, sequences: int, latent_size: tuple[int, int]) -> None:
+        """Size the arena for S sequences at ``latent_size`` on first use."""
+        latent_size = tuple(latent_size)
+        if self._cache is None:
+            self._cache = CacheArena(self._layout(latent_size), sequences, self.device)
+            self.sequences = sequences
+            self._frames = self._frames or [0] * sequences
+        elif self._cache.layout.latent_size != latent_size:
+            raise ValueError(f"latents must be {list(self._cache.layout.latent_size)} (H, W), the "
+                             f"size the decoder's arena was sized for, got {list(latent_size)}")
+
+    def _program(self, stage: str, write: bool = True):
+        fn = self._programs.get((stage, write))
+        if fn is None:
+            fn = self._programs[(stage, write)] = self._chunk(stage == "first", write)
+        return fn
+
+    def _key(self, stage: str, inputs: dict) -> GraphKey:
+        """The key of a chunk graph: stage and frames in the program, batch in ``batch``."""
+        latents = inputs["latents"]
+        return GraphKey.build(owner=owner_token(self), inputs=inputs, batch=latents.shape[0],
+                              program=f"{self.PROGRAM}:{stage}:{latents.shape[2]}f")
+
+    def _check_latents(self, latents) -> tuple[int, int, int, int]:
+        if not isinstance(latents, torch.Tensor) or latents.dim() != 5:
+            got = (f"ndim {latents.dim()}" if isinstance(latents, torch.Tensor)
+                   else type(latents).__name__)
+            raise ValueError(f"latents must be a [B, C, F, H, W] tensor, got {got}")
+        B, C, F, H, W = latents.shape
+        z = self.latent_channels
+        if C != z or min(B, F, H, W) < 1 or not latents.is_floating_point():
+            raise ValueError(f"latents must be a floating [B, {z}, F, H, W] tensor (the "
+                             f"decoder's latent channels, sizes >= 1), got "
+                             f"{list(latents.shape)} {latents.dtype}")
+        if latents.device != self.device:
+            raise ValueError(f"latents must be on the decoder's device {self.device}, got "
+                             f"{latents.device}")
+        return B, F, H, W
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} was closed: its arena and graphs "
+                               "are freed; build a new one")
