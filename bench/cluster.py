@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,16 +32,10 @@ import tempfile
 import threading
 import time
 
-from .serve_load import read_chunks
+from .serve_load import free_port, read_chunks, stop_server, wait_serving
 from .timing import stderr_progress, write_result
 
 START_TIMEOUT_S = 600.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -52,7 +44,7 @@ def cluster(preset: str, device: str, progress):
     replicas serve."""
     import httpx
 
-    port, state = _free_port(), tempfile.mkdtemp(prefix="framekv-bench-cluster-")
+    port, state = free_port(), tempfile.mkdtemp(prefix="framekv-bench-cluster-")
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "framekv.tools.cli", "serve", preset, "--replicas", "2",
            "--output", "latents", "--device", device, "--max-sessions", "8",
@@ -60,29 +52,18 @@ def cluster(preset: str, device: str, progress):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"the cluster exited: {log.read()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(f"{url}/v1/cluster/replicas", timeout=5)
-                if r.status_code == 200 and len(r.json()) == 2:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the cluster did not come up")
-            time.sleep(0.5)
+        wait_serving(proc, lambda: len(_replicas(httpx, url)) == 2, log.name, START_TIMEOUT_S)
         progress(f"{preset}: cluster up at {url}")
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc, 90)
         log.close()
         os.unlink(log.name)
+
+
+def _replicas(httpx, url: str) -> list:
+    r = httpx.get(f"{url}/v1/cluster/replicas", timeout=5)
+    return r.json() if r.status_code == 200 else []
 
 
 def placements(url: str, n: int) -> dict:

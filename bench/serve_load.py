@@ -59,7 +59,7 @@ def server_command(preset: str, sessions: int, port: int, device=None) -> list[s
     return cmd + (["--device", str(device)] if device is not None else [])
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -104,23 +104,34 @@ def _captures(http) -> int:
     return int(float(m.group(1))) if m else 0
 
 
-def _started(proc, http, log_path: str) -> None:
-    """Wait until the server serves (/health 200); RuntimeError with its log if it ends."""
+def wait_serving(proc, up, log_path: str, timeout: float = START_TIMEOUT_S) -> None:
+    """Wait until ``up()`` is true (an HTTP error: not yet); RuntimeError with the
+    server's log if its process ends first, or after ``timeout`` seconds."""
     import httpx
 
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             with open(log_path) as f:
                 raise RuntimeError(f"framekv serve exited with status {proc.returncode}:\n"
                                    f"{f.read()[-4000:]}")
         try:
-            if http.get("/health").status_code == 200:
+            if up():
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"framekv serve did not serve within {START_TIMEOUT_S:.0f} s")
+    raise RuntimeError(f"framekv serve did not serve within {timeout:.0f} s")
+
+
+def stop_server(proc, timeout: float) -> None:
+    """SIGTERM (a server's drain), then SIGKILL after ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: float = 60.0,
@@ -128,14 +139,14 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
     """Serve ``sessions`` open-ended sessions for ``seconds`` (module doc)."""
     import httpx
 
-    port = _free_port()
+    port = free_port()
     progress(f"serve_load {preset}: starting framekv serve ({sessions} slots) on port {port}")
     with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
         proc = subprocess.Popen(server_command(preset, sessions, port, device),
                                 stdout=log, stderr=subprocess.STDOUT)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            _started(proc, http, log.name)
+            wait_serving(proc, lambda: http.get("/health").status_code == 200, log.name)
             captures0 = _captures(http)
             ids = [http.post("/v1/sessions", json={"seed": i}).json()["id"]
                    for i in range(sessions)]
@@ -143,11 +154,7 @@ def measure_load(preset: str = "small-stream", *, sessions: int = 8, seconds: fl
             res["captures_after_start"] = _captures(http) - captures0
         return res
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, 60)
         os.unlink(log.name)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,26 +23,9 @@ pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 
 import framekv.client as fc  # noqa: E402
+from framekv.bench.serve_load import free_port, stop_server, wait_serving  # noqa: E402
 
 CHUNKS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serving(proc, log, limit: float, up) -> None:
-    """Wait (``limit`` s) until ``up()`` (HTTP errors: not yet), the process alive."""
-    deadline = time.monotonic() + limit
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        with contextlib.suppress(httpx.HTTPError):
-            if up():
-                return
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.3)
 
 
 def replicas_of(url) -> list:
@@ -56,7 +38,7 @@ def replicas_of(url) -> list:
 def cluster(tmp_path, *extra, replicas=2, scale=None):
     """``framekv serve --replicas`` (or ``scale``'s flags) in its own process: its URL
     once ``replicas`` replicas are up."""
-    port, log = _free_port(), open(tmp_path / "cluster.log", "w")
+    port, log = free_port(), open(tmp_path / "cluster.log", "w")
     scale = ["--replicas", str(replicas)] if scale is None else scale
     proc = subprocess.Popen(
         [sys.executable, "-m", "framekv.tools.cli", "serve", *scale,
@@ -65,15 +47,10 @@ def cluster(tmp_path, *extra, replicas=2, scale=None):
          "--checkpoint-every", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        serving(proc, tmp_path / "cluster.log", 600, lambda: len(replicas_of(url)) == replicas)
+        wait_serving(proc, lambda: len(replicas_of(url)) == replicas, log.name, 600)
         yield url, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc, 90)
         log.close()
 
 
@@ -151,7 +128,7 @@ def test_autoscaling_follows_the_sessions_open(tmp_path):
 
 def single_server(tmp_path, seeds) -> list[list[bytes]]:
     """The chunk payloads of each seed on one ``framekv serve`` of the same flags."""
-    port, log = _free_port(), open(tmp_path / "single.log", "w")
+    port, log = free_port(), open(tmp_path / "single.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "framekv.tools.cli", "serve", "--device", "cpu", "--output",
          "latents", "--max-sessions", "4", "--slots", "1", "--queue-chunks", "3", "--port",
@@ -160,8 +137,8 @@ def single_server(tmp_path, seeds) -> list[list[bytes]]:
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        serving(proc, tmp_path / "single.log", 240,
-                lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200)
+        wait_serving(proc, lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
+                     log.name, 240)
         with fc.Client(url) as client:
             return [[c.payload for c in client.create(seed=seed, chunks=CHUNKS).stream(
                 timeout=120)] for seed in seeds]
@@ -174,7 +151,7 @@ def single_server(tmp_path, seeds) -> list[list[bytes]]:
 def test_a_replica_that_cannot_start_is_one_line_naming_it(tmp_path):
     out = subprocess.run([sys.executable, "-m", "framekv.tools.cli", "serve", "--replicas",
                           "1", "--device", "cpu", "--model", "wan-diffusers", "--preset",
-                          "nosuch", "--port", str(_free_port()), "--state-dir",
+                          "nosuch", "--port", str(free_port()), "--state-dir",
                           str(tmp_path)], capture_output=True, text=True, timeout=600)
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 2 and last.startswith("framekv serve: error: the cluster did not "

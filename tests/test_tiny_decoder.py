@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from framekv.engine.wan import StreamingVAEDecoder, TinyStreamingDecoder
 from framekv.engine.wan.tiny_decoder import WIDTHS, TinyDecoderNet, random_init
 from framekv.graphs import GraphCache
+from test_vae import chunked
 
 H, W = 5, 7     # latent size of the main equivalence tests: odd, not square
 h, w = 3, 5     # a smaller one for the rest
@@ -42,15 +43,6 @@ def full_factory():
 def latents(seed: int, B: int = 1, F_: int = 6, size=(H, W), C: int = 16) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(B, C, F_, *size, generator=g)  # [B, C, F, H, W]
-
-
-def chunked(dec, z: torch.Tensor, split, rows=None) -> torch.Tensor:
-    outs, f0 = [], 0
-    for f in split:
-        outs.append(dec.decode(z[:, :, f0:f0 + f], rows))
-        f0 += f
-    assert f0 == z.shape[2]
-    return torch.cat(outs, dim=2)
 
 
 @pytest.fixture(scope="module")
