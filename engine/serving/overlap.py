@@ -53,10 +53,7 @@ class Overlap:
     def _step_overlapped(self, plan, batch, taken) -> int:
         """One overlapped step (module doc); the chunks the step before it delivered."""
         t0 = time.perf_counter()
-        if plan.rows:
-            steps = len(self.runner.sigmas) - 1 if self.runner.sampler == "self_forcing" else None
-            plan.draw_noise(self.chunk_shape, steps)
-        res = self.runner.execute(plan)
+        res = self._execute(plan)
         made = self._flush()
         rows_out = self._decoder_swaps(plan, res) if self.decoder is not None else {}
         stages = None

@@ -138,10 +138,7 @@ class Steps(Overlap):
     # ------------------------------------------------------------------ run
     def _run_plan(self, plan: StepPlan, batch: list[Entry]):
         """GPU work of a plan (no lock): (result, decoder rows out, videos, host latents)."""
-        if plan.rows:
-            steps = len(self.runner.sigmas) - 1 if self.runner.sampler == "self_forcing" else None
-            plan.draw_noise(self.chunk_shape, steps)
-        res = self.runner.execute(plan)
+        res = self._execute(plan)
         rows_out, video, latents = {}, [None] * len(batch), None
         if self.decoder is not None:
             rows_out = self._decoder_swaps(plan, res)
@@ -153,6 +150,13 @@ class Steps(Overlap):
             except Exception as exc:   # a decode that fails fails the step's streams
                 res.error = exc
         return res, rows_out, video, latents
+
+    def _execute(self, plan: StepPlan):
+        """The plan's noise drawn, then `ChunkRunner.execute` (no lock)."""
+        if plan.rows:
+            steps = len(self.runner.sigmas) - 1 if self.runner.sampler == "self_forcing" else None
+            plan.draw_noise(self.chunk_shape, steps)
+        return self.runner.execute(plan)
 
     def _decoder_swaps(self, plan: StepPlan, res) -> dict:
         """The decoder rows of the swaps: each swapped-out stream's copied out, then each
