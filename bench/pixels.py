@@ -2,9 +2,10 @@
 to decoded frames on the host, on one GPU.
 
 All weights random, in bf16 as ``torch_dtype`` would load them: the 1.3B transformer,
-umt5-xxl's encoder (built-in byte tokenizer) and two decoders, ``wan`` (the Wan 2.1
-VAE, `StreamingVAEDecoder`) and ``tiny`` (`TinyStreamingDecoder` of the TAEHV
-``taew2_1`` layout). Latent H x W (default 60 x 104: 480 x 832 video), chunks of F
+umt5-xxl's encoder (built-in byte tokenizer) and the decoders: ``wan`` (the Wan 2.1
+VAE, `StreamingVAEDecoder`'s fused channels-last program), ``wan-modules`` (the same
+VAE through diffusers' modules frame by frame, ``fused=False``: the baseline) and
+``tiny`` (`TinyStreamingDecoder` of the TAEHV ``taew2_1`` layout). Latent H x W (default 60 x 104: 480 x 832 video), chunks of F
 latent frames (4F video frames; a video's first chunk decodes 4F - 3).
 
     decode      per decoder, eager against graphed: ms per chunk after the first (CUDA
@@ -37,7 +38,7 @@ from .timing import (interleaved_device_times, require_cuda, stderr_progress, su
                      write_result)
 
 MODES = ("sequential", "overlapped")
-DECODERS = ("wan", "tiny")
+DECODERS = ("wan", "wan-modules", "tiny")
 
 
 def _latents(chunks: int, C: int, F: int, size, seed: int = 0, device="cpu") -> list:
@@ -50,9 +51,9 @@ def build_decoder(kind: str, config: str, device, graphs: bool):
     from framekv.engine.wan import (CONFIGS, StreamingVAEDecoder, TinyStreamingDecoder,
                                     build_vae)
 
-    if kind == "wan":
+    if kind in ("wan", "wan-modules"):
         return StreamingVAEDecoder(build_vae(config, device=device), sequences=1,
-                                   use_graphs=graphs)
+                                   use_graphs=graphs, fused=kind == "wan")
     return TinyStreamingDecoder.random(latent_channels=CONFIGS[config]["out_channels"],
                                        device=device, sequences=1, use_graphs=graphs)
 
@@ -107,6 +108,13 @@ def _host_us(calls: dict, iters: int) -> dict[str, list[float]]:
     return out
 
 
+def _release(dev: torch.device) -> None:
+    """Hand the closed decoders' cached blocks back to the device: a graph captured next
+    allocates from a private pool, which cannot take blocks torch keeps cached."""
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -131,15 +139,26 @@ def _roll(rollout, lane, noises, t0: float) -> tuple[list[float], list]:
 
 
 def _split(rollout, dec, noises, dev) -> tuple[list[float], list[float]]:
-    """The transformer's and the decode's ms per chunk, each alone (sequential)."""
+    """The transformer's and the decode's ms per chunk, each alone (sequential): the
+    device's time between events on CUDA (the host's own work beside it is not the
+    GPU's: counting it would hide more of the decode than the GPU can), else the host's."""
     dit, vae = [], []
     for noise in noises:
+        if dev.type == "cuda":
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            marks[0].record()
+            lat = rollout.step(noise)
+            marks[1].record()
+            dec.decode(lat)
+            marks[2].record()
+            marks[2].synchronize()
+            dit.append(marks[0].elapsed_time(marks[1]))
+            vae.append(marks[1].elapsed_time(marks[2]))
+            continue
         t = time.perf_counter()
         lat = rollout.step(noise)
-        _sync(dev)
         t1 = time.perf_counter()
         dec.decode(lat)
-        _sync(dev)
         dit.append((t1 - t) * 1e3)
         vae.append((time.perf_counter() - t1) * 1e3)
     return dit, vae
@@ -165,7 +184,8 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
         dec.capture(1, F, tuple(latent_size))
     _sync(dev)
     res = {"window_frames": window_frames, "chunks": fill + chunks, "steady_from_chunk": fill,
-           "capture_s": time.perf_counter() - t, "modes": {}}
+           "capture_s": time.perf_counter() - t, "modes": {},
+           "kv_dtype": str(rollout.kv_dtype).removeprefix("torch.")}
     counts = [4 * F - 3] + [4 * F] * (len(noises) - 1)
     frames = {}
     for k, mode in enumerate(MODES):
@@ -221,17 +241,19 @@ def measure_pixels(*, decoders=DECODERS, config: str = "1.3b", device="cuda",
     out = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "config": config, "latent_size": list(latent_size),
            "frames_per_chunk": frames_per_chunk, "video_frames": 4 * frames_per_chunk,
-           "kv_dtype": kv_dtype or str(next(model.parameters()).dtype).removeprefix("torch."),
            "decoders": {}}
     kw = dict(latent_size=latent_size, frames_per_chunk=frames_per_chunk)
     for kind in decoders:
         res = {"decode": measure_decode(kind, config=config, device=dev, iters=decode_iters,
                                         progress=progress, **kw)}
+        _release(dev)
         dec = build_decoder(kind, config, dev, dev.type == "cuda")
         res["e2e"] = measure_e2e(model, dec, encoder, window_frames=window_frames,
                                  chunks=chunks, kv_dtype=kv_dtype, progress=progress, **kw)
         dec.close()
+        _release(dev)
         out["decoders"][kind] = res
+        out["kv_dtype"] = res["e2e"]["kv_dtype"]        # the rollout's pool, as it resolved it
     return out
 
 
@@ -261,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m framekv.bench.pixels",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--decoders", default=",".join(DECODERS),
-                   help="comma-separated, of wan and tiny (default both)")
+                   help="comma-separated, of wan, wan-modules and tiny (default all)")
     p.add_argument("--kv-dtype", choices=("fp8",), default=None,
                    help="the transformer's K/V pool (default its dtype)")
     p.add_argument("--window", type=int, default=21, help="window frames (default 21)")

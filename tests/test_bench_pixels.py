@@ -1,4 +1,4 @@
-"""`framekv.bench.pixels` on the CPU at the tiny config: both decoders decoded eager and
+"""`framekv.bench.pixels` on the CPU at the tiny config: every decoder decoded eager and
 "graphed" (eager on a CPU: equal), the whole path in both modes through `DecodeLane`
 (equal frames), the report's fields and table; a bad --decoders is refused. The GPU
 numbers are the bench's to take on a GPU (docs/benchmarks.md)."""
@@ -12,11 +12,12 @@ pytest.importorskip("transformers")
 from framekv.bench import pixels  # noqa: E402
 
 
-def test_the_bench_runs_both_decoders_and_modes_at_the_tiny_config():
+def test_the_bench_runs_every_decoder_and_mode_at_the_tiny_config():
     res = pixels.measure_pixels(config="tiny", device="cpu", latent_size=(8, 8),
                                 frames_per_chunk=2, window_frames=2, chunks=1, decode_iters=1,
                                 progress=lambda m: None)
-    assert res["gpu"] == "cpu" and set(res["decoders"]) == {"wan", "tiny"}
+    assert res["gpu"] == "cpu" and set(res["decoders"]) == {"wan", "wan-modules", "tiny"}
+    assert res["kv_dtype"] == "float32"                                  # the rollout's pool
     for kind, r in res["decoders"].items():
         d, e = r["decode"], r["e2e"]
         assert d["max_abs_diff_eager_graphed"] == 0.0, kind

@@ -29,6 +29,7 @@ import torch
 
 
 from framekv.specs.checks import check_count, check_flag
+from .vae_fused import FusedDecoder, fused_chunk_program
 from .vae_graph import CacheLayout, DecoderRows, chunk_program
 
 __all__ = ["VAE_CONFIGS", "StreamingVAEDecoder", "build_vae", "load_vae"]
@@ -120,14 +121,18 @@ class StreamingVAEDecoder(DecoderRows):
         use_graphs: replay each chunk as a CUDA graph (default True on CUDA; always
             eager on CPU).
         device: default the vae's (the vae is moved there otherwise).
+        fused: run the channels-last program with fused norms (`vae_fused`; default
+            True); False runs diffusers' modules frame by frame. The two give the same
+            frames up to bf16 rounding and share the state's form (`snapshot`).
 
     Attributes:
         vae, device, dtype (the vae's: frames come back in it), sequences (None until
-        known), use_graphs, latent_channels (the vae's z_dim).
+        known), use_graphs, fused, latent_channels (the vae's z_dim).
     """
 
-    def __init__(self, vae, *, sequences=None, use_graphs=None, device=None):
+    def __init__(self, vae, *, sequences=None, use_graphs=None, device=None, fused=None):
         check_vae(vae)
+        self.fused = True if fused is None else check_flag("fused", fused)
         self.sequences = check_count("sequences", sequences)
         self.device = _resolve(device if device is not None else next(vae.parameters()).device)
         if next(vae.parameters()).device != self.device:
@@ -140,6 +145,8 @@ class StreamingVAEDecoder(DecoderRows):
         self._mean = torch.tensor(cfg.latents_mean).view(shape).to(self.device, self.dtype)
         inv_std = 1.0 / torch.tensor(cfg.latents_std)
         self._inv_std = inv_std.view(shape).to(self.device, self.dtype)
+        self._program_weights = FusedDecoder(vae) if self.fused else None
+        self.CACHE_CHANNELS_LAST = self.fused
         self._start_rows()
 
     @staticmethod
@@ -149,12 +156,18 @@ class StreamingVAEDecoder(DecoderRows):
         return 1 + 4 * (latent_frames - 1) if first else 4 * latent_frames
 
     # ------------------------------------------------------------------ internals
-    PROGRAM = "vae-decode"
+    @property
+    def PROGRAM(self) -> str:
+        return "vae-decode-fused" if self.fused else "vae-decode"
+
     MISMATCH = "another vae or latent size, or a decoder that has not decoded yet"
 
     def _layout(self, latent_size: tuple[int, int]) -> CacheLayout:
         return CacheLayout.probe(self.vae, latent_size, self.device)
 
     def _chunk(self, first: bool, write: bool):
+        if self.fused:
+            return fused_chunk_program(self._program_weights, self._cache, first=first,
+                                       mean=self._mean, inv_std=self._inv_std, write=write)
         return chunk_program(self.vae, self._cache, first=first, mean=self._mean,
                              inv_std=self._inv_std, write=write)

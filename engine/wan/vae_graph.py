@@ -112,13 +112,19 @@ def to_steady(cache: list, layout: CacheLayout, batch: int, device: torch.device
 
 class CacheArena:
     """Every sequence's causal cache in one persistent arena (`make_arena`): tensor l
-    is [S, C_l, 2, H_l, W_l], zero-filled, at a fixed address for the arena's life."""
+    is [S, C_l, 2, H_l, W_l], zero-filled, at a fixed address for the arena's life.
+    ``channels_last``: stored as ``rows_last`` [S, 2, H_l, W_l, C_l] (the fused
+    program's layout), ``tensors`` being views of them (else ``rows_last`` is None)."""
 
-    def __init__(self, layout: CacheLayout, sequences: int, device: torch.device):
+    def __init__(self, layout: CacheLayout, sequences: int, device: torch.device, *,
+                 channels_last: bool = False):
         self.layout, self.sequences = layout, sequences
         self._arena = make_arena(device, carved_bytes(layout.entry_bytes(sequences)))
-        self.tensors = [self._arena.zeros((sequences, *s), d, name=f"vae_cache{i}")
-                        for i, (s, d) in enumerate(zip(layout.shapes, layout.dtypes))]
+        last = (lambda s: (*s[1:], s[0])) if channels_last else (lambda s: s)
+        made = [self._arena.zeros((sequences, *last(s)), d, name=f"vae_cache{i}")
+                for i, (s, d) in enumerate(zip(layout.shapes, layout.dtypes))]
+        self.rows_last = made if channels_last else None
+        self.tensors = [t.movedim(-1, 1) for t in made] if channels_last else made
 
     @property
     def nbytes(self) -> int:
@@ -177,6 +183,8 @@ class DecoderRows:
     ``_layout(latent_size) -> CacheLayout`` and ``_chunk(first, write)`` (the chunk
     program)."""
 
+    CACHE_CHANNELS_LAST = False   # the arena's layout (`CacheArena`)
+
     def _start_rows(self) -> None:
         """No row decoded yet, no arena, graphs or programs (the constructors' end, once
         ``sequences``, ``device`` and ``use_graphs`` are set)."""
@@ -221,7 +229,7 @@ class DecoderRows:
         if self._cache is None:
             return {"frames": self._frames[row], "cache": [], "latent_size": None}
         return {"frames": self._frames[row],
-                "cache": [t[row].to("cpu", copy=True) for t in self._cache.tensors],
+                "cache": [t[row].to("cpu", copy=True).contiguous() for t in self._cache.tensors],
                 "latent_size": tuple(self._cache.layout.latent_size)}
 
     @torch.no_grad()
@@ -350,7 +358,8 @@ class DecoderRows:
         """Size the arena for S sequences at ``latent_size`` on first use."""
         latent_size = tuple(latent_size)
         if self._cache is None:
-            self._cache = CacheArena(self._layout(latent_size), sequences, self.device)
+            self._cache = CacheArena(self._layout(latent_size), sequences, self.device,
+                                     channels_last=self.CACHE_CHANNELS_LAST)
             self.sequences = sequences
             self._frames = self._frames or [0] * sequences
         elif self._cache.layout.latent_size != latent_size:

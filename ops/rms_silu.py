@@ -1,0 +1,253 @@
+"""``rms_norm_silu``: an RMS norm over a tensor's last dimension, times a scale and a
+per-channel gamma, optionally followed by SiLU, in one kernel.
+
+Contract (x [B, M, N], rows (b, m) of N values)::
+
+    y   = x / max(||x||_2, eps) * scale * gamma        # fp32, scale default sqrt(N)
+    out = silu(y) if silu else y                       # rounded once to out's dtype
+
+This is the Wan VAE's ``WanRMS_norm`` (``F.normalize`` over the channels, times
+sqrt(C) and gamma) and the SiLU after it: there six kernels and an fp32 round trip of
+the whole tensor, here one read and one write. The unfused module rounds to bf16
+after the normalize, after each product and after the SiLU; this op rounds once, so
+its bf16 result is within a few bf16 steps of the module's and closer to fp32.
+
+Rows are (b, m) with out[b] free to be a slice of a larger buffer (a causal conv's
+input after its cached steps): only the last dimension must be contiguous. Tensors
+are bf16 or fp32, each its own.
+
+Kernel: a segment of g lanes per row (g a power of two <= 32, the smallest with
+g * 12 >= N), each lane holding k groups of four values (k = ceil(N / 4g), at most
+`MAX_N` / 128): group q of lane l is values 4 (l + g q) .. + 3, one 8- or 16-byte
+access when every tensor is `vector_aligned` (N a multiple of 4, the usual case),
+else four checked scalar accesses. The squares' sum is a butterfly of shuffles over the
+segment (`segment_total`); a block of `_BLOCK` threads holds `_BLOCK` / g rows; the
+rows past the end compute on row 0 and store nothing, so every lane meets every
+shuffle. Nothing syncs with the host or allocates: graph-capturable. One file: one
+op (kernel, reference, validating wrapper, custom op).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from numba import cuda
+from numba import float32 as _f32
+from numba import uint64 as _u64
+
+from ._float import (check_float_dtype, load_f32, load_f32x4, quotient, reciprocal_bits,
+                     store_f32, store_f32x4, vector_aligned)
+from ._launch import SIMULATOR, Kernel, array_arg, int_arg, use_kernel
+from ._reduce import WARP, segment_total
+from framekv.specs.checks import check_last_dim_contiguous, check_no_overlap, check_tensor
+
+__all__ = ["rms_norm_silu", "rms_norm_silu_reference", "MAX_N"]
+
+_SILU, _VEC = 1, 2
+_GROUPS_MAX = 8            # groups of four a lane holds: 32 registers of values
+MAX_N = 4 * WARP * _GROUPS_MAX
+_BLOCK = 8 if SIMULATOR else 256   # threads per block (the simulator: one thread each)
+
+
+def _segment(n: int) -> tuple[int, int]:
+    """(g, k): lanes per row and groups of four per lane for rows of n values."""
+    g = 1
+    while g < WARP and g * 12 < n:
+        g *= 2
+    return g, -(-n // (4 * g))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(flags: int, n: int, g: int, k: int, nt: int) -> Kernel:
+    """The kernel for one row width (n, g, k and the flags compiled in as constants)."""
+    vals, vec, act = 4 * k, (flags & _VEC) != 0, (flags & _SILU) != 0
+
+    @cuda.jit
+    def _rms_silu_kernel(x, out, gamma, scale_bits, eps_bits, inv_m):
+        # x, out: [B, M, N] float bits; gamma: [N]; one row per segment of g lanes.
+        part = cuda.shared.array(_BLOCK if _BLOCK > WARP else WARP, _f32)  # simulator sums
+        v = cuda.local.array(vals, _f32)
+        t = cuda.threadIdx.x
+        lane = t % g
+        row = cuda.blockIdx.x * (nt // g) + t // g
+        M = x.shape[1]
+        live = row < x.shape[0] * M
+        r = row if live else 0
+        b = quotient(r, inv_m)
+        xr = x[_u64(b), _u64(r - b * M)]
+        acc = _f32(0)
+        for q in range(k):
+            j = 4 * (lane + g * q)
+            for i in range(4):
+                v[4 * q + i] = _f32(0)
+            if vec:
+                if j < n:
+                    v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3] = load_f32x4(xr, (j,))
+            else:
+                for i in range(4):
+                    if j + i < n:
+                        v[4 * q + i] = load_f32(xr, (j + i,))
+            for i in range(4):
+                acc += v[4 * q + i] * v[4 * q + i]
+        total = segment_total(acc, part, t, nt, g)
+        eps = _bits(eps_bits)
+        norm = _f32(math.sqrt(total))
+        mul = _bits(scale_bits) / (norm if norm > eps else eps)
+        if live:
+            outr = out[_u64(b), _u64(r - b * M)]
+            for q in range(k):
+                j = 4 * (lane + g * q)
+                for i in range(4):
+                    y = _f32(0)
+                    if j + i < n:
+                        y = v[4 * q + i] * mul * load_f32(gamma, (j + i,))
+                    if act:
+                        y = y / (_f32(1) + _f32(math.exp(-y)))
+                    v[4 * q + i] = y
+                if vec:
+                    if j < n:
+                        store_f32x4(outr, (j,), (v[4 * q], v[4 * q + 1], v[4 * q + 2],
+                                                 v[4 * q + 3]))
+                else:
+                    for i in range(4):
+                        if j + i < n:
+                            store_f32(outr, (j + i,), v[4 * q + i])
+
+    return Kernel(_rms_silu_kernel)
+
+
+if SIMULATOR:
+    import numpy as np
+
+    def _bits(b):
+        return np.array([b], dtype=np.int64).astype(np.int32).view(np.float32)[0]
+else:
+    from numba import int32 as _i32
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, forceinline=True)
+    def _bits(b):
+        return libdevice.int_as_float(_i32(b))
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def rms_norm_silu_reference(x, gamma, *, scale=None, silu=True, eps=1e-12, out=None):
+    """Torch reference of :func:`rms_norm_silu` (same arguments): fp32, rounded once."""
+    s = math.sqrt(x.shape[-1]) if scale is None else float(scale)
+    y = F.normalize(x.float(), dim=-1, eps=eps) * s * gamma.float()
+    if silu:
+        y = F.silu(y)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out.copy_(y)
+    return out
+
+
+# --------------------------------------------------------------------------- op
+
+
+def _f32_bits(value: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _execute(x, gamma, out, scale: float, silu: bool, eps: float) -> None:
+    if x.numel() == 0:
+        return
+    if not use_kernel(x):
+        rms_norm_silu_reference(x, gamma, scale=scale, silu=silu, eps=eps, out=out)
+        return
+    B, M, N = x.shape
+    g, k = _segment(N)
+    nt = max(g, _BLOCK)
+    vec = all(vector_aligned(t) for t in (x, out, gamma))
+    flags = (_SILU if silu else 0) | (_VEC if vec else 0)
+    args = [array_arg(x), array_arg(out), array_arg(gamma), int_arg(_f32_bits(scale)),
+            int_arg(_f32_bits(eps)), int_arg(reciprocal_bits(M))]
+    _kernel(flags, N, g, k, nt).launch(-(-B * M // (nt // g)), nt, args, x.device)
+
+
+@torch.library.custom_op("framekv::rms_norm_silu", mutates_args=("out",))
+def _rms_norm_silu_op(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, scale: float,
+                      silu: bool, eps: float) -> None:
+    _execute(x, gamma, out, scale, silu, eps)
+
+
+@_rms_norm_silu_op.register_fake
+def _(x, gamma, out, scale, silu, eps) -> None:
+    return None
+
+
+def _check(x, gamma, out) -> None:
+    check_tensor("x", x, ndims=(3,), layout="[B, M, N]")
+    check_float_dtype("x", x)
+    check_last_dim_contiguous("x", x)
+    N = x.shape[2]
+    if N > MAX_N:
+        raise ValueError(f"x: expected N <= {MAX_N} (a row in the registers of at most 32 "
+                         f"lanes), got N = {N}")
+    check_tensor("gamma", gamma, ndims=(1,), layout="[N]")
+    check_float_dtype("gamma", gamma)
+    if gamma.shape[0] != N or gamma.device != x.device:
+        raise ValueError(f"gamma: expected [{N}] on {x.device} (N and device of x), got "
+                         f"{list(gamma.shape)} on {gamma.device}")
+    check_last_dim_contiguous("gamma", gamma)
+    if out is None:
+        return
+    check_tensor("out", out, ndims=(3,), layout="[B, M, N]")
+    check_float_dtype("out", out)
+    if out.shape != x.shape or out.device != x.device:
+        raise ValueError(f"out: expected shape {list(x.shape)} on {x.device} (those of x), "
+                         f"got {list(out.shape)} on {out.device}")
+    check_last_dim_contiguous("out", out)
+    check_no_overlap("out", out)
+    if _overlaps(out, x) or _overlaps(out, gamma):
+        raise ValueError("out: expected memory apart from x and gamma (it is written while "
+                         "they are read), got overlapping spans")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def span(t):
+        far = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (far + 1) * t.element_size()
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (alo, ahi), (blo, bhi) = span(a), span(b)
+    return alo < bhi and blo < ahi
+
+
+def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, *, scale: Optional[float] = None,
+                  silu: bool = True, eps: float = 1e-12,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMS norm over the last dimension, times ``scale`` and ``gamma``, then SiLU when
+    ``silu``; returns ``out`` (module doc).
+
+    Args:
+        x: [B, M, N] bf16 or fp32, N contiguous (N <= `MAX_N`), other strides free.
+        gamma: [N] bf16 or fp32 on x's device.
+        scale: a finite number (default sqrt(N), as ``WanRMS_norm``).
+        silu: apply SiLU after the norm.
+        eps: the norm's floor (``F.normalize``'s), a finite number >= 0.
+        out: None (a new contiguous tensor like x) or [B, M, N] bf16/fp32, N contiguous,
+            not overlapping x or gamma.
+
+    Raises ValueError naming the bad argument before anything is written. One kernel on
+    torch's current stream for CUDA tensors; the torch reference on CPU.
+    """
+    _check(x, gamma, out)
+    scale = math.sqrt(x.shape[2]) if scale is None else scale
+    for name, v, low in (("scale", scale, -math.inf), ("eps", eps, 0.0)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v < math.inf:
+            raise ValueError(f"{name}: expected a finite number{'' if low < 0 else ' >= 0'}, "
+                             f"got {v!r}")
+    if not isinstance(silu, bool):
+        raise ValueError(f"silu: expected True or False, got {silu!r}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rms_norm_silu_op(x, gamma, out, float(scale), silu, float(eps))
+    return out

@@ -1,0 +1,88 @@
+"""The Wan VAE's fused channels-last chunk program (`framekv.engine.wan.vae_fused`) on
+the CPU in fp32, against diffusers' modules run frame by frame (`fused=False`): every
+split, row order and odd size, the 1.3B decoder's real widths (attention included) at a
+small size, states moved between the two programs, the arena's channels-last layout,
+and a program that must not write leaving every row as it was."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from framekv.engine.wan import StreamingVAEDecoder, build_vae
+from framekv.engine.wan.vae_fused import FusedDecoder, fused_chunk_program
+from framekv.engine.wan.vae_graph import CacheLayout
+from test_vae import chunked, latents
+
+
+@pytest.fixture(scope="module")
+def vae():
+    return build_vae("tiny", seed=7)
+
+
+def pair(vae, **kw):
+    return StreamingVAEDecoder(vae, fused=True, **kw), StreamingVAEDecoder(vae, fused=False, **kw)
+
+
+@pytest.mark.parametrize("split,size", [((1, 2, 4), (5, 6)), ((3, 3, 1), (3, 7)), ((7,), (4, 4)),
+                                        ((2, 1, 1, 3), (1, 2))])
+def test_fused_frames_equal_the_modules(vae, split, size):
+    z = latents(11, B=2, size=size)
+    fused, ref = pair(vae)
+    got, want = chunked(fused, z, split, rows=[1, 0]), chunked(ref, z, split, rows=[1, 0])
+    assert got.shape == want.shape == (2, 3, 25, 8 * size[0], 8 * size[1])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert fused.PROGRAM == "vae-decode-fused" and ref.PROGRAM == "vae-decode"
+
+
+def test_the_13b_decoder_with_its_attention_at_a_small_size():
+    big = build_vae("1.3b", seed=1)
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(1, 16, 4, 2, 3, generator=g)                     # [B, C, F, H, W]
+    fused, ref = pair(big)
+    got, want = chunked(fused, z, (2, 2)), chunked(ref, z, (2, 2))
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    layout = CacheLayout.probe(big, (2, 3), torch.device("cpu"))
+    assert FusedDecoder(big).entries == len(layout.shapes) == 32
+    assert [s[0] for s in layout.shapes][:3] == [16, 384, 384]        # conv_in, mid block
+
+
+@pytest.mark.parametrize("src_fused", [True, False])
+def test_a_state_moves_between_the_programs(vae, src_fused):
+    z = latents(12, B=1, F=6)
+    src = StreamingVAEDecoder(vae, fused=src_fused, sequences=2)
+    dst = StreamingVAEDecoder(vae, fused=not src_fused, sequences=3)
+    src.decode(z[:, :, :2], rows=[1])
+    src.decode(z[:, :, 2:3], rows=[1])
+    dst.restore(2, src.snapshot(1))
+    torch.testing.assert_close(dst.decode(z[:, :, 3:], rows=[2]), src.decode(z[:, :, 3:], rows=[1]),
+                               rtol=0, atol=1e-5)
+
+
+def test_the_arena_is_channels_last_and_snapshots_keep_the_modules_layout(vae):
+    fused, ref = pair(vae, sequences=2)
+    z = latents(13, B=2, F=3)
+    fused.decode(z), ref.decode(z)
+    arena = fused._cache
+    for t, v, shape in zip(arena.rows_last, arena.tensors, arena.layout.shapes):
+        C, two, H, W = shape
+        assert t.shape == (2, two, H, W, C) and t.is_contiguous()
+        assert v.shape == (2, *shape) and v.data_ptr() == t.data_ptr()
+    assert ref._cache.rows_last is None
+    a, b = fused.snapshot(1), ref.snapshot(1)
+    assert [tuple(t.shape) for t in a["cache"]] == [tuple(t.shape) for t in b["cache"]]
+    assert all(t.is_contiguous() for t in a["cache"])
+    for x, y in zip(a["cache"], b["cache"]):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_a_program_that_must_not_write_leaves_the_rows(vae):
+    fused = StreamingVAEDecoder(vae, sequences=2)
+    fused.decode(latents(14, B=2, F=2))
+    before = [t.clone() for t in fused._cache.rows_last]
+    fn = fused_chunk_program(fused._program_weights, fused._cache, first=False,
+                             mean=fused._mean, inv_std=fused._inv_std, write=False)
+    out = fn(latents(15, B=2, F=2), torch.tensor([0, 1]))
+    assert out.shape == (2, 3, 8, 40, 48)
+    assert all(torch.equal(a, b) for a, b in zip(before, fused._cache.rows_last))
+    with pytest.raises(ValueError, match="fused must be"):
+        StreamingVAEDecoder(vae, fused="yes")
