@@ -23,6 +23,7 @@ from .copy_kv_slots import copy_kv_slots_, copy_kv_slots_reference
 from .fill_pattern import fill_node_params, fill_pattern_, fill_pattern_reference
 from .merge_split_kv import merge_split_kv_, merge_split_kv_reference
 from .adaln import adaln_, adaln_reference, gated_residual_, gated_residual_reference
+from .rms_silu import rms_norm_silu, rms_norm_silu_reference
 from .qk_norm_rope import RopeGrid, q_bound, qk_norm_rope_stage_, qk_norm_rope_stage_reference
 from .rotate_rows import rotate_rows_, rotate_rows_reference
 from .scatter_kv_slots import (ScatterKVSlots, bind_scatter_kv_slots, scatter_kv_slots_,
@@ -40,5 +41,6 @@ __all__ = [
     "merge_split_kv_", "merge_split_kv_reference",
     "adaln_", "adaln_reference",
     "gated_residual_", "gated_residual_reference",
+    "rms_norm_silu", "rms_norm_silu_reference",
     "qk_norm_rope_stage_", "qk_norm_rope_stage_reference", "RopeGrid", "q_bound",
 ]

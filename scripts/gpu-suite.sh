@@ -17,7 +17,7 @@ status=0
 # CPU test files included), so the sections together are the whole GPU suite.
 OPS_TESTS="tests/test_ops_gpu.py tests/test_qk_norm_rope_gpu.py tests/test_qk_norm_rope_fp8_gpu.py
  tests/test_merge_split_kv_gpu.py tests/test_adaln_gpu.py tests/test_causal_layout_gpu.py
- tests/test_fused_glue_gpu.py"
+ tests/test_fused_glue_gpu.py tests/test_rms_silu_gpu.py"
 ENGINE_TESTS="tests/test_attention_gpu.py tests/test_attention_fp8_gpu.py tests/test_cache_gpu.py
  tests/test_kv_fp8_gpu.py tests/test_packing_gpu.py tests/test_split_kv_gpu.py
  tests/test_snapshot_gpu.py tests/test_sequences_gpu.py tests/test_arena_gpu.py
