@@ -21,8 +21,11 @@ latent frames (4F video frames; a video's first chunk decodes 4F - 3).
                 on the host), video frames per second once the window is full and over
                 the whole run, whether both modes gave the same frames, the transformer
                 and the decode each alone per chunk (sequential, CUDA events), and how
-                much of the decode the overlap hid: 1 - (overlapped - transformer) /
-                decode, per steady chunk
+                much of the decode the overlap hid: 1 - (overlapped - pipelined) /
+                decode per steady chunk, where pipelined is the transformer alone in
+                the overlapped loop's rhythm (a chunk waited for once the next is
+                queued): the host's own work between chunks hides there too, so the
+                sequential transformer's time would credit the decode with it
 
     python -m framekv.bench.pixels --json FILE      (also `framekv bench --sections pixels`)
 """
@@ -209,10 +212,36 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
     rollout.set_prompt("a red fox running through fresh snow at dawn, take 0")
     dit, vae = _split(rollout, dec, noises, dev)
     res["dit_ms"], res["decode_ms"] = summary(dit[fill:]), summary(vae[fill:])
+    rollout.reset()
+    rollout.set_prompt("a red fox running through fresh snow at dawn, take 0")
+    done = _pipelined(rollout, noises, dev, time.perf_counter())
+    res["dit_pipelined_ms"] = (done[-1] - done[fill - 1]) / chunks * 1e3
     lapped = res["modes"]["overlapped"]["steady_chunk_ms"]
-    res["decode_hidden"] = 1 - (lapped - res["dit_ms"]["median"]) / res["decode_ms"]["median"]
+    res["decode_hidden"] = 1 - (lapped - res["dit_pipelined_ms"]) / res["decode_ms"]["median"]
     rollout.close()
     return res
+
+
+def _pipelined(rollout, noises, dev, t0: float) -> list[float]:
+    """The transformer alone in the overlapped loop's rhythm: chunk n waited for once
+    chunk n + 1 is queued; the host times each chunk was done."""
+    pending, done = [], []
+    for noise in noises:
+        rollout.step(noise)
+        if dev.type == "cuda":
+            pending.append(torch.cuda.Event())
+            pending[-1].record()
+        else:
+            pending.append(None)
+        while len(pending) > (dev.type == "cuda"):
+            ev = pending.pop(0)
+            if ev is not None:
+                ev.synchronize()
+            done.append(time.perf_counter() - t0)
+    for ev in pending:
+        ev.synchronize()
+        done.append(time.perf_counter() - t0)
+    return done
 
 
 def _modes_agree(rollout, dec, noises) -> bool:
@@ -270,7 +299,8 @@ def format_pixels(res: dict) -> str:
         lines.append(f"    max |eager - graphed| {d['max_abs_diff_eager_graphed']:.2e}")
         lines.append(f"    end to end, {e['window_frames']}-frame window, DiT "
                      f"{e['dit_ms']['median']:.1f} ms + decode {e['decode_ms']['median']:.1f} ms "
-                     f"a chunk; overlap hid {100 * e['decode_hidden']:.0f}% of the decode; "
+                     f"a chunk (pipelined {e['dit_pipelined_ms']:.1f} ms); overlap hid "
+                     f"{100 * e['decode_hidden']:.0f}% of the decode; "
                      f"frames equal both ways: {e['frames_equal']}")
         lines.append(f"    {'mode':<13}{'first frame s':>14}{'steady fps':>12}{'overall fps':>13}")
         for mode, m in e["modes"].items():

@@ -28,6 +28,7 @@ def test_the_bench_runs_every_decoder_and_mode_at_the_tiny_config():
             assert m["video_frames"] == 5 + 8 * (e["chunks"] - 1) and m["first_frame_s"] > 0
             assert m["steady_fps"] > 0 and m["overall_fps"] > 0
         assert e["dit_ms"]["median"] > 0 and e["decode_ms"]["median"] > 0
+        assert e["dit_pipelined_ms"] > 0 and "decode_hidden" in e
     table = pixels.format_pixels(res)
     assert "prompt to pixels on cpu: 64x64 video" in table and "tiny decoder" in table
 

@@ -21,9 +21,6 @@ What differs from running the diffusers modules, and why each is exact:
   order. The next cache is the buffer's last two steps, as the modules keep them.
   A video's first chunk passes its first frame alone (no cache, and the time
   upsamples skip their conv: diffusers' ``"Rep"``), then the rest at once.
-* On CUDA in bf16 / fp16 each convolution is a cuDNN graph with its bias, and the
-  residual block's sum, in the epilogue (`conv_plans.ConvPlans`: one rounding, no
-  separate add kernels; each shape's plan, or torch's convolution, timed fastest).
 * The nearest 2x upsample runs in the activation's dtype (it copies values; the
   module's fp32 round trip changes none), and the 3-channel output conv runs with
   its channels zero-padded to 8 (cuDNN's channels-last kernels want multiples of 8).
@@ -39,8 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from framekv.ops.rms_silu import rms_norm_silu
-
-from .conv_plans import ConvPlans, supported, torch_conv
 
 __all__ = ["FusedDecoder", "fused_chunk_program"]
 
@@ -83,8 +78,6 @@ class FusedDecoder:
 
     def __init__(self, vae):
         d = vae.decoder
-        # cuDNN graphs with the bias (and residual) fused, plans timed: bf16 / fp16 on CUDA
-        self.plans = ConvPlans(d.conv_in.weight.device) if supported(d.conv_in.weight) else None
         self.post_quant = vae.post_quant_conv
         self.conv_in = _conv(d.conv_in)
         self.blocks: list = [("res", self._res_weights(d.mid_block.resnets[0]))]
@@ -140,10 +133,11 @@ class FusedDecoder:
     def _norm_into(x, gamma, silu=True):
         return lambda out: rms_norm_silu(_rows(x), gamma, silu=silu, out=_rows(out))
 
-    def _apply(self, conv: _Conv, x: torch.Tensor, residual=None) -> torch.Tensor:
+    @staticmethod
+    def _apply(conv: _Conv, x: torch.Tensor, residual=None) -> torch.Tensor:
         """conv(x) + bias [+ residual], x [N, C, *S] channels last -> [N, *S', C_out]."""
-        run = torch_conv if self.plans is None else self.plans
-        return _last(run(x, conv.weight, conv.bias, conv.pad, residual))
+        y = (F.conv3d if x.dim() == 5 else F.conv2d)(x, conv.weight, conv.bias, padding=conv.pad)
+        return _last(y if residual is None else y.add_(residual))
 
     def _causal(self, conv: _Conv, caches: list, i: int, steps: int, fill,
                 residual=None) -> torch.Tensor:
