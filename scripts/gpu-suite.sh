@@ -32,6 +32,7 @@ bench-core     framekv bench (attention, chunk, e2e, streams, breakdown) and the
 fp8            framekv bench --sections fp8: forward, reference DiT, WanRollout 1.3B
 fp8-14b        WanRollout 14B, bf16 beside fp8 where it fits
 snapshots      a stream's export and import, sessions swapped over fewer slots
+vae            the Wan VAE's decode: the fused program against diffusers' modules
 pixels         prompt to pixels: both decoders alone and end to end, in turn and overlapped
 pixels-fp8     prompt to pixels with fp8 K/V and the tiny decoder
 ulysses        sequence-parallel attention over 2 GPUs (skipped on fewer)
@@ -69,6 +70,7 @@ section() {
     fp8-14b) run fp8-14b "$PY" -m framekv.bench.fp8 --parts wan --wan-configs 14b \
                --wan-chunks 6 --rounds 3 --json "$OUT/fp8-14b.json" ;;
     snapshots) run snapshots "$PY" -m framekv.bench.snapshots --json "$OUT/snapshots.json" ;;
+    vae) run vae "$PY" -m framekv.bench.vae_decode --json "$OUT/vae.json" ;;
     pixels) run pixels "$PY" -m framekv.bench.pixels --json "$OUT/pixels.json" ;;
     pixels-fp8) run pixels-fp8 "$PY" -m framekv.bench.pixels --decoders tiny --kv-dtype fp8 \
                   --json "$OUT/pixels-fp8.json" ;;
