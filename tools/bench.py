@@ -25,7 +25,8 @@ Sections (``--sections``, default all; `SECTIONS`, which the help lists):
                 `WanRollout` at the Wan 1.3B config (21-frame windows), and one block's
                 glue as torch ops, under torch.compile (inductor) and through framekv's
                 fused ops (`framekv.bench.breakdown`, `framekv.bench.glue`)
-    pixels      prompt to pixels at 480x832: the Wan VAE's streaming decode, eager and
+    pixels      prompt to pixels at 480x832: each decoder's streaming decode (the Wan
+                VAE fused and through diffusers' modules, the tiny decoder), eager and
                 graphed, and text -> UMT5 -> `WanRollout` (1.3B, 21-frame window) ->
                 decoded frames on the host, the decode after each chunk or overlapped
                 with the next chunk's denoising (`framekv.bench.pixels`)
