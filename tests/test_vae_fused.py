@@ -86,3 +86,11 @@ def test_a_program_that_must_not_write_leaves_the_rows(vae):
     assert all(torch.equal(a, b) for a, b in zip(before, fused._cache.rows_last))
     with pytest.raises(ValueError, match="fused must be"):
         StreamingVAEDecoder(vae, fused="yes")
+
+
+def test_a_half_precision_vae_runs_the_modules_and_refuses_fused():
+    half = build_vae("tiny", dtype=torch.float16, seed=7)
+    assert StreamingVAEDecoder(half).fused is False
+    with pytest.raises(ValueError, match="fused=True needs a bfloat16 or float32 vae, got "
+                                         "torch.float16"):
+        StreamingVAEDecoder(half, fused=True)

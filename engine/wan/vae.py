@@ -122,8 +122,9 @@ class StreamingVAEDecoder(DecoderRows):
             eager on CPU).
         device: default the vae's (the vae is moved there otherwise).
         fused: run the channels-last program with fused norms (`vae_fused`; default
-            True); False runs diffusers' modules frame by frame. The two give the same
-            frames up to bf16 rounding and share the state's form (`snapshot`).
+            True for a bf16 or fp32 vae, the dtypes its norm kernel reads); False runs
+            diffusers' modules frame by frame. The two give the same frames up to bf16
+            rounding and share the state's form (`snapshot`).
 
     Attributes:
         vae, device, dtype (the vae's: frames come back in it), sequences (None until
@@ -132,7 +133,11 @@ class StreamingVAEDecoder(DecoderRows):
 
     def __init__(self, vae, *, sequences=None, use_graphs=None, device=None, fused=None):
         check_vae(vae)
-        self.fused = True if fused is None else check_flag("fused", fused)
+        readable = vae.dtype in (torch.bfloat16, torch.float32)
+        self.fused = readable if fused is None else check_flag("fused", fused)
+        if self.fused and not readable:
+            raise ValueError(f"fused=True needs a bfloat16 or float32 vae, got {vae.dtype} "
+                             "(pass fused=False to run diffusers' modules)")
         self.sequences = check_count("sequences", sequences)
         self.device = _resolve(device if device is not None else next(vae.parameters()).device)
         if next(vae.parameters()).device != self.device:
