@@ -23,13 +23,15 @@ status 2 (`framekv.bench.timing.require_cuda`, called once its arguments are che
     launch          host cost of launching big graphs: node kinds, launch methods
     merge           the fused split-KV merge against torch merges
     ops             the ops at the seed geometry against torch equivalents
-    pixels          prompt to pixels: the Wan VAE's streaming decode, text to frames
+    pixels          prompt to pixels: each decoder's streaming decode, text to frames
     serve_load      sessions streaming from `framekv serve` in its own process, /metrics
                     scraped meanwhile (runs on a CPU too: ``--device cpu``)
     snapshots       a stream's export and import against PCIe, sessions over fewer slots
     startup         process start to the first replayed chunk, cold and warm
     streams         concurrent streams: B sequences batched on one pool against B in turn
     ulysses         Ulysses attention over several GPUs (under torchrun)
+    vae_decode      the Wan VAE's streaming decode, the fused program against diffusers'
+                    modules: time, error against fp32, peak memory
     wait            what a launch after a host wait costs, and what changes it
     wan             diffusers' Wan transformer end to end against dense baselines
 
