@@ -124,7 +124,9 @@ class StreamingVAEDecoder(DecoderRows):
         fused: run the channels-last program with fused norms (`vae_fused`; default
             True for a bf16 or fp32 vae, the dtypes its norm kernel reads); False runs
             diffusers' modules frame by frame. The two give the same frames up to bf16
-            rounding and share the state's form (`snapshot`).
+            rounding and share the state's form (`snapshot`). The fused program keeps
+            channels-last copies of the conv weights made here: load weights into the
+            vae before building its decoder.
 
     Attributes:
         vae, device, dtype (the vae's: frames come back in it), sequences (None until
