@@ -47,7 +47,7 @@ from ._launch import SIMULATOR
 
 __all__ = ["load_f32", "store_f32", "load_f32x4", "store_f32x4", "round_f32", "quotient",
            "reciprocal_bits", "FLOAT_DTYPES", "check_float_dtype", "vector_aligned",
-           "FP8_DTYPE", "E4M3_MAX", "E4M3_NAN", "e4m3_bits", "f32_bits"]
+           "FP8_DTYPE", "E4M3_MAX", "E4M3_NAN", "e4m3_bits", "f32_bits", "bits_f32"]
 
 #: The tensor dtypes these accessors handle (as int16 and int32 bits).
 FLOAT_DTYPES = (torch.bfloat16, torch.float32)
@@ -125,6 +125,10 @@ if SIMULATOR:
         """float32 ``value``'s bits as an int32."""
         return np.float32(value).view(np.int32)
 
+    def bits_f32(bits):
+        """The float32 whose bits are the int ``bits`` (a kernel argument, `f32_bits`)."""
+        return np.array([bits], dtype=np.int64).astype(np.int32).view(np.float32)[0]
+
     def load_f32(ary, idx):
         """``ary[idx]`` (bf16, fp32 or e4m3 bits) as float32."""
         bits = ary[idx]
@@ -150,7 +154,7 @@ if SIMULATOR:
 
 else:
     from llvmlite import ir
-    from numba import cuda, float64, int64, types
+    from numba import cuda, float64, int32, int64, types
     from numba.cuda import cgutils, libdevice
     from numba.cuda.extending import intrinsic
 
@@ -173,6 +177,11 @@ else:
             offset = builder.add(offset, builder.mul(i, st))
         data = builder.ptrtoint(arr.data, offset.type)
         return builder.inttoptr(builder.add(data, offset), arr.data.type)
+
+    @cuda.jit(device=True, forceinline=True)
+    def bits_f32(bits):
+        """The float32 whose bits are the int ``bits`` (a kernel argument, `f32_bits`)."""
+        return libdevice.int_as_float(int32(bits))
 
     @cuda.jit(device=True, forceinline=True)
     def quotient(a, inv_bits):

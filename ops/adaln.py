@@ -58,19 +58,19 @@ import math
 import struct
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from numba import cuda
 from numba import float32 as _f32
 from numba import uint64 as _u64
 
-from ._float import (check_float_dtype, load_f32, load_f32x4, quotient, reciprocal_bits,
-                     round_f32, store_f32, store_f32x4, vector_aligned)
+from ._float import (bits_f32, check_float_dtype, load_f32, load_f32x4, quotient,
+                     reciprocal_bits, round_f32, store_f32, store_f32x4, vector_aligned)
 from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, threads_holding,
                       use_kernel)
 from ._reduce import WARP, warps_total
-from framekv.specs.checks import check_last_dim_contiguous, check_no_overlap, check_same_device, check_tensor
+from framekv.specs.checks import (check_disjoint, check_last_dim_contiguous, check_no_overlap,
+                                 check_same_device, check_tensor)
 
 __all__ = ["adaln_", "adaln_reference", "gated_residual_", "gated_residual_reference",
            "MAX_N"]
@@ -87,22 +87,11 @@ if SIMULATOR:
     def _device(fn):
         return cuda.jit(device=True)(fn)
 
-    def _bits_f32(bits):
-        """float32 from its bits (an int)."""
-        return np.array([bits], dtype=np.int64).astype(np.int32).view(np.float32)[0]
-
     _KOPTS = {}  # the simulator takes no register bound
 
 else:
-    from numba import int32 as _i32
-    from numba.cuda import libdevice
-
     def _device(fn):
         return cuda.jit(device=True, forceinline=True)(fn)
-
-    @_device
-    def _bits_f32(bits):
-        return libdevice.int_as_float(_i32(bits))
 
     # 54 registers unbounded (6 CTAs of 192 threads per SM); 40 spill nothing (8 CTAs).
     _KOPTS = {"max_registers": 40}
@@ -231,7 +220,7 @@ def _rows(x, out, res, gate, shift, scale, weight, bias, flags, n, nt, eps_bits,
     runs_var = cuda.shared.array(_WARPS, _f32)
     S = x.shape[1]
     t = cuda.threadIdx.x
-    eps = _bits_f32(eps_bits)
+    eps = bits_f32(eps_bits)
     vec = (flags & _VEC) != 0
     j1, j2, st = _slots(t, nt, vec)
     # inv_*: fp64 bits of 1 / S and of 1 / (S // M) for each [B, M, N] modulation
@@ -390,27 +379,6 @@ def _check_call(x, out, residual, gate) -> None:
         raise ValueError("residual: expected a [B, S, N] tensor (a gate is given), got None")
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) bytes of t's elements."""
-    if t.numel() == 0:
-        return 0, 0
-    far = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (far + 1) * t.element_size()
-
-
-def _check_disjoint(name: str, t, others) -> None:
-    """Raise if written tensor t's memory span meets another argument's (needs real
-    tensors: checked at run, before anything is written)."""
-    lo, hi = _span(t)
-    for other_name, o in others:
-        if o is None:
-            continue
-        olo, ohi = _span(o)
-        if lo < ohi and olo < hi:
-            raise ValueError(f"{name}: expected memory apart from {other_name} (it is "
-                             f"written while {other_name} is read), got overlapping spans")
-
-
 # --------------------------------------------------------------------------- launch
 
 
@@ -437,9 +405,9 @@ def _execute(x, out, residual, mods, eps: float, res_name="residual") -> None:
     gate, shift, scale, weight, bias = mods
     names = ("gate", "shift", "scale", "weight", "bias")
     if out is not None:
-        _check_disjoint("out", out, [("x", x), (res_name, residual), *zip(names, mods)])
+        check_disjoint("out", out, [("x", x), (res_name, residual), *zip(names, mods)])
     if residual is not None:
-        _check_disjoint("x", x, [(res_name, residual), *zip(names, mods)])
+        check_disjoint("x", x, [(res_name, residual), *zip(names, mods)])
     if x.numel() == 0:
         return
     if not use_kernel(x):

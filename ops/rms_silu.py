@@ -39,11 +39,12 @@ from numba import cuda
 from numba import float32 as _f32
 from numba import uint64 as _u64
 
-from ._float import (check_float_dtype, load_f32, load_f32x4, quotient, reciprocal_bits,
-                     store_f32, store_f32x4, vector_aligned)
+from ._float import (bits_f32, check_float_dtype, load_f32, load_f32x4, quotient,
+                     reciprocal_bits, store_f32, store_f32x4, vector_aligned)
 from ._launch import SIMULATOR, Kernel, array_arg, int_arg, use_kernel
 from ._reduce import WARP, segment_total
-from framekv.specs.checks import check_last_dim_contiguous, check_no_overlap, check_tensor
+from framekv.specs.checks import (check_disjoint, check_last_dim_contiguous, check_no_overlap,
+                                 check_tensor)
 
 __all__ = ["rms_norm_silu", "rms_norm_silu_reference", "MAX_N"]
 
@@ -94,9 +95,9 @@ def _kernel(flags: int, n: int, g: int, k: int, nt: int) -> Kernel:
             for i in range(4):
                 acc += v[4 * q + i] * v[4 * q + i]
         total = segment_total(acc, part, t, nt, g)
-        eps = _bits(eps_bits)
+        eps = bits_f32(eps_bits)
         norm = _f32(math.sqrt(total))
-        mul = _bits(scale_bits) / (norm if norm > eps else eps)
+        mul = bits_f32(scale_bits) / (norm if norm > eps else eps)
         if live:
             outr = out[_u64(b), _u64(r - b * M)]
             for q in range(k):
@@ -118,20 +119,6 @@ def _kernel(flags: int, n: int, g: int, k: int, nt: int) -> Kernel:
                             store_f32(outr, (j + i,), v[4 * q + i])
 
     return Kernel(_rms_silu_kernel)
-
-
-if SIMULATOR:
-    import numpy as np
-
-    def _bits(b):
-        return np.array([b], dtype=np.int64).astype(np.int32).view(np.float32)[0]
-else:
-    from numba import int32 as _i32
-    from numba.cuda import libdevice
-
-    @cuda.jit(device=True, forceinline=True)
-    def _bits(b):
-        return libdevice.int_as_float(_i32(b))
 
 
 # --------------------------------------------------------------------------- reference
@@ -206,19 +193,7 @@ def _check(x, gamma, out) -> None:
                          f"got {list(out.shape)} on {out.device}")
     check_last_dim_contiguous("out", out)
     check_no_overlap("out", out)
-    if _overlaps(out, x) or _overlaps(out, gamma):
-        raise ValueError("out: expected memory apart from x and gamma (it is written while "
-                         "they are read), got overlapping spans")
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    def span(t):
-        far = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (far + 1) * t.element_size()
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    (alo, ahi), (blo, bhi) = span(a), span(b)
-    return alo < bhi and blo < ahi
+    check_disjoint("out", out, [("x", x), ("gamma", gamma)])
 
 
 def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, *, scale: Optional[float] = None,

@@ -135,6 +135,28 @@ def check_last_dim_contiguous(name: str, value) -> None:
                          f"got strides {tuple(value.stride())}")
 
 
+def _span(t) -> tuple[int, int]:
+    """[first, last + 1) bytes of a tensor's elements."""
+    if t.numel() == 0:
+        return 0, 0
+    far = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (far + 1) * t.element_size()
+
+
+def check_disjoint(name: str, value, others) -> None:
+    """Raise if written tensor ``value``'s memory span meets that of one of ``others``
+    ((name, tensor or None) pairs, read while it is written); spans, so interleaved but
+    disjoint views of one buffer are refused too."""
+    lo, hi = _span(value)
+    for other_name, o in others:
+        if o is None:
+            continue
+        olo, ohi = _span(o)
+        if lo < ohi and olo < hi:
+            raise ValueError(f"{name}: expected memory apart from {other_name} (it is "
+                             f"written while {other_name} is read), got overlapping spans")
+
+
 def check_no_overlap(name: str, value) -> None:
     """Raise if a written tensor repeats memory (a zero stride over a dimension > 1)."""
     for size, stride in zip(value.shape, value.stride()):
