@@ -153,7 +153,6 @@ class StreamingVAEDecoder(DecoderRows):
         inv_std = 1.0 / torch.tensor(cfg.latents_std)
         self._inv_std = inv_std.view(shape).to(self.device, self.dtype)
         self._program_weights = FusedDecoder(vae) if self.fused else None
-        self.CACHE_CHANNELS_LAST = self.fused
         self._start_rows()
 
     @staticmethod
@@ -166,6 +165,10 @@ class StreamingVAEDecoder(DecoderRows):
     @property
     def PROGRAM(self) -> str:
         return "vae-decode-fused" if self.fused else "vae-decode"
+
+    @property
+    def CACHE_CHANNELS_LAST(self) -> bool:
+        return self.fused            # the fused program's cache layout
 
     MISMATCH = "another vae or latent size, or a decoder that has not decoded yet"
 

@@ -196,15 +196,14 @@ def fused_chunk_program(fused: FusedDecoder, arena, *, first: bool, mean: torch.
         if first:
             caches = [t.new_zeros(B, *t.shape[1:]) for t in arena.rows_last]
         else:
-            caches = [t.index_select(0, rows) for t in arena.rows_last]  # [B, 2, H, W, C]
+            caches = arena.gather(rows)                                 # [B, 2, H, W, C]
         parts = [fused.forward(x[:, :1], caches, True)] if first else []
         if Fr > len(parts):
             parts.append(fused.forward(x[:, len(parts):], caches, False))
         if write:
-            for t, c in zip(arena.rows_last, caches):
-                t.index_copy_(0, rows, c)
+            arena.scatter(rows, caches)
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)   # [B, F', H, W, 3]
         out = torch.empty(y.shape[0], 3, *y.shape[1:4], dtype=y.dtype, device=y.device)
-        return out.copy_(y.movedim(-1, 1)).clamp_(-1.0, 1.0)
+        return torch.clamp(y.movedim(-1, 1), -1.0, 1.0, out=out)       # one pass
 
     return fn

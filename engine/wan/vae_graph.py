@@ -132,12 +132,13 @@ class CacheArena:
         return 0 if self._arena.closed else self._arena.mapped_bytes
 
     def gather(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Copies of rows ``rows`` [B] int64 of every entry, each [B, C_l, 2, H_l, W_l]."""
-        return [t.index_select(0, rows) for t in self.tensors]
+        """Copies of rows ``rows`` [B] int64 of every entry, as stored: each
+        [B, C_l, 2, H_l, W_l], or [B, 2, H_l, W_l, C_l] when ``channels_last``."""
+        return [t.index_select(0, rows) for t in self.rows_last or self.tensors]
 
     def scatter(self, rows: torch.Tensor, cache: list) -> None:
-        """Write the used entries of ``cache`` back to rows ``rows`` (distinct)."""
-        for t, c in zip(self.tensors, cache):
+        """Write ``cache`` (`gather`'s layout) back to rows ``rows`` (distinct)."""
+        for t, c in zip(self.rows_last or self.tensors, cache):
             t.index_copy_(0, rows, c)
 
     def close(self) -> None:
@@ -179,9 +180,8 @@ class DecoderRows:
     reset and staged ("first" or "steady"); `decode`, `snapshot`, `restore`, `capture`.
     Subclasses set those attributes and ``sequences``, ``device``, ``dtype``,
     ``use_graphs``, ``latent_channels``, and define ``PROGRAM`` (the graph keys' program
-    name), ``MISMATCH`` (why a state does not fit, in `restore`'s error),
-    ``_layout(latent_size) -> CacheLayout`` and ``_chunk(first, write)`` (the chunk
-    program)."""
+    name), ``MISMATCH`` (why a state does not fit, in `restore`'s error), ``_layout``
+    (a latent size's `CacheLayout`) and ``_chunk(first, write)`` (the chunk program)."""
 
     CACHE_CHANNELS_LAST = False   # the arena's layout (`CacheArena`)
 
