@@ -217,7 +217,9 @@ def test_a_failing_step_ends_its_sessions_with_the_error_and_the_others_go_on(se
     http, ws, sched = server
     wait_sessions(http, 0)
     waiting = create(http, seed=11, chunks=3)
-    sched.pause(waiting, True)                       # not in the failing step
+    sched.pause(waiting, True)                       # not in the failing step:
+    sched.hold(True)                                 # a step planned before the pause
+    sched.hold(False)                                # has ended once hold returns
     real, fired = sched.runner.step_rows, []
 
     def once(*args, **kwargs):
