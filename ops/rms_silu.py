@@ -1,16 +1,20 @@
 """``rms_norm_silu``: an RMS norm over a tensor's last dimension, times a scale and a
-per-channel gamma, optionally followed by SiLU, in one kernel.
+per-channel gamma, optionally followed by SiLU, in one kernel; an optional per-channel
+bias is added to x first.
 
 Contract (x [B, M, N], rows (b, m) of N values)::
 
-    y   = x / max(||x||_2, eps) * scale * gamma        # fp32, scale default sqrt(N)
+    z   = x + bias                                     # fp32; bias 0 when None
+    y   = z / max(||z||_2, eps) * scale * gamma        # fp32, scale default sqrt(N)
     out = silu(y) if silu else y                       # rounded once to out's dtype
 
 This is the Wan VAE's ``WanRMS_norm`` (``F.normalize`` over the channels, times
 sqrt(C) and gamma) and the SiLU after it: there six kernels and an fp32 round trip of
 the whole tensor, here one read and one write. The unfused module rounds to bf16
 after the normalize, after each product and after the SiLU; this op rounds once, so
-its bf16 result is within a few bf16 steps of the module's and closer to fp32.
+its bf16 result is within a few bf16 steps of the module's and closer to fp32. The
+bias is a convolution's, when that convolution's output feeds only this norm: added
+here it costs no pass of its own.
 
 Rows are (b, m) with out[b] free to be a slice of a larger buffer (a causal conv's
 input after its cached steps): only the last dimension must be contiguous. Tensors
@@ -48,7 +52,7 @@ from framekv.specs.checks import (check_disjoint, check_last_dim_contiguous, che
 
 __all__ = ["rms_norm_silu", "rms_norm_silu_reference", "MAX_N"]
 
-_SILU, _VEC = 1, 2
+_SILU, _VEC, _BIAS = 1, 2, 4
 _GROUPS_MAX = 8            # groups of four a lane holds: 32 registers of values
 MAX_N = 4 * WARP * _GROUPS_MAX
 _BLOCK = 8 if SIMULATOR else 256   # threads per block (the simulator: one thread each)
@@ -66,10 +70,12 @@ def _segment(n: int) -> tuple[int, int]:
 def _kernel(flags: int, n: int, g: int, k: int, nt: int) -> Kernel:
     """The kernel for one row width (n, g, k and the flags compiled in as constants)."""
     vals, vec, act = 4 * k, (flags & _VEC) != 0, (flags & _SILU) != 0
+    biased = (flags & _BIAS) != 0
 
     @cuda.jit
-    def _rms_silu_kernel(x, out, gamma, scale_bits, eps_bits, inv_m):
-        # x, out: [B, M, N] float bits; gamma: [N]; one row per segment of g lanes.
+    def _rms_silu_kernel(x, out, gamma, bias, scale_bits, eps_bits, inv_m):
+        # x, out: [B, M, N] float bits; gamma, bias: [N] (bias unread unless biased);
+        # one row per segment of g lanes.
         part = cuda.shared.array(_BLOCK if _BLOCK > WARP else WARP, _f32)  # simulator sums
         v = cuda.local.array(vals, _f32)
         t = cuda.threadIdx.x
@@ -93,6 +99,8 @@ def _kernel(flags: int, n: int, g: int, k: int, nt: int) -> Kernel:
                     if j + i < n:
                         v[4 * q + i] = load_f32(xr, (j + i,))
             for i in range(4):
+                if biased and j + i < n:
+                    v[4 * q + i] += load_f32(bias, (j + i,))
                 acc += v[4 * q + i] * v[4 * q + i]
         total = segment_total(acc, part, t, nt, g)
         eps = bits_f32(eps_bits)
@@ -124,10 +132,12 @@ def _kernel(flags: int, n: int, g: int, k: int, nt: int) -> Kernel:
 # --------------------------------------------------------------------------- reference
 
 
-def rms_norm_silu_reference(x, gamma, *, scale=None, silu=True, eps=1e-12, out=None):
+def rms_norm_silu_reference(x, gamma, *, bias=None, scale=None, silu=True, eps=1e-12,
+                            out=None):
     """Torch reference of :func:`rms_norm_silu` (same arguments): fp32, rounded once."""
     s = math.sqrt(x.shape[-1]) if scale is None else float(scale)
-    y = F.normalize(x.float(), dim=-1, eps=eps) * s * gamma.float()
+    z = x.float() if bias is None else x.float() + bias.float()
+    y = F.normalize(z, dim=-1, eps=eps) * s * gamma.float()
     if silu:
         y = F.silu(y)
     if out is None:
@@ -143,34 +153,46 @@ def _f32_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
-def _execute(x, gamma, out, scale: float, silu: bool, eps: float) -> None:
+def _execute(x, gamma, bias, out, scale: float, silu: bool, eps: float) -> None:
     if x.numel() == 0:
         return
     if not use_kernel(x):
-        rms_norm_silu_reference(x, gamma, scale=scale, silu=silu, eps=eps, out=out)
+        rms_norm_silu_reference(x, gamma, bias=bias, scale=scale, silu=silu, eps=eps, out=out)
         return
     B, M, N = x.shape
     g, k = _segment(N)
     nt = max(g, _BLOCK)
     vec = all(vector_aligned(t) for t in (x, out, gamma))
-    flags = (_SILU if silu else 0) | (_VEC if vec else 0)
-    args = [array_arg(x), array_arg(out), array_arg(gamma), int_arg(_f32_bits(scale)),
+    flags = (_SILU if silu else 0) | (_VEC if vec else 0) | (0 if bias is None else _BIAS)
+    args = [array_arg(x), array_arg(out), array_arg(gamma),
+            array_arg(gamma if bias is None else bias), int_arg(_f32_bits(scale)),
             int_arg(_f32_bits(eps)), int_arg(reciprocal_bits(M))]
     _kernel(flags, N, g, k, nt).launch(-(-B * M // (nt // g)), nt, args, x.device)
 
 
 @torch.library.custom_op("framekv::rms_norm_silu", mutates_args=("out",))
-def _rms_norm_silu_op(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, scale: float,
-                      silu: bool, eps: float) -> None:
-    _execute(x, gamma, out, scale, silu, eps)
+def _rms_norm_silu_op(x: torch.Tensor, gamma: torch.Tensor, bias: Optional[torch.Tensor],
+                      out: torch.Tensor, scale: float, silu: bool, eps: float) -> None:
+    _execute(x, gamma, bias, out, scale, silu, eps)
 
 
 @_rms_norm_silu_op.register_fake
-def _(x, gamma, out, scale, silu, eps) -> None:
+def _(x, gamma, bias, out, scale, silu, eps) -> None:
     return None
 
 
-def _check(x, gamma, out) -> None:
+def _check_channels(name: str, t, x) -> None:
+    """gamma or bias: [N] float on x's device, contiguous."""
+    N = x.shape[2]
+    check_tensor(name, t, ndims=(1,), layout="[N]")
+    check_float_dtype(name, t)
+    if t.shape[0] != N or t.device != x.device:
+        raise ValueError(f"{name}: expected [{N}] on {x.device} (N and device of x), got "
+                         f"{list(t.shape)} on {t.device}")
+    check_last_dim_contiguous(name, t)
+
+
+def _check(x, gamma, bias, out) -> None:
     check_tensor("x", x, ndims=(3,), layout="[B, M, N]")
     check_float_dtype("x", x)
     check_last_dim_contiguous("x", x)
@@ -178,12 +200,9 @@ def _check(x, gamma, out) -> None:
     if N > MAX_N:
         raise ValueError(f"x: expected N <= {MAX_N} (a row in the registers of at most 32 "
                          f"lanes), got N = {N}")
-    check_tensor("gamma", gamma, ndims=(1,), layout="[N]")
-    check_float_dtype("gamma", gamma)
-    if gamma.shape[0] != N or gamma.device != x.device:
-        raise ValueError(f"gamma: expected [{N}] on {x.device} (N and device of x), got "
-                         f"{list(gamma.shape)} on {gamma.device}")
-    check_last_dim_contiguous("gamma", gamma)
+    _check_channels("gamma", gamma, x)
+    if bias is not None:
+        _check_channels("bias", bias, x)
     if out is None:
         return
     check_tensor("out", out, ndims=(3,), layout="[B, M, N]")
@@ -193,28 +212,30 @@ def _check(x, gamma, out) -> None:
                          f"got {list(out.shape)} on {out.device}")
     check_last_dim_contiguous("out", out)
     check_no_overlap("out", out)
-    check_disjoint("out", out, [("x", x), ("gamma", gamma)])
+    check_disjoint("out", out, [("x", x), ("gamma", gamma)]
+                   + ([] if bias is None else [("bias", bias)]))
 
 
-def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, *, scale: Optional[float] = None,
-                  silu: bool = True, eps: float = 1e-12,
+def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+                  scale: Optional[float] = None, silu: bool = True, eps: float = 1e-12,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """RMS norm over the last dimension, times ``scale`` and ``gamma``, then SiLU when
-    ``silu``; returns ``out`` (module doc).
+    """RMS norm of ``x + bias`` over the last dimension, times ``scale`` and ``gamma``,
+    then SiLU when ``silu``; returns ``out`` (module doc).
 
     Args:
         x: [B, M, N] bf16 or fp32, N contiguous (N <= `MAX_N`), other strides free.
         gamma: [N] bf16 or fp32 on x's device.
+        bias: None or [N] bf16 or fp32 on x's device, added to x before the norm.
         scale: a finite number (default sqrt(N), as ``WanRMS_norm``).
         silu: apply SiLU after the norm.
         eps: the norm's floor (``F.normalize``'s), a finite number >= 0.
         out: None (a new contiguous tensor like x) or [B, M, N] bf16/fp32, N contiguous,
-            not overlapping x or gamma.
+            not overlapping x, gamma or bias.
 
     Raises ValueError naming the bad argument before anything is written. One kernel on
     torch's current stream for CUDA tensors; the torch reference on CPU.
     """
-    _check(x, gamma, out)
+    _check(x, gamma, bias, out)
     scale = math.sqrt(x.shape[2]) if scale is None else scale
     for name, v, low in (("scale", scale, -math.inf), ("eps", eps, 0.0)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v < math.inf:
@@ -224,5 +245,5 @@ def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, *, scale: Optional[float
         raise ValueError(f"silu: expected True or False, got {silu!r}")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _rms_norm_silu_op(x, gamma, out, float(scale), silu, float(eps))
+    _rms_norm_silu_op(x, gamma, bias, out, float(scale), silu, float(eps))
     return out

@@ -51,6 +51,20 @@ def test_scale_eps_and_zero_rows():
     assert bool((got[0, 1] == 0).all())
 
 
+def test_a_bias_is_a_conv_bias_before_the_norm():
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
+
+    x, gamma = stamped(2, 9, 24)
+    bias = torch.linspace(-3, 3, 24)                  # large next to x: a missed add shows
+    norm = WanRMS_norm(24, images=False)
+    norm.gamma.data.copy_(gamma.view(24, 1, 1, 1))
+    want = F.silu(norm((x + bias).permute(0, 2, 1).reshape(2, 24, 9, 1, 1)))
+    got = rms_norm_silu(x, gamma, bias=bias)
+    torch.testing.assert_close(got, want.reshape(2, 24, 9).permute(0, 2, 1),
+                               rtol=1e-6, atol=1e-6)
+    assert (got - rms_norm_silu(x, gamma)).abs().max() > 0.1
+
+
 def test_bf16_is_rounded_once_from_fp32():
     x, gamma = stamped(2, 5, 24, dtype=torch.bfloat16)
     got = rms_norm_silu(x, gamma)
@@ -66,6 +80,9 @@ def test_errors_name_the_argument_and_write_nothing():
         (dict(x=x.int()), "x must have dtype"),
         (dict(x=x.transpose(1, 2).contiguous().transpose(1, 2)), "x: expected a contiguous"),
         (dict(gamma=gamma[:7]), r"gamma: expected \[8\]"),
+        (dict(bias=gamma[:5]), r"bias: expected \[8\]"),
+        (dict(bias=gamma.int()), "bias must have dtype"),
+        (dict(bias=out[0, 0]), "out: expected memory apart from bias"),
         (dict(out=out[:, :3]), r"out: expected shape \[1, 4, 8\]"),
         (dict(out=x), "out: expected memory apart"),
         (dict(scale=float("inf")), "scale: expected a finite number"),

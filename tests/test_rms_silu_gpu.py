@@ -1,6 +1,7 @@
 """``rms_norm_silu``'s kernel on a CUDA GPU: the Wan VAE's row widths (96, 192, 384) and
-odd ones, bf16 within one rounding of the fp32 reference, fp32 within 1e-5, rows in a
-slice of a buffer, and a CUDA graph replayed with new contents equal to eager calls."""
+odd ones, with and without a bias, bf16 within one rounding of the fp32 reference, fp32
+within 1e-5, rows in a slice of a buffer, and a CUDA graph replayed with new contents
+equal to eager calls."""
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,9 @@ from test_rms_silu import stamped
 pytestmark = pytest.mark.gpu
 
 
-def _close(got, x, gamma, silu=True):
-    want = rms_norm_silu_reference(x.float(), gamma.float(), silu=silu)
+def _close(got, x, gamma, silu=True, bias=None):
+    want = rms_norm_silu_reference(x.float(), gamma.float(), silu=silu,
+                                   bias=None if bias is None else bias.float())
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     else:
@@ -28,6 +30,8 @@ def test_kernel_against_the_fp32_reference(B, M, N, dtype):
     x, gamma = stamped(B, M, N, dtype=dtype, device="cuda")
     for silu in (True, False):
         _close(rms_norm_silu(x, gamma, silu=silu), x, gamma, silu)
+    bias = torch.linspace(-2, 2, N, device="cuda", dtype=dtype)
+    _close(rms_norm_silu(x, gamma, bias=bias), x, gamma, True, bias)
 
 
 def test_rows_in_a_buffer_slice_and_a_graph_replay():

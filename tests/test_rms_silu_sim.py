@@ -27,6 +27,16 @@ def test_kernel_equals_the_reference(B, M, N, silu):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("B,M,N", [(2, 5, 96), (1, 3, 7)])
+def test_a_bias_is_added_before_the_norm(B, M, N):
+    x, gamma = stamped(B, M, N)
+    bias = torch.linspace(-2, 2, N)
+    got = rms_norm_silu(x, gamma, bias=bias)
+    torch.testing.assert_close(got, rms_norm_silu_reference(x, gamma, bias=bias),
+                               rtol=1e-5, atol=1e-6)
+    assert (got - rms_norm_silu(x, gamma)).abs().max() > 0.1
+
+
 def test_bf16_rows_in_a_buffer_slice():
     x, gamma = stamped(2, 3, 24, dtype=torch.bfloat16)
     buf = torch.zeros(2, 5, 24, dtype=torch.bfloat16)

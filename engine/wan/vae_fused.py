@@ -21,6 +21,9 @@ What differs from running the diffusers modules, and why each is exact:
   order. The next cache is the buffer's last two steps, as the modules keep them.
   A video's first chunk passes its first frame alone (no cache, and the time
   upsamples skip their conv: diffusers' ``"Rep"``), then the rest at once.
+* A residual block's first conv runs without its bias: the norm after it adds it
+  (its output feeds nothing else), in fp32 before the norm, where the module adds it
+  in a pass of its own and rounds.
 * The nearest 2x upsample runs in the activation's dtype (it copies values; the
   module's fp32 round trip changes none), and the 3-channel output conv runs with
   its channels zero-padded to 8 (cuDNN's channels-last kernels want multiples of 8).
@@ -98,12 +101,13 @@ class FusedDecoder:
 
     @staticmethod
     def _res_weights(r):
-        short = None
+        conv1, short = _conv(r.conv1), None
         if not isinstance(r.conv_shortcut, torch.nn.Identity):
             w = r.conv_shortcut.weight.detach()
             short = (w.reshape(w.shape[0], -1), r.conv_shortcut.bias.detach())
-        return (r.norm1.gamma.detach().reshape(-1), _conv(r.conv1),
-                r.norm2.gamma.detach().reshape(-1), _conv(r.conv2), short)
+        # conv1 without its bias: norm2 adds it (module doc)
+        return (r.norm1.gamma.detach().reshape(-1), dataclasses.replace(conv1, bias=None),
+                r.norm2.gamma.detach().reshape(-1), conv1.bias, _conv(r.conv2), short)
 
     @staticmethod
     def _attn_weights(a):
@@ -130,8 +134,8 @@ class FusedDecoder:
         return y[..., :self.conv_out.out]
 
     @staticmethod
-    def _norm_into(x, gamma, silu=True):
-        return lambda out: rms_norm_silu(_rows(x), gamma, silu=silu, out=_rows(out))
+    def _norm_into(x, gamma, bias=None):
+        return lambda out: rms_norm_silu(_rows(x), gamma, bias=bias, out=_rows(out))
 
     @staticmethod
     def _apply(conv: _Conv, x: torch.Tensor, residual=None) -> torch.Tensor:
@@ -153,11 +157,11 @@ class FusedDecoder:
                            None if residual is None else residual.movedim(-1, 1))
 
     def _res(self, w, x, caches, i1, i2):
-        gamma1, conv1, gamma2, conv2, short = w
+        gamma1, conv1, gamma2, bias1, conv2, short = w
         h = x if short is None else F.linear(x, *short)      # [B, T, H, W, C_out]
         y = self._causal(conv1, caches, i1, x.shape[1], self._norm_into(x, gamma1))
-        return self._causal(conv2, caches, i2, y.shape[1], self._norm_into(y, gamma2),
-                            residual=h)
+        return self._causal(conv2, caches, i2, y.shape[1],
+                            self._norm_into(y, gamma2, bias1), residual=h)
 
     @staticmethod
     def _attn(w, x):
