@@ -27,14 +27,18 @@ def test_kernel_equals_the_reference(B, M, N, silu):
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("B,M,N", [(2, 5, 96), (1, 3, 7)])
-def test_a_bias_is_added_before_the_norm(B, M, N):
-    x, gamma = stamped(B, M, N)
-    bias = torch.linspace(-2, 2, N)
-    got = rms_norm_silu(x, gamma, bias=bias)
-    torch.testing.assert_close(got, rms_norm_silu_reference(x, gamma, bias=bias),
-                               rtol=1e-5, atol=1e-6)
-    assert (got - rms_norm_silu(x, gamma)).abs().max() > 0.1
+@pytest.mark.parametrize("B,M,N,dtype", [(2, 5, 96, torch.float32), (1, 3, 7, torch.float32),
+                                         (2, 3, 24, torch.bfloat16)])
+def test_a_bias_is_added_before_the_norm(B, M, N, dtype):
+    x, gamma = stamped(B, M, N, dtype=dtype)
+    bias = torch.linspace(-2, 2, N, dtype=dtype)
+    got = rms_norm_silu(x, gamma, bias=bias).float()
+    want = rms_norm_silu_reference(x, gamma, bias=bias).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:                                          # one bf16 rounding apart at most
+        assert bool(((got - want).abs() <= want.abs() * 2 ** -8 + 1e-30).all())
+    assert (got - rms_norm_silu(x, gamma).float()).abs().max() > 0.1
 
 
 def test_bf16_rows_in_a_buffer_slice():
