@@ -169,11 +169,11 @@ def run_cluster(args) -> int:
     try:
         start_ray(args, options)
         serve.run(deployments(args, options), name=APP, route_prefix="/")
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError):     # a replica or the ingress failed to start
+            exc = RuntimeError(f"the cluster did not start: {_why_not_started(exc)}")
+        _disconnect()
         return serve_command.fail(exc)
-    except RuntimeError as exc:       # a replica or the ingress failed to start
-        return serve_command.fail(RuntimeError(f"the cluster did not start: "
-                                                f"{_why_not_started(exc)}"))
     print(f"framekv cluster: serving on http://{args.host}:{args.port} (state in "
           f"{args.state_dir})", flush=True)
     stop = []
@@ -185,6 +185,18 @@ def run_cluster(args) -> int:
         pass
     serve.shutdown()
     return 0
+
+
+def _disconnect() -> None:
+    """Leave Ray (a cluster this process started stops with it) before a failure is
+    printed: the driver's thread that prints the replicas' forwarded logs is joined,
+    so none of their lines comes after the error line."""
+    import ray
+
+    try:
+        ray.shutdown()
+    except Exception:       # the error line matters more than a clean disconnect
+        pass
 
 
 def _why_not_started(exc: Exception) -> str:
