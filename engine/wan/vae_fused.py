@@ -135,7 +135,10 @@ class FusedDecoder:
 
     @staticmethod
     def _norm_into(x, gamma, bias=None):
-        return lambda out: rms_norm_silu(_rows(x), gamma, bias=bias, out=_rows(out))
+        """A one-shot fill of a causal conv's buffer with norm(x); x is let go once read
+        (a conv's output feeding only this norm is freed before the next conv runs)."""
+        held = [x]
+        return lambda out: rms_norm_silu(_rows(held.pop()), gamma, bias=bias, out=_rows(out))
 
     @staticmethod
     def _apply(conv: _Conv, x: torch.Tensor, residual=None) -> torch.Tensor:
@@ -159,9 +162,10 @@ class FusedDecoder:
     def _res(self, w, x, caches, i1, i2):
         gamma1, conv1, gamma2, bias1, conv2, short = w
         h = x if short is None else F.linear(x, *short)      # [B, T, H, W, C_out]
-        y = self._causal(conv1, caches, i1, x.shape[1], self._norm_into(x, gamma1))
-        return self._causal(conv2, caches, i2, y.shape[1],
-                            self._norm_into(y, gamma2, bias1), residual=h)
+        T = x.shape[1]
+        norm2 = self._norm_into(self._causal(conv1, caches, i1, T, self._norm_into(x, gamma1)),
+                                gamma2, bias1)           # holds conv1's output, alone
+        return self._causal(conv2, caches, i2, T, norm2, residual=h)
 
     @staticmethod
     def _attn(w, x):
