@@ -251,6 +251,9 @@ def _modes_agree(rollout, dec, noises) -> bool:
     for overlap in (False, True):
         rollout.reset()
         dec.reset()
+        # an fp8 pool scales attention's output by its running amax, which outlives a
+        # reset: both modes start from the same statistics (a no-op for bf16)
+        rollout.cache.reset_kv_stats()
         rollout.set_prompt("the same prompt both ways")
         got.append(_roll(rollout, DecodeLane(dec, overlap=overlap), noises[:3], 0.0)[1])
     return all(torch.equal(a, b) for a, b in zip(*got))

@@ -33,6 +33,27 @@ def test_the_bench_runs_every_decoder_and_mode_at_the_tiny_config():
     assert "prompt to pixels on cpu: 64x64 video" in table and "tiny decoder" in table
 
 
+def test_fp8_modes_start_from_the_same_pool_statistics(monkeypatch):
+    """An fp8 pool scales attention's output by its running amax, which a rollout's reset
+    keeps: the modes' frames are compared from zeroed statistics each time."""
+    import torch
+
+    from framekv.engine.cache import CausalKVCache
+
+    resets, real = [], CausalKVCache.reset_kv_stats
+
+    def spy(cache):
+        resets.append(bool(cache.quantized) and float(cache.kv_amax.max()) > 0)
+        real(cache)
+    monkeypatch.setattr(CausalKVCache, "reset_kv_stats", spy)
+    res = pixels.measure_pixels(decoders=("tiny",), config="tiny", device="cpu",
+                                latent_size=(8, 8), frames_per_chunk=2, window_frames=2,
+                                chunks=1, decode_iters=1, kv_dtype=torch.float8_e4m3fn,
+                                progress=lambda m: None)
+    assert res["kv_dtype"] == "float8_e4m3fn" and res["decoders"]["tiny"]["e2e"]["frames_equal"]
+    assert len(resets) == 2 and all(resets)      # each time over statistics already gathered
+
+
 def test_bad_decoders_are_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         pixels.main(["--decoders", "wan,taehv"])
