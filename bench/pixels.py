@@ -18,8 +18,9 @@ latent frames (4F video frames; a video's first chunk decodes 4F - 3).
                   overlapped   each chunk decoded on the lane's stream beside the next
                                chunk's transformer
                 time to the first frame (the prompt's text in, the first chunk's frames
-                on the host), video frames per second once the window is full and over
-                the whole run, whether both modes gave the same frames, the transformer
+                on the host), video frames per second once the window is full (the
+                last chunk left out: it comes out of the drain, with nothing to make
+                beside it) and over the whole run, whether both modes gave the same frames, the transformer
                 and the decode each alone per chunk (sequential, CUDA events), and how
                 much of the decode the overlap hid: 1 - (overlapped - pipelined) /
                 decode per steady chunk, where pipelined is the transformer alone in
@@ -174,6 +175,8 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
     from framekv.engine import WanRollout
     from framekv.engine.decode_lane import DecodeLane
 
+    if chunks < 2:
+        raise ValueError(f"chunks must be at least 2 (steady chunks timed), got {chunks}")
     F, dev = frames_per_chunk, dec.device
     fill = -(-(1 + window_frames) // F) + 1          # chunks until the window is full
     noises = _latents(fill + chunks, model.config.in_channels, F, latent_size, seed=1)
@@ -200,10 +203,11 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
         rollout.set_prompt(f"a red fox running through fresh snow at dawn, take {k}")
         lane = DecodeLane(dec, overlap=mode == "overlapped")
         done, frames[mode] = _roll(rollout, lane, noises, t0)
+        steady = _steady_s(done, fill)
         res["modes"][mode] = {"first_frame_s": done[0], "overlap": lane.overlap,
-                              "steady_fps": sum(counts[fill:]) / (done[-1] - done[fill - 1]),
+                              "steady_fps": sum(counts[fill:-1]) / steady,
                               "overall_fps": sum(counts) / done[-1], "video_frames": sum(counts),
-                              "steady_chunk_ms": (done[-1] - done[fill - 1]) / chunks * 1e3}
+                              "steady_chunk_ms": steady / (chunks - 1) * 1e3}
     # the prompts differ by run (the encoder caches what it encoded): compare the decodes
     # of one prompt's latents instead, both modes over the same rollout
     res["frames_equal"] = _modes_agree(rollout, dec, noises)
@@ -215,11 +219,18 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
     rollout.reset()
     rollout.set_prompt("a red fox running through fresh snow at dawn, take 0")
     done = _pipelined(rollout, noises, dev, time.perf_counter())
-    res["dit_pipelined_ms"] = (done[-1] - done[fill - 1]) / chunks * 1e3
+    res["dit_pipelined_ms"] = _steady_s(done, fill) / (chunks - 1) * 1e3
     lapped = res["modes"]["overlapped"]["steady_chunk_ms"]
     res["decode_hidden"] = 1 - (lapped - res["dit_pipelined_ms"]) / res["decode_ms"]["median"]
     rollout.close()
     return res
+
+
+def _steady_s(done: list[float], fill: int) -> float:
+    """Seconds the steady chunks fill .. n - 2 took to come out (``done``: each chunk's
+    time out). The last chunk is left out: it comes out of the loop's drain, with no
+    next chunk to make beside it, so it would make a rate that no stream keeps."""
+    return done[-2] - done[fill - 1]
 
 
 def _pipelined(rollout, noises, dev, t0: float) -> list[float]:
@@ -324,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-iters", type=int, default=10, help="decode chunks timed per variant")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
+    if args.chunks < 2:
+        p.error(f"--chunks must be at least 2 (steady chunks timed), got {args.chunks}")
     decoders = tuple(args.decoders.split(","))
     if not decoders or any(d not in DECODERS for d in decoders):
         p.error(f"--decoders must be a comma-separated list of {', '.join(DECODERS)}, "

@@ -1,6 +1,7 @@
 """`framekv.bench.pixels` on the CPU at the tiny config: every decoder decoded eager and
 "graphed" (eager on a CPU: equal), the whole path in both modes through `DecodeLane`
-(equal frames), the report's fields and table; a bad --decoders is refused. The GPU
+(equal frames), the report's fields and table, the steady window; a bad --decoders or
+--chunks is refused. The GPU
 numbers are the bench's to take on a GPU (docs/benchmarks.md)."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from framekv.bench import pixels  # noqa: E402
 
 def test_the_bench_runs_every_decoder_and_mode_at_the_tiny_config():
     res = pixels.measure_pixels(config="tiny", device="cpu", latent_size=(8, 8),
-                                frames_per_chunk=2, window_frames=2, chunks=1, decode_iters=1,
+                                frames_per_chunk=2, window_frames=2, chunks=2, decode_iters=1,
                                 progress=lambda m: None)
     assert res["gpu"] == "cpu" and set(res["decoders"]) == {"wan", "wan-modules", "tiny"}
     assert res["kv_dtype"] == "float32"                                  # the rollout's pool
@@ -48,7 +49,7 @@ def test_fp8_modes_start_from_the_same_pool_statistics(monkeypatch):
     monkeypatch.setattr(CausalKVCache, "reset_kv_stats", spy)
     res = pixels.measure_pixels(decoders=("tiny",), config="tiny", device="cpu",
                                 latent_size=(8, 8), frames_per_chunk=2, window_frames=2,
-                                chunks=1, decode_iters=1, kv_dtype=torch.float8_e4m3fn,
+                                chunks=2, decode_iters=1, kv_dtype=torch.float8_e4m3fn,
                                 progress=lambda m: None)
     assert res["kv_dtype"] == "float8_e4m3fn" and res["decoders"]["tiny"]["e2e"]["frames_equal"]
     assert len(resets) == 2 and all(resets)      # each time over statistics already gathered
@@ -58,3 +59,18 @@ def test_bad_decoders_are_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         pixels.main(["--decoders", "wan,taehv"])
     assert exc.value.code == 2 and "--decoders must be" in capsys.readouterr().err
+
+
+def test_the_steady_rate_leaves_out_the_drained_last_chunk():
+    # an overlapped loop: each chunk out 0.5 s after the last, the last one (the drain,
+    # nothing made beside it) 0.1 s after its predecessor; the window full from chunk 2
+    done = [0.4, 0.9, 1.4, 1.9, 2.4, 2.5]
+    assert pixels._steady_s(done, fill=2) == pytest.approx(1.5)          # chunks 2, 3, 4
+
+
+def test_fewer_than_two_steady_chunks_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        pixels.main(["--chunks", "1"])
+    assert exc.value.code == 2 and "--chunks must be at least 2" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="chunks must be at least 2 .*got 1"):
+        pixels.measure_e2e(None, None, None, chunks=1)

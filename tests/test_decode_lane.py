@@ -85,3 +85,22 @@ def test_overlapped_frames_equal_sequential_ones_on_cuda(kind):
     lapped.submit(torch.full_like(lats[0], float("nan")), rows=[0, 1])
     with pytest.raises(ValueError, match="finite"):
         lapped.take()
+
+
+@pytest.mark.gpu
+def test_on_cuda_submit_returns_while_the_callers_stream_still_runs():
+    """`submit` waits for nothing on the device: with the caller's stream asleep for a
+    second, it returns before that work is done (a host sync anywhere in the decode, a
+    pageable copy of its rows for one, would make it wait the second out)."""
+    lane = DecodeLane(tiny("cuda", sequences=2))
+    for z in chunks(2, batch=2, device="cuda"):          # both stages captured beforehand
+        lane.submit(z, rows=[1, 0])
+        lane.take()
+    z = chunks(1, batch=2, seed=1, device="cuda")[0]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)                     # about a second of GPU cycles
+    busy = torch.cuda.Event()
+    busy.record()
+    lane.submit(z, rows=[1, 0])
+    assert not busy.query(), "submit waited for the caller's stream"
+    assert lane.take().shape == (2, 4 * F, 8 * H, 8 * W, 3)

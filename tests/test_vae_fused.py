@@ -2,13 +2,15 @@
 the CPU in fp32, against diffusers' modules run frame by frame (`fused=False`): every
 split, row order and odd size, the 1.3B decoder's real widths (attention included) at a
 small size, states moved between the two programs, the arena's channels-last layout,
-and a program that must not write leaving every row as it was."""
+and a program that must not write leaving every row as it was; the causal convs with
+their time taps folded into the channels and without, and the upsample's phase conv."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from framekv.engine.wan import StreamingVAEDecoder, build_vae
+from framekv.engine.wan import vae_fused
 from framekv.engine.wan.vae_fused import FusedDecoder, fused_chunk_program
 from framekv.engine.wan.vae_graph import CacheLayout
 from test_vae import chunked, latents
@@ -23,11 +25,17 @@ def pair(vae, **kw):
     return StreamingVAEDecoder(vae, fused=True, **kw), StreamingVAEDecoder(vae, fused=False, **kw)
 
 
+@pytest.mark.parametrize("fold_below", [None, 0])
 @pytest.mark.parametrize("split,size", [((1, 2, 4), (5, 6)), ((3, 3, 1), (3, 7)), ((7,), (4, 4)),
                                         ((2, 1, 1, 3), (1, 2))])
-def test_fused_frames_equal_the_modules(vae, split, size):
+def test_fused_frames_equal_the_modules(vae, split, size, fold_below, monkeypatch):
+    # the tiny config's widths are all below FOLD_BELOW: every causal conv folded, or none
+    monkeypatch.setattr(vae_fused, "FOLD_BELOW", vae_fused.FOLD_BELOW if fold_below is None
+                        else fold_below)
     z = latents(11, B=2, size=size)
     fused, ref = pair(vae)
+    folded = [w[1].folded for kind, w in fused._program_weights.blocks if kind == "res"]
+    assert folded and all(f == (fold_below is None) for f in folded)
     got, want = chunked(fused, z, split, rows=[1, 0]), chunked(ref, z, split, rows=[1, 0])
     assert got.shape == want.shape == (2, 3, 25, 8 * size[0], 8 * size[1])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -42,7 +50,13 @@ def test_the_13b_decoder_with_its_attention_at_a_small_size():
     got, want = chunked(fused, z, (2, 2)), chunked(ref, z, (2, 2))
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
     layout = CacheLayout.probe(big, (2, 3), torch.device("cpu"))
-    assert FusedDecoder(big).entries == len(layout.shapes) == 32
+    program = FusedDecoder(big)
+    assert program.entries == len(layout.shapes) == 32
+    # the 96-channel convs run folded, the wider ones as 3-D convs
+    widths = {w[1].weight.shape[1] // (3 if w[1].folded else 1): w[1].folded
+              for kind, w in program.blocks if kind == "res"}
+    assert widths == {384: False, 192: False, 96: True}
+    assert program.conv_in.folded and program.conv_out.folded
     assert [s[0] for s in layout.shapes][:3] == [16, 384, 384]        # conv_in, mid block
 
 
@@ -94,3 +108,28 @@ def test_a_half_precision_vae_runs_the_modules_and_refuses_fused():
     with pytest.raises(ValueError, match="fused=True needs a bfloat16 or float32 vae, got "
                                          "torch.float16"):
         StreamingVAEDecoder(half, fused=True)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
+def test_the_phase_conv_is_the_upsample_then_the_conv(dtype, atol):
+    g = torch.Generator().manual_seed(3)
+    conv = torch.nn.Conv2d(6, 5, 3, padding=1).to(dtype)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g))
+    x = torch.randn(2, 6, 3, 7, generator=g).to(dtype)                # [N, C, H, W]
+    with torch.no_grad():
+        want = conv(torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest"))
+    phase = vae_fused._upsample_conv(conv)
+    assert phase.weight.shape == (20, 6, 2, 2) and phase.out == 5
+    p = torch.nn.functional.conv2d(x, phase.weight, phase.bias, padding=1)   # [N, 4C, H+1, W+1]
+    p = p.view(2, 2, 2, 5, 4, 8)                                      # [N, py, px, C, H+1, W+1]
+    for py in range(2):
+        for px in range(2):
+            got = p[:, py, px, :, py:py + 3, px:px + 7]
+            torch.testing.assert_close(got.float(), want[..., py::2, px::2].float(), rtol=0,
+                                       atol=atol * float(want.abs().max()))
+
+
+def test_an_upsample_conv_that_is_not_3x3_is_refused():
+    with pytest.raises(ValueError, match=r"expected a 3x3 kernel with padding 1, got kernel \[1, 1\]"):
+        vae_fused._upsample_conv(torch.nn.Conv2d(4, 4, 1))

@@ -24,9 +24,18 @@ What differs from running the diffusers modules, and why each is exact:
 * A residual block's first conv runs without its bias: the norm after it adds it
   (its output feeds nothing else), in fp32 before the norm, where the module adds it
   in a pass of its own and rounds.
-* The nearest 2x upsample runs in the activation's dtype (it copies values; the
-  module's fp32 round trip changes none), and the 3-channel output conv runs with
-  its channels zero-padded to 8 (cuDNN's channels-last kernels want multiples of 8).
+* A causal conv with fewer than `FOLD_BELOW` input channels runs as a 2-D conv over
+  its three time taps stacked on the channels: the input buffer is [B, T, H, W, 3, C]
+  (step s, tap k holds step s + k of ``[cache, x]``), filled by the norm once per tap,
+  and the weight [C_out, 3 C, 3, 3]. Same products, same sums; cuDNN's heuristics
+  pick a far slower kernel for a 3-D conv of 96 channels than for a 2-D one of 288.
+* A nearest 2x upsample and the 3x3 conv after it are one 2x2 conv of the small
+  input to four output phases ((row, column) parity: the 3x3 taps that land on the
+  same input pixel are summed into one, in fp32 before the weight's rounding), the
+  phases then interleaved by four strided copies: 16 instead of 36 products per input
+  pixel, and the 4x larger upsampled input is never written.
+* The 3-channel output conv runs with its channels zero-padded to 8 (cuDNN's
+  channels-last kernels want multiples of 8).
 
 Cache entries are those of `vae_graph.CacheLayout` in diffusers' order; the fused
 program keeps them as [B, 2, H, W, C] (`CacheArena(channels_last=True)` stores them so).
@@ -40,27 +49,56 @@ import torch.nn.functional as F
 
 from framekv.ops.rms_silu import rms_norm_silu
 
-__all__ = ["FusedDecoder", "fused_chunk_program"]
+__all__ = ["FusedDecoder", "fused_chunk_program", "FOLD_BELOW"]
+
+#: Causal convs with fewer input channels than this run with their time taps folded
+#: into the channels (module doc).
+FOLD_BELOW = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class _Conv:
-    weight: torch.Tensor          # [C_out, C_in, kt, kh, kw], channels last
+    weight: torch.Tensor          # [C_out, C_in, kt, kh, kw] or, folded, [C_out, 3 C_in, kh, kw]
     bias: torch.Tensor | None
-    pad: tuple[int, int, int]     # (0, ph, pw): time is padded by the cached steps
+    pad: tuple[int, ...]          # (0, ph, pw): time is padded by the cached steps; folded (ph, pw)
     out: int                      # output channels kept (the rest are padding)
+    folded: bool = False          # time taps stacked on the input channels (module doc)
 
 
-def _conv(m, pad_out_to: int = 1) -> _Conv:
+def _conv(m, pad_out_to: int = 1, fold_below: int = 0) -> _Conv:
     w, b = m.weight.detach(), None if m.bias is None else m.bias.detach()
     out = w.shape[0]
     extra = -out % pad_out_to
     if extra:
         w = torch.cat([w, w.new_zeros(extra, *w.shape[1:])])
         b = None if b is None else torch.cat([b, b.new_zeros(extra)])
-    fmt = torch.channels_last_3d if w.dim() == 5 else torch.channels_last
-    pad = tuple(m.padding) if w.dim() == 4 else (0, m._padding[2], m._padding[0])
-    return _Conv(w.contiguous(memory_format=fmt), b, pad, out)
+    if w.dim() == 4:
+        return _Conv(w.contiguous(memory_format=torch.channels_last), b, tuple(m.padding), out)
+    pad = (0, m._padding[2], m._padding[0])
+    if w.shape[2] == 3 and w.shape[1] < fold_below:
+        # [C_out, C_in, 3, kh, kw] -> [C_out, 3 C_in, kh, kw]: channel k C_in + c is tap k
+        w = w.transpose(1, 2).reshape(w.shape[0], -1, *w.shape[3:])
+        return _Conv(w.contiguous(memory_format=torch.channels_last), b, pad[1:], out, True)
+    return _Conv(w.contiguous(memory_format=torch.channels_last_3d), b, pad, out)
+
+
+# _PHASES[p]: how the 3 taps of a 3x3 conv after a nearest 2x upsample fall on the 2
+# taps (rows i - 1 + p, i + p) of the small input, for output rows of parity p.
+_PHASES = ((1.0, 0.0, 0.0), (0.0, 1.0, 1.0)), ((1.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+
+
+def _upsample_conv(m) -> _Conv:
+    """The 3x3 conv ``m`` after a nearest 2x upsample as a 2x2 conv to four phases:
+    weight [4 C_out, C_in, 2, 2], phase (py, px) in channels (2 py + px) C_out + c."""
+    w = m.weight.detach()                                     # [C_out, C_in, 3, 3]
+    if tuple(w.shape[2:]) != (3, 3) or tuple(m.padding) != (1, 1):
+        raise ValueError(f"upsample conv: expected a 3x3 kernel with padding 1, got kernel "
+                         f"{list(w.shape[2:])} and padding {list(m.padding)}")
+    a = torch.tensor(_PHASES, dtype=torch.float32, device=w.device)    # [p, 2, 3]
+    w4 = torch.einsum("pak,qbl,oikl->pqoiab", a, a, w.float()).to(w.dtype)
+    w4 = w4.reshape(-1, *w4.shape[3:]).contiguous(memory_format=torch.channels_last)
+    b = None if m.bias is None else m.bias.detach().repeat(4)
+    return _Conv(w4, b, (1, 1), w.shape[0])
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -77,12 +115,15 @@ def _last(y: torch.Tensor) -> torch.Tensor:
 class FusedDecoder:
     """The decoder's weights, channels last, and its forward over a pass of steps
     (module doc). Built from a Wan 2.1 ``AutoencoderKLWan`` (checked by its caller);
-    holds its own copies of the conv weights, shares the rest."""
+    holds its own copies of the conv weights, shares the rest. ``fold_below``: the
+    causal convs with fewer input channels run with their time taps folded (default
+    `FOLD_BELOW`; 0 folds none)."""
 
-    def __init__(self, vae):
+    def __init__(self, vae, *, fold_below: int | None = None):
         d = vae.decoder
         self.post_quant = vae.post_quant_conv
-        self.conv_in = _conv(d.conv_in)
+        self.fold_below = FOLD_BELOW if fold_below is None else fold_below
+        self.conv_in = self._causal_conv(d.conv_in)
         self.blocks: list = [("res", self._res_weights(d.mid_block.resnets[0]))]
         for attn, res in zip(d.mid_block.attentions, d.mid_block.resnets[1:]):
             self.blocks += [("attn", self._attn_weights(attn)), ("res", self._res_weights(res))]
@@ -90,24 +131,26 @@ class FusedDecoder:
             self.blocks += [("res", self._res_weights(r)) for r in up.resnets]
             if up.upsamplers is not None:
                 u = up.upsamplers[0]
-                time = _conv(u.time_conv) if u.mode == "upsample3d" else None
-                self.blocks.append(("up", (time, _conv(u.resample[1]))))
+                time = self._causal_conv(u.time_conv) if u.mode == "upsample3d" else None
+                self.blocks.append(("up", (time, _upsample_conv(u.resample[1]))))
         self.norm_out = d.norm_out.gamma.detach().reshape(-1)
-        self.conv_out = _conv(d.conv_out, pad_out_to=8)
+        self.conv_out = self._causal_conv(d.conv_out, pad_out_to=8)
         # cache entries in diffusers' order: conv_in, two per residual block, one per
         # time upsample, conv_out
         self.entries = 2 + sum(2 if kind == "res" else int(kind == "up" and w[0] is not None)
                                for kind, w in self.blocks)
 
-    @staticmethod
-    def _res_weights(r):
-        conv1, short = _conv(r.conv1), None
+    def _causal_conv(self, m, pad_out_to: int = 1) -> _Conv:
+        return _conv(m, pad_out_to, self.fold_below)
+
+    def _res_weights(self, r):
+        conv1, short = self._causal_conv(r.conv1), None
         if not isinstance(r.conv_shortcut, torch.nn.Identity):
             w = r.conv_shortcut.weight.detach()
             short = (w.reshape(w.shape[0], -1), r.conv_shortcut.bias.detach())
         # conv1 without its bias: norm2 adds it (module doc)
         return (r.norm1.gamma.detach().reshape(-1), dataclasses.replace(conv1, bias=None),
-                r.norm2.gamma.detach().reshape(-1), conv1.bias, _conv(r.conv2), short)
+                r.norm2.gamma.detach().reshape(-1), conv1.bias, self._causal_conv(r.conv2), short)
 
     @staticmethod
     def _attn_weights(a):
@@ -121,7 +164,7 @@ class FusedDecoder:
         (unclamped), T' = 4T, or 1 for a video's first frame alone (``first``, T = 1).
         ``caches``: per entry [B, 2, H, W, C], read, then overwritten with the next."""
         idx = iter(range(self.entries))
-        x = self._causal(self.conv_in, caches, next(idx), x.shape[1], lambda out: out.copy_(x))
+        x = self._causal(self.conv_in, caches, next(idx), _copy_into(x))
         for kind, w in self.blocks:
             if kind == "res":
                 x = self._res(w, x, caches, next(idx), next(idx))
@@ -129,16 +172,8 @@ class FusedDecoder:
                 x = self._attn(w, x)
             else:
                 x = self._up(w, x, caches, idx, first)
-        y = self._causal(self.conv_out, caches, next(idx), x.shape[1],
-                         self._norm_into(x, self.norm_out))
+        y = self._causal(self.conv_out, caches, next(idx), _norm_into(x, self.norm_out))
         return y[..., :self.conv_out.out]
-
-    @staticmethod
-    def _norm_into(x, gamma, bias=None):
-        """A one-shot fill of a causal conv's buffer with norm(x); x is let go once read
-        (a conv's output feeding only this norm is freed before the next conv runs)."""
-        held = [x]
-        return lambda out: rms_norm_silu(_rows(held.pop()), gamma, bias=bias, out=_rows(out))
 
     @staticmethod
     def _apply(conv: _Conv, x: torch.Tensor, residual=None) -> torch.Tensor:
@@ -146,26 +181,49 @@ class FusedDecoder:
         y = (F.conv3d if x.dim() == 5 else F.conv2d)(x, conv.weight, conv.bias, padding=conv.pad)
         return _last(y if residual is None else y.add_(residual))
 
-    def _causal(self, conv: _Conv, caches: list, i: int, steps: int, fill,
+    def _causal(self, conv: _Conv, caches: list, i: int, fill: "_Fill",
                 residual=None) -> torch.Tensor:
-        """The causal conv of cache entry i over [cache, input]: ``fill(dst)`` writes the
-        input's ``steps`` steps into the buffer after the two cached ones; ``residual``
-        [B, T, H, W, C_out] is added to the output."""
-        c = caches[i]                                         # [B, 2, H, W, C]
-        buf = c.new_empty(c.shape[0], 2 + steps, *c.shape[2:])
+        """The causal conv of cache entry i over [cache, input]: ``fill`` writes the
+        input's steps into the conv's buffer; ``residual`` [B, T, H, W, C_out] is added
+        to the output [B, T, H, W, C_out]."""
+        c, T = caches[i], fill.steps                          # [B, 2, H, W, C]
+        if conv.folded:
+            x = self._fold(c, fill)                           # [B, T, H, W, 3 C]
+            B, _, H, W, _ = x.shape
+            r = None if residual is None else residual.reshape(B * T, H, W, -1).movedim(-1, 1)
+            y = self._apply(conv, x.view(B * T, H, W, -1).movedim(-1, 1), r)
+            return y.view(B, T, *y.shape[1:])
+        buf = c.new_empty(c.shape[0], 2 + T, *c.shape[2:])
         buf[:, :2].copy_(c)
-        fill(buf[:, 2:])
+        fill(buf[:, 2:], T)
         c.copy_(buf[:, -2:])                                  # the next chunk's two steps
         return self._apply(conv, buf.movedim(-1, 1),          # [B, T, H, W, C_out]
                            None if residual is None else residual.movedim(-1, 1))
 
+    @staticmethod
+    def _fold(c: torch.Tensor, fill: "_Fill") -> torch.Tensor:
+        """The folded conv's input: step s, tap k holds step s + k of [c0, c1, x0, ..];
+        the cache c [B, 2, H, W, C] becomes that sequence's last two steps."""
+        T = fill.steps
+        buf = c.new_empty(c.shape[0], T, *c.shape[2:4], 3, c.shape[4])
+        tap = [buf[..., k, :] for k in range(3)]              # [B, T, H, W, C] each
+        tap[0][:, :2].copy_(c[:, :min(2, T)])
+        tap[1][:, :1].copy_(c[:, 1:])
+        for k in range(3):                                    # tap 2 (all T steps) last
+            if T - 2 + k > 0:
+                fill(tap[k][:, 2 - k:], T - 2 + k)
+        if T == 1:
+            c[:, :1].copy_(c[:, 1:])
+        c[:, 2 - min(2, T):].copy_(tap[2][:, -min(2, T):])
+        return buf.view(*buf.shape[:4], -1)
+
     def _res(self, w, x, caches, i1, i2):
         gamma1, conv1, gamma2, bias1, conv2, short = w
         h = x if short is None else F.linear(x, *short)      # [B, T, H, W, C_out]
-        T = x.shape[1]
-        norm2 = self._norm_into(self._causal(conv1, caches, i1, T, self._norm_into(x, gamma1)),
-                                gamma2, bias1)           # holds conv1's output, alone
-        return self._causal(conv2, caches, i2, T, norm2, residual=h)
+        # conv1's output is held by norm2's fill alone: freed once that fill has read it
+        norm2 = _norm_into(self._causal(conv1, caches, i1, _norm_into(x, gamma1)), gamma2, bias1,
+                           release=True)
+        return self._causal(conv2, caches, i2, norm2, residual=h)
 
     @staticmethod
     def _attn(w, x):
@@ -182,14 +240,42 @@ class FusedDecoder:
         if time is not None:
             i = next(idx)
             if not first:      # a video's first frame skips the time conv (its cache stays 0)
-                y = self._causal(time, caches, i, T, lambda out: out.copy_(x))
+                y = self._causal(time, caches, i, _copy_into(x))
                 # channels [2, C]: sub-step s of step t becomes step 2t + s
                 x = y.view(B, T, H, W, 2, C).permute(0, 1, 4, 2, 3, 5).contiguous()
                 T *= 2
-        f = x.view(B * T, H, W, C).movedim(-1, 1)                         # [BT, C, H, W]
-        f = F.interpolate(f, scale_factor=2.0, mode="nearest")
-        f = self._apply(spatial, f)
-        return f.view(B, T, 2 * H, 2 * W, f.shape[-1])
+        p = self._apply(spatial, x.view(B * T, H, W, C).movedim(-1, 1))  # [BT, H+1, W+1, 4 Co]
+        p = p.view(B * T, H + 1, W + 1, 2, 2, spatial.out)
+        out = p.new_empty(B * T, H, 2, W, 2, spatial.out)
+        for py in range(2):                  # phase (py, px) of pixel (i, j) is p[i + py, j + px]
+            for px in range(2):
+                out[:, :, py, :, px].copy_(p[:, py:py + H, px:px + W, py, px])
+        return out.view(B, T, 2 * H, 2 * W, spatial.out)
+
+
+class _Fill:
+    """Writes a causal conv's input: ``fill(out, n)`` puts the input's first n steps into
+    out [B, n, H, W, C]; ``steps`` is the input's step count. With ``release`` the input is
+    let go by the call that writes all its steps (a conv's output feeding only this norm
+    is then freed before the next conv runs); that call must be the last."""
+
+    def __init__(self, x: torch.Tensor, write, release: bool = False):
+        self.steps, self._x, self._write, self._release = x.shape[1], x, write, release
+
+    def __call__(self, out: torch.Tensor, n: int) -> None:
+        x = self._x
+        if self._release and n == self.steps:
+            self._x = None
+        self._write(x[:, :n], out)
+
+
+def _copy_into(x: torch.Tensor) -> _Fill:
+    return _Fill(x, lambda src, out: out.copy_(src))
+
+
+def _norm_into(x: torch.Tensor, gamma, bias=None, release: bool = False) -> _Fill:
+    return _Fill(x, lambda src, out: rms_norm_silu(_rows(src), gamma, bias=bias, out=_rows(out)),
+                 release)
 
 
 def fused_chunk_program(fused: FusedDecoder, arena, *, first: bool, mean: torch.Tensor,

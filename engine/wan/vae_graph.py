@@ -13,10 +13,10 @@ first-frame forms are the steady two-step form with zeros in front, exactly:
 * ``"Rep"`` runs the time conv zero-padded and caches ``[0, x]``: what a cache of
   zeros gives.
 
-So after a video's first frame every entry is widened to two steps (`to_steady`),
-and every later frame of every sequence runs one shape. The arena holds, per used
-entry, ``[S, C_l, 2, H_l, W_l]`` for S sequences (shapes from an eager dry run,
-`CacheLayout.probe`), and a chunk is one program over static inputs (`chunk_program`):
+So after a video's first frame every entry is widened to two steps (`to_steady`), and
+every later frame of every sequence runs one shape. The arena holds, per used entry,
+``[S, C_l, 2, H_l, W_l]`` for S sequences (shapes from an eager dry run, `CacheLayout.
+probe`), and a chunk is one program over static inputs (`chunk_program`):
 
     cache = [None] * n (first chunk) | [arena_l[rows] for l]      # gather
     x = post_quant_conv(latents / inv_std + mean)                  # WanPipeline's denorm
@@ -25,8 +25,7 @@ entry, ``[S, C_l, 2, H_l, W_l]`` for S sequences (shapes from an eager dry run,
     return clamp(cat(frames), -1, 1)
 
 Graph keys (`DecoderRows._key`) hold the batch, the frames and the stage ("first": the
-chunk starts the rows' videos; "steady": every row continues one).
-"""
+chunk starts the rows' videos; "steady": every row continues one)."""
 from __future__ import annotations
 
 import dataclasses
@@ -132,8 +131,7 @@ class CacheArena:
         return 0 if self._arena.closed else self._arena.mapped_bytes
 
     def gather(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Copies of rows ``rows`` [B] int64 of every entry, as stored: each
-        [B, C_l, 2, H_l, W_l], or [B, 2, H_l, W_l, C_l] when ``channels_last``."""
+        """Rows ``rows`` [B] int64 of each entry, copied, as stored (channels last or not)."""
         return [t.index_select(0, rows) for t in self.rows_last or self.tensors]
 
     def scatter(self, rows: torch.Tensor, cache: list) -> None:
@@ -207,8 +205,10 @@ class DecoderRows:
         rows = self._check_rows(range(B) if rows is None else rows, B, S)
         self._ensure(S, (H, W))
         stage = self._stage(rows)
+        # pinned, not waited for: a pageable copy would wait for all the stream's work
+        index = torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         inputs = {"latents": latents.to(self.dtype).contiguous(),  # [B, C, F, H, W]
-                  "rows": torch.tensor(rows, dtype=torch.int64, device=self.device)}
+                  "rows": index.to(self.device, non_blocking=True)}
         if self.use_graphs:
             out = self._graphs.run(self._key(stage, inputs), self._program(stage), inputs,
                                    warmup_fn=self._program(stage, write=False)).clone()
