@@ -5,8 +5,9 @@ All weights random, in bf16 as ``torch_dtype`` would load them: the 1.3B transfo
 umt5-xxl's encoder (built-in byte tokenizer) and the decoders: ``wan`` (the Wan 2.1
 VAE, `StreamingVAEDecoder`'s fused channels-last program), ``wan-modules`` (the same
 VAE through diffusers' modules frame by frame, ``fused=False``: the baseline) and
-``tiny`` (`TinyStreamingDecoder` of the TAEHV ``taew2_1`` layout). Latent H x W (default 60 x 104: 480 x 832 video), chunks of F
-latent frames (4F video frames; a video's first chunk decodes 4F - 3).
+``tiny`` (`TinyStreamingDecoder` of the TAEHV ``taew2_1`` layout). Latent H x W
+(default 60 x 104: 480 x 832 video), chunks of F latent frames (4F video frames; a
+video's first chunk decodes 4F - 3).
 
     decode      per decoder, eager against graphed: ms per chunk after the first (CUDA
                 events, the two in turn, rotated), the first chunk, and the largest
@@ -20,8 +21,9 @@ latent frames (4F video frames; a video's first chunk decodes 4F - 3).
                 time to the first frame (the prompt's text in, the first chunk's frames
                 on the host), video frames per second once the window is full (the
                 last chunk left out: it comes out of the drain, with nothing to make
-                beside it) and over the whole run, whether both modes gave the same frames, the transformer
-                and the decode each alone per chunk (sequential, CUDA events), and how
+                beside it) and over the whole run, whether both modes gave the same
+                frames, the transformer and the decode each alone per chunk
+                (sequential, CUDA events), and how
                 much of the decode the overlap hid: 1 - (overlapped - pipelined) /
                 decode per steady chunk, where pipelined is the transformer alone in
                 the overlapped loop's rhythm (a chunk waited for once the next is

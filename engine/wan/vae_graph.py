@@ -13,10 +13,10 @@ first-frame forms are the steady two-step form with zeros in front, exactly:
 * ``"Rep"`` runs the time conv zero-padded and caches ``[0, x]``: what a cache of
   zeros gives.
 
-So after a video's first frame every entry is widened to two steps (`to_steady`), and
-every later frame of every sequence runs one shape. The arena holds, per used entry,
-``[S, C_l, 2, H_l, W_l]`` for S sequences (shapes from an eager dry run, `CacheLayout.
-probe`), and a chunk is one program over static inputs (`chunk_program`):
+So after a video's first frame every entry is widened to two steps (`to_steady`),
+and every later frame of every sequence runs one shape. The arena holds, per used
+entry, ``[S, C_l, 2, H_l, W_l]`` for S sequences (shapes from an eager dry run,
+`CacheLayout.probe`), and a chunk is one program over static inputs (`chunk_program`):
 
     cache = [None] * n (first chunk) | [arena_l[rows] for l]      # gather
     x = post_quant_conv(latents / inv_std + mean)                  # WanPipeline's denorm
