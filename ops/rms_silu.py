@@ -18,7 +18,9 @@ here it costs no pass of its own.
 
 Rows are (b, m) with out[b] free to be a slice of a larger buffer (a causal conv's
 input after its cached steps): only the last dimension must be contiguous. Tensors
-are bf16 or fp32, each its own.
+are bf16 or fp32, each its own. ``out`` may be up to `MAX_OUTS` tensors [B, M_i, N],
+M_i <= M, each given the first M_i rows of the result: the time taps of a folded
+causal conv's input are the same steps at three offsets, written from one read of x.
 
 Kernel: a segment of g lanes per row (g a power of two <= 32, the smallest with
 g * 12 >= N), each lane holding k groups of four values (k = ceil(N / 4g), at most
@@ -50,12 +52,13 @@ from ._reduce import WARP, segment_total
 from framekv.specs.checks import (check_disjoint, check_last_dim_contiguous, check_no_overlap,
                                  check_tensor)
 
-__all__ = ["rms_norm_silu", "rms_norm_silu_reference", "MAX_N"]
+__all__ = ["rms_norm_silu", "rms_norm_silu_reference", "MAX_N", "MAX_OUTS"]
 
 _SILU, _VEC, _BIAS = 1, 2, 4
 _GROUPS_MAX = 8            # groups of four a lane holds: 32 registers of values
 MAX_N = 4 * WARP * _GROUPS_MAX
 _BLOCK = 8 if SIMULATOR else 256   # threads per block (the simulator: one thread each)
+MAX_OUTS = 3               # a folded causal conv's three time taps
 
 
 def _segment(n: int) -> tuple[int, int]:
@@ -67,15 +70,29 @@ def _segment(n: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(flags: int, n: int, g: int, k: int, nt: int) -> Kernel:
-    """The kernel for one row width (n, g, k and the flags compiled in as constants)."""
+def _kernel(flags: int, n: int, g: int, k: int, nt: int, outs: int) -> Kernel:
+    """The kernel for one row width (n, g, k, the flags and the output count compiled in
+    as constants)."""
     vals, vec, act = 4 * k, (flags & _VEC) != 0, (flags & _SILU) != 0
     biased = (flags & _BIAS) != 0
 
+    @cuda.jit(device=True)
+    def _put(out, b, m, j, y):
+        # four values y at row (b, m), columns j ..: rows past out's M_i are not its own
+        if m < out.shape[1]:
+            outr = out[_u64(b), _u64(m)]
+            if vec:
+                if j < n:
+                    store_f32x4(outr, (j,), y)
+            else:
+                for i in range(4):
+                    if j + i < n:
+                        store_f32(outr, (j + i,), y[i])
+
     @cuda.jit
-    def _rms_silu_kernel(x, out, gamma, bias, scale_bits, eps_bits, inv_m):
-        # x, out: [B, M, N] float bits; gamma, bias: [N] (bias unread unless biased);
-        # one row per segment of g lanes.
+    def _rms_silu_kernel(x, out0, out1, out2, gamma, bias, scale_bits, eps_bits, inv_m):
+        # x: [B, M, N], out_i: [B, M_i, N] float bits (out1, out2 unread past ``outs``);
+        # gamma, bias: [N] (bias unread unless biased); one row per segment of g lanes.
         part = cuda.shared.array(_BLOCK if _BLOCK > WARP else WARP, _f32)  # simulator sums
         v = cuda.local.array(vals, _f32)
         t = cuda.threadIdx.x
@@ -85,7 +102,8 @@ def _kernel(flags: int, n: int, g: int, k: int, nt: int) -> Kernel:
         live = row < x.shape[0] * M
         r = row if live else 0
         b = quotient(r, inv_m)
-        xr = x[_u64(b), _u64(r - b * M)]
+        m = r - b * M
+        xr = x[_u64(b), _u64(m)]
         acc = _f32(0)
         for q in range(k):
             j = 4 * (lane + g * q)
@@ -107,7 +125,6 @@ def _kernel(flags: int, n: int, g: int, k: int, nt: int) -> Kernel:
         norm = _f32(math.sqrt(total))
         mul = bits_f32(scale_bits) / (norm if norm > eps else eps)
         if live:
-            outr = out[_u64(b), _u64(r - b * M)]
             for q in range(k):
                 j = 4 * (lane + g * q)
                 for i in range(4):
@@ -117,14 +134,12 @@ def _kernel(flags: int, n: int, g: int, k: int, nt: int) -> Kernel:
                     if act:
                         y = y / (_f32(1) + _f32(math.exp(-y)))
                     v[4 * q + i] = y
-                if vec:
-                    if j < n:
-                        store_f32x4(outr, (j,), (v[4 * q], v[4 * q + 1], v[4 * q + 2],
-                                                 v[4 * q + 3]))
-                else:
-                    for i in range(4):
-                        if j + i < n:
-                            store_f32(outr, (j + i,), v[4 * q + i])
+                y4 = (v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3])
+                _put(out0, b, m, j, y4)
+                if outs > 1:
+                    _put(out1, b, m, j, y4)
+                if outs > 2:
+                    _put(out2, b, m, j, y4)
 
     return Kernel(_rms_silu_kernel)
 
@@ -142,8 +157,13 @@ def rms_norm_silu_reference(x, gamma, *, bias=None, scale=None, silu=True, eps=1
         y = F.silu(y)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out.copy_(y)
+    for o in _as_tuple(out):
+        o.copy_(y[:, :o.shape[1]])
     return out
+
+
+def _as_tuple(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 # --------------------------------------------------------------------------- op
@@ -153,31 +173,34 @@ def _f32_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
-def _execute(x, gamma, bias, out, scale: float, silu: bool, eps: float) -> None:
+def _execute(x, gamma, bias, outs, scale: float, silu: bool, eps: float) -> None:
     if x.numel() == 0:
         return
     if not use_kernel(x):
-        rms_norm_silu_reference(x, gamma, bias=bias, scale=scale, silu=silu, eps=eps, out=out)
+        rms_norm_silu_reference(x, gamma, bias=bias, scale=scale, silu=silu, eps=eps, out=outs)
         return
     B, M, N = x.shape
     g, k = _segment(N)
     nt = max(g, _BLOCK)
-    vec = all(vector_aligned(t) for t in (x, out, gamma))
+    vec = all(vector_aligned(t) for t in (x, gamma, *outs))
     flags = (_SILU if silu else 0) | (_VEC if vec else 0) | (0 if bias is None else _BIAS)
-    args = [array_arg(x), array_arg(out), array_arg(gamma),
+    padded = [*outs, *[outs[0]] * (MAX_OUTS - len(outs))]    # never written past len(outs)
+    args = [array_arg(x), *[array_arg(o) for o in padded], array_arg(gamma),
             array_arg(gamma if bias is None else bias), int_arg(_f32_bits(scale)),
             int_arg(_f32_bits(eps)), int_arg(reciprocal_bits(M))]
-    _kernel(flags, N, g, k, nt).launch(-(-B * M // (nt // g)), nt, args, x.device)
+    _kernel(flags, N, g, k, nt, len(outs)).launch(-(-B * M // (nt // g)), nt, args, x.device)
 
 
-@torch.library.custom_op("framekv::rms_norm_silu", mutates_args=("out",))
+@torch.library.custom_op("framekv::rms_norm_silu", mutates_args=("out0", "out1", "out2"))
 def _rms_norm_silu_op(x: torch.Tensor, gamma: torch.Tensor, bias: Optional[torch.Tensor],
-                      out: torch.Tensor, scale: float, silu: bool, eps: float) -> None:
-    _execute(x, gamma, bias, out, scale, silu, eps)
+                      out0: torch.Tensor, out1: Optional[torch.Tensor],
+                      out2: Optional[torch.Tensor], scale: float, silu: bool, eps: float) -> None:
+    outs = tuple(o for o in (out0, out1, out2) if o is not None)
+    _execute(x, gamma, bias, outs, scale, silu, eps)
 
 
 @_rms_norm_silu_op.register_fake
-def _(x, gamma, bias, out, scale, silu, eps) -> None:
+def _(x, gamma, bias, out0, out1, out2, scale, silu, eps) -> None:
     return None
 
 
@@ -192,7 +215,7 @@ def _check_channels(name: str, t, x) -> None:
     check_last_dim_contiguous(name, t)
 
 
-def _check(x, gamma, bias, out) -> None:
+def _check(x, gamma, bias) -> None:
     check_tensor("x", x, ndims=(3,), layout="[B, M, N]")
     check_float_dtype("x", x)
     check_last_dim_contiguous("x", x)
@@ -203,22 +226,49 @@ def _check(x, gamma, bias, out) -> None:
     _check_channels("gamma", gamma, x)
     if bias is not None:
         _check_channels("bias", bias, x)
-    if out is None:
-        return
-    check_tensor("out", out, ndims=(3,), layout="[B, M, N]")
-    check_float_dtype("out", out)
-    if out.shape != x.shape or out.device != x.device:
-        raise ValueError(f"out: expected shape {list(x.shape)} on {x.device} (those of x), "
-                         f"got {list(out.shape)} on {out.device}")
-    check_last_dim_contiguous("out", out)
-    check_no_overlap("out", out)
-    check_disjoint("out", out, [("x", x), ("gamma", gamma)]
-                   + ([] if bias is None else [("bias", bias)]))
+
+
+def _check_outs(outs: tuple, x, gamma, bias) -> None:
+    """Each out [B, M_i, N], 1 <= M_i <= M, on x's device; none overlapping x, gamma,
+    bias or another out."""
+    if not 1 <= len(outs) <= MAX_OUTS:
+        raise ValueError(f"out: expected a tensor or 1 to {MAX_OUTS} tensors, got {len(outs)}")
+    B, M, N = x.shape
+    inputs = [("x", x), ("gamma", gamma)] + ([] if bias is None else [("bias", bias)])
+    for i, o in enumerate(outs):
+        name = "out" if len(outs) == 1 else f"out[{i}]"
+        check_tensor(name, o, ndims=(3,), layout="[B, M_i, N]")
+        check_float_dtype(name, o)
+        if (o.shape[0], o.shape[2]) != (B, N) or not 1 <= o.shape[1] <= M or o.device != x.device:
+            raise ValueError(f"{name}: expected [{B}, M_i, {N}] with 1 <= M_i <= {M} on "
+                             f"{x.device} (B, M, N and device of x), got {list(o.shape)} on "
+                             f"{o.device}")
+        check_last_dim_contiguous(name, o)
+        check_no_overlap(name, o)
+        check_disjoint(name, o, inputs + [(f"out[{j}]", p) for j, p in enumerate(outs[:i])
+                                          if not _rows_interleaved(o, p)])
+
+
+def _rows_interleaved(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b (same dtype, row stride s1, batch strides multiples of s1) hold
+    rows of N values at offsets that never meet: their starts are N to s1 - N elements
+    apart past a multiple of s1, as the time taps of one [B, T, H, W, 3, C] buffer are.
+    (A dimension of size 1 has no stride that matters.)"""
+    N, size = a.shape[2], a.element_size()
+    long = a if a.shape[1] > 1 else b
+    s1 = long.stride(1)
+    if a.dtype != b.dtype or long.shape[1] < 2 or (b.data_ptr() - a.data_ptr()) % size:
+        return False
+    for t in (a, b):
+        if (t.shape[1] > 1 and t.stride(1) != s1) or (t.shape[0] > 1 and t.stride(0) % s1):
+            return False
+    d = (b.data_ptr() - a.data_ptr()) // size % s1
+    return N <= d <= s1 - N
 
 
 def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                   scale: Optional[float] = None, silu: bool = True, eps: float = 1e-12,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  out=None):
     """RMS norm of ``x + bias`` over the last dimension, times ``scale`` and ``gamma``,
     then SiLU when ``silu``; returns ``out`` (module doc).
 
@@ -229,13 +279,16 @@ def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, *, bias: Optional[torch.
         scale: a finite number (default sqrt(N), as ``WanRMS_norm``).
         silu: apply SiLU after the norm.
         eps: the norm's floor (``F.normalize``'s), a finite number >= 0.
-        out: None (a new contiguous tensor like x) or [B, M, N] bf16/fp32, N contiguous,
-            not overlapping x, gamma or bias.
+        out: None (a new contiguous tensor like x), a tensor [B, M, N], or a tuple of 1
+            to `MAX_OUTS` tensors [B, M_i, N] with 1 <= M_i <= M, each given the result's
+            first M_i rows; bf16/fp32, N contiguous, none overlapping x, gamma, bias or
+            another.
 
     Raises ValueError naming the bad argument before anything is written. One kernel on
-    torch's current stream for CUDA tensors; the torch reference on CPU.
+    torch's current stream for CUDA tensors (one read of x, whatever the outputs); the
+    torch reference on CPU.
     """
-    _check(x, gamma, bias, out)
+    _check(x, gamma, bias)
     scale = math.sqrt(x.shape[2]) if scale is None else scale
     for name, v, low in (("scale", scale, -math.inf), ("eps", eps, 0.0)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v < math.inf:
@@ -245,5 +298,11 @@ def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, *, bias: Optional[torch.
         raise ValueError(f"silu: expected True or False, got {silu!r}")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _rms_norm_silu_op(x, gamma, bias, out, float(scale), silu, float(eps))
+    outs = _as_tuple(out)
+    if isinstance(out, torch.Tensor) and out.shape != x.shape:
+        raise ValueError(f"out: expected shape {list(x.shape)} on {x.device} (those of x), "
+                         f"got {list(out.shape)} on {out.device}")
+    _check_outs(outs, x, gamma, bias)
+    _rms_norm_silu_op(x, gamma, bias, *outs, *[None] * (MAX_OUTS - len(outs)), float(scale),
+                      silu, float(eps))
     return out

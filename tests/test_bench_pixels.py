@@ -30,6 +30,7 @@ def test_the_bench_runs_every_decoder_and_mode_at_the_tiny_config():
             assert m["steady_fps"] > 0 and m["overall_fps"] > 0
         assert e["dit_ms"]["median"] > 0 and e["decode_ms"]["median"] > 0
         assert e["dit_pipelined_ms"] > 0 and "decode_hidden" in e
+        assert e["dit_bound_fps"] == pytest.approx(8 / e["dit_pipelined_ms"] * 1e3)
     table = pixels.format_pixels(res)
     assert "prompt to pixels on cpu: 64x64 video" in table and "tiny decoder" in table
 

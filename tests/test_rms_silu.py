@@ -42,6 +42,20 @@ def test_writes_rows_into_a_slice_of_a_buffer_and_nothing_else():
     assert bool((buf[:, :2] == 7.0).all())
 
 
+def test_taps_of_a_folded_conv_buffer_from_one_call():
+    # buf [B, T, R, 3, N]: tap k of step s holds step s + k of [c0, c1, x0 .. x_{T-1}],
+    # so x's first T - 2 + k steps go to tap k from step 2 - k on
+    B, T, R, N = 2, 4, 3, 16
+    x, gamma = stamped(B, T * R, N, seed=3)
+    buf = torch.full((B, T, R, 3, N), 7.0)
+    outs = tuple(buf[:, 2 - k:, :, k].view(B, -1, N) for k in range(3))
+    assert rms_norm_silu(x, gamma, out=outs) is outs
+    want = rms_norm_silu_reference(x, gamma).view(B, T, R, N)
+    for k in range(3):
+        torch.testing.assert_close(buf[:, 2 - k:, :, k], want[:, :T - 2 + k])
+        assert bool((buf[:, :2 - k, :, k] == 7.0).all())
+
+
 def test_scale_eps_and_zero_rows():
     x, gamma = stamped(1, 4, 8)
     x[0, 1] = 0                                                # a zero row: eps floors the norm
@@ -88,6 +102,10 @@ def test_errors_name_the_argument_and_write_nothing():
         (dict(scale=float("inf")), "scale: expected a finite number"),
         (dict(eps=-1.0), "eps: expected a finite number >= 0"),
         (dict(silu=1), "silu: expected True or False"),
+        (dict(out=(out[:, :2], out[:, 1:3])), r"out\[1\]: expected memory apart from out\[0\]"),
+        (dict(out=(torch.zeros(1, 5, 8),)), r"out: expected \[1, M_i, 8\] with 1 <= M_i <= 4"),
+        (dict(out=(out[:, :1],) * 4), "out: expected a tensor or 1 to 3 tensors, got 4"),
+        (dict(out=(out[:, :2], x)), r"out\[1\]: expected memory apart from x"),
     ]
     for kw, match in cases:
         args = dict(x=x, gamma=gamma, out=out) | kw

@@ -51,3 +51,18 @@ def test_rows_in_a_buffer_slice_and_a_graph_replay():
     x.copy_(stamped(2, 4096, 96, dtype=torch.bfloat16, seed=5, device="cuda")[0])
     graph.replay()
     assert torch.equal(buf[:, 2:], rms_norm_silu(x, gamma))
+
+
+def test_three_taps_of_a_folded_conv_buffer_equal_one_output():
+    # [B, T, R, 3, N]: tap k gets x's first T - 2 + k steps from step 2 - k on (the Wan
+    # VAE's last stage: 96 channels, 12 steps)
+    B, T, R, N = 1, 12, 4160, 96
+    x, gamma = stamped(B, T * R, N, dtype=torch.bfloat16, device="cuda")
+    bias = torch.linspace(-2, 2, N, device="cuda")
+    buf = torch.zeros(B, T, R, 3, N, dtype=torch.bfloat16, device="cuda")
+    outs = tuple(buf[:, 2 - k:, :, k].view(B, -1, N) for k in range(3))
+    rms_norm_silu(x, gamma, bias=bias, out=outs)
+    want = rms_norm_silu(x, gamma, bias=bias).view(B, T, R, N)
+    for k in range(3):
+        assert torch.equal(buf[:, 2 - k:, :, k], want[:, :T - 2 + k])
+        assert bool((buf[:, :2 - k, :, k] == 0).all())

@@ -53,3 +53,20 @@ def test_bf16_rows_in_a_buffer_slice():
 def test_segments():
     assert _segment(96) == (8, 3) and _segment(192) == (16, 3) and _segment(384) == (32, 3)
     assert _segment(8) == (1, 2) and _segment(1024) == (32, 8)
+
+
+@pytest.mark.parametrize("N,dtype", [(24, torch.bfloat16), (7, torch.float32)])
+def test_three_taps_from_one_read(N, dtype):
+    # the time taps of a folded conv's input (test_rms_silu's buffer), the vector path
+    # (N = 24) and the scalar one (N = 7), rows past each tap's M_i left alone
+    B, T, R = 2, 3, 5
+    x, gamma = stamped(B, T * R, N, dtype=dtype, seed=4)
+    bias = torch.linspace(-1, 1, N, dtype=dtype)
+    buf = torch.full((B, T, R, 3, N), 9.0, dtype=dtype)
+    outs = tuple(buf[:, 2 - k:, :, k].view(B, -1, N) for k in range(3))
+    rms_norm_silu(x, gamma, bias=bias, out=outs)
+    want = rms_norm_silu_reference(x, gamma, bias=bias).view(B, T, R, N)
+    for k in range(3):
+        torch.testing.assert_close(buf[:, 2 - k:, :, k].float(), want[:, :T - 2 + k].float(),
+                                   rtol=2 ** -7, atol=1e-6)
+        assert bool((buf[:, :2 - k, :, k] == 9.0).all())

@@ -6,6 +6,8 @@ and a program that must not write leaving every row as it was; the causal convs 
 their time taps folded into the channels and without, and the upsample's phase conv."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -16,9 +18,20 @@ from framekv.engine.wan.vae_graph import CacheLayout
 from test_vae import chunked, latents
 
 
+def shuffled_gammas(vae, seed: int):
+    """The norms' gammas drawn in [0.5, 1.5] (they start as ones): a bias added after the
+    gamma instead of before it, or a gamma of the wrong norm, then shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if name.endswith("gamma"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+    return vae
+
+
 @pytest.fixture(scope="module")
 def vae():
-    return build_vae("tiny", seed=7)
+    return shuffled_gammas(build_vae("tiny", seed=7), 8)
 
 
 def pair(vae, **kw):
@@ -34,7 +47,7 @@ def test_fused_frames_equal_the_modules(vae, split, size, fold_below, monkeypatc
                         else fold_below)
     z = latents(11, B=2, size=size)
     fused, ref = pair(vae)
-    folded = [w[1].folded for kind, w in fused._program_weights.blocks if kind == "res"]
+    folded = [w.conv1.folded for kind, w in fused._program_weights.blocks if kind == "res"]
     assert folded and all(f == (fold_below is None) for f in folded)
     got, want = chunked(fused, z, split, rows=[1, 0]), chunked(ref, z, split, rows=[1, 0])
     assert got.shape == want.shape == (2, 3, 25, 8 * size[0], 8 * size[1])
@@ -53,11 +66,50 @@ def test_the_13b_decoder_with_its_attention_at_a_small_size():
     program = FusedDecoder(big)
     assert program.entries == len(layout.shapes) == 32
     # the 96-channel convs run folded, the wider ones as 3-D convs
-    widths = {w[1].weight.shape[1] // (3 if w[1].folded else 1): w[1].folded
+    widths = {w.conv1.weight.shape[1] // (3 if w.conv1.folded else 1): w.conv1.folded
               for kind, w in program.blocks if kind == "res"}
     assert widths == {384: False, 192: False, 96: True}
     assert program.conv_in.folded and program.conv_out.folded
     assert [s[0] for s in layout.shapes][:3] == [16, 384, 384]        # conv_in, mid block
+
+
+@pytest.mark.parametrize("fold_below", [None, 0])
+def test_a_residual_block_adds_the_bias_pending_on_its_input(vae, fold_below):
+    # Wan's shortcut blocks follow an upsample (nothing pending): this one gets a pending
+    # bias, which its norm1 and its shortcut's bias must take in
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
+
+    torch.manual_seed(4)
+    block = shuffled_gammas(WanResidualBlock(6, 10).eval().requires_grad_(False), 5)
+    program = FusedDecoder(vae, fold_below=fold_below)
+    g = torch.Generator().manual_seed(6)
+    pending = torch.randn(6, generator=g)
+    w = program._res_weights(block, pending)
+    assert w.short is not None and w.conv1.folded == (fold_below is None)
+    x = torch.randn(2, 3, 4, 5, 6, generator=g)                       # [B, T, H, W, C]
+    caches = [torch.zeros(2, 2, 4, 5, c) for c in (6, 10)]           # a video's start
+    got = program._res(w, x, caches, 0, 1)      # conv2 bias in the shortcut: none pending
+    with torch.no_grad():
+        want = block((x + pending).movedim(-1, 1)).movedim(1, -1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_first_conv_output_is_freed_once_its_norm_has_read_it(vae, monkeypatch):
+    # the residual block's peak: conv1's output must not live on beside conv2's input
+    freed = []
+    call = vae_fused._Fill.__call__
+
+    def watched(fill, outs, counts):
+        ref = weakref.ref(fill._x) if fill._release else None
+        call(fill, outs, counts)
+        if ref is not None:
+            freed.append(ref() is None)
+
+    monkeypatch.setattr(vae_fused._Fill, "__call__", watched)
+    dec = StreamingVAEDecoder(vae)
+    dec.decode(latents(16, F=3))               # two passes: the first frame, then the rest
+    blocks = sum(kind == "res" for kind, _ in dec._program_weights.blocks)
+    assert len(freed) == 2 * blocks and all(freed)
 
 
 @pytest.mark.parametrize("src_fused", [True, False])

@@ -21,14 +21,22 @@ What differs from running the diffusers modules, and why each is exact:
   order. The next cache is the buffer's last two steps, as the modules keep them.
   A video's first chunk passes its first frame alone (no cache, and the time
   upsamples skip their conv: diffusers' ``"Rep"``), then the rest at once.
-* A residual block's first conv runs without its bias: the norm after it adds it
-  (its output feeds nothing else), in fp32 before the norm, where the module adds it
-  in a pass of its own and rounds.
+* No conv but the output conv adds its bias in a pass of its own; each bias goes
+  where its output is read next. A residual block's first conv: the norm after it
+  adds it (its output feeds nothing else), in fp32 before the norm. The residual
+  stream (conv_in's output, each block's conv2 + residual) is held without its
+  pending bias, a [C] vector known when the decoder is built: the next norms add it
+  in fp32, a shortcut's bias and the attention's projection bias take it in, and an
+  upsample adds it while copying its input (time conv) or in one pass at the low
+  resolution. A time conv's bias is added by the copy that orders its sub-steps, a
+  phase conv's by the copies that interleave its phases. Sums are reordered (the
+  bias joins the residual later): bf16 rounding, not more.
 * A causal conv with fewer than `FOLD_BELOW` input channels runs as a 2-D conv over
   its three time taps stacked on the channels: the input buffer is [B, T, H, W, 3, C]
-  (step s, tap k holds step s + k of ``[cache, x]``), filled by the norm once per tap,
-  and the weight [C_out, 3 C, 3, 3]. Same products, same sums; cuDNN's heuristics
-  pick a far slower kernel for a 3-D conv of 96 channels than for a 2-D one of 288.
+  (step s, tap k holds step s + k of ``[cache, x]``), all three taps written by one
+  norm call from one read of its input, and the weight [C_out, 3 C, 3, 3]. Same
+  products, same sums; cuDNN's heuristics pick a far slower kernel for a 3-D conv of
+  96 channels than for a 2-D one of 288.
 * A nearest 2x upsample and the 3x3 conv after it are one 2x2 conv of the small
   input to four output phases ((row, column) parity: the 3x3 taps that land on the
   same input pixel are summed into one, in fp32 before the weight's rounding), the
@@ -112,6 +120,30 @@ def _last(y: torch.Tensor) -> torch.Tensor:
     return y if y.is_contiguous() else y.contiguous()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Res:
+    """A residual block: x arrives held without ``pending`` (added by norm1 and, with a
+    shortcut, its bias); the block's output is held without its ``pending`` after."""
+    gamma1: torch.Tensor
+    pending: torch.Tensor | None      # x's pending bias [C_in], fp32
+    conv1: _Conv                      # without its bias: norm2 adds ``bias1``
+    gamma2: torch.Tensor
+    bias1: torch.Tensor | None
+    conv2: _Conv                      # without its bias: it is pending after the block
+    short: tuple | None               # (weight [C_out, C_in], bias [C_out]) with biases folded in
+
+
+def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """Two pending biases summed in fp32 (None: none)."""
+    if b is None:
+        return a
+    return b.detach().float() if a is None else a + b.detach().float()
+
+
+def _unbiased(conv: _Conv) -> _Conv:
+    return dataclasses.replace(conv, bias=None)
+
+
 class FusedDecoder:
     """The decoder's weights, channels last, and its forward over a pass of steps
     (module doc). Built from a Wan 2.1 ``AutoencoderKLWan`` (checked by its caller);
@@ -123,17 +155,26 @@ class FusedDecoder:
         d = vae.decoder
         self.post_quant = vae.post_quant_conv
         self.fold_below = FOLD_BELOW if fold_below is None else fold_below
-        self.conv_in = self._causal_conv(d.conv_in)
-        self.blocks: list = [("res", self._res_weights(d.mid_block.resnets[0]))]
+        conv_in = self._causal_conv(d.conv_in)
+        self.conv_in, pending = _unbiased(conv_in), _plus(None, conv_in.bias)
+        self.blocks: list = []
+        modules = [d.mid_block.resnets[0]]
         for attn, res in zip(d.mid_block.attentions, d.mid_block.resnets[1:]):
-            self.blocks += [("attn", self._attn_weights(attn)), ("res", self._res_weights(res))]
+            modules += [attn, res]
         for up in d.up_blocks:
-            self.blocks += [("res", self._res_weights(r)) for r in up.resnets]
-            if up.upsamplers is not None:
-                u = up.upsamplers[0]
-                time = self._causal_conv(u.time_conv) if u.mode == "upsample3d" else None
-                self.blocks.append(("up", (time, _upsample_conv(u.resample[1]))))
-        self.norm_out = d.norm_out.gamma.detach().reshape(-1)
+            modules += list(up.resnets) + ([] if up.upsamplers is None else [up.upsamplers[0]])
+        for m in modules:     # the pending bias walks the blocks in order (module doc)
+            if hasattr(m, "conv1"):
+                res = self._res_weights(m, pending)
+                pending = None if res.short is not None else _plus(pending, m.conv2.bias)
+                self.blocks.append(("res", res))
+            elif hasattr(m, "to_qkv"):
+                self.blocks.append(("attn", self._attn_weights(m, pending)))
+                pending = None
+            else:
+                self.blocks.append(("up", self._up_weights(m, pending)))
+                pending = None
+        self.norm_out = (d.norm_out.gamma.detach().reshape(-1), pending)
         self.conv_out = self._causal_conv(d.conv_out, pad_out_to=8)
         # cache entries in diffusers' order: conv_in, two per residual block, one per
         # time upsample, conv_out
@@ -143,20 +184,35 @@ class FusedDecoder:
     def _causal_conv(self, m, pad_out_to: int = 1) -> _Conv:
         return _conv(m, pad_out_to, self.fold_below)
 
-    def _res_weights(self, r):
-        conv1, short = self._causal_conv(r.conv1), None
+    def _res_weights(self, r, pending) -> _Res:
+        conv1, conv2, short = self._causal_conv(r.conv1), self._causal_conv(r.conv2), None
         if not isinstance(r.conv_shortcut, torch.nn.Identity):
             w = r.conv_shortcut.weight.detach()
-            short = (w.reshape(w.shape[0], -1), r.conv_shortcut.bias.detach())
-        # conv1 without its bias: norm2 adds it (module doc)
-        return (r.norm1.gamma.detach().reshape(-1), dataclasses.replace(conv1, bias=None),
-                r.norm2.gamma.detach().reshape(-1), conv1.bias, self._causal_conv(r.conv2), short)
+            w = w.reshape(w.shape[0], -1)                               # [C_out, C_in]
+            b = r.conv_shortcut.bias.detach().float() + conv2.bias.float()
+            if pending is not None:
+                b = b + w.float() @ pending
+            short = (w, b.to(w.dtype))
+        return _Res(r.norm1.gamma.detach().reshape(-1), pending, _unbiased(conv1),
+                    r.norm2.gamma.detach().reshape(-1), conv1.bias, _unbiased(conv2), short)
 
     @staticmethod
-    def _attn_weights(a):
+    def _attn_weights(a, pending):
         def flat(m):
             return m.weight.detach().reshape(m.weight.shape[0], -1), m.bias.detach()
-        return a.norm.gamma.detach().reshape(-1), flat(a.to_qkv), flat(a.proj)
+        wp, bp = flat(a.proj)
+        bp = bp if pending is None else (bp.float() + pending).to(bp.dtype)
+        return a.norm.gamma.detach().reshape(-1), pending, flat(a.to_qkv), (wp, bp)
+
+    def _up_weights(self, u, pending):
+        time = self._causal_conv(u.time_conv) if u.mode == "upsample3d" else None
+        spatial, conv = _upsample_conv(u.resample[1]), u.resample[1]
+        zeros = torch.zeros(2 * conv.weight.shape[1], dtype=conv.weight.dtype,
+                            device=conv.weight.device)
+        time_bias = None if time is None else zeros if time.bias is None else time.bias
+        bias = zeros[:spatial.out] if conv.bias is None else conv.bias.detach()
+        return (None if time is None else _unbiased(time), time_bias, _unbiased(spatial), bias,
+                pending)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, caches: list, first: bool) -> torch.Tensor:
@@ -172,7 +228,8 @@ class FusedDecoder:
                 x = self._attn(w, x)
             else:
                 x = self._up(w, x, caches, idx, first)
-        y = self._causal(self.conv_out, caches, next(idx), _norm_into(x, self.norm_out))
+        gamma, pending = self.norm_out
+        y = self._causal(self.conv_out, caches, next(idx), _norm_into(x, gamma, pending))
         return y[..., :self.conv_out.out]
 
     @staticmethod
@@ -195,7 +252,7 @@ class FusedDecoder:
             return y.view(B, T, *y.shape[1:])
         buf = c.new_empty(c.shape[0], 2 + T, *c.shape[2:])
         buf[:, :2].copy_(c)
-        fill(buf[:, 2:], T)
+        fill([buf[:, 2:]], [T])
         c.copy_(buf[:, -2:])                                  # the next chunk's two steps
         return self._apply(conv, buf.movedim(-1, 1),          # [B, T, H, W, C_out]
                            None if residual is None else residual.movedim(-1, 1))
@@ -209,73 +266,82 @@ class FusedDecoder:
         tap = [buf[..., k, :] for k in range(3)]              # [B, T, H, W, C] each
         tap[0][:, :2].copy_(c[:, :min(2, T)])
         tap[1][:, :1].copy_(c[:, 1:])
-        for k in range(3):                                    # tap 2 (all T steps) last
-            if T - 2 + k > 0:
-                fill(tap[k][:, 2 - k:], T - 2 + k)
+        ks = [k for k in range(3) if T - 2 + k > 0]
+        fill([tap[k][:, 2 - k:] for k in ks], [T - 2 + k for k in ks])   # x read once
         if T == 1:
             c[:, :1].copy_(c[:, 1:])
         c[:, 2 - min(2, T):].copy_(tap[2][:, -min(2, T):])
         return buf.view(*buf.shape[:4], -1)
 
-    def _res(self, w, x, caches, i1, i2):
-        gamma1, conv1, gamma2, bias1, conv2, short = w
-        h = x if short is None else F.linear(x, *short)      # [B, T, H, W, C_out]
-        # conv1's output is held by norm2's fill alone: freed once that fill has read it
-        norm2 = _norm_into(self._causal(conv1, caches, i1, _norm_into(x, gamma1)), gamma2, bias1,
-                           release=True)
-        return self._causal(conv2, caches, i2, norm2, residual=h)
+    def _res(self, w: _Res, x, caches, i1, i2):
+        h = x if w.short is None else F.linear(x, *w.short)  # [B, T, H, W, C_out]
+        # conv1's output is held by norm2's fill alone (no name here): freed once read
+        norm2 = _norm_into(self._causal(w.conv1, caches, i1, _norm_into(x, w.gamma1, w.pending)),
+                           w.gamma2, w.bias1, release=True)
+        return self._causal(w.conv2, caches, i2, norm2, residual=h)
 
     @staticmethod
     def _attn(w, x):
-        gamma, (wqkv, bqkv), (wp, bp) = w
+        gamma, pending, (wqkv, bqkv), (wp, bp) = w
         B, T, H, W, C = x.shape
-        n = rms_norm_silu(_rows(x), gamma, silu=False).view(B * T, H * W, C)
+        n = rms_norm_silu(_rows(x), gamma, bias=pending, silu=False).view(B * T, H * W, C)
         q, k, v = F.linear(n, wqkv, bqkv).unsqueeze(1).chunk(3, dim=-1)   # [BT, 1, HW, C]
         o = F.scaled_dot_product_attention(q, k, v).squeeze(1)           # [BT, HW, C]
         return F.linear(o, wp, bp).view(B, T, H, W, C).add_(x)
 
     def _up(self, w, x, caches, idx, first):
-        time, spatial = w
+        time, time_bias, spatial, bias, pending = w
         B, T, H, W, C = x.shape
         if time is not None:
             i = next(idx)
-            if not first:      # a video's first frame skips the time conv (its cache stays 0)
-                y = self._causal(time, caches, i, _copy_into(x))
-                # channels [2, C]: sub-step s of step t becomes step 2t + s
-                x = y.view(B, T, H, W, 2, C).permute(0, 1, 4, 2, 3, 5).contiguous()
-                T *= 2
-        p = self._apply(spatial, x.view(B * T, H, W, C).movedim(-1, 1))  # [BT, H+1, W+1, 4 Co]
+        if time is not None and not first:   # a video's first frame skips the time conv
+            y = self._causal(time, caches, i, _copy_into(x, pending))  # (its cache stays 0)
+            # channels [2, C]: sub-step s of step t becomes step 2t + s
+            y = y.view(B, T, H, W, 2, C).permute(0, 1, 4, 2, 3, 5)
+            x = torch.add(y, time_bias.view(2, 1, 1, C), out=y.new_empty(y.shape))
+            T *= 2
+        elif pending is not None:    # x (a residual block's output) is this block's alone
+            x = x.add_(pending)
+        p = self._apply(spatial, x.reshape(B * T, H, W, C).movedim(-1, 1))  # [BT, H+1, W+1, 4Co]
         p = p.view(B * T, H + 1, W + 1, 2, 2, spatial.out)
         out = p.new_empty(B * T, H, 2, W, 2, spatial.out)
         for py in range(2):                  # phase (py, px) of pixel (i, j) is p[i + py, j + px]
             for px in range(2):
-                out[:, :, py, :, px].copy_(p[:, py:py + H, px:px + W, py, px])
+                torch.add(p[:, py:py + H, px:px + W, py, px], bias, out=out[:, :, py, :, px])
         return out.view(B, T, 2 * H, 2 * W, spatial.out)
 
 
 class _Fill:
-    """Writes a causal conv's input: ``fill(out, n)`` puts the input's first n steps into
-    out [B, n, H, W, C]; ``steps`` is the input's step count. With ``release`` the input is
-    let go by the call that writes all its steps (a conv's output feeding only this norm
-    is then freed before the next conv runs); that call must be the last."""
+    """Writes a causal conv's input: ``fill(outs, counts)`` puts the input's first
+    ``counts[i]`` steps into ``outs[i]`` [B, counts[i], H, W, C] (a folded conv's taps:
+    the same steps at three offsets, one call); ``steps`` is the input's step count.
+    With ``release`` the input is let go by the call that writes all its steps (a conv's
+    output feeding only this norm is then freed before the next conv runs)."""
 
     def __init__(self, x: torch.Tensor, write, release: bool = False):
         self.steps, self._x, self._write, self._release = x.shape[1], x, write, release
 
-    def __call__(self, out: torch.Tensor, n: int) -> None:
-        x = self._x
+    def __call__(self, outs: list, counts: list) -> None:
+        x, n = self._x, max(counts)
         if self._release and n == self.steps:
             self._x = None
-        self._write(x[:, :n], out)
+        self._write(x[:, :n], outs, counts)
 
 
-def _copy_into(x: torch.Tensor) -> _Fill:
-    return _Fill(x, lambda src, out: out.copy_(src))
+def _copy_into(x: torch.Tensor, bias=None) -> _Fill:
+    def write(src, outs, counts):
+        for out, n in zip(outs, counts):
+            if bias is None:
+                out.copy_(src[:, :n])
+            else:
+                torch.add(src[:, :n], bias, out=out)
+    return _Fill(x, write)
 
 
 def _norm_into(x: torch.Tensor, gamma, bias=None, release: bool = False) -> _Fill:
-    return _Fill(x, lambda src, out: rms_norm_silu(_rows(src), gamma, bias=bias, out=_rows(out)),
-                 release)
+    def write(src, outs, counts):
+        rms_norm_silu(_rows(src), gamma, bias=bias, out=tuple(_rows(o) for o in outs))
+    return _Fill(x, write, release)
 
 
 def fused_chunk_program(fused: FusedDecoder, arena, *, first: bool, mean: torch.Tensor,
