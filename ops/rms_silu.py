@@ -50,7 +50,7 @@ from ._float import (bits_f32, check_float_dtype, load_f32, load_f32x4, quotient
 from ._launch import SIMULATOR, Kernel, array_arg, int_arg, use_kernel
 from ._reduce import WARP, segment_total
 from framekv.specs.checks import (check_disjoint, check_last_dim_contiguous, check_no_overlap,
-                                 check_tensor)
+                                 check_tensor, rows_interleaved)
 
 __all__ = ["rms_norm_silu", "rms_norm_silu_reference", "MAX_N", "MAX_OUTS"]
 
@@ -184,8 +184,9 @@ def _execute(x, gamma, bias, outs, scale: float, silu: bool, eps: float) -> None
     nt = max(g, _BLOCK)
     vec = all(vector_aligned(t) for t in (x, gamma, *outs))
     flags = (_SILU if silu else 0) | (_VEC if vec else 0) | (0 if bias is None else _BIAS)
-    padded = [*outs, *[outs[0]] * (MAX_OUTS - len(outs))]    # never written past len(outs)
-    args = [array_arg(x), *[array_arg(o) for o in padded], array_arg(gamma),
+    out_args = [array_arg(o) for o in outs]
+    out_args += [out_args[0]] * (MAX_OUTS - len(outs))      # never written past len(outs)
+    args = [array_arg(x), *out_args, array_arg(gamma),
             array_arg(gamma if bias is None else bias), int_arg(_f32_bits(scale)),
             int_arg(_f32_bits(eps)), int_arg(reciprocal_bits(M))]
     _kernel(flags, N, g, k, nt, len(outs)).launch(-(-B * M // (nt // g)), nt, args, x.device)
@@ -246,24 +247,7 @@ def _check_outs(outs: tuple, x, gamma, bias) -> None:
         check_last_dim_contiguous(name, o)
         check_no_overlap(name, o)
         check_disjoint(name, o, inputs + [(f"out[{j}]", p) for j, p in enumerate(outs[:i])
-                                          if not _rows_interleaved(o, p)])
-
-
-def _rows_interleaved(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a and b (same dtype, row stride s1, batch strides multiples of s1) hold
-    rows of N values at offsets that never meet: their starts are N to s1 - N elements
-    apart past a multiple of s1, as the time taps of one [B, T, H, W, 3, C] buffer are.
-    (A dimension of size 1 has no stride that matters.)"""
-    N, size = a.shape[2], a.element_size()
-    long = a if a.shape[1] > 1 else b
-    s1 = long.stride(1)
-    if a.dtype != b.dtype or long.shape[1] < 2 or (b.data_ptr() - a.data_ptr()) % size:
-        return False
-    for t in (a, b):
-        if (t.shape[1] > 1 and t.stride(1) != s1) or (t.shape[0] > 1 and t.stride(0) % s1):
-            return False
-    d = (b.data_ptr() - a.data_ptr()) // size % s1
-    return N <= d <= s1 - N
+                                          if not rows_interleaved(o, p)])
 
 
 def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, *, bias: Optional[torch.Tensor] = None,

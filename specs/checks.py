@@ -157,6 +157,24 @@ def check_disjoint(name: str, value, others) -> None:
                              f"written while {other_name} is read), got overlapping spans")
 
 
+def rows_interleaved(a, b) -> bool:
+    """Whether [B, M_a, N] and [B, M_b, N] tensors a and b (last dimension contiguous;
+    same dtype, row stride s1, batch strides multiples of s1) hold rows at offsets that
+    never meet, though their spans do (`check_disjoint` refuses those): their starts are
+    N to s1 - N elements apart past a multiple of s1, as the time taps of one
+    [B, T, H, W, 3, C] buffer are. A dimension of size 1 has no stride that matters."""
+    N, size = a.shape[2], a.element_size()
+    long = a if a.shape[1] > 1 else b
+    s1 = long.stride(1)
+    if a.dtype != b.dtype or long.shape[1] < 2 or (b.data_ptr() - a.data_ptr()) % size:
+        return False
+    for t in (a, b):
+        if (t.shape[1] > 1 and t.stride(1) != s1) or (t.shape[0] > 1 and t.stride(0) % s1):
+            return False
+    d = (b.data_ptr() - a.data_ptr()) // size % s1
+    return N <= d <= s1 - N
+
+
 def check_no_overlap(name: str, value) -> None:
     """Raise if a written tensor repeats memory (a zero stride over a dimension > 1)."""
     for size, stride in zip(value.shape, value.stride()):

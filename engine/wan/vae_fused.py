@@ -206,13 +206,11 @@ class FusedDecoder:
 
     def _up_weights(self, u, pending):
         time = self._causal_conv(u.time_conv) if u.mode == "upsample3d" else None
-        spatial, conv = _upsample_conv(u.resample[1]), u.resample[1]
-        zeros = torch.zeros(2 * conv.weight.shape[1], dtype=conv.weight.dtype,
-                            device=conv.weight.device)
-        time_bias = None if time is None else zeros if time.bias is None else time.bias
-        bias = zeros[:spatial.out] if conv.bias is None else conv.bias.detach()
-        return (None if time is None else _unbiased(time), time_bias, _unbiased(spatial), bias,
-                pending)
+        conv = u.resample[1]
+        bias = None if conv.bias is None else conv.bias.detach()
+        time_bias = None if time is None or time.bias is None else time.bias.view(2, 1, 1, -1)
+        return (None if time is None else _unbiased(time), time_bias,
+                _unbiased(_upsample_conv(conv)), bias, pending)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, caches: list, first: bool) -> torch.Tensor:
@@ -298,7 +296,7 @@ class FusedDecoder:
             y = self._causal(time, caches, i, _copy_into(x, pending))  # (its cache stays 0)
             # channels [2, C]: sub-step s of step t becomes step 2t + s
             y = y.view(B, T, H, W, 2, C).permute(0, 1, 4, 2, 3, 5)
-            x = torch.add(y, time_bias.view(2, 1, 1, C), out=y.new_empty(y.shape))
+            x = _biased_copy(y.new_empty(y.shape), y, time_bias)   # bias [2, 1, 1, C]
             T *= 2
         elif pending is not None:    # x (a residual block's output) is this block's alone
             x = x.add_(pending)
@@ -307,7 +305,7 @@ class FusedDecoder:
         out = p.new_empty(B * T, H, 2, W, 2, spatial.out)
         for py in range(2):                  # phase (py, px) of pixel (i, j) is p[i + py, j + px]
             for px in range(2):
-                torch.add(p[:, py:py + H, px:px + W, py, px], bias, out=out[:, :, py, :, px])
+                _biased_copy(out[:, :, py, :, px], p[:, py:py + H, px:px + W, py, px], bias)
         return out.view(B, T, 2 * H, 2 * W, spatial.out)
 
 
@@ -328,13 +326,15 @@ class _Fill:
         self._write(x[:, :n], outs, counts)
 
 
+def _biased_copy(out: torch.Tensor, src: torch.Tensor, bias=None) -> torch.Tensor:
+    """out = src [+ bias, broadcast], one pass."""
+    return out.copy_(src) if bias is None else torch.add(src, bias, out=out)
+
+
 def _copy_into(x: torch.Tensor, bias=None) -> _Fill:
     def write(src, outs, counts):
         for out, n in zip(outs, counts):
-            if bias is None:
-                out.copy_(src[:, :n])
-            else:
-                torch.add(src[:, :n], bias, out=out)
+            _biased_copy(out, src[:, :n], bias)
     return _Fill(x, write)
 
 
