@@ -16,7 +16,11 @@ and of the gap between a session's chunks, the batch sizes seen, and the graph c
 after start (which must be 0; from /metrics). ``--scrape S`` GETs ``/metrics`` every S
 seconds through the measured window, as a monitoring system would, and reports the
 scrapes, their p50/p99 latency and the first and last body sizes (a bounded registry
-keeps them flat). Runs on a CPU too (``--device cpu``). Needs the ``serve`` extra.
+keeps them flat). The scraper runs in a process of its own, so its latency is the
+server's and not the reading clients' (which share a GIL); beside each scrape it GETs
+``/health``, a route that does no work, so a slow scrape reads as the route's own cost
+(``/metrics`` slow, ``/health`` fast) or as the server's event loop being held
+(both slow). Runs on a CPU too (``--device cpu``). Needs the ``serve`` extra.
 """
 from __future__ import annotations
 
@@ -87,15 +91,56 @@ def read_chunks(url: str, stop: threading.Event, out: list) -> None:
                 return
 
 
-def _scraper(url: str, every: float, stop: threading.Event, out: list) -> None:
+def _timed_get(http, path: str) -> tuple[float, int]:
+    t = time.perf_counter()
+    r = http.get(path)
+    r.raise_for_status()
+    return time.perf_counter() - t, len(r.content)
+
+
+def scrape_process(base: str, every: float, go, stop, conn) -> None:
+    """A scraper process's body: says it is ready through ``conn``, then once ``go`` is
+    set, every ``every`` seconds until ``stop`` is set, GETs ``/metrics`` then
+    ``/health`` of ``base``; sends back ([(seconds, bytes)] of the scrapes, [seconds] of
+    the health checks) through ``conn``, or the error's text."""
     import httpx
 
-    with httpx.Client(timeout=30) as http:
-        while not stop.wait(every):
-            t = time.perf_counter()
-            r = http.get(url)
-            r.raise_for_status()
-            out.append((time.perf_counter() - t, len(r.content)))
+    scrapes, health = [], []
+    try:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            conn.send("ready")
+            go.wait()
+            while not stop.wait(every):
+                scrapes.append(_timed_get(http, "/metrics"))
+                health.append(_timed_get(http, "/health")[0])
+        conn.send((scrapes, health))
+    except Exception as exc:                      # noqa: BLE001 - reported by the parent
+        conn.send(f"{type(exc).__name__}: {exc}")
+
+
+def start_scraper(base: str, every: float):
+    """`scrape_process` in a process of its own (spawned: no GIL or fork state shared
+    with the clients), waiting for ``go()``; returns (go, finish): ``finish()`` ends it
+    and gives its results."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    go, stop, (recv, send) = ctx.Event(), ctx.Event(), ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=scrape_process, args=(base, every, go, stop, send), daemon=True)
+    proc.start()
+    got = recv.recv() if recv.poll(120) else "it did not start within 120 s"
+    if got != "ready":
+        proc.kill()
+        raise RuntimeError(f"serve_load scraper failed: {got}")
+
+    def finish() -> tuple[list, list]:
+        stop.set()
+        got = recv.recv() if recv.poll(60) else "the scraper sent nothing within 60 s"
+        proc.join(10)
+        if isinstance(got, str):
+            raise RuntimeError(f"serve_load scraper failed: {got}")
+        return got
+    return go.set, finish
 
 
 def _captures(http) -> int:
@@ -165,17 +210,16 @@ def _measure(port: int, ids: list[str], seconds: float, scrape, progress, preset
         f"ws://127.0.0.1:{port}/v1/sessions/{sid}/stream", stop, out), daemon=True)
         for sid, out in zip(ids, received)]
     progress(f"serve_load {preset}: {len(ids)} sessions streaming for {seconds:.0f} s")
+    go, finish = (start_scraper(f"http://127.0.0.1:{port}", scrape) if scrape
+                  else (lambda: None, lambda: ([], [])))
     for c in clients:
         c.start()
     time.sleep(min(10.0, seconds / 6))        # past the first chunks: steady state
-    scrapes, scrape_stop = [], threading.Event()
-    if scrape:
-        threading.Thread(target=_scraper, args=(f"http://127.0.0.1:{port}/metrics", scrape,
-                                                scrape_stop, scrapes), daemon=True).start()
+    go()
     t0, n0 = time.perf_counter(), [len(r) for r in received]
     time.sleep(seconds)
     t1, n1 = time.perf_counter(), [len(r) for r in received]
-    scrape_stop.set()
+    scrapes, health = finish()
     stop.set()
     frames = sum(h["frames"] for r, a, b in zip(received, n0, n1) for _, h in r[a:b])
     steps = [h["seconds"] for r in received for _, h in r]
@@ -189,6 +233,8 @@ def _measure(port: int, ids: list[str], seconds: float, scrape, progress, preset
         lat = [t for t, _ in scrapes]
         res.update(scrapes=len(scrapes), scrape_seconds_p50=_percentile(lat, 0.5),
                    scrape_seconds_p99=_percentile(lat, 0.99),
+                   health_seconds_p50=_percentile(health, 0.5),
+                   health_seconds_p99=_percentile(health, 0.99),
                    metrics_bytes_first=scrapes[0][1] if scrapes else None,
                    metrics_bytes_last=scrapes[-1][1] if scrapes else None)
     return res

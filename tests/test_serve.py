@@ -247,6 +247,7 @@ def test_the_load_script_streams_and_counts_no_capture():
     assert res["captures_after_start"] == 0 and max(res["batch_sizes_seen"]) >= 2
     # scraped while streaming: the registry's text does not grow with the chunks served
     assert res["scrapes"] >= 4 and res["scrape_seconds_p99"] < 2.0
+    assert res["health_seconds_p99"] < 2.0
     assert res["metrics_bytes_last"] <= res["metrics_bytes_first"] * 1.05
 
 
