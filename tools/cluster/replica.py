@@ -145,6 +145,14 @@ class Replica:
     def rewind(self, sid: str, after=None) -> int:
         return self.sched.rewind(sid, after)
 
+    def reread(self, sid: str, handed: int) -> int:
+        """The ingress's reader reads on here (a move, an adoption) after ``handed``, the
+        last chunk it handed its socket (-1: none), or after the stream's last chunk made
+        where the stream is behind it (adopted from an older checkpoint: the ingress
+        skips and acknowledges the chunks made again). The new reader's number."""
+        made = self.sched.sessions[sid].chunks         # only grows: a rewind takes it
+        return self.sched.rewind(sid, min(handed, made - 1))
+
     async def next_chunk(self, sid: str, timeout: float, reader=None):
         return await self._wait(self.sched.next_chunk, sid, timeout, reader=reader)
 

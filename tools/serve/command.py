@@ -59,8 +59,10 @@ WebSocket and /docs also ``?token=T``)::
                                          one (binary included) is answered {"type":
                                          "error", "error"}. Refused sockets close with
                                          a reason: 1008 (token), 4404 (no such session
-                                         open), 4409 (a second socket on a session);
-                                         1008 too for a page of another origin
+                                         open), 4409 (a second socket on a session),
+                                         4422 (an ``after`` beyond the chunks made:
+                                         the reason names the last one); 1008 too for
+                                         a page of another origin
 
 ``--model wan-diffusers`` serves diffusers' Wan transformer (``--config``, random weights,
 or ``--weights DIR``, a diffusers folder with its VAE and text encoder; ``--checkpoint

@@ -13,7 +13,8 @@ back). The socket (``?after=i``: the last chunk index the client has) is accepte
 closed with a code and a reason when refused: 1008 (a page of a foreign origin,
 `OriginCheck`; the token), 4404 (no such session
 open), 4409 (it still has a socket `TAKEN_WAIT_S` after this one came: a reconnect may
-come before the old socket's end is seen), 4422 (a bad ``after``). A session whose
+come before the old socket's end is seen), 4422 (an ``after`` that is not the index of
+a chunk made: the reason names the last one). A session whose
 socket closes stays open, its idle clock running.
 (No ``from __future__ import annotations``: FastAPI reads the routes' annotations.)
 """
@@ -26,15 +27,13 @@ from fastapi.routing import APIRoute
 
 from .auth import WS_AUTH_CLOSE
 from .models import CreateSession, PromptAck, SessionCreated, SessionInfo, errors
-from .websocket import serve_socket
+from .websocket import BAD_AFTER, serve_socket
 from .wire import RequestError, json_body, parse_prompt, read_body, upload_prompt, upload_spec
 
 #: a socket for a session that is not open is closed with this code (and a reason)
 NO_SESSION = 4404
 #: a second socket on a session is closed with this code (and a reason)
 SESSION_TAKEN = 4409
-#: a socket whose ``after`` is not a chunk index is closed with this code
-BAD_AFTER = 4422
 #: seconds a second socket waits for the session's socket to end before its 4409
 TAKEN_WAIT_S = 3.0
 #: seconds PUT .../prompt waits for the change to take before answering 202
