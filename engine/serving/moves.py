@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ..memory import host_room
 from ..stream_state import StreamState
 from . import state_files
 from .records import SchedulerFull, SessionChunk
@@ -123,13 +124,16 @@ class Moves:
         checkpoints), under their ids, as many as there is room for; each file opened
         is removed (``keep_files``: left, for checkpoints that write over it, so a crash
         before the next one loses nothing), a corrupt one renamed ``*.corrupt``, one
-        that does not fit logged and left (`state_files`). Returns the ids opened."""
+        that does not fit logged and left (`state_files`); a file declaring more tensor
+        bytes than the host can still hold (`host_room`) is corrupt, refused before
+        anything is allocated. Returns the ids opened."""
         with self.lock:
             room, taken = self.max_sessions - len(self.sessions), set(self.sessions)
         pin = torch.device(self.runner.device).type == "cuda"
         opened = []
         for path, state in state_files.read_states(
-                directory, room=lambda: len(opened) < room, taken=taken, pin_memory=pin):
+                directory, room=lambda: len(opened) < room, taken=taken, pin_memory=pin,
+                max_bytes=host_room()):
             try:
                 opened.append(self._admit(state_files.stream_of(
                     state, self.model, self.decoding, where=str(path))))

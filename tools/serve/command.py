@@ -104,8 +104,10 @@ end message with reason "shutdown", then uvicorn's graceful shutdown, then the l
 stops and the pool is freed. With ``--state-dir D`` the open sessions are written to D
 first (one file each, atomic) and a server started over D opens them again under their
 ids: a client that reconnects to ``/v1/sessions/{id}/stream`` (with the token) goes on
-from its next chunk, its undelivered chunks first; a corrupt file is logged and renamed
-``*.corrupt``, one of another model or geometry logged and left in D. (The end
+from its next chunk, its undelivered chunks first; a file that cannot be read as a
+session (whatever its bytes: declaring more than the host can hold, or not a regular
+file at all) is renamed ``*.corrupt`` with one log line saying why, one of another
+model or geometry logged and left in D. (The end
 message of a session kept so says ``"resumable": true``; unless a client reconnects
 within ``--session-idle-timeout`` seconds of the restart, the session ends.)
 ``--checkpoint-every N`` (needs ``--state-dir``) also writes each session to D every N
