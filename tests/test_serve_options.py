@@ -1,8 +1,9 @@
 """`framekv serve`'s options where a hostile run found them checked late or too quietly,
 on the CPU, in this process (nothing is served).
 
-The command reads a ``--decoder tiny:PATH`` file before any model is built, never
-passing on torch's advice to load it with ``weights_only=False``.
+The command warns once when bound beyond loopback without a token, and reads a
+``--decoder tiny:PATH`` file before any model is built, never passing on torch's advice
+to load it with ``weights_only=False``.
 """
 from __future__ import annotations
 
@@ -12,6 +13,24 @@ import torch
 pytest.importorskip("fastapi")
 
 from framekv.tools.cli import main  # noqa: E402
+from test_serve_defects import _Built, built  # noqa: E402,F401  (the fixture)
+
+
+@pytest.mark.parametrize("host, token, warned", [
+    ("0.0.0.0", None, True), ("::", None, True), ("example.org", None, True),
+    ("0.0.0.0", "tok", False), ("127.0.0.1", None, False), ("localhost", None, False),
+    ("::1", None, False)])
+def test_serving_beyond_loopback_without_a_token_warns_once(built, capsys, monkeypatch,
+                                                            host, token, warned):
+    if token is not None:
+        monkeypatch.setenv("FRAMEKV_TOKEN", token)
+    with pytest.raises(_Built):
+        main(["serve", "--device", "cpu", "--host", host])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == int(warned), err
+    if warned:
+        assert err[0].startswith(f"framekv serve: warning: --host {host} is not a loopback "
+                                 "address and no token is set"), err
 
 
 def test_a_bad_decoder_file_is_refused_before_any_model_is_built(tmp_path, monkeypatch,

@@ -142,7 +142,8 @@ class ClusterSessions(Moves):
                     and (adopting or rid not in self.draining)]
         free = [f for f in free if f[1] > 0] or free
         if not free:
-            raise SchedulerFull("no replica is up to take a session: try again later")
+            raise SchedulerFull(self.degraded or "no replica is up to take a session: try "
+                                "again later")
         best = max(free)
         if best[1] <= 0:
             raise SchedulerFull(f"all sessions of the {len(free)} replicas taking sessions "

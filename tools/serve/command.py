@@ -228,7 +228,9 @@ def _session_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-idle-timeout", type=seconds, default=60.0, metavar="SECONDS",
                    help="a session no socket has taken for this long is ended and its "
                         "slot freed (default 60)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to bind (default 127.0.0.1); another than loopback "
+                        "without a token is served with a warning")
     p.add_argument("--port", type=int_in(0, 65535), default=8000,
                    help="0 to 65535; 0: any free port (default 8000)")
     p.add_argument("--token", type=bearer_token, default=None,
@@ -266,21 +268,38 @@ def check_wan_options(args) -> None:
         check_decoder(args.decoder, getattr(args, "weights", None), name="--decoder")
 
 
-def token_of(args) -> str | None:
+def token_of(args, *, option: str = "token", env: str = "FRAMEKV_TOKEN") -> str | None:
     """The bearer token: ``--token`` (with a warning on stderr: every user of the machine
     sees a process's arguments), else ``FRAMEKV_TOKEN``, else None. ValueError for a
-    set but malformed FRAMEKV_TOKEN (an empty one included)."""
-    if args.token is not None:
-        print("framekv serve: warning: --token is visible to every user of this machine "
-              "(ps, /proc); set FRAMEKV_TOKEN instead", file=sys.stderr)
-        return args.token
-    token = os.environ.get("FRAMEKV_TOKEN")
+    set but malformed FRAMEKV_TOKEN (an empty one included). ``option``, ``env``:
+    another token's (the cluster's ``--admin-token``, ``FRAMEKV_ADMIN_TOKEN``)."""
+    given = getattr(args, option, None)
+    if given is not None:
+        print(f"framekv serve: warning: --{option.replace('_', '-')} is visible to every "
+              f"user of this machine (ps, /proc); set {env} instead", file=sys.stderr)
+        return given
+    token = os.environ.get(env)
     if token is None:
         return None
     try:
         return bearer_token(token)
     except argparse.ArgumentTypeError as exc:
-        raise ValueError(f"FRAMEKV_TOKEN {exc}") from None
+        raise ValueError(f"{env} {exc}") from None
+
+
+def warn_unguarded(host: str, token: str | None) -> None:
+    """One warning line on stderr for a server bound to an address other than loopback
+    with no token: whoever reaches it may open, read and end any session."""
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:                       # a host name: it may resolve to anything
+        loopback = host.lower() == "localhost"
+    if token is None and not loopback:
+        print(f"framekv serve: warning: --host {host} is not a loopback address and no token "
+              "is set: whoever reaches it can open, read and end any session (set "
+              "FRAMEKV_TOKEN)", file=sys.stderr)
 
 
 def model_name(args) -> str:
@@ -360,6 +379,7 @@ def run(args) -> int:
 
     try:
         options = checked_options(args)
+        warn_unguarded(args.host, options["token"])
         sched = build_scheduler(args, options)
     except ValueError as exc:
         return fail(exc)

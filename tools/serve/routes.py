@@ -44,19 +44,22 @@ RAW_PROMPT = {"requestBody": {"required": True, "description": "L x text_dim val
                                                           "format": "binary"}}}}}
 
 
-def json_body_route(srv):
+def json_body_route(auth, body_timeout: float, check=None, *, optional: bool = False):
     """An `APIRoute` class whose request body is read before FastAPI parses it: the
-    token and `check_open` first, then `read_body` (1 MiB, counted as it arrives, in
-    ``srv.body_timeout``) and `json_body` (strict JSON, a JSON object)."""
+    token (``auth``, a `BearerAuth`) and ``check()`` first, then `read_body` (1 MiB,
+    counted as it arrives, in ``body_timeout`` s) and `json_body` (strict JSON, a JSON
+    object: 400 naming the fault). ``optional``: a request with neither Content-Length
+    nor Transfer-Encoding has an empty body (HTTP's rule), taken as ``{}``."""
 
     class JSONBodyRoute(APIRoute):
         def get_route_handler(self):
             handler = super().get_route_handler()
 
             async def read_first(request: Request):
-                srv.auth.check(request.headers.get("authorization"))
-                srv.check_open()
-                raw = await read_body(request, srv.body_timeout)
+                auth.check(request.headers.get("authorization"))
+                if check is not None:
+                    check()
+                raw = await read_body(request, body_timeout, optional=optional)
                 json_body(raw)
                 return await handler(Request(request.scope, _replay(raw, request.receive)))
             return read_first
@@ -89,7 +92,8 @@ def session_routes(app, srv) -> None:
     app.router.add_api_route(
         "/v1/sessions", _creator(srv), methods=["POST"], status_code=201,
         response_model=SessionCreated, dependencies=auth, strict_content_type=False,
-        route_class_override=json_body_route(srv), summary="Open a session",
+        route_class_override=json_body_route(srv.auth, srv.body_timeout, srv.check_open),
+        summary="Open a session",
         responses=errors(400, 401, 408, 411, 413, 422, 503))
 
     @app.get("/v1/sessions/{sid}", response_model=SessionInfo, dependencies=auth,
