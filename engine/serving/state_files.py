@@ -151,13 +151,16 @@ def _check_record(where, rec: dict, extra: dict, decoding: bool) -> str:
            or rec[k] < 0]
     # an acknowledgement never runs ahead of what was made: one that did would make
     # chunks that are never queued, for nobody
-    acked_ok = type(rec["acked"]) is int and -1 <= rec["acked"] < max(rec["chunks"], 0)
-    if bad or not acked_ok or not isinstance(rec["paused"], bool) or not (
-            rec["budget"] is None or (type(rec["budget"]) is int and rec["budget"] >= 1)):
+    bad += [k for k, ok in (
+        ("acked", type(rec["acked"]) is int and "chunks" not in bad
+         and -1 <= rec["acked"] < rec["chunks"]),
+        ("paused", isinstance(rec["paused"], bool)),
+        ("budget", rec["budget"] is None or (type(rec["budget"]) is int and rec["budget"] >= 1)),
+    ) if not ok]
+    if bad:
         shown = {k: str(rec[k])[:24] for k in _RECORD}
-        raise ValueError(f"{where}: stream fields {bad or ['acked', 'paused', 'budget']} must "
-                         f"be integers >= 0 (acked in [-1, chunks), paused a boolean, budget "
-                         f"None or >= 1), got {shown}")
+        raise ValueError(f"{where}: stream fields {bad} must be integers >= 0 (acked in [-1, "
+                         f"chunks), paused a boolean, budget None or >= 1), got {shown}")
     indices = [q["index"] for q in extra["queue"]]
     if any(type(i) is not int for i in indices) or indices != sorted(set(indices)) or (
             indices and not rec["acked"] < indices[0] <= indices[-1] < rec["chunks"]):
