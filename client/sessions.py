@@ -18,7 +18,9 @@ message); so does a socket the server refuses (``status`` its close code: 1008 t
 message. `Session.stream` yields the chunks in order until the end message, then
 stops, acknowledging each as it hands it out (a session whose chunks are not taken
 stops making them); after a drop, `Session.reconnect` (or ``client.session(id,
-after=last)``) goes on from the chunk after the last one streamed, each index once.
+after=last)``) goes on from the chunk after the last one streamed, each index once
+(a server resumed from a checkpoint older than the last chunk streamed makes some
+again: they are acknowledged and skipped).
 ``session.end`` holds the end message (``state`` "done", "failed" with ``error``,
 or "closed" with a ``reason``). Control messages go over the session's socket (opened
 on first use), a tensor prompt over ``PUT /v1/sessions/{id}/prompt`` (bf16 and fp16
@@ -60,9 +62,10 @@ class Session(SessionState):
 
         if self._ws is not None:
             return
+        info = None if self.last is None else self._info_or_none()
         try:
             self._ws = self._exit.enter_context(connect(
-                self._ws_url(), additional_headers=auth_headers(self.client.token),
+                self._ws_url(info), additional_headers=auth_headers(self.client.token),
                 open_timeout=self.client.timeout, max_size=None))
         except InvalidStatus as exc:
             raise ServerError(exc.response.status_code, "the socket was refused") from None
@@ -70,11 +73,18 @@ class Session(SessionState):
             self._resume = False
             self.resume()
 
+    def _info_or_none(self) -> dict | None:
+        """`info`, or None where the server does not answer it (the socket then says)."""
+        r = self.client.http.get(f"/v1/sessions/{self.id}")
+        return r.json() if r.status_code == 200 else None
+
     def _read(self, timeout) -> None:
         from websockets.exceptions import ConnectionClosed
 
         try:
             self._take(self._ws.recv(timeout=timeout))
+            while self._outbox:
+                self._ws.send(self._outbox.popleft())
         except ConnectionClosed as exc:
             raise self._closed(exc) from None
 
@@ -190,8 +200,12 @@ class AsyncSession(SessionState):
 
         if self._ws is not None:
             return
+        info = None
+        if self.last is not None:
+            r = await self.client.http.get(f"/v1/sessions/{self.id}")
+            info = r.json() if r.status_code == 200 else None
         try:
-            self._ws = await connect(self._ws_url(), max_size=None,
+            self._ws = await connect(self._ws_url(info), max_size=None,
                                      additional_headers=auth_headers(self.client.token),
                                      open_timeout=self.client.timeout)
         except InvalidStatus as exc:
@@ -207,6 +221,8 @@ class AsyncSession(SessionState):
 
         try:
             self._take(await asyncio.wait_for(self._ws.recv(), timeout))
+            while self._outbox:
+                await self._ws.send(self._outbox.popleft())
         except ConnectionClosed as exc:
             raise self._closed(exc) from None
 

@@ -150,12 +150,20 @@ class SessionState:
         self.end: dict | None = None
         self.errors: list[dict] = []
         self._acks: collections.deque = collections.deque()
+        self._outbox: collections.deque = collections.deque()   # acks of chunks skipped
         self._ws = None
 
-    def _ws_url(self) -> str:
+    def _ws_url(self, info: dict | None = None) -> str:
+        """The socket's URL: ``?after=`` the last chunk handed out, or the session's last
+        chunk made where ``info`` (its GET) says it made fewer (a server resumed from an
+        older checkpoint: the server refuses an ``after`` beyond them, and the chunks
+        made again are skipped as they come)."""
         base = self.client.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
-        after = "" if self.last is None else f"?after={self.last}"
-        return f"{base}/v1/sessions/{self.id}/stream{after}"
+        after = self.last
+        if after is not None and isinstance(info, dict) and isinstance(info.get("chunks"), int):
+            after = min(after, info["chunks"] - 1)
+        tail = "" if after is None or after < 0 else f"?after={after}"
+        return f"{base}/v1/sessions/{self.id}/stream{tail}"
 
     def _handed(self, chunk) -> str:
         """Note ``chunk`` handed out; the ack message to send for it."""
@@ -164,7 +172,8 @@ class SessionState:
 
     def _take(self, msg) -> None:
         """File one socket message: a chunk to ``pending`` (one at or below the newest
-        streamed or pending, sent again after a reconnect, is dropped), the end to
+        streamed or pending, sent again after a reconnect, is dropped; one at or below
+        the last streamed is acknowledged, through ``_outbox``), the end to
         ``end``, an ack (or an error, which answers the control message before it) to
         the acks."""
         if isinstance(msg, bytes):
@@ -172,6 +181,8 @@ class SessionState:
             newest = self.pending[-1].index if self.pending else self.last
             if newest is None or chunk.index > newest:
                 self.pending.append(chunk)
+            elif self.last is not None and chunk.index <= self.last:   # handed out before
+                self._outbox.append(json.dumps({"type": "ack", "index": chunk.index}))
             return
         m = json.loads(msg)
         if m["type"] == "end":

@@ -20,7 +20,7 @@ from framekv.specs import ModelSpec, RolloutSpec
 
 from .cache import CausalKVCache
 
-__all__ = ["check_fits", "free_bytes", "rollout_bytes"]
+__all__ = ["check_fits", "free_bytes", "host_room", "rollout_bytes"]
 
 _GIB = 2**30
 #: Live copies of one forward's activations: the forward itself, the graph pool that
@@ -67,6 +67,26 @@ def free_bytes(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
+
+
+def host_room() -> int | None:
+    """Bytes this process may still take on the host: the kernel's MemAvailable, or less
+    where an address-space limit (RLIMIT_AS, ``ulimit -v``) leaves less; None where
+    neither can be read."""
+    import resource
+
+    room = free_bytes(torch.device("cpu"))
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        used = 0
+        try:
+            with open("/proc/self/status") as f:
+                used = next((int(line.split()[1]) * 1024 for line in f
+                             if line.startswith("VmSize:")), 0)
+        except OSError:
+            pass
+        room = max(0, limit - used) if room is None else min(room, max(0, limit - used))
+    return room
 
 
 def check_fits(name: str, need: dict[str, int], device: torch.device) -> None:

@@ -18,9 +18,11 @@ between chunks::
 
 `ChunkRunner.snapshot` / `ChunkRunner.restore` make and take one. ``save`` writes one
 file (`framekv.engine.cache.tensorfile`: safetensors layout, versioned JSON header,
-CRC; atomic), ``load`` reads it back or raises ValueError for a corrupt, truncated or
-foreign file. ``extra`` carries a caller's JSON-able fields (a server's session record)
-and ``extra_tensors`` its tensors (undelivered chunks).
+CRC; atomic), ``load`` reads it back or raises `CorruptFile` (a ValueError) for a
+corrupt, truncated or foreign file, one whose header does not describe its tensors, or
+one declaring more tensor bytes than its caller's bound. ``extra`` carries a caller's
+JSON-able fields (a server's session record) and ``extra_tensors`` its tensors
+(undelivered chunks).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache.snapshot import SequenceSnapshot, check_format
-from .cache.tensorfile import read_tensors, write_tensors
+from .cache.tensorfile import CorruptFile, read_tensors, write_tensors
 
 __all__ = ["StreamState"]
 
@@ -99,20 +101,32 @@ class StreamState:
         return write_tensors(path, tensors, header)
 
     @classmethod
-    def load(cls, path, *, pin_memory: bool = False) -> "StreamState":
-        """The state `save` wrote; ValueError (`CorruptFile`) for a truncated, corrupt
-        or foreign file."""
-        tensors, h = read_tensors(path, pin_memory=pin_memory)
+    def load(cls, path, *, pin_memory: bool = False,
+             max_bytes: int | None = None) -> "StreamState":
+        """The state `save` wrote; `CorruptFile` (a ValueError) for a truncated,
+        corrupt or foreign file, or one declaring over ``max_bytes`` bytes of tensors
+        (None: no bound; nothing is allocated for such a file)."""
+        tensors, h = read_tensors(path, pin_memory=pin_memory, max_bytes=max_bytes)
         check_format(path, h, FORMAT, VERSION)
         try:
-            seqs = [SequenceSnapshot.from_parts(s, tensors, f"seq{r}.")
-                    for r, s in enumerate(h["sequences"])]
-            prompts = [tensors[f"prompt{r}"] for r in range(len(seqs))]
-            history = None if h["history"] is None else [
-                [(f, tensors[f"history{r}.{f}"]) for f in frames]
-                for r, frames in enumerate(h["history"])]
-            extra_tensors = {k: tensors[f"extra.{k}"] for k in h["extra_tensors"]}
-            return cls(h["model"], seqs, prompts, history, int(h["chunks"]), int(h["frames"]),
-                       tuple(h["noise"]), dict(h["extra"]), extra_tensors)
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"{path}: stream state header is incomplete: {exc!r}") from None
+            return cls._of(h, tensors)
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise CorruptFile(f"{path}: stream state header is incomplete or wrong: "
+                              f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+    @classmethod
+    def _of(cls, h: dict, tensors: dict) -> "StreamState":
+        """The state of a file's header ``h`` and its tensors (KeyError, TypeError or
+        ValueError where they disagree)."""
+        if not isinstance(h["model"], dict) or not isinstance(h["extra"], dict):
+            raise TypeError("model and extra must be JSON objects")
+        seqs = [SequenceSnapshot.from_parts(s, tensors, f"seq{r}.")
+                for r, s in enumerate(h["sequences"])]
+        prompts = [tensors[f"prompt{r}"] for r in range(len(seqs))]
+        history = None if h["history"] is None else [
+            [(f, tensors[f"history{r}.{f}"]) for f in frames]
+            for r, frames in enumerate(h["history"])]
+        extra_tensors = {k: tensors[f"extra.{k}"] for k in h["extra_tensors"]}
+        seed, sequence = h["noise"]
+        return cls(h["model"], seqs, prompts, history, int(h["chunks"]), int(h["frames"]),
+                   (int(seed), int(sequence)), dict(h["extra"]), extra_tensors)

@@ -1,5 +1,6 @@
 """A real `framekv serve` in a thread and raw clients, for the server's hardening suite
-(tests/test_serve_hardening.py): `serving` runs a `DrainingServer` over a scheduler;
+(tests/test_serve_hardening.py): `serving` runs a `DrainingServer` over a scheduler
+(`served_http`: with an HTTP client on it);
 `read_stream`, `ack`, `index_of` read a session's socket; `trickle` sends a request a byte at
 a time; `raw_request` sends bytes no HTTP client would."""
 from __future__ import annotations
@@ -34,6 +35,17 @@ def serving(sched, head_timeout: float = 1.0, **kw):
         thread.join(timeout=30)
         assert not thread.is_alive(), "the server did not drain and exit"
         sched.close()
+
+
+@contextlib.contextmanager
+def served_http(sched, token: str, head_timeout: float = 1.0, **kw):
+    """`serving` with an httpx client on it that sends ``token``: (http, port, sched)."""
+    import httpx
+
+    with serving(sched, head_timeout, token=token, **kw) as (_, port):
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                          headers={"Authorization": f"Bearer {token}"}) as http:
+            yield http, port, sched
 
 
 def create(http, **body) -> str:

@@ -231,7 +231,7 @@ def test_a_draining_replica_adopts_when_no_other_can(cluster, reference):
     assert all(cs.where[s] == drained for s in sids) and drained in cs.draining
     for i, sid in enumerate(sids):
         assert_alone(reference, 40 + i, read(cs, sid, 4, readers[sid], got[sid]))
-    with pytest.raises(SchedulerFull, match="no replica is up"):
+    with pytest.raises(SchedulerFull, match="no replica takes new sessions: 1 draining"):
         cs.open_session(seed=1)
     victim.sched.close()
 

@@ -139,9 +139,10 @@ def test_a_replaced_reader_takes_nothing(pair):
     assert a.next_chunk(s.id, 0, reader=old) is None
 
 
-def test_a_resumed_stream_skips_what_its_client_has(pair):
-    """A stream imported from a state taken two chunks before its client's last one: a
-    reconnect naming that index gets the chunks after it only, each equal to the
+def test_a_stream_resumed_behind_its_client_refuses_its_after(pair):
+    """A stream imported from a state taken two chunks before its client's last one:
+    the client's ``after`` (3) is refused naming the last chunk made (0); a reconnect
+    after that one gets the chunks made again, then the rest, each equal to the
     uninterrupted run's."""
     a, b = pair
     _clear(a)
@@ -153,20 +154,42 @@ def test_a_resumed_stream_skips_what_its_client_has(pair):
     want = take(a, a.sessions[s.id], 4, want)[s.id]  # the client got 0..3, then the kill
     a.close_session(s.id, "test")
     b.import_session(old)
-    reader = b.rewind(s.id, after=3)
+    with pytest.raises(ValueError, match="the last chunk made is 0, got 3"):
+        b.rewind(s.id, after=3)
+    reader = b.rewind(s.id, after=0)
     got = []
-    while len(got) < 3:
+    while len(got) < 6:
         b.step()
         while (c := b.next_chunk(s.id, 0, reader=reader)) is not None:
             got.append(c)
             b.ack(s.id, c.index)
-    assert [c.index for c in got] == [4, 5, 6]
+    assert [c.index for c in got] == [1, 2, 3, 4, 5, 6]
     b.close_session(s.id, "test")
     alone = a.open_session(seed=21, chunks=7)
     full = take(a, alone, 7, {})[alone.id]
     for c in got:
         assert torch.equal(c.latents, full[c.index].latents), c.index
     assert [c.index for c in want] == [0, 1, 2, 3]
+
+
+def test_an_after_or_ack_beyond_the_chunks_made_makes_nothing_for_nobody(pair):
+    """``after`` past the chunks made is refused (naming the last one); an ack past them
+    counts up to the last one only, so the stream makes no more than --queue-chunks
+    ahead of what its client has: none computed and never queued."""
+    a, _ = pair
+    _clear(a)
+    s = a.open_session(seed=3)
+    take(a, s, 2, {})
+    made = s.chunks
+    with pytest.raises(ValueError, match=f"the last chunk made is {made - 1}, got 1000000"):
+        a.rewind(s.id, after=1_000_000)
+    a.ack(s.id, 10**30)
+    assert s.acked == made - 1 and a.session_info(s.id)["delivered"] == made
+    for _ in range(3 * a.queue_chunks):
+        a.step()
+    assert s.chunks == made + a.queue_chunks and len(s.queue) == a.queue_chunks
+    with pytest.raises(ValueError, match="no chunk is made yet, got 0"):
+        a.rewind(a.open_session(seed=4, paused=True).id, after=0)
 
 
 def test_no_reader_waits_on_a_step(pair, monkeypatch):

@@ -29,9 +29,9 @@ import torch
 from framekv.specs import Geometry
 
 from .reference import visible_positions
-from .tensorfile import read_tensors, write_tensors
+from .tensorfile import CorruptFile, read_tensors, write_tensors
 
-__all__ = ["FORMAT", "SequenceSnapshot", "describe_pool", "kept_positions"]
+__all__ = ["FORMAT", "SequenceSnapshot", "describe_pool", "kept_count", "kept_positions"]
 
 FORMAT, VERSION = "framekv.sequence", 1
 _GROUP_BYTES = 256 << 20     # device staging per copy step
@@ -41,6 +41,13 @@ def kept_positions(geometry: Geometry, committed: int) -> list[int]:
     """The committed positions a sequence at C = ``committed`` still reads: what the
     next block sees (`reference.visible_positions` at s = C) but its own token."""
     return visible_positions(geometry, committed, committed, 1)[:-1].tolist()
+
+
+def kept_count(geometry: Geometry, committed: int) -> int:
+    """``len(kept_positions(geometry, committed))``, counted without listing them (a
+    file's header may declare any size)."""
+    P, W = geometry.pin_tokens, geometry.window_tokens
+    return min(P, committed) + max(0, min(committed - P, W))
 
 
 @dataclass(eq=False)
@@ -128,11 +135,15 @@ class SequenceSnapshot:
 
     @classmethod
     def load(cls, path, *, pin_memory: bool = False) -> "SequenceSnapshot":
-        """The snapshot `save` wrote. ValueError (`tensorfile.CorruptFile`) for a
-        truncated or corrupt file, another format or version."""
+        """The snapshot `save` wrote. `tensorfile.CorruptFile` (a ValueError) for a
+        truncated or corrupt file, another format or version, a header that does not
+        describe its tensors."""
         tensors, header = read_tensors(path, pin_memory=pin_memory)
         check_format(path, header, FORMAT, VERSION)
-        return cls.from_parts(header, tensors)
+        try:
+            return cls.from_parts(header, tensors)
+        except ValueError as exc:
+            raise CorruptFile(f"{path}: {exc}") from None
 
     @classmethod
     def from_parts(cls, header: dict, tensors: dict, prefix: str = "") -> "SequenceSnapshot":
@@ -142,13 +153,17 @@ class SequenceSnapshot:
             g = Geometry(**{**header["geometry"], "causal_block_sizes":
                             tuple(header["geometry"]["causal_block_sizes"])})
             dtype = getattr(torch, header["dtype"])
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"dtype {header['dtype']!r} is not a torch dtype")
             snap = cls(g, int(header["num_layers"]), int(header["num_kv_heads"]),
                        int(header["head_dim"]), dtype, int(header["committed"]),
                        tensors[f"{prefix}k"], tensors[f"{prefix}v"],
                        kv_scales=header.get("kv_scales"))
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"snapshot header is incomplete or wrong: {exc!r}") from None
-        want = (snap.num_layers, len(snap.positions), snap.num_kv_heads, snap.head_dim)
+        except (KeyError, TypeError, AttributeError, OverflowError) as exc:
+            raise ValueError(f"snapshot header is incomplete or wrong: {str(exc)[:200]}") from None
+        if snap.committed < 0:
+            raise ValueError(f"snapshot committed must be >= 0, got {snap.committed}")
+        want = (snap.num_layers, kept_count(g, snap.committed), snap.num_kv_heads, snap.head_dim)
         for name, t in (("k", snap._k), ("v", snap._v)):
             if tuple(t.shape) != want or t.dtype != dtype:
                 raise ValueError(f"snapshot {name} is {t.dtype} {list(t.shape)}, its header "
@@ -172,10 +187,12 @@ def describe_pool(geometry: Geometry, num_layers: int, num_kv_heads: int, head_d
 
 
 def check_format(path, header: dict, fmt: str, version: int) -> None:
-    """ValueError unless a file's header names ``fmt`` at ``version``."""
-    if header.get("format") != fmt or header.get("version") != version:
-        raise ValueError(f"{path}: a {header.get('format')!r} file of version "
-                         f"{header.get('version')!r}, not {fmt!r} version {version}")
+    """`CorruptFile` (a ValueError) unless a file's header names ``fmt`` at ``version``."""
+    got = [str(header.get(k))[:40] for k in ("format", "version")]
+    if header.get("format") != fmt or type(header.get("version")) is not int \
+            or header.get("version") != version:
+        raise CorruptFile(f"{path}: a {got[0]!r} file of version {got[1]}, not {fmt!r} "
+                          f"version {version}")
 
 
 def gather(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,

@@ -2,7 +2,8 @@
 streams, one `StreamState` each way.
 
     next_chunk       the oldest chunk not yet handed out (it stays until acknowledged)
-    ack, rewind      the client has chunks up to an index; sends them all again
+    ack, rewind      the client has chunks up to an index (never past the last one
+                     made); sends them all again
 
     export_session   the stream out, its slot freed (a move, a drain)
     import_session   a stream in under its id, off the pool until its turn
@@ -23,6 +24,7 @@ import time
 
 import torch
 
+from ..memory import host_room
 from ..stream_state import StreamState
 from . import state_files
 from .records import SchedulerFull, SessionChunk
@@ -122,13 +124,16 @@ class Moves:
         checkpoints), under their ids, as many as there is room for; each file opened
         is removed (``keep_files``: left, for checkpoints that write over it, so a crash
         before the next one loses nothing), a corrupt one renamed ``*.corrupt``, one
-        that does not fit logged and left (`state_files`). Returns the ids opened."""
+        that does not fit logged and left (`state_files`); a file declaring more tensor
+        bytes than the host can still hold (`host_room`) is corrupt, refused before
+        anything is allocated. Returns the ids opened."""
         with self.lock:
             room, taken = self.max_sessions - len(self.sessions), set(self.sessions)
         pin = torch.device(self.runner.device).type == "cuda"
         opened = []
         for path, state in state_files.read_states(
-                directory, room=lambda: len(opened) < room, taken=taken, pin_memory=pin):
+                directory, room=lambda: len(opened) < room, taken=taken, pin_memory=pin,
+                max_bytes=host_room()):
             try:
                 opened.append(self._admit(state_files.stream_of(
                     state, self.model, self.decoding, where=str(path))))
@@ -180,8 +185,9 @@ class Moves:
 
     def ack(self, session_id: str, index: int) -> int:
         """The client has every chunk up to ``index``: they leave the queue (a place
-        freed: the stream may be ready again). Returns how many left. KeyError for an
-        id that is not open, ValueError for an index that is not an integer."""
+        freed: the stream may be ready again); ``acked`` goes no further than the last
+        chunk made. Returns how many left. KeyError for an id that is not open,
+        ValueError for an index that is not an integer."""
         if isinstance(index, bool) or not isinstance(index, int):
             raise ValueError(f"index must be an integer, got {index!r}")
         with self.lock:
@@ -198,18 +204,28 @@ class Moves:
 
     def rewind(self, session_id: str, after: int | None = None) -> int:
         """A client (re)connects: every unacknowledged chunk is sent again, after those
-        up to ``after`` (the last index it has) are acknowledged. ``after`` may lie
-        beyond the chunks made here (a stream resumed from a checkpoint older than what
-        its client got): those chunks, made again, are not queued (within the budget).
-        Returns the new reader's number for `next_chunk` (any reader before it takes no
-        more)."""
-        if after is not None:
-            self.ack(session_id, after)
+        up to ``after`` (the last index it has) are acknowledged. ``after`` must lie
+        within the chunks made (`check_after`: a stream resumed from a checkpoint older
+        than what its client got is behind it; the client reconnects at the stream's
+        last chunk and takes the chunks made again). Returns the new reader's number for
+        `next_chunk` (any reader before it takes no more). KeyError for an id that is
+        not open, ValueError for an ``after`` that is not a chunk made."""
         with self.lock:
             s = self.sessions[session_id]
             if after is not None:
-                s.acked = max(s.acked, after if s.budget is None else min(after, s.budget - 1))
+                check_after(after, s.chunks)
+                self.ack(session_id, after)
             s.sent = 0
             s.reader += 1
             self.ready.notify_all()
             return s.reader
+
+
+def check_after(after, chunks: int) -> None:
+    """ValueError unless ``after`` (the last index a client has) is -1 (none) or the
+    index of one of the ``chunks`` chunks a stream made: one beyond would have it make
+    chunks that are never sent, for nobody. The message names the last index made."""
+    if isinstance(after, bool) or not isinstance(after, int) or not -1 <= after < max(chunks, 0):
+        last = (f"the last chunk made is {chunks - 1}" if chunks > 0 else "no chunk is made yet")
+        raise ValueError(f"after must be -1 or the index of a chunk made: {last}, got "
+                         f"{str(after)[:40]}")

@@ -22,10 +22,12 @@ A state fits a scheduler whose runner describes itself the same way
 (`ChunkRunner.describe`; a refusal names each field that differs, nested ones by dotted
 name) and that decodes as the stream did. Files: ``<id>.session`` in one folder,
 written atomically (`StreamState.save`). `read_states` takes a folder's files in name
-order: a corrupt one (`CorruptFile`: truncated, a bad CRC, a header whose shapes do not
-tile the file) is logged and renamed ``*.corrupt``; one that does not fit, or whose
-stream is open already, is logged and left (another server may take it); once the room
-is taken the rest are left for a later start; every other one is read, then removed.
+order: one that cannot be read as a state of this version (`load_state`: whatever its
+bytes, or not a regular file at all: a FIFO, a device, a folder, never opened for
+reading) is renamed ``*.corrupt`` with one log line saying why; one that does not fit,
+or whose stream is open already, is logged and left (another server may take it); once
+the room is taken the rest are left for a later start; every other one is read, then
+removed.
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ from ..stream_state import StreamState
 from .records import PromptChange, SessionChunk
 from .stream import Stream
 
-__all__ = ["SUFFIX", "read_states", "remove", "stream_of", "stream_state", "write_state"]
+__all__ = ["SUFFIX", "load_state", "read_states", "remove", "set_aside", "stream_of",
+           "stream_state", "write_state"]
 log = logging.getLogger("framekv.scheduler")
 
 SUFFIX = ".session"
@@ -135,21 +138,35 @@ def _check_record(where, rec: dict, extra: dict, decoding: bool) -> str:
     """The state's stream kind once its record is one this version wrote, of a valid
     id, state, counts and decoding; else a ValueError naming the field."""
     if (rec.get("format"), rec.get("version")) != (FORMAT, VERSION):
-        raise ValueError(f"{where}: a {rec.get('format')!r} record of version "
-                         f"{rec.get('version')!r}, not {FORMAT!r} version {VERSION}")
+        raise ValueError(f"{where}: a {str(rec.get('format'))[:40]!r} record of version "
+                         f"{str(rec.get('version'))[:16]}, not {FORMAT!r} version {VERSION}")
     kind, sid = extra["stream"], rec["id"]
     if not isinstance(sid, str) or not _ID.fullmatch(sid):
-        raise ValueError(f"{where}: session id must be 1 to 128 of A-Z a-z 0-9 _ -, got {sid!r}")
+        raise ValueError(f"{where}: session id must be 1 to 128 of A-Z a-z 0-9 _ -, got "
+                         f"{str(sid)[:140]!r}")
     if (rec["state"], kind) not in (("active", "live"), ("active", "start"), ("done", "none")):
-        raise ValueError(f"{where}: a stream in state {rec['state']!r} with stream {kind!r}")
+        raise ValueError(f"{where}: a stream in state {str(rec['state'])[:24]!r} with stream "
+                         f"{str(kind)[:24]!r}")
     bad = [k for k in _COUNTS if isinstance(rec[k], bool) or not isinstance(rec[k], int)
            or rec[k] < 0]
-    acked_ok = type(rec["acked"]) is int and rec["acked"] >= -1
-    if bad or not acked_ok or not isinstance(rec["paused"], bool) or not (
-            rec["budget"] is None or (type(rec["budget"]) is int and rec["budget"] >= 1)):
-        raise ValueError(f"{where}: stream fields {bad or ['acked', 'paused', 'budget']} must "
-                         f"be integers >= 0 (acked >= -1, paused a boolean, budget None or "
-                         f">= 1), got { {k: rec[k] for k in _RECORD} }")
+    # an acknowledgement never runs ahead of what was made: one that did would make
+    # chunks that are never queued, for nobody
+    bad += [k for k, ok in (
+        ("acked", type(rec["acked"]) is int and "chunks" not in bad
+         and -1 <= rec["acked"] < rec["chunks"]),
+        ("paused", isinstance(rec["paused"], bool)),
+        ("budget", rec["budget"] is None or (type(rec["budget"]) is int and rec["budget"] >= 1)),
+    ) if not ok]
+    if bad:
+        shown = {k: str(rec[k])[:24] for k in _RECORD}
+        raise ValueError(f"{where}: stream fields {bad} must be integers >= 0 (acked in [-1, "
+                         f"chunks), paused a boolean, budget None or >= 1), got {shown}")
+    indices = [q["index"] for q in extra["queue"]]
+    if any(type(i) is not int for i in indices) or indices != sorted(set(indices)) or (
+            indices and not rec["acked"] < indices[0] <= indices[-1] < rec["chunks"]):
+        raise ValueError(f"{where}: the queued chunks' indices must rise within (acked, "
+                         f"chunks) = ({rec['acked']}, {rec['chunks']}), got "
+                         f"{str(indices)[:80]}")
     if bool(extra["decoding"]) != decoding:
         raise ValueError(f"{where}: the stream's chunks carry "
                          f"{'decoded video' if extra['decoding'] else 'latents only'}, this "
@@ -174,27 +191,46 @@ def write_state(directory, state: StreamState) -> int:
     return state.save(pathlib.Path(directory) / f"{sid}{SUFFIX}")
 
 
-def read_states(directory, *, room, taken=(), pin_memory: bool = False):
+def load_state(path, *, pin_memory: bool = False, max_bytes: int | None = None) -> StreamState:
+    """The state of file ``path`` once its record is one this version wrote (whether it
+    fits a scheduler is `stream_of`'s check). `CorruptFile` for a file that is not such
+    a state, whatever its bytes (`StreamState.load`, ``max_bytes`` included), or no
+    regular file; OSError where it cannot be read."""
+    state = StreamState.load(path, pin_memory=pin_memory, max_bytes=max_bytes)
+    try:
+        _stream_of(str(path), state, bool(state.extra["decoding"]))
+    except ValueError as exc:                  # it names the path and the field
+        raise CorruptFile(str(exc)) from None
+    except (KeyError, TypeError, IndexError, AttributeError, OverflowError) as exc:
+        raise CorruptFile(f"{path}: the session record is incomplete: "
+                          f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    return state
+
+
+def read_states(directory, *, room, taken=(), pin_memory: bool = False,
+                max_bytes: int | None = None):
     """Yield (path, state) for each state file of ``directory`` in name order while
     ``room()`` is true (the caller counts what it opened: a file that does not fit
     takes no place), none whose id is in ``taken`` (module doc for the files skipped
-    and what becomes of them). Never raises for a file: each one skipped is logged.
-    Whether a state fits is the caller's check (`stream_of`); it removes a file once
-    its stream is open (`remove`)."""
+    and what becomes of them). ``max_bytes``: the most tensor bytes a file may declare
+    (`load_state`). Never raises for a file: each one skipped is logged. Whether a
+    state fits is the caller's check (`stream_of`); it removes a file once its stream
+    is open (`remove`)."""
     seen = set(taken)
     for path in sorted(pathlib.Path(directory).glob(f"*{SUFFIX}")):
         if not room():
             log.warning("%s: left unread for a later start: no room for more sessions", path)
             continue
         try:
-            state = StreamState.load(path, pin_memory=pin_memory)
-            sid = state.extra["session"]["id"]
+            state = load_state(path, pin_memory=pin_memory, max_bytes=max_bytes)
         except CorruptFile as exc:
-            _set_aside(path, exc)
+            set_aside(path, exc)
             continue
-        except (ValueError, OSError, KeyError, TypeError) as exc:
-            log.error("session file left as it is, not opened: %s: %r", path, exc)
+        except (OSError, RuntimeError, MemoryError) as exc:   # the file may be fine
+            log.error("session file left as it is, not opened: %s: %s: %s", path,
+                      type(exc).__name__, " ".join(str(exc).split())[:300])
             continue
+        sid = state.extra["session"]["id"]
         if sid in seen:
             log.error("%s: session file left as it is: session %s is open already", path, sid)
             continue
@@ -211,12 +247,13 @@ def remove(path) -> None:
         log.error("%s: removing the session file after reading it failed: %s", path, exc)
 
 
-def _set_aside(path: pathlib.Path, exc: Exception) -> None:
+def set_aside(path: pathlib.Path, exc: Exception) -> None:
     """Log a corrupt session file and rename it ``*.corrupt`` (kept for a look)."""
     bad = path.with_name(path.name + ".corrupt")
+    why = " ".join(str(exc).split())[:600]          # one line, whatever the file held
     try:
         os.replace(path, bad)
     except OSError as err:
-        log.error("corrupt session file not opened (renaming it failed: %s): %s", err, exc)
+        log.error("corrupt session file not opened (renaming it failed: %s): %s", err, why)
         return
-    log.error("corrupt session file renamed %s, not opened: %s", bad.name, exc)
+    log.error("corrupt session file renamed %s, not opened: %s", bad.name, why)

@@ -274,8 +274,9 @@ class Steps(Overlap):
         s.frames += frames
 
     def _deliver(self, s: Stream, chunk: SessionChunk) -> None:
-        """``s``'s chunk queued for its client (unless it has it: a resumed stream), and
-        what follows from it: frames counted, the budget spent, a checkpoint due."""
+        """``s``'s chunk queued for its client (unless it acknowledged it already: a
+        chunk counted made while it decoded may be), and what follows from it: frames
+        counted, the budget spent, a checkpoint due."""
         if chunk.index > s.acked:
             s.queue.append(chunk)
         if chunk.video is not None:

@@ -39,8 +39,8 @@ class Stream:
     """One stream (module doc). ``state``: "active", "done" (its chunk budget is spent),
     "failed" (``error`` says why) or "closed". ``waiting_since``: when it last became
     ready for a chunk (None while it is not). ``acked``: the last chunk index its client
-    acknowledged (-1: none), every one before it acknowledged too; a chunk made again
-    at or below it (a stream resumed from a checkpoint) is not sent again. ``sent``: how
+    acknowledged (-1: none), every one before it acknowledged too; never past the last
+    chunk made (a client's ``after`` beyond it is refused: `check_after`). ``sent``: how
     many queued chunks the current reader took; ``reader``: which connection reads its
     chunks (`rewind` makes a new one; those before it take none). ``last_stepped``: the
     scheduler's step count when it last made a chunk or took its slot (which resident

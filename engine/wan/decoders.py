@@ -7,7 +7,8 @@ of a TAEHV ``taew2_1`` checkpoint), the ``--decoder`` of ``framekv serve`` and
 pipeline's diffusers folder; a pipeline of random parts (a config, no folder) gets a
 random tiny decoder (seed 0) of its transformer's latent channels, as its VAE would be
 random. Every choice is checked (`check_decoder`) before anything
-loads; a ValueError names the decoder and the value given.
+loads, and a tiny checkpoint is read and checked (`read_tiny`) before any model is
+built; a ValueError names the decoder and the value given.
 """
 from __future__ import annotations
 
@@ -63,11 +64,24 @@ def check_decoder(value, weights=None, *, name: str = "decoder") -> tuple[str, s
     return kind, tiny_checkpoint(path, weights, name=name) if kind == "tiny" else None
 
 
+def read_tiny(path: str, *, name: str = "decoder"):
+    """The `TinyDecoderNet` of the tiny checkpoint ``path`` on the CPU, read and checked
+    (`TinyStreamingDecoder.read_net`); a ValueError naming ``name`` for a file that
+    cannot be read or holds another layout."""
+    from .tiny_decoder import TinyStreamingDecoder
+
+    try:
+        return TinyStreamingDecoder.read_net(path)
+    except ValueError as exc:
+        raise ValueError(f"{name} tiny:PATH: {exc}") from None
+
+
 def build_decoder(kind: str, path: str | None, *, vae, sequences, use_graphs, device, dtype,
-                  latent_channels: int):
+                  latent_channels: int, net=None):
     """The streaming decoder of a checked choice (`parse_decoder`, `tiny_checkpoint`):
-    `StreamingVAEDecoder` over ``vae``, or `TinyStreamingDecoder` of ``path`` (None:
-    random, seed 0, ``latent_channels``), in ``dtype`` (None: the decoder's default)."""
+    `StreamingVAEDecoder` over ``vae``, or `TinyStreamingDecoder` of ``net`` (`read_tiny`
+    read it) or of ``path`` (None: random, seed 0, ``latent_channels``), in ``dtype``
+    (None: the decoder's default)."""
     from .tiny_decoder import TinyStreamingDecoder
     from .vae import StreamingVAEDecoder
 
@@ -75,6 +89,8 @@ def build_decoder(kind: str, path: str | None, *, vae, sequences, use_graphs, de
         return StreamingVAEDecoder(vae, sequences=sequences, use_graphs=use_graphs,
                                    device=device)
     opts = {"sequences": sequences, "use_graphs": use_graphs, "device": device, "dtype": dtype}
+    if net is not None:
+        return TinyStreamingDecoder.from_net(net, **opts)
     if path is None:
         return TinyStreamingDecoder.random(seed=0, latent_channels=latent_channels, **opts)
     return TinyStreamingDecoder.from_file(path, **opts)

@@ -38,7 +38,7 @@ import os
 
 import torch
 
-from .decoders import build_decoder, check_decoder
+from .decoders import build_decoder, check_decoder, read_tiny
 from .rollout import SAMPLERS, WanRollout
 from .setup import CONFIGS, PRESETS, build_model, preset_sizes
 from .text import TEXT_CONFIGS, TextEncoder, has_text_encoder
@@ -70,6 +70,8 @@ class WanPipeline:
         config_name: the shipped config the transformer matches, or None.
         decoder_choice: ``(kind, path)`` of the streaming decoder (module doc; path None:
             the VAE, or random tiny weights).
+        decoder_net: the tiny decoder's net `load` read from ``path`` before building
+            anything (None: none read; `decoder` reads ``path`` then).
         dtype: the dtype the parts were asked in (None: each part's default).
     """
 
@@ -82,6 +84,7 @@ class WanPipeline:
     config_name: str | None = None
     decoder_choice: tuple[str, str | None] = ("wan", None)
     dtype: torch.dtype | None = None
+    decoder_net: torch.nn.Module | None = None
 
     @classmethod
     def load(cls, config=None, *, weights=None, checkpoint=None, preset=None,
@@ -97,6 +100,7 @@ class WanPipeline:
 
         config = _check_sources(config, weights, checkpoint)
         kind, tiny = check_decoder(decoder, weights)
+        net = None if tiny is None else read_tiny(tiny)     # read before any model is built
         vae = vae if kind == "wan" else False
         _check_sampling(sampler, shift)
         _check_folder(weights, checkpoint, text_encoder=text_encoder, vae=vae)
@@ -115,7 +119,7 @@ class WanPipeline:
         text = _text_encoder(text_encoder, weights, name, sizes["prompt_tokens"], dev, dtype)
         decoder_vae = _vae(vae, weights, name, dev, dtype)
         return cls(model, text, decoder_vae, sizes, config_name=name,
-                   decoder_choice=(kind, tiny), dtype=dtype,
+                   decoder_choice=(kind, tiny), dtype=dtype, decoder_net=net,
                    **sampling(sizes["timesteps"], checkpoint=checkpoint is not None,
                               sampler=sampler, shift=shift))
 
@@ -146,7 +150,8 @@ class WanPipeline:
                              "None, from weights that hold one), got a pipeline without one")
         return build_decoder(kind, path, vae=self.vae, sequences=sequences,
                              use_graphs=use_graphs, device=self.device, dtype=self.dtype,
-                             latent_channels=self.transformer.config.out_channels)
+                             latent_channels=self.transformer.config.out_channels,
+                             net=self.decoder_net)
 
 
 def sampling(timesteps, *, checkpoint: bool = False, sampler: str | None = None,

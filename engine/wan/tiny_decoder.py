@@ -124,16 +124,29 @@ class TinyStreamingDecoder(DecoderRows):
 
     @classmethod
     def from_file(cls, path, *, device=None, dtype=None, **kwargs) -> "TinyStreamingDecoder":
-        """A decoder of a local TAEHV checkpoint (``taew2_1.pth``, ``torch.load`` with
-        ``weights_only``, or ``.safetensors``): its decoder keys, the encoder's ignored;
-        latent channels from ``decoder.1.weight``; ``kwargs`` go to the constructor.
-        ValueError naming the path for a file that is absent or unreadable, or the keys
-        for another layout (`TinyDecoderNet.load_taehv`)."""
+        """A decoder of a local TAEHV checkpoint (`read_net`); ``kwargs`` go to the
+        constructor. ValueError as `read_net` raises it."""
+        return cls.from_net(cls.read_net(path), device=device, dtype=dtype, **kwargs)
+
+    @staticmethod
+    def read_net(path) -> TinyDecoderNet:
+        """The `TinyDecoderNet` of a local TAEHV checkpoint (``taew2_1.pth``,
+        ``torch.load`` with ``weights_only``, or ``.safetensors``) on the CPU: its decoder
+        keys, the encoder's ignored; latent channels from ``decoder.1.weight``. ValueError
+        naming the path for a file that is absent or unreadable, or the keys for another
+        layout (`TinyDecoderNet.load_taehv`)."""
         state = read_taehv(path)
         stem = state.get("decoder.1.weight")
         channels = stem.shape[1] if isinstance(stem, torch.Tensor) and stem.dim() == 4 else 16
         net = unset_net(channels)
         net.load_taehv(state, where=f"checkpoint {os.fspath(path)!r}")
+        return net
+
+    @classmethod
+    def from_net(cls, net: TinyDecoderNet, *, device=None, dtype=None,
+                 **kwargs) -> "TinyStreamingDecoder":
+        """A decoder of ``net`` (`read_net`'s, moved) on ``device`` in ``dtype`` (default
+        bf16 on CUDA, fp32 on the CPU); ``kwargs`` go to the constructor."""
         return cls._of(net, device, dtype, kwargs)
 
     @classmethod

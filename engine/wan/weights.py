@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import uuid
 
 import torch
@@ -109,11 +110,26 @@ def read_checkpoint(path, *, key: str | None = None) -> dict[str, torch.Tensor]:
         else:
             raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch and safetensors raise many types for a bad file
-        raise ValueError(f"cannot read checkpoint {path!r}: {exc}") from exc
+        raise ValueError(f"cannot read checkpoint {path!r}: {_read_error(exc)}") from None
     state = _select(raw, key, path)
     # "model.diffusion_model." is diffusers' converter's own prefix: it strips it.
     return {(k[len("model."):] if k.startswith("model.") and not
              k.startswith("model.diffusion_model.") else k): v for k, v in state.items()}
+
+
+def _read_error(exc: Exception) -> str:
+    """Why a checkpoint could not be read, in one line, without torch's advice to load it
+    with ``weights_only=False``: that runs whatever code the file holds."""
+    text = str(exc)
+    unpickler = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+    if unpickler is not None:
+        why = unpickler.group(1).split(" Please use")[0].strip()
+        return (f"it is not a checkpoint of plain tensors ({why[:200]}); only tensors are "
+                "loaded from a file, never code: save its state dict as tensors (or "
+                ".safetensors)")
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip() and "weights_only" not in ln and "trust" not in ln]
+    return (" ".join(lines)[:300] or type(exc).__name__)
 
 
 def _select(raw, key, path) -> dict:

@@ -11,8 +11,9 @@
 
 ``replica.py`` the replica deployment's class; ``router.py`` its request router;
 ``sessions.py`` the ingress's placement and session calls, ``moves.py`` its replicas,
-adoptions, moves and drains; ``ingress.py``
-the ingress deployment and the cluster's own routes; ``models.py`` their bodies;
+adoptions, moves, drains and their undoing; ``ingress.py`` the ingress deployment and
+the cluster's own routes (behind ``--admin-token`` where one is set); ``models.py``
+their bodies;
 ``command.py`` the command line. Ray is imported by the command and the deployments
 only (``pip install 'framekv[cluster]'``).
 """

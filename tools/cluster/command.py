@@ -11,7 +11,10 @@ of several hosts needs one every host reads), so a replica that stops hands its
 sessions on; ``--checkpoint-every`` makes that hold for a replica killed outright.
 
 ``framekv cluster replicas`` lists the replicas; ``framekv cluster drain REPLICA``
-moves every session off one (``--url`` the ingress, the token from FRAMEKV_TOKEN).
+moves every session off one, ``framekv cluster undrain REPLICA`` has it take new
+sessions again (``--url`` the ingress; the token from FRAMEKV_ADMIN_TOKEN, else
+FRAMEKV_TOKEN). ``--admin-token`` (or FRAMEKV_ADMIN_TOKEN) guards those routes and the
+move: with it, the session token does not pass them.
 Ray is imported only here (``pip install 'framekv[cluster]'``).
 """
 from __future__ import annotations
@@ -22,8 +25,9 @@ import os
 import sys
 import tempfile
 import time
+from urllib.parse import quote
 
-from ..args import int_in, positive_int
+from ..args import bearer_token, int_in, positive_int
 from ..serve import command as serve_command
 from .autoscale import autoscaling_config
 
@@ -52,12 +56,20 @@ def add_arguments(serve_parser: argparse.ArgumentParser) -> None:
                    help="join this Ray cluster (default: start a local one)")
     g.add_argument("--replica-cpus", type=positive_int, default=1, metavar="N",
                    help="CPU cores a replica takes on a host without GPUs (default 1)")
+    g.add_argument("--admin-token", type=bearer_token, default=None, metavar="TOKEN",
+                   help="the token the cluster's admin routes (move, drain, undrain, "
+                        "replicas) need instead of the session token; prefer the "
+                        "FRAMEKV_ADMIN_TOKEN environment variable")
     serve_parser.set_defaults(func=run_serve)
 
 
 def run_serve(args) -> int:
     """``framekv serve``: one server, or a cluster with ``--replicas`` / autoscaling."""
     if args.replicas is None and args.min_replicas is None and args.max_replicas is None:
+        if args.admin_token is not None:
+            return serve_command.fail(ValueError(
+                "--admin-token guards a cluster's move, drain, undrain and replica routes: "
+                "it needs --replicas (or --min-replicas and --max-replicas)"))
         return serve_command.run(args)
     return run_cluster(args)
 
@@ -81,7 +93,8 @@ def scaling(args) -> dict:
 def settings(args, options: dict) -> dict:
     """`build_app`'s options for the ingress (resolved here: a worker does not see this
     process's environment, FRAMEKV_TOKEN included)."""
-    return {"token": options["token"], "output": options["output"],
+    return {"token": options["token"], "admin_token": options.get("admin_token"),
+            "output": options["output"],
             "frame_format": args.frame_format, "fps": args.fps,
             "idle_timeout": args.session_idle_timeout, "model": serve_command.model_name(args),
             "allowed_origins": args.allowed_origins}
@@ -115,6 +128,12 @@ def _cluster_args(args) -> tuple[argparse.Namespace, dict]:
     """``args`` checked (`checked_options`), with a state folder every replica uses."""
     options = serve_command.checked_options(args)
     scaling(args)
+    admin = serve_command.token_of(args, option="admin_token", env="FRAMEKV_ADMIN_TOKEN")
+    if admin is not None and admin == options["token"]:
+        raise ValueError("the admin token (--admin-token, FRAMEKV_ADMIN_TOKEN) must differ "
+                         "from the session token: the session token must not pass the "
+                         "admin routes")
+    options["admin_token"] = admin
     if options["state_dir"] is None:
         if args.ray_address is not None:
             print("framekv serve: warning: no --state-dir on a joined cluster: a replica "
@@ -166,6 +185,7 @@ def run_cluster(args) -> int:
         return serve_command.fail(exc)
     from ray import serve
 
+    serve_command.warn_unguarded(args.host, options["token"])
     try:
         start_ray(args, options)
         serve.run(deployments(args, options), name=APP, route_prefix="/")
@@ -220,16 +240,17 @@ def _last_line(exc) -> str:
 
 # ---------------------------------------------------------------------- framekv cluster
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """``framekv cluster replicas|drain``."""
+    """``framekv cluster replicas|drain|undrain``."""
     from ..conventions import one_line_errors
 
     p = one_line_errors(subparsers.add_parser(
-        "cluster", help="a serving cluster's replicas: list them, drain one"))
+        "cluster", help="a serving cluster's replicas: list them, drain one, undo a drain"))
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     for name, text in (("replicas", "list the replicas: sessions, slots, draining"),
-                       ("drain", "move every session off a replica; it takes no new one")):
+                       ("drain", "move every session off a replica; it takes no new one"),
+                       ("undrain", "a drained replica takes new sessions again")):
         a = one_line_errors(sub.add_parser(name, help=text))
-        if name == "drain":
+        if name != "replicas":
             a.add_argument("replica", help="the replica's id (framekv cluster replicas)")
         a.add_argument("--url", default="http://127.0.0.1:8000",
                        help="the cluster's ingress (default http://127.0.0.1:8000)")
@@ -241,10 +262,10 @@ def run_admin(args) -> int:
     """One call to the ingress; its JSON answer printed; 1 for an error it answered."""
     import httpx
 
-    token = os.environ.get("FRAMEKV_TOKEN")
+    token = os.environ.get("FRAMEKV_ADMIN_TOKEN") or os.environ.get("FRAMEKV_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     path = ("/v1/cluster/replicas" if args.action == "replicas"
-            else f"/v1/cluster/replicas/{args.replica}/drain")
+            else f"/v1/cluster/replicas/{quote(args.replica, safe='')}/{args.action}")
     try:
         r = httpx.request("GET" if args.action == "replicas" else "POST", args.url + path,
                           headers=headers, timeout=600)

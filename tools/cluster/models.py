@@ -35,4 +35,6 @@ class ReplicaInfo(BaseModel):
     sessions: int = Field(description="Sessions placed there.")
     max_sessions: int
     slots: int
-    draining: bool = Field(description="Whether it takes no new session.")
+    draining: bool = Field(description="Whether it takes no new session (drained).")
+    takes_sessions: bool = Field(description="Whether new sessions go there: not draining, "
+                                             "its loop running.")

@@ -42,14 +42,31 @@ class Moves:
         """Why no session can be served (no replica up), else None."""
         return None if self.replicas else "no replica is up"
 
+    @property
+    def degraded(self) -> str | None:
+        """Why no replica takes a new session while some are up (each draining, or its
+        loop stopped), else None."""
+        with self.lock:
+            taking = [rid for rid, r in self.replicas.items()
+                      if rid not in self.draining and r["error"] is None]
+            drained = sorted(set(self.replicas) & self.draining)
+            if not self.replicas or taking:
+                return None
+        shown = ", ".join(drained[:8]) + (", ..." if len(drained) > 8 else "")
+        stopped = len(self.replicas) - len(drained)
+        return (f"no replica takes new sessions: {len(drained)} draining ({shown})"
+                + (f", {stopped} whose loop stopped" if stopped else "")
+                + ": undrain one (framekv cluster undrain REPLICA)")
+
     def replica_info(self) -> list[dict]:
         """Each replica: id, process id, sessions placed there, max_sessions, slots,
-        draining."""
+        draining, and whether it takes new sessions (not draining, its loop running)."""
         with self.lock:
             load = collections.Counter(self.where.values())
             return [{"id": rid, "pid": r["pid"], "sessions": load[rid],
                      "max_sessions": r["max_sessions"], "slots": r["slots"],
-                     "draining": rid in self.draining}
+                     "draining": rid in self.draining,
+                     "takes_sessions": rid not in self.draining and r["error"] is None}
                     for rid, r in sorted(self.replicas.items())]
 
     def metrics_by_replica(self) -> dict[str, dict]:
@@ -116,6 +133,9 @@ class Moves:
                                 "(--state-dir with --checkpoint-every keeps one)")
         except (SchedulerFull, ReplicaGone) as exc:     # tried again at the next look
             log.warning("session %s waits for a replica to adopt it: %s", sid, exc)
+        except ValueError as exc:                        # its file, or its state, is bad
+            self._lose(sid, f"its replica {gone} stopped and it could not be opened "
+                            f"elsewhere: {exc}")
         finally:
             with self.lock:
                 self.moving.discard(sid)
@@ -151,8 +171,9 @@ class Moves:
                 raise MoveConflict(f"session {sid[:64]!r} is being moved already")
             src = self.where[sid]
             if to is not None and to not in self.replicas:
-                raise ValueError(f"to must be one of the replicas {sorted(self.replicas)}, "
-                                 f"got {to!r}")
+                shown = repr(to) if len(to) <= 64 else f"{to[:64]!r}... ({len(to)} characters)"
+                raise ValueError(f"to must be one of the replicas "
+                                 f"{sorted(self.replicas)[:16]}, got {shown}")
             if to == src:
                 raise ValueError(f"to must be another replica than the session's own, got "
                                  f"{to!r}, where it is")
@@ -212,3 +233,13 @@ class Moves:
             except Exception as exc:
                 left[sid] = f"{type(exc).__name__}: {exc}"
         return {"replica": rid, "moved": moved, "left": left}
+
+    def undrain(self, rid: str) -> dict:
+        """Replica ``rid`` takes new sessions again (its drain undone; the sessions moved
+        off stay where they went). KeyError for an unknown replica."""
+        with self.lock:
+            if rid not in self.replicas:
+                raise KeyError(rid)
+            self.draining.discard(rid)
+        log.info("replica %s takes new sessions again", rid)
+        return {"replica": rid, "draining": False}

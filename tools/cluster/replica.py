@@ -145,6 +145,14 @@ class Replica:
     def rewind(self, sid: str, after=None) -> int:
         return self.sched.rewind(sid, after)
 
+    def reread(self, sid: str, handed: int) -> int:
+        """The ingress's reader reads on here (a move, an adoption) after ``handed``, the
+        last chunk it handed its socket (-1: none), or after the stream's last chunk made
+        where the stream is behind it (adopted from an older checkpoint: the ingress
+        skips and acknowledges the chunks made again). The new reader's number."""
+        made = self.sched.sessions[sid].chunks         # only grows: a rewind takes it
+        return self.sched.rewind(sid, min(handed, made - 1))
+
     async def next_chunk(self, sid: str, timeout: float, reader=None):
         return await self._wait(self.sched.next_chunk, sid, timeout, reader=reader)
 
@@ -202,8 +210,11 @@ class Replica:
 
     async def adopt(self, sid: str) -> bool:
         """Open session ``sid`` from its file in the state folder (its replica is gone);
-        False when there is no file of it (nothing to resume from)."""
-        from framekv.engine.stream_state import StreamState
+        False when there is no file of it (nothing to resume from). ValueError for a
+        file that cannot be read as a session (renamed ``.corrupt``, as a start does)."""
+        from framekv.engine.cache import CorruptFile
+        from framekv.engine.memory import host_room
+        from framekv.engine.serving import state_files
 
         if sid in self.sched.sessions:           # adopted here already (a call retried)
             return True
@@ -212,7 +223,11 @@ class Replica:
         path = pathlib.Path(self.state_dir) / f"{sid}.session"
         if not path.exists():
             return False
-        state = await self._wait(StreamState.load, path)
+        try:
+            state = await self._wait(state_files.load_state, path, max_bytes=host_room())
+        except CorruptFile as exc:
+            state_files.set_aside(path, exc)
+            raise ValueError(f"its file {path.name} cannot be read: {exc}") from None
         await self._wait(self.sched.import_session, state)
         log.info("replica %s adopted session %s from %s", self.id, sid, path)
         return True

@@ -142,7 +142,8 @@ class ClusterSessions(Moves):
                     and (adopting or rid not in self.draining)]
         free = [f for f in free if f[1] > 0] or free
         if not free:
-            raise SchedulerFull("no replica is up to take a session: try again later")
+            raise SchedulerFull(self.degraded or "no replica is up to take a session: try "
+                                "again later")
         best = max(free)
         if best[1] <= 0:
             raise SchedulerFull(f"all sessions of the {len(free)} replicas taking sessions "
@@ -259,17 +260,21 @@ class ClusterSessions(Moves):
                 self.acks[sid] = max(index, self.acks.get(sid, index))
 
     def rewind(self, sid: str, after: int | None = None) -> int:
-        """A socket (re)connects (`StreamScheduler.rewind`); this object's reader."""
+        """A socket (re)connects (`StreamScheduler.rewind`: ValueError for an ``after``
+        beyond the chunks made); this object's reader."""
         with self.lock:
             epoch = self.epoch[sid]
+        handed = -1 if after is None else after
         try:
             theirs = self._on_session(sid, "rewind", after, wait=False, timeout=SOCKET_CALL_S)
         except ReplicaGone:              # its replica died: rewound once it is adopted
             theirs, epoch = 0, -1
+            with self.lock:              # unchecked: no further than this object handed out
+                old = self.readers.get(sid)
+                handed = min(handed, -1 if old is None else old.handed)
         with self.lock:
             old = self.readers.get(sid)
-            r = _Reader(1 if old is None else old.number + 1, epoch, theirs,
-                        -1 if after is None else after)
+            r = _Reader(1 if old is None else old.number + 1, epoch, theirs, handed)
             self.readers[sid] = r
             return r.number
 
@@ -292,8 +297,7 @@ class ClusterSessions(Moves):
                 if busy:
                     time.sleep(min(0.05, max(left, 0.0)))
                 elif r.epoch != epoch:        # moved: read on from its new replica
-                    theirs = self._call(rid, "rewind", sid, None if r.handed < 0 else r.handed,
-                                        timeout=SOCKET_CALL_S)
+                    theirs = self._call(rid, "reread", sid, r.handed, timeout=SOCKET_CALL_S)
                     with self.lock:
                         r.replica_reader, r.epoch = theirs, epoch
                     continue
@@ -310,8 +314,18 @@ class ClusterSessions(Moves):
             if chunk is not None and chunk.index > r.handed:
                 r.handed = chunk.index
                 return chunk
+            if chunk is not None:             # made again (an adoption): its client has it
+                self._skip(sid, rid, chunk.index)
             if chunk is None and (not busy or time.monotonic() >= deadline):
                 return None                   # the replica waited its part already
+
+    def _skip(self, sid: str, rid: str, index: int) -> None:
+        """Acknowledge chunk ``index``, made again on replica ``rid`` and skipped: its
+        queue must not fill with chunks its client has."""
+        try:
+            self._call(rid, "ack", sid, index, timeout=SOCKET_CALL_S)
+        except (KeyError, ReplicaGone):   # moved or gone: the next read rewinds
+            pass
 
     def set_prompt(self, sid: str, prompt) -> ReplicaPromptChange:
         """A prompt change on the session's replica; its ``future`` settles as it takes."""

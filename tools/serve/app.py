@@ -190,8 +190,9 @@ class _Server:
                     self.sched.close_session(sid, reason)
 
     def health(self):
-        """/health: 200 while the GPU loop runs and the server takes sessions, else 503
-        with ``error`` saying why."""
+        """/health: 200 while the GPU loop runs and the server takes sessions ("ok", or
+        "degraded" with the ``reason`` where a cluster's replicas are up but none takes
+        new sessions), else 503 with ``error`` saying why."""
         from fastapi.responses import JSONResponse
 
         s = self.sched
@@ -200,9 +201,11 @@ class _Server:
                 "text": s.text_prompts}
         error = (f"the GPU loop stopped: {s.loop_error}" if s.loop_error is not None
                  else "the server is shutting down" if self.draining.is_set() else None)
-        if error is None:
-            return {"status": "ok", **body}
-        return JSONResponse({"status": "error", "error": error, **body}, 503)
+        if error is not None:
+            return JSONResponse({"status": "error", "error": error, **body}, 503)
+        degraded = getattr(s, "degraded", None)     # a cluster whose replicas all drain
+        return {"status": "ok", **body} if degraded is None else {
+            "status": "degraded", "reason": degraded, **body}
 
     def info(self) -> dict:
         """/v1/info (`ServerInfo`)."""
@@ -221,7 +224,9 @@ class _Server:
                 "max_sessions": s.max_sessions, "slots": s.slots,
                 "queue_chunks": s.queue_chunks,
                 "session_idle_timeout": self.idle_timeout,
-                **({"replicas": s.replica_info()} if hasattr(s, "replica_info") else {})}
+                **({"replicas": [{k: v for k, v in r.items() if k != "pid"}
+                                 for r in s.replica_info()]}
+                   if hasattr(s, "replica_info") else {})}
 
 
 def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIMEOUT_S,

@@ -59,8 +59,10 @@ WebSocket and /docs also ``?token=T``)::
                                          one (binary included) is answered {"type":
                                          "error", "error"}. Refused sockets close with
                                          a reason: 1008 (token), 4404 (no such session
-                                         open), 4409 (a second socket on a session);
-                                         1008 too for a page of another origin
+                                         open), 4409 (a second socket on a session),
+                                         4422 (an ``after`` beyond the chunks made:
+                                         the reason names the last one); 1008 too for
+                                         a page of another origin
 
 ``--model wan-diffusers`` serves diffusers' Wan transformer (``--config``, random weights,
 or ``--weights DIR``, a diffusers folder with its VAE and text encoder; ``--checkpoint
@@ -102,8 +104,10 @@ end message with reason "shutdown", then uvicorn's graceful shutdown, then the l
 stops and the pool is freed. With ``--state-dir D`` the open sessions are written to D
 first (one file each, atomic) and a server started over D opens them again under their
 ids: a client that reconnects to ``/v1/sessions/{id}/stream`` (with the token) goes on
-from its next chunk, its undelivered chunks first; a corrupt file is logged and renamed
-``*.corrupt``, one of another model or geometry logged and left in D. (The end
+from its next chunk, its undelivered chunks first; a file that cannot be read as a
+session (whatever its bytes: declaring more than the host can hold, or not a regular
+file at all) is renamed ``*.corrupt`` with one log line saying why, one of another
+model or geometry logged and left in D. (The end
 message of a session kept so says ``"resumable": true``; unless a client reconnects
 within ``--session-idle-timeout`` seconds of the restart, the session ends.)
 ``--checkpoint-every N`` (needs ``--state-dir``) also writes each session to D every N
@@ -224,7 +228,9 @@ def _session_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-idle-timeout", type=seconds, default=60.0, metavar="SECONDS",
                    help="a session no socket has taken for this long is ended and its "
                         "slot freed (default 60)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to bind (default 127.0.0.1); another than loopback "
+                        "without a token is served with a warning")
     p.add_argument("--port", type=int_in(0, 65535), default=8000,
                    help="0 to 65535; 0: any free port (default 8000)")
     p.add_argument("--token", type=bearer_token, default=None,
@@ -262,21 +268,38 @@ def check_wan_options(args) -> None:
         check_decoder(args.decoder, getattr(args, "weights", None), name="--decoder")
 
 
-def token_of(args) -> str | None:
+def token_of(args, *, option: str = "token", env: str = "FRAMEKV_TOKEN") -> str | None:
     """The bearer token: ``--token`` (with a warning on stderr: every user of the machine
     sees a process's arguments), else ``FRAMEKV_TOKEN``, else None. ValueError for a
-    set but malformed FRAMEKV_TOKEN (an empty one included)."""
-    if args.token is not None:
-        print("framekv serve: warning: --token is visible to every user of this machine "
-              "(ps, /proc); set FRAMEKV_TOKEN instead", file=sys.stderr)
-        return args.token
-    token = os.environ.get("FRAMEKV_TOKEN")
+    set but malformed FRAMEKV_TOKEN (an empty one included). ``option``, ``env``:
+    another token's (the cluster's ``--admin-token``, ``FRAMEKV_ADMIN_TOKEN``)."""
+    given = getattr(args, option, None)
+    if given is not None:
+        print(f"framekv serve: warning: --{option.replace('_', '-')} is visible to every "
+              f"user of this machine (ps, /proc); set {env} instead", file=sys.stderr)
+        return given
+    token = os.environ.get(env)
     if token is None:
         return None
     try:
         return bearer_token(token)
     except argparse.ArgumentTypeError as exc:
-        raise ValueError(f"FRAMEKV_TOKEN {exc}") from None
+        raise ValueError(f"{env} {exc}") from None
+
+
+def warn_unguarded(host: str, token: str | None) -> None:
+    """One warning line on stderr for a server bound to an address other than loopback
+    with no token: whoever reaches it may open, read and end any session."""
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:                       # a host name: it may resolve to anything
+        loopback = host.lower() == "localhost"
+    if token is None and not loopback:
+        print(f"framekv serve: warning: --host {host} is not a loopback address and no token "
+              "is set: whoever reaches it can open, read and end any session (set "
+              "FRAMEKV_TOKEN)", file=sys.stderr)
 
 
 def model_name(args) -> str:
@@ -356,6 +379,7 @@ def run(args) -> int:
 
     try:
         options = checked_options(args)
+        warn_unguarded(args.host, options["token"])
         sched = build_scheduler(args, options)
     except ValueError as exc:
         return fail(exc)

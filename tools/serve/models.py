@@ -146,12 +146,15 @@ class ServerInfo(BaseModel):
     session_idle_timeout: float = Field(description="Seconds a session may go without a "
                                                     "socket before it is ended (idle).")
     replicas: list[dict] | None = Field(None, description="A cluster's replicas (id, "
-                                        "sessions, max_sessions, slots, draining); absent "
-                                        "for one server.")
+                                        "sessions, max_sessions, slots, draining, "
+                                        "takes_sessions: whether new sessions go there); "
+                                        "absent for one server.")
 
 
 class Health(BaseModel):
-    status: Literal["ok", "error"]
+    status: Literal["ok", "degraded", "error"] = Field(description="degraded: a cluster "
+                                                       "none of whose replicas takes new "
+                                                       "sessions (reason).")
     sessions: int
     max_sessions: int
     output: str
@@ -159,6 +162,8 @@ class Health(BaseModel):
     token: bool = Field(description="Whether routes need a bearer token.")
     text: bool = Field(description="Whether prompts may be text.")
     error: str | None = Field(None, description="Why the server is down (503 only).")
+    reason: str | None = Field(None, description="Why no new session is taken (degraded "
+                                                 "only).")
 
 
 _EXPECTED = {"int_type": "an integer", "string_type": "a string", "bool_type": "a boolean",

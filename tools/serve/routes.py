@@ -13,7 +13,8 @@ back). The socket (``?after=i``: the last chunk index the client has) is accepte
 closed with a code and a reason when refused: 1008 (a page of a foreign origin,
 `OriginCheck`; the token), 4404 (no such session
 open), 4409 (it still has a socket `TAKEN_WAIT_S` after this one came: a reconnect may
-come before the old socket's end is seen), 4422 (a bad ``after``). A session whose
+come before the old socket's end is seen), 4422 (an ``after`` that is not the index of
+a chunk made: the reason names the last one). A session whose
 socket closes stays open, its idle clock running.
 (No ``from __future__ import annotations``: FastAPI reads the routes' annotations.)
 """
@@ -26,15 +27,13 @@ from fastapi.routing import APIRoute
 
 from .auth import WS_AUTH_CLOSE
 from .models import CreateSession, PromptAck, SessionCreated, SessionInfo, errors
-from .websocket import serve_socket
+from .websocket import BAD_AFTER, serve_socket
 from .wire import RequestError, json_body, parse_prompt, read_body, upload_prompt, upload_spec
 
 #: a socket for a session that is not open is closed with this code (and a reason)
 NO_SESSION = 4404
 #: a second socket on a session is closed with this code (and a reason)
 SESSION_TAKEN = 4409
-#: a socket whose ``after`` is not a chunk index is closed with this code
-BAD_AFTER = 4422
 #: seconds a second socket waits for the session's socket to end before its 4409
 TAKEN_WAIT_S = 3.0
 #: seconds PUT .../prompt waits for the change to take before answering 202
@@ -45,19 +44,22 @@ RAW_PROMPT = {"requestBody": {"required": True, "description": "L x text_dim val
                                                           "format": "binary"}}}}}
 
 
-def json_body_route(srv):
+def json_body_route(auth, body_timeout: float, check=None, *, optional: bool = False):
     """An `APIRoute` class whose request body is read before FastAPI parses it: the
-    token and `check_open` first, then `read_body` (1 MiB, counted as it arrives, in
-    ``srv.body_timeout``) and `json_body` (strict JSON, a JSON object)."""
+    token (``auth``, a `BearerAuth`) and ``check()`` first, then `read_body` (1 MiB,
+    counted as it arrives, in ``body_timeout`` s) and `json_body` (strict JSON, a JSON
+    object: 400 naming the fault). ``optional``: a request with neither Content-Length
+    nor Transfer-Encoding has an empty body (HTTP's rule), taken as ``{}``."""
 
     class JSONBodyRoute(APIRoute):
         def get_route_handler(self):
             handler = super().get_route_handler()
 
             async def read_first(request: Request):
-                srv.auth.check(request.headers.get("authorization"))
-                srv.check_open()
-                raw = await read_body(request, srv.body_timeout)
+                auth.check(request.headers.get("authorization"))
+                if check is not None:
+                    check()
+                raw = await read_body(request, body_timeout, optional=optional)
                 json_body(raw)
                 return await handler(Request(request.scope, _replay(raw, request.receive)))
             return read_first
@@ -90,7 +92,8 @@ def session_routes(app, srv) -> None:
     app.router.add_api_route(
         "/v1/sessions", _creator(srv), methods=["POST"], status_code=201,
         response_model=SessionCreated, dependencies=auth, strict_content_type=False,
-        route_class_override=json_body_route(srv), summary="Open a session",
+        route_class_override=json_body_route(srv.auth, srv.body_timeout, srv.check_open),
+        summary="Open a session",
         responses=errors(400, 401, 408, 411, 413, 422, 503))
 
     @app.get("/v1/sessions/{sid}", response_model=SessionInfo, dependencies=auth,

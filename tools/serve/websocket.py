@@ -14,7 +14,10 @@ failed (the session goes on under its old prompt).
 A socket that closes leaves its session open: it ends by DELETE, its chunk budget (once
 every chunk is acknowledged: then the end message), the idle timeout, or an error. A
 client reconnects by id (``?after=i``: the last index it has) and gets the
-unacknowledged chunks after i, then new ones. The last message is ``{"type": "end",
+unacknowledged chunks after i, then new ones; an i beyond the last chunk made (a
+server resumed from a checkpoint older than what the client got) is closed 4422, the
+reason naming the last index made: the client reconnects after that one and skips,
+acknowledging them, the chunks it has. The last message is ``{"type": "end",
 "state", "error"}``, with a ``"reason"`` when the session did not end by itself:
 "shutdown" when the server drains (``"resumable": true`` where the server keeps its
 sessions over a restart), "deleted" or "idle" when it was closed under the socket.
@@ -28,6 +31,8 @@ from .wire import PROMPT_KEYS, RequestError, json_body, parse_prompt
 
 #: the socket's close code once the server drains (going away)
 GOING_AWAY = 1001
+#: a socket whose ``after`` is not a chunk index, or none made, is closed with this code
+BAD_AFTER = 4422
 
 
 async def serve_socket(ws, sched, sid: str, encode, draining, *, after: int | None = None,
@@ -36,13 +41,18 @@ async def serve_socket(ws, sched, sid: str, encode, draining, *, after: int | No
     thread), from the first one after ``after``; apply its acknowledgements and control
     messages. Once ``draining`` (a `threading.Event`, set with the scheduler held) is
     set, its queued chunks go out, then an end message with reason "shutdown", and the
-    socket closes (1001). The session stays open when the socket goes (module doc)."""
+    socket closes (1001). The session stays open when the socket goes (module doc).
+    An ``after`` beyond the chunks made closes the socket `BAD_AFTER`, the reason
+    naming the last index made."""
     from fastapi import WebSocketDisconnect
 
     try:
         reader = await asyncio.to_thread(sched.rewind, sid, after)
     except KeyError:
         reader = None
+    except ValueError as exc:                 # at most 123 bytes
+        reason = str(exc).encode()[:123].decode(errors="ignore")
+        return await ws.close(code=BAD_AFTER, reason=reason)
     tasks = [asyncio.create_task(_send(ws, sched, sid, encode, draining, keep_on_drain, reader)),
              asyncio.create_task(_receive(ws, sched, sid))]
     try:

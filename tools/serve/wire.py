@@ -133,12 +133,17 @@ def _json_kind(x) -> str:
 CLOSE = {"Connection": "close"}
 
 
-async def read_body(request, timeout: float, cap: int = MAX_BODY_BYTES) -> bytes:
+async def read_body(request, timeout: float, cap: int = MAX_BODY_BYTES, *,
+                    optional: bool = False) -> bytes:
     """The request body: a Content-Length in [0, cap] and no Transfer-Encoding (411/413
     before any byte is read), then at most ``cap`` bytes counted as they arrive (413),
     within ``timeout`` seconds (408). The headers never bound the read: a body longer
-    than its Content-Length stops at the cap all the same."""
+    than its Content-Length stops at the cap all the same. ``optional``: neither header
+    is an empty body."""
     length = request.headers.get("content-length")
+    if optional and length is None and "transfer-encoding" not in request.headers:
+        request.scope[BODY_READ] = True
+        return b""
     if length is None or "transfer-encoding" in request.headers:
         raise RequestError(411, "a Content-Length and no Transfer-Encoding are needed: "
                                 "chunked request bodies are not accepted, got Transfer-"

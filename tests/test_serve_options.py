@@ -1,0 +1,58 @@
+"""`framekv serve`'s options where a hostile run found them checked late or too quietly,
+on the CPU, in this process (nothing is served).
+
+The command warns once when bound beyond loopback without a token, and reads a
+``--decoder tiny:PATH`` file before any model is built, never passing on torch's advice
+to load it with ``weights_only=False``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+
+from framekv.tools.cli import main  # noqa: E402
+from test_serve_defects import _Built, built  # noqa: E402,F401  (the fixture)
+
+
+@pytest.mark.parametrize("host, token, warned", [
+    ("0.0.0.0", None, True), ("::", None, True), ("example.org", None, True),
+    ("0.0.0.0", "tok", False), ("127.0.0.1", None, False), ("localhost", None, False),
+    ("::1", None, False)])
+def test_serving_beyond_loopback_without_a_token_warns_once(built, capsys, monkeypatch,
+                                                            host, token, warned):
+    if token is not None:
+        monkeypatch.setenv("FRAMEKV_TOKEN", token)
+    with pytest.raises(_Built):
+        main(["serve", "--device", "cpu", "--host", host])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == int(warned), err
+    if warned:
+        assert err[0].startswith(f"framekv serve: warning: --host {host} is not a loopback "
+                                 "address and no token is set"), err
+
+
+def test_a_bad_decoder_file_is_refused_before_any_model_is_built(tmp_path, monkeypatch,
+                                                                 capsys):
+    pytest.importorskip("diffusers")
+
+    def built_(*a, **k):
+        raise AssertionError("a model was built before the decoder file was read")
+
+    for name in ("build_model", "load_model"):
+        monkeypatch.setattr(f"framekv.engine.wan.pipeline.{name}", built_)
+    monkeypatch.setattr("framekv.engine.serving.StreamScheduler", built_)
+    monkeypatch.delenv("FRAMEKV_TOKEN", raising=False)
+    bad = tmp_path / "taew2_1.pth"
+    torch.save({"decoder.1.weight": torch.zeros(1), "hook": _Unpicklable()}, bad)
+    status = main(["serve", "--device", "cpu", "--model", "wan-diffusers", "--decoder",
+                   f"tiny:{bad}"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert "cannot read checkpoint" in err and str(bad) in err and "never code" in err
+    assert "weights_only" not in err and "trust" not in err, err
+
+
+class _Unpicklable:
+    """An object torch's weights-only loader refuses (a class of this module)."""
