@@ -116,6 +116,43 @@ def test_metrics_are_fixed_size_snapshots(server):
     assert names == set(re.findall(r"^# HELP (\S+) ", text, re.M)) and len(names) >= 12
 
 
+def test_a_scrape_never_calls_into_cuda(monkeypatch):
+    """The CUDA series is the scheduler's, read on its GPU thread: a scrape that asked
+    CUDA itself would contend with that thread (on a GPU it waited ~90 ms)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from framekv.tools.serve.metrics import metrics_registry, render
+
+    def no_cuda(*a, **k):
+        raise AssertionError("a scrape called into CUDA")
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", no_cuda)
+    sched = StreamScheduler("tiny", max_sessions=1, device="cpu", use_graphs=False)
+    try:
+        real = sched.metrics
+        for extra in ({}, {"gpu_allocated_bytes": 123}):
+            monkeypatch.setattr(sched, "metrics", lambda: {**real(), "device": "cuda:0", **extra})
+            body, _ = render(metrics_registry(sched), None)
+            fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+            got = fams.get("framekv_gpu_allocated_bytes")
+            assert (got is None if not extra else got.samples[0].value == 123)
+    finally:
+        sched.close()
+
+
+def test_sockets_decline_permessage_deflate(server):
+    """Chunks (fp32 latents, JPEG / WebP) do not compress; deflating them would run on
+    the event loop that answers every route."""
+    http, port, sched = server
+    sid = http.post("/v1/sessions", json={"seed": 3, "chunks": 1}).json()["id"]
+    with connect(port, sid) as ws:                  # the client offers permessage-deflate
+        assert ws.protocol.extensions == []
+        header, _ = latents(ws.recv(timeout=30))
+        assert header["index"] == 0
+        ws.send(json.dumps({"type": "ack", "index": 0}))
+    http.delete(f"/v1/sessions/{sid}")
+
+
 def bf16_bytes(x: torch.Tensor) -> bytes:
     return x.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
 

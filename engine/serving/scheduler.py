@@ -127,6 +127,7 @@ class StreamScheduler(Steps, Moves):
         self._counts = {"steps": 0, "chunks": 0, "failed_steps": 0, "failed_resets": 0,
                         "video_frames": 0}
         self._stale: set[int] = set()       # scratch rows to start over before a step
+        self._device: dict = {}             # gpu_allocated_bytes, as of the last step
         self._due: list[str] = []           # streams whose checkpoint is due
         #: why the GPU loop ended by an exception (`run`); None while it has not
         self.loop_error: str | None = None
@@ -332,7 +333,8 @@ class StreamScheduler(Steps, Moves):
         (``sessions_swapped``), the host bytes those hold (``swapped_bytes``), swaps and
         their bytes and failures, steps, chunks, failed steps, video frames decoded,
         streams ended by reason (``ended``), histograms of step seconds, chunk latency
-        and swap seconds, the device and `ChunkRunner.stats` (graphs, pool bytes)."""
+        and swap seconds, the device and `ChunkRunner.stats` (graphs, pool bytes); on
+        CUDA torch's allocated bytes as of the last step (``gpu_allocated_bytes``)."""
         with self.lock:
             streams = list(self.sessions.values())
             resident = sum(s.slot is not None for s in streams)
@@ -341,7 +343,7 @@ class StreamScheduler(Steps, Moves):
                     "sessions_swapped": len(streams) - resident,
                     "swapped_bytes": sum(s.held_bytes for s in streams), **self.pool.counts,
                     "device": str(self.runner.device), "decoding": self.decoding,
-                    "ended": dict(self.ended.by_reason), **self._counts,
+                    "ended": dict(self.ended.by_reason), **self._counts, **self._device,
                     "step_seconds": self._step_seconds.snapshot(),
                     "chunk_seconds": self._chunk_seconds.snapshot(),
                     "swap_seconds": self.pool.seconds.snapshot(), **self.runner.stats()}

@@ -195,6 +195,10 @@ class Steps(Overlap):
     def _commit(self, plan: StepPlan, batch: list[Entry], taken: dict, res, rows_out: dict,
                 video: list, latents, seconds: float) -> int:
         """Apply a run's outcome to the records (lock held); the streams that got a chunk."""
+        if self.runner.device.type == "cuda":
+            # read on the GPU thread, for `metrics`: a route that called into CUDA itself
+            # would contend with this thread for the driver and the allocator
+            self._device["gpu_allocated_bytes"] = torch.cuda.memory_allocated(self.runner.device)
         self._commit_swaps(plan, res, rows_out)
         self._settle_prompts(taken, res)
         if res.error is not None:

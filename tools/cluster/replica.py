@@ -103,13 +103,8 @@ class Replica:
         return {SESSIONS: float(len(self.sched.sessions))}
 
     def metrics(self) -> dict:
-        """`StreamScheduler.metrics`, with the GPU's allocated bytes on CUDA."""
-        m = self.sched.metrics()
-        if m["device"].startswith("cuda"):
-            import torch
-
-            m["gpu_allocated_bytes"] = torch.cuda.memory_allocated(m["device"])
-        return m
+        """`StreamScheduler.metrics` (on CUDA with the GPU's allocated bytes)."""
+        return self.sched.metrics()
 
     async def hold(self, held: bool = True) -> None:
         await self._wait(self.sched.hold, held)

@@ -11,7 +11,8 @@ that reads `StreamScheduler.metrics` at every scrape, so several apps in one pro
     framekv_sessions_swapped         gauge      open sessions swapped out to host memory
     framekv_swapped_bytes            gauge      host bytes the swapped-out streams hold
     framekv_pool_bytes               gauge      the K/V pool's mapped bytes
-    framekv_gpu_allocated_bytes      gauge      torch's allocated CUDA bytes (CUDA only)
+    framekv_gpu_allocated_bytes      gauge      torch's allocated CUDA bytes as of the last
+                                                step (CUDA only; no route calls into CUDA)
     framekv_steps_total              counter    batched steps
     framekv_failed_steps_total       counter    steps that raised
     framekv_failed_resets_total      counter    failed steps whose rows could not be
@@ -80,8 +81,8 @@ class SchedulerCollector:
     def _rows(self) -> tuple[list[str], list[tuple[list[str], dict]]]:
         by_replica = getattr(self.sched, "metrics_by_replica", None)
         if by_replica is None:
-            return [], [([], _with_device_bytes(self.sched.metrics()))]
-        return ["replica"], [([rid], _with_device_bytes(m)) for rid, m in by_replica().items()]
+            return [], [([], _with_frames_decoded(self.sched.metrics()))]
+        return ["replica"], [([rid], _with_frames_decoded(m)) for rid, m in by_replica().items()]
 
     def collect(self):
         from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -118,14 +119,10 @@ class SchedulerCollector:
             yield h
 
 
-def _with_device_bytes(m: dict) -> dict:
-    """``m`` with ``gpu_allocated_bytes`` on CUDA and ``video_frames_decoded`` when
-    decoding (the series only such a server has)."""
+def _with_frames_decoded(m: dict) -> dict:
+    """``m`` with ``video_frames_decoded`` when decoding (a series only such a server
+    has; ``gpu_allocated_bytes`` is the scheduler's, on CUDA)."""
     m = dict(m)
-    if m["device"].startswith("cuda") and "gpu_allocated_bytes" not in m:
-        import torch
-
-        m["gpu_allocated_bytes"] = torch.cuda.memory_allocated(m["device"])
     if m["decoding"]:
         m["video_frames_decoded"] = m["video_frames"]
     return m

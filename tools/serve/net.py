@@ -14,6 +14,10 @@ Shutdown (SIGTERM): `DrainingServer` stops accepting, then awaits the app's
 ``state.drain`` (every socket gets its queued chunks and an end message with reason
 "shutdown"), at most ``drain_timeout`` seconds, then shuts down as uvicorn does.
 
+Sockets: no permessage-deflate. Every binary message is a chunk of fp32 latents or of
+JPEG / WebP frames, which do not compress, and deflating them runs on the event loop
+that answers every route.
+
 Logs: uvicorn's access and error loggers print a request's path with its query, and a
 browser's WebSocket and docs pages carry ``?token=``; `redact_tokens` installs
 `RedactTokens` on both, so no token value reaches a log line.
@@ -142,7 +146,7 @@ def server_config(app, *, host: str = "127.0.0.1", port: int = 8000,
                          f"{head_timeout} and {keep_alive}")
     protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": head_timeout})
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
-                            timeout_keep_alive=keep_alive,
+                            timeout_keep_alive=keep_alive, ws_per_message_deflate=False,
                             h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     redact_tokens()              # after uvicorn's logging setup, which keeps filters
     return config
