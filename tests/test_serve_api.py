@@ -118,7 +118,7 @@ def test_metrics_are_fixed_size_snapshots(server):
 
 def test_a_scrape_never_calls_into_cuda(monkeypatch):
     """The CUDA series is the scheduler's, read on its GPU thread: a scrape that asked
-    CUDA itself would contend with that thread (on a GPU it waited ~90 ms)."""
+    CUDA itself would contend with that thread."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from framekv.tools.serve.metrics import metrics_registry, render
