@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from framekv.engine.wan import StreamingVAEDecoder, build_vae
-from framekv.engine.wan import vae_fused
+from framekv.engine.wan import vae_blocks, vae_fused
 from framekv.engine.wan.vae_fused import FusedDecoder, fused_chunk_program
 from framekv.engine.wan.vae_graph import CacheLayout
 from test_vae import chunked, latents
@@ -97,7 +97,7 @@ def test_a_residual_block_adds_the_bias_pending_on_its_input(vae, fold_below):
 def test_a_first_conv_output_is_freed_once_its_norm_has_read_it(vae, monkeypatch):
     # the residual block's peak: conv1's output must not live on beside conv2's input
     freed = []
-    call = vae_fused._Fill.__call__
+    call = vae_blocks._Fill.__call__
 
     def watched(fill, outs, counts):
         ref = weakref.ref(fill._x) if fill._release else None
@@ -105,7 +105,7 @@ def test_a_first_conv_output_is_freed_once_its_norm_has_read_it(vae, monkeypatch
         if ref is not None:
             freed.append(ref() is None)
 
-    monkeypatch.setattr(vae_fused._Fill, "__call__", watched)
+    monkeypatch.setattr(vae_blocks._Fill, "__call__", watched)
     dec = StreamingVAEDecoder(vae)
     dec.decode(latents(16, F=3))               # two passes: the first frame, then the rest
     blocks = sum(kind == "res" for kind, _ in dec._program_weights.blocks)

@@ -41,15 +41,15 @@ per stage, batch, frames and latent size; eager on CPU or with ``use_graphs=Fals
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from framekv.specs.checks import check_count, check_flag
+from framekv.specs.checks import check_count
 
-from .tiny_net import WIDTHS, TinyDecoderNet, random_init, read_taehv, unset_net
+from .coder_rows import DecoderRows
+from .tiny_blocks import load_file, place, random_init, setup_tiny, unset
+from .tiny_net import WIDTHS, TinyDecoderNet
 from .vae import StreamingVAEDecoder
-from .vae_graph import CacheArena, CacheLayout, DecoderRows
+from .vae_cache import CacheArena, CacheLayout
 
 __all__ = ["TinyDecoderNet", "TinyStreamingDecoder", "WIDTHS", "random_init"]
 
@@ -60,16 +60,10 @@ def _chunk_program(net: TinyDecoderNet, arena: CacheArena, *, first: bool, write
     """``fn(latents, rows) -> frames`` for one chunk: latents [B, C, F, H, W] in the net's
     dtype, rows [B] int64 (distinct); reads (zeros when ``first``) and, with ``write``,
     writes the rows' carried frames (a graph's warm-up must not advance them)."""
-    layout = arena.layout
 
     @torch.no_grad()
     def fn(latents: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        B = latents.shape[0]
-        if first:
-            memory = [torch.zeros(B, *s, dtype=d, device=latents.device)
-                      for s, d in zip(layout.shapes, layout.dtypes)]
-        else:
-            memory = arena.gather(rows)
+        memory = arena.read(rows, first)                            # zeros for a video's start
         rgb, carried = net.stream(latents, memory)                  # [B, 3, 4F, 8H, 8W]
         if write:
             arena.scatter(rows, carried)
@@ -99,16 +93,8 @@ class TinyStreamingDecoder(DecoderRows):
     video_frames = staticmethod(StreamingVAEDecoder.video_frames)
 
     def __init__(self, net: TinyDecoderNet, *, sequences=None, use_graphs=None, device=None):
-        from framekv.ops import resolve_device
-
-        if not isinstance(net, TinyDecoderNet):
-            raise ValueError(f"net must be a TinyDecoderNet, got {type(net).__name__}")
-        self.sequences = check_count("sequences", sequences)
-        self.device = resolve_device(next(net.parameters()).device if device is None else device)
-        self.net = net.to(self.device).eval().requires_grad_(False)
-        self.dtype, self.latent_channels = next(net.parameters()).dtype, net.latent_channels
-        graphs = True if use_graphs is None else check_flag("use_graphs", use_graphs)
-        self.use_graphs = graphs and self.device.type == "cuda"
+        setup_tiny(self, net, TinyDecoderNet, sequences=sequences, use_graphs=use_graphs,
+                   device=device)
         self._start_rows()
 
     @classmethod
@@ -118,9 +104,9 @@ class TinyStreamingDecoder(DecoderRows):
         checkpoint layout's widths unless ``widths`` says otherwise (`TinyDecoderNet`);
         dtype default bf16 on CUDA, fp32 on CPU; ``kwargs`` go to the constructor."""
         check_count("latent_channels", latent_channels)
-        net = unset_net(latent_channels, widths)
+        net = unset(TinyDecoderNet, latent_channels, widths)
         random_init(net, seed)
-        return cls._of(net, device, dtype, kwargs)
+        return place(cls, net, device, dtype, kwargs)
 
     @classmethod
     def from_file(cls, path, *, device=None, dtype=None, **kwargs) -> "TinyStreamingDecoder":
@@ -129,20 +115,7 @@ class TinyStreamingDecoder(DecoderRows):
         latent channels from ``decoder.1.weight``; ``kwargs`` go to the constructor.
         ValueError naming the path for a file that is absent or unreadable, or the keys
         for another layout (`TinyDecoderNet.load_taehv`)."""
-        state = read_taehv(path)
-        stem = state.get("decoder.1.weight")
-        channels = stem.shape[1] if isinstance(stem, torch.Tensor) and stem.dim() == 4 else 16
-        net = unset_net(channels)
-        net.load_taehv(state, where=f"checkpoint {os.fspath(path)!r}")
-        return cls._of(net, device, dtype, kwargs)
-
-    @classmethod
-    def _of(cls, net, device, dtype, kwargs) -> "TinyStreamingDecoder":
-        from framekv.ops import resolve_device
-
-        dev = resolve_device(device)
-        dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        return cls(net.to(dev, dtype), device=dev, **kwargs)
+        return place(cls, load_file(TinyDecoderNet, path), device, dtype, kwargs)
 
     # ------------------------------------------------------------------ internals
     PROGRAM = "tiny-decode"

@@ -32,7 +32,8 @@ from framekv.specs.checks import check_count, check_flag
 from .vae_fused import FusedDecoder, fused_chunk_program
 from .vae_graph import CacheLayout, DecoderRows, chunk_program
 
-__all__ = ["VAE_CONFIGS", "StreamingVAEDecoder", "build_vae", "load_vae"]
+__all__ = ["VAE_CONFIGS", "StreamingVAEDecoder", "build_vae", "check_vae", "load_vae",
+           "setup_coder"]
 
 _WAN21_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
                0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
@@ -97,18 +98,43 @@ def load_vae(path, *, dtype=None, device=None):
     return vae.to(dev).eval().requires_grad_(False)
 
 
-def check_vae(vae) -> None:
-    """ValueError unless ``vae`` is a Wan 2.1 ``AutoencoderKLWan``."""
+def check_vae(vae, owner: str = "StreamingVAEDecoder") -> None:
+    """ValueError unless ``vae`` is a Wan 2.1 ``AutoencoderKLWan`` (``owner``: who needs it)."""
     try:
         from diffusers import AutoencoderKLWan
     except ImportError as exc:
-        raise ValueError("StreamingVAEDecoder needs diffusers: pip install 'framekv[wan]'") from exc
+        raise ValueError(f"{owner} needs diffusers: pip install 'framekv[wan]'") from exc
     if not isinstance(vae, AutoencoderKLWan):
         raise ValueError(f"vae must be a diffusers AutoencoderKLWan, got {type(vae).__name__}")
     if vae.config.patch_size is not None or vae.config.is_residual:
         raise ValueError("vae must be a Wan 2.1 VAE: patch_size and is_residual (Wan 2.2) "
                          f"are not supported, got patch_size={vae.config.patch_size}, "
                          f"is_residual={vae.config.is_residual}")
+
+
+def setup_coder(coder, vae, *, sequences, use_graphs, device, fused) -> None:
+    """The attributes a Wan VAE coder (`StreamingVAEDecoder`, `StreamingVAEEncoder`)
+    sets from its arguments, checked: ``fused`` (default: a bf16 or fp32 vae, the
+    dtypes the norm kernel reads), ``sequences``, ``device`` (the vae moved there),
+    ``vae``, ``dtype``, ``latent_channels``, ``use_graphs``, and WanPipeline's
+    ``_mean`` and ``_inv_std`` [1, z, 1, 1, 1] in the vae's dtype."""
+    check_vae(vae, type(coder).__name__)
+    readable = vae.dtype in (torch.bfloat16, torch.float32)
+    coder.fused = readable if fused is None else check_flag("fused", fused)
+    if coder.fused and not readable:
+        raise ValueError(f"fused=True needs a bfloat16 or float32 vae, got {vae.dtype} "
+                         "(pass fused=False to run diffusers' modules)")
+    coder.sequences = check_count("sequences", sequences)
+    coder.device = _resolve(device if device is not None else next(vae.parameters()).device)
+    if next(vae.parameters()).device != coder.device:
+        vae.to(coder.device)
+    coder.vae, coder.dtype, coder.latent_channels = vae, vae.dtype, vae.config.z_dim
+    coder.use_graphs = coder._graphs_on(use_graphs, coder.device)
+    cfg, shape = vae.config, (1, vae.config.z_dim, 1, 1, 1)
+    # WanPipeline's tensors, built as it builds them (1 / std in fp32, then cast).
+    coder._mean = torch.tensor(cfg.latents_mean).view(shape).to(coder.device, coder.dtype)
+    inv_std = 1.0 / torch.tensor(cfg.latents_std)
+    coder._inv_std = inv_std.view(shape).to(coder.device, coder.dtype)
 
 
 class StreamingVAEDecoder(DecoderRows):
@@ -134,24 +160,8 @@ class StreamingVAEDecoder(DecoderRows):
     """
 
     def __init__(self, vae, *, sequences=None, use_graphs=None, device=None, fused=None):
-        check_vae(vae)
-        readable = vae.dtype in (torch.bfloat16, torch.float32)
-        self.fused = readable if fused is None else check_flag("fused", fused)
-        if self.fused and not readable:
-            raise ValueError(f"fused=True needs a bfloat16 or float32 vae, got {vae.dtype} "
-                             "(pass fused=False to run diffusers' modules)")
-        self.sequences = check_count("sequences", sequences)
-        self.device = _resolve(device if device is not None else next(vae.parameters()).device)
-        if next(vae.parameters()).device != self.device:
-            vae.to(self.device)
-        self.vae, self.dtype, self.latent_channels = vae, vae.dtype, vae.config.z_dim
-        graphs = True if use_graphs is None else check_flag("use_graphs", use_graphs)
-        self.use_graphs = graphs and self.device.type == "cuda"
-        cfg, shape = vae.config, (1, vae.config.z_dim, 1, 1, 1)
-        # WanPipeline's tensors, built as it builds them (1 / std in fp32, then cast).
-        self._mean = torch.tensor(cfg.latents_mean).view(shape).to(self.device, self.dtype)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std)
-        self._inv_std = inv_std.view(shape).to(self.device, self.dtype)
+        setup_coder(self, vae, sequences=sequences, use_graphs=use_graphs, device=device,
+                    fused=fused)
         self._program_weights = FusedDecoder(vae) if self.fused else None
         self._start_rows()
 
