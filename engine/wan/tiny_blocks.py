@@ -2,7 +2,8 @@
 `TinyStreamingEncoder` of ``tiny_encoder.py``), networks of per-frame 2-D convolutions
 in the layout of TAEHV's ``taew2_1`` (MIT, madebyollin/taehv): the memory block, a
 network's TAEHV weights (names, loading with the keys checked both ways, a local
-file), seeded random weights (`random_init`), and the coders' common setup.
+file), seeded random weights (`random_init`), and what the coders do alike
+(`TinyCoder`).
 
 A memory block is a residual block over a frame and the block's input one frame
 earlier (zeros before a video's first frame)::
@@ -20,10 +21,11 @@ import torch.nn.functional as F
 
 from framekv.specs.checks import check_count
 
+from .vae_cache import CacheLayout
 from .weights import read_checkpoint
 
-__all__ = ["MemoryBlock", "TaehvNet", "conv2d", "load_file", "per_frame", "place",
-           "random_init", "read_taehv", "setup_tiny", "unset"]
+__all__ = ["MemoryBlock", "TaehvNet", "TinyCoder", "conv2d", "load_file", "per_frame", "place",
+           "random_init", "read_taehv", "unset"]
 
 _BLOCK_CONVS = {"c1": 0, "c2": 2, "c3": 4}  # a block's convs in a checkpoint
 
@@ -144,19 +146,69 @@ def load_file(net_class, path) -> TaehvNet:
     return net
 
 
-def setup_tiny(coder, net, net_class, *, sequences, use_graphs, device) -> None:
-    """The attributes a tiny coder sets from its arguments, checked: ``net`` (a
-    ``net_class``, moved to ``device``, default the net's), ``sequences``, ``device``,
-    ``dtype`` (the net's), ``latent_channels``, ``use_graphs``."""
-    from framekv.ops import resolve_device
+class TinyCoder:
+    """What the tiny streaming coders (`TinyStreamingDecoder`, `TinyStreamingEncoder`) do
+    alike over a net of class ``NET``: the constructor (``net``, ``sequences``,
+    ``use_graphs``, ``device``: their docstrings say what each means), checked, setting
+    ``net`` (moved to ``device``, default the net's), ``sequences``, ``device``,
+    ``dtype`` (the net's), ``latent_channels``, ``use_graphs``; a coder of random
+    weights (`_random`) or of a checkpoint (`from_file`); the state's layout, each
+    memory block's carried frame (`_layout`); the chunk program (`_chunk`), between the
+    coder's ``_net_input`` and ``_output``."""
 
-    if not isinstance(net, net_class):
-        raise ValueError(f"net must be a {net_class.__name__}, got {type(net).__name__}")
-    coder.sequences = check_count("sequences", sequences)
-    coder.device = resolve_device(next(net.parameters()).device if device is None else device)
-    coder.net = net.to(coder.device).eval().requires_grad_(False)
-    coder.dtype, coder.latent_channels = next(net.parameters()).dtype, net.latent_channels
-    coder.use_graphs = coder._graphs_on(use_graphs, coder.device)
+    NET = TaehvNet
+
+    def __init__(self, net, *, sequences=None, use_graphs=None, device=None):
+        from framekv.ops import resolve_device
+
+        if not isinstance(net, self.NET):
+            raise ValueError(f"net must be a {self.NET.__name__}, got {type(net).__name__}")
+        self.sequences = check_count("sequences", sequences)
+        self.device = resolve_device(next(net.parameters()).device if device is None else device)
+        self.net = net.to(self.device).eval().requires_grad_(False)
+        self.dtype, self.latent_channels = next(net.parameters()).dtype, net.latent_channels
+        self.use_graphs = self._graphs_on(use_graphs, self.device)
+        self._start_rows()
+
+    @classmethod
+    def _random(cls, seed: int, latent_channels: int, size, device, dtype, kwargs):
+        """A coder of a ``NET(latent_channels, size)`` of weights drawn from ``seed``."""
+        check_count("latent_channels", latent_channels)
+        net = unset(cls.NET, latent_channels, size)
+        random_init(net, seed)
+        return place(cls, net, device, dtype, kwargs)
+
+    @classmethod
+    def from_file(cls, path, *, device=None, dtype=None, **kwargs):
+        """A coder of a local TAEHV checkpoint (``taew2_1.pth``, ``torch.load`` with
+        ``weights_only``, or ``.safetensors``): its keys of this coder's part, the other
+        part's ignored; latent channels read from it (``NET.latent_channels_of``); dtype
+        default bf16 on CUDA, fp32 on CPU; ``kwargs`` go to the constructor. ValueError
+        naming the path for a file that is absent or unreadable, or the keys for another
+        layout (`TaehvNet.load_taehv`: the missing and the unexpected keys named)."""
+        return place(cls, load_file(cls.NET, path), device, dtype, kwargs)
+
+    def _chunk(self, first: bool, write: bool):
+        """The chunk program ``fn(rows, <INPUT>)``: the rows' carried frames read (zeros
+        when ``first``: a video's start), ``NET.stream`` over ``_net_input(x, first)``,
+        the new carried frames written back with ``write`` (a graph's warm-up must not
+        advance them), ``_output(y, first)`` returned."""
+        net, arena, name, cls = self.net, self._cache, self.INPUT, type(self)
+
+        @torch.no_grad()
+        def fn(rows: torch.Tensor, **inputs) -> torch.Tensor:
+            memory = arena.read(rows, first)
+            y, carried = net.stream(cls._net_input(inputs[name], first), memory)
+            if write:
+                arena.scatter(rows, carried)
+            return cls._output(y, first)
+
+        return fn
+
+    def _layout(self, size: tuple[int, int]) -> CacheLayout:
+        shapes = self.net.memory_shapes(size)
+        return CacheLayout(slots=len(shapes), shapes=shapes, latent_size=tuple(size),
+                           dtypes=(self.dtype,) * len(shapes))
 
 
 def place(cls, net, device, dtype, kwargs):
