@@ -30,6 +30,8 @@ status 2 (`framekv.bench.timing.require_cuda`, called once its arguments are che
     startup         process start to the first replayed chunk, cold and warm
     streams         concurrent streams: B sequences batched on one pool against B in turn
     ulysses         Ulysses attention over several GPUs (under torchrun)
+    v2v             video in, video out: the streaming encoders (the Wan VAE's fused
+                    program against diffusers' modules, the tiny one) per chunk
     vae_decode      the Wan VAE's streaming decode, the fused program against diffusers'
                     modules: time, error against fp32, peak memory
     wait            what a launch after a host wait costs, and what changes it

@@ -28,6 +28,11 @@ def summary(samples: list[float]) -> dict[str, float]:
             "min": ts[0], "n": n}
 
 
+def summary_ms(samples_us: list[float]) -> dict[str, float]:
+    """`summary` of samples in µs, given in ms (the count as it is)."""
+    return {k: v / 1e3 if k != "n" else v for k, v in summary(samples_us).items()}
+
+
 def check_bf16_close(name: str, got: torch.Tensor, want: torch.Tensor,
                      atol: float) -> float:
     """Max abs error of ``got`` against a torch reference; stop the bench unless every

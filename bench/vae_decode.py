@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from .timing import (interleaved_device_times, require_cuda, stderr_progress, summary,
+from .timing import (interleaved_device_times, require_cuda, stderr_progress, summary_ms,
                      write_result)
 
 PROGRAMS = ("fused", "modules")
@@ -83,8 +83,7 @@ def measure(*, config: str = "1.3b", device="cuda", latent_size=(60, 104), frame
     if dev.type == "cuda":
         times = interleaved_device_times(calls, iters, warmup=2, rotate=True)
         for n, t in times.items():
-            res["programs"][n]["chunk_ms"] = {k: v / 1e3 if k != "n" else v
-                                              for k, v in summary(t).items()}
+            res["programs"][n]["chunk_ms"] = summary_ms(t)
     for d in decs.values():
         d.close()
     return res

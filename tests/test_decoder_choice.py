@@ -3,8 +3,8 @@ refused by name; a tiny decoder's checkpoint found in a diffusers folder; `WanPi
 building the decoder chosen (no Wan VAE loaded for a tiny one); `framekv generate`
 writing the tiny decoder's frames (a checkpoint of the random tiny weights gives the
 same frames, the Wan VAE other ones); a served session's frames equal to its latents
-decoded offline by the tiny decoder. The commands' one-line refusals are in
-test_serve_defects.py.
+decoded offline by the tiny decoder; the encoder that follows each choice. The
+commands' one-line refusals are in test_serve_defects.py.
 """
 from __future__ import annotations
 
@@ -79,6 +79,33 @@ def test_the_pipeline_builds_the_decoder_chosen(tmp_path):
     assert dec.latent_channels == TINY_CHANNELS and dec.dtype == torch.float32
     with pytest.raises(ValueError, match="decoder must be wan, tiny or tiny:PATH"):
         WanPipeline.load("tiny", device="cpu", decoder="taehv")
+
+
+def test_the_encoder_follows_the_decoder(tmp_path):
+    """wan: the Wan VAE's encoder over the same vae; tiny:PATH: the encoder half of the
+    checkpoint whose decoder half the decoder loads; tiny alone: random, seed 0."""
+    from framekv.engine.wan import StreamingVAEEncoder, TinyStreamingEncoder, build_vae
+    from framekv.engine.wan.decoders import build_decoder, build_encoder
+
+    vae = build_vae("tiny")
+    opts = dict(sequences=2, use_graphs=False, device="cpu", dtype=None,
+                latent_channels=TINY_CHANNELS)
+    wan = build_encoder("wan", None, vae=vae, **opts)
+    assert type(wan) is StreamingVAEEncoder and wan.vae is vae and wan.sequences == 2
+    enc = TinyStreamingEncoder.random(seed=3, latent_channels=TINY_CHANNELS)
+    dec = TinyStreamingDecoder.random(seed=4, latent_channels=TINY_CHANNELS)
+    path = tmp_path / "taew2_1.pth"
+    torch.save({**dec.net.taehv_state_dict(), **enc.net.taehv_state_dict()}, path)
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(1, 3, 5, 16, 16, generator=g) * 2 - 1                # [B, 3, F, H, W]
+    z = torch.randn(1, TINY_CHANNELS, 2, 2, 2, generator=g)              # [B, C, F, h, w]
+    assert torch.equal(build_encoder("tiny", str(path), vae=None, **opts).encode(x, [1]),
+                       enc.encode(x))
+    assert torch.equal(build_decoder("tiny", str(path), vae=None, **opts).decode(z, [1]),
+                       dec.decode(z))
+    seed0 = TinyStreamingEncoder.random(seed=0, latent_channels=TINY_CHANNELS)
+    assert torch.equal(build_encoder("tiny", None, vae=None, **opts).encode(x, [0]),
+                       seed0.encode(x))
 
 
 def run(out, **kwargs) -> list[torch.Tensor]:

@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from framekv.engine.wan import StreamingVAEDecoder, TinyStreamingDecoder
+from coder_harness import (check_common_refusals, check_graph_path, check_random_draws,
+                           check_refusals, check_refused_layouts,
+                           check_rows_at_different_points, check_tiny_on_cuda, chunked,
+                           taehv_memory_block, tiny_factory)
 from framekv.engine.wan.tiny_decoder import WIDTHS, TinyDecoderNet, random_init
-from framekv.graphs import GraphCache
-from test_vae import chunked
 
 H, W = 5, 7     # latent size of the main equivalence tests: odd, not square
 h, w = 3, 5     # a smaller one for the rest
@@ -24,9 +26,7 @@ NARROW = (32, 16, 8, 8)  # the layout's structure at an eighth of its widths
 
 def factory(widths, seed: int = 7):
     """Fresh decoders over one set of random weights."""
-    net = TinyDecoderNet(16, widths)
-    random_init(net, seed=seed)
-    return lambda **kw: TinyStreamingDecoder(net, **{"use_graphs": False, **kw})
+    return tiny_factory(TinyStreamingDecoder, widths, seed)
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +78,7 @@ def test_rows_at_different_points_of_their_videos_in_one_batch(dec_factory, vide
     """Row 0 has decoded 2 frames of its video, row 1 3 of another: their next chunks,
     decoded together, equal each video's whole decode; what a row decoded before matters."""
     z, whole = video
-    dec = dec_factory(sequences=2)
-    a = dec.decode(z[0:1, :, :2], [0])
-    b = dec.decode(z[1:2, :, :3], [1])
-    both = dec.decode(torch.cat([z[0:1, :, 2:5], z[1:2, :, 3:6]]), [0, 1])
-    assert dec.state == (5, 6)
-    rest = dec.decode(z[0:1, :, 5:], [0])
-    torch.testing.assert_close(torch.cat([a, both[0:1], rest], 2), whole[0:1], rtol=0, atol=1e-5)
-    torch.testing.assert_close(torch.cat([b, both[1:2]], 2), whole[1:2], rtol=0, atol=1e-5)
+    both = check_rows_at_different_points(dec_factory, z, whole, (2, 5), (3, 6))
     fresh = dec_factory().decode(z[1:2, :, 3:6])    # the same latents starting a video
     assert (fresh[:, :, -4:] - both[1:2, :, -4:]).abs().max() > 1e-2
 
@@ -102,14 +95,7 @@ def _taehv_reference(sd: dict, z: torch.Tensor) -> torch.Tensor:
     x = F.relu(conv(torch.tanh(x / 3) * 3, 1))
     for base, k in ((3, 1), (9, 2), (15, 2)):
         for i in range(base, base + 3):
-            seq = x.unflatten(0, (B, T))
-            past = F.pad(seq, (0, 0, 0, 0, 0, 0, 1, 0))[:, :T].flatten(0, 1)
-            hdn = torch.cat([x, past], 1)
-            for j in (0, 2, 4):
-                hdn = F.conv2d(hdn, sd[f"decoder.{i}.conv.{j}.weight"],
-                               sd[f"decoder.{i}.conv.{j}.bias"], padding=1)
-                hdn = F.relu(hdn) if j < 4 else hdn
-            x = F.relu(hdn + x)
+            x = taehv_memory_block(sd, f"decoder.{i}", x, B, T)
         x = F.interpolate(x, scale_factor=2.0)
         x = F.conv2d(x, sd[f"decoder.{base + 4}.conv.weight"])
         x = x.reshape(-1, x.shape[1] // k, *x.shape[2:])      # [B T k, C, h, w]
@@ -229,65 +215,24 @@ def test_loads_pth_and_safetensors_checkpoints(full_factory, tmp_path):
 
 def test_a_checkpoint_of_another_layout_is_refused_naming_its_keys(full_factory, tmp_path):
     good = {**_encoder_keys(), **full_factory().net.taehv_state_dict()}
-    renamed = dict(good)
-    renamed["decoder.4.conv.9.weight"] = renamed.pop("decoder.4.conv.2.weight")
-    missing = {k: v for k, v in good.items() if k != "decoder.19.conv.weight"}
-    extra = {**good, "decoder.23.weight": torch.zeros(3), "decoder.30.bias": torch.zeros(3)}
-    cases = [
-        (renamed, r"1 missing decoder keys \['decoder.4.conv.2.weight'\], 1 unexpected keys "
-                  r"\['decoder.4.conv.9.weight'\]"),
-        (missing, r"1 missing decoder keys \['decoder.19.conv.weight'\], 0 unexpected keys \[\]"),
-        (extra, r"0 missing decoder keys \[\], 2 unexpected keys \['decoder.23.weight', "
-                r"'decoder.30.bias'\]"),
-        (_encoder_keys(), r"64 missing decoder keys \['decoder.1.weight', 'decoder.1.bias', .*\], "
-                          r"0 unexpected"),
-    ]
-    for state, match in cases:
-        with pytest.raises(ValueError, match=match):
-            TinyDecoderNet(16).load_taehv(state)
-    torch.save(renamed, tmp_path / "renamed.pth")
-    with pytest.raises(ValueError, match=r"checkpoint '.*renamed\.pth' is not a TAEHV decoder"):
-        TinyStreamingDecoder.from_file(tmp_path / "renamed.pth")
     wide = dict(good, **{"decoder.7.conv.weight": torch.zeros(512, 256, 1, 1)})
-    with pytest.raises(ValueError, match=r"decoder.7.conv.weight has shape \[512, 256, 1, 1\], "
-                                         r"this layout's is \[256, 256, 1, 1\]"):
-        TinyDecoderNet(16).load_taehv(wide)
-    net = TinyDecoderNet(16)
-    before = {k: v.clone() for k, v in net.state_dict().items()}
-    with pytest.raises(ValueError):
-        net.load_taehv(wide)
-    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())  # nothing loaded
+    check_refused_layouts(TinyStreamingDecoder, good, (wide, (
+        r"decoder.7.conv.weight has shape \[512, 256, 1, 1\], this layout's is "
+        r"\[256, 256, 1, 1\]")), tmp_path)
 
 
 def test_random_is_seeded_and_leaves_the_global_rng_alone():
-    torch.manual_seed(0)
-    ahead = torch.rand(1)
-    torch.manual_seed(0)
-    a = TinyStreamingDecoder.random(seed=3, latent_channels=4, device="cpu", widths=NARROW)
-    assert torch.equal(torch.rand(1), ahead)
-    b = TinyStreamingDecoder.random(seed=3, latent_channels=4, device="cpu", widths=NARROW,
-                                    sequences=2)
-    c = TinyStreamingDecoder.random(seed=4, latent_channels=4, device="cpu", widths=NARROW)
-    z = latents(9, F_=1, size=(1, 1), C=4)
-    assert a.latent_channels == 4 and b.sequences == 2 and a.dtype == torch.float32
-    assert torch.equal(a.decode(z), b.decode(z)) and not torch.equal(a.decode(z), c.decode(z))
+    check_random_draws(TinyStreamingDecoder, latents(9, F_=1, size=(1, 1), C=4), widths=NARROW)
 
 
 def test_the_graph_path_through_graphcaches_eager_stand_in(dec_factory):
     z = latents(10, B=2, F_=5, size=(h, w))
     dec = dec_factory()
-    dec.use_graphs, dec._graphs = True, GraphCache("cpu", warmup_iters=1)  # the CUDA wiring
-    assert dec.capture(2, 2, (h, w)) == 2 and dec.state == (0, 0)
-    assert dec.capture(2, 2, (h, w)) == 0
-    got = chunked(dec, z, (2, 2, 1))
-    torch.testing.assert_close(got, dec_factory().decode(z), rtol=0, atol=1e-5)
-    assert dec.graph_count == 3  # first:2, steady:2, steady:1
-    dec.reset()
-    assert torch.equal(chunked(dec, z, (2, 2, 1)), got) and dec.graph_count == 3
-    with pytest.raises(ValueError, match=r"latent_size must be \(H, W\)"):
-        dec.capture(2, 1, (h, 0))
-    with pytest.raises(ValueError, match=r"batch must be an integer in \[1, 2\], got 3"):
-        dec.capture(3, 1, (h, w))
+    # first:2, steady:2, steady:1
+    check_graph_path(dec, z, (2, 2, 1), dec_factory().decode(z), (h, w), 3, warmup_iters=1)
+    check_refusals([(lambda: dec.capture(2, 1, (h, 0)), r"latent_size must be \(H, W\)"),
+                    (lambda: dec.capture(3, 1, (h, w)),
+                     r"batch must be an integer in \[1, 2\], got 3")])
     dec.close()
     assert dec.graph_count == 0 and dec.arena_bytes == 0
 
@@ -295,27 +240,13 @@ def test_the_graph_path_through_graphcaches_eager_stand_in(dec_factory):
 def test_bad_arguments(dec_factory):
     dec = dec_factory(sequences=2)
     z = latents(11, B=2, F_=1, size=(h, w))
-    cases = [
-        (lambda: dec.decode(z[:, :4]), r"latents must be a floating \[B, 16, F, H, W\].*\[2, 4, 1"),
-        (lambda: dec.decode(z[0]), r"latents must be a \[B, C, F, H, W\] tensor, got ndim 4"),
-        (lambda: dec.decode(z.long()), r"latents must be a floating"),
-        (lambda: dec.decode(z.to("meta")), r"latents must be on the decoder's device cpu"),
-        (lambda: dec.decode(z, [0, 2]), r"rows must be 2 distinct integers in \[0, 2\)"),
-        (lambda: dec.decode(z, [1, 1]), r"rows must be 2 distinct.*got \[1, 1\]"),
-        (lambda: dec.decode(latents(12, B=3, F_=1, size=(h, w))), r"rows must be 3 distinct"),
-        (lambda: dec.reset([5]), r"rows must be distinct integers in \[0, 2\)"),
-        (lambda: dec.frames_decoded(2), r"row must be an integer in \[0, 2\).*got 2"),
-        (lambda: dec.snapshot(-1), r"row must be an integer in \[0, 2\)"),
-        (lambda: dec.capture(1, 1, (h, w)), r"capture\(\) needs use_graphs=True"),
+    check_common_refusals(dec, z, dec.frames_decoded)
+    check_refusals([
         (lambda: dec_factory(sequences=0), r"sequences must be None or an integer"),
         (lambda: dec_factory(use_graphs="yes"), r"use_graphs must be True or False"),
         (lambda: TinyStreamingDecoder(torch.nn.Linear(2, 2)), r"net must be a TinyDecoderNet"),
         (lambda: TinyStreamingDecoder.random(latent_channels=0), r"latent_channels must be"),
-        (lambda: TinyDecoderNet(16, (8, 8)), r"widths must be 4 positive integers, got \(8, 8\)"),
-    ]
-    for call, match in cases:
-        with pytest.raises(ValueError, match=match):
-            call()
+        (lambda: TinyDecoderNet(16, (8, 8)), r"widths must be 4 positive integers, got \(8, 8\)")])
     dec.decode(z)
     with pytest.raises(ValueError, match=r"latents must be \[3, 5\] \(H, W\).*got \[3, 6\]"):
         dec.decode(latents(13, B=2, F_=1, size=(3, 6)))
@@ -336,25 +267,7 @@ def test_it_has_the_vae_decoders_interface():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graphed_chunks_equal_eager_bit_for_bit_on_cuda(dtype, monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    net = TinyDecoderNet(16)
-    random_init(net, seed=1)
-    net = net.to("cuda", dtype)
-    graphed = TinyStreamingDecoder(net, sequences=2)
-    eager = TinyStreamingDecoder(net, sequences=2, use_graphs=False)
-    assert graphed.use_graphs and not eager.use_graphs
     z = latents(20, B=2, F_=7, size=(6, 10)).to("cuda")
-    for split in [(1, 2, 4), (3, 3, 1), (2, 2, 2, 1)]:
-        graphed.reset()
-        eager.reset()
-        a, b = chunked(graphed, z, split), chunked(eager, z, split)
-        assert a.dtype == dtype and a.shape == (2, 3, 25, 48, 80)
-        assert torch.isfinite(a).all() and torch.equal(a, b), split
-    assert graphed.graph_count == 7  # first:1,2,3 steady:1,2,3,4
-    keep = a.clone()
-    graphed.decode(z[:, :, :2])      # a replay must not change frames handed out
-    assert torch.equal(a, keep)
-    whole = TinyStreamingDecoder(net, use_graphs=False).decode(z)
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(a, whole, rtol=0, atol=tol)
-    graphed.close()
-    assert graphed.graph_count == 0 and graphed.arena_bytes == 0
+    # first: 1, 2, 3 latent frames; steady: 1, 2, 3, 4
+    check_tiny_on_cuda(TinyStreamingDecoder, dtype, z, [(1, 2, 4), (3, 3, 1), (2, 2, 2, 1)],
+                       (2, 3, 25, 48, 80), 7, z[:, :, :2])

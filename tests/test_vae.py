@@ -9,9 +9,10 @@ import inspect
 import pytest
 import torch
 
+from coder_harness import (check_common_refusals, check_graph_path, check_refusals,
+                           check_reset, check_row_subsets, chunked, wan22_vae)
 from framekv.engine.arena import HOST_CHUNK_BYTES, carved_bytes, round_up
 from framekv.engine.wan import CONFIGS, VAE_CONFIGS, StreamingVAEDecoder, build_vae, load_vae
-from framekv.graphs import GraphCache
 
 H, W = 5, 6  # latent size: odd, not square
 
@@ -36,15 +37,6 @@ def denorm(vae, z: torch.Tensor) -> torch.Tensor:
 def whole(vae, z: torch.Tensor) -> torch.Tensor:
     """The reference: diffusers' whole-video decode, denormalised here."""
     return vae.decode(denorm(vae, z)).sample
-
-
-def chunked(dec, z: torch.Tensor, split, rows=None) -> torch.Tensor:
-    outs, f0 = [], 0
-    for f in split:
-        outs.append(dec.decode(z[:, :, f0:f0 + f], rows))
-        f0 += f
-    assert f0 == z.shape[2]
-    return torch.cat(outs, dim=2)
 
 
 def test_configs_pair_with_the_transformers_and_diffusers_defaults():
@@ -140,17 +132,8 @@ def test_bf16_vae_returns_bf16_frames_equal_to_its_own_whole_decode():
 
 
 def test_reset_reproduces_a_fresh_decoder(vae):
-    z1, z2 = latents(7, F=4), latents(8, F=3)
-    dec = StreamingVAEDecoder(vae)
-    chunked(dec, z1, (2, 2))
-    dec.reset()
-    assert dec.state == (0,)
-    again = chunked(dec, z2, (1, 2))
-    fresh = chunked(StreamingVAEDecoder(vae), z2, (1, 2))
-    assert torch.equal(again, fresh)
-    dec.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        dec.decode(z2)
+    check_reset(StreamingVAEDecoder(vae), StreamingVAEDecoder(vae), latents(7, F=4), (2, 2),
+                latents(8, F=3), (1, 2))
 
 
 def test_sequences_in_one_batch_equal_each_alone(vae):
@@ -165,22 +148,8 @@ def test_row_subsets_touch_only_their_rows(vae):
     z = [latents(20 + s, F=6, stamp=0.5 * s) for s in range(3)]  # sequence s: its own latents
     solo = [chunked(StreamingVAEDecoder(vae), z[s], (2, 1, 3)) for s in range(3)]
     dec = StreamingVAEDecoder(vae, sequences=3)
-    got = {s: [] for s in range(3)}
-
-    def run(rows, f0, f):
-        out = dec.decode(torch.cat([z[s][:, :, f0:f0 + f] for s in rows]), rows)
-        for i, s in enumerate(rows):
-            got[s].append(out[i:i + 1])
-
-    run([1, 2, 0], 0, 2)
-    kept = [t[1].clone() for t in dec._cache.tensors]  # row 1's cache in the arena
-    run([2, 0], 2, 1)
-    assert all(torch.equal(t[1], k) for t, k in zip(dec._cache.tensors, kept))
-    assert dec.state == (3, 2, 3)
-    run([1], 2, 1)
-    run([0, 1, 2], 3, 3)
-    for s in range(3):
-        torch.testing.assert_close(torch.cat(got[s], 2), solo[s], rtol=0, atol=1e-5)
+    check_row_subsets(dec, z, solo, [([1, 2, 0], 0, 2), ([2, 0], 2, 1), ([1], 2, 1),
+                                     ([0, 1, 2], 3, 3)])
     # Row 1 starts a new video; rows 0 and 2 are untouched by it.
     dec.reset([1])
     assert dec.state == (6, 0, 6)
@@ -198,23 +167,14 @@ def test_rows_at_different_stages_are_refused_and_change_nothing(vae):
 
 
 def test_the_graph_path_through_graphcaches_eager_stand_in(vae):
-    """Keys, warm-up without writes, static inputs: what a CUDA decoder runs, eagerly."""
     z = latents(50, B=2)
     dec = StreamingVAEDecoder(vae)
-    dec.use_graphs, dec._graphs = True, GraphCache("cpu")  # the CUDA path's wiring on CPU
-    assert dec.capture(2, 2, (H, W)) == 2 and dec.state == (0, 0)
-    assert dec.capture(2, 2, (H, W)) == 0
-    got = chunked(dec, z, (2, 2, 2, 1))
-    torch.testing.assert_close(got, whole(vae, z), rtol=0, atol=1e-5)
-    assert dec.graph_count == 3  # first:2, steady:2, steady:1
-    dec.reset()
-    assert torch.equal(chunked(dec, z, (2, 2, 2, 1)), got) and dec.graph_count == 3
-    with pytest.raises(ValueError, match=r"latent_size must be \(H, W\)"):
-        dec.capture(2, 1, (H, 0))
-    with pytest.raises(ValueError, match=r"batch must be an integer in \[1, 2\], got 3"):
-        dec.capture(3, 1, (H, W))
-    with pytest.raises(ValueError, match=r"frames must be an integer in \[1, inf\], got 0"):
-        dec.capture(2, 0, (H, W))
+    # first:2 (captured), steady:2 (captured), steady:1
+    check_graph_path(dec, z, (2, 2, 2, 1), whole(vae, z), (H, W), graphs=3)
+    check_refusals([
+        (lambda: dec.capture(2, 1, (H, 0)), r"latent_size must be \(H, W\)"),
+        (lambda: dec.capture(3, 1, (H, W)), r"batch must be an integer in \[1, 2\], got 3"),
+        (lambda: dec.capture(2, 0, (H, W)), r"frames must be an integer in \[1, inf\], got 0")])
 
 
 def test_arena_holds_every_sequences_steady_cache(vae):
@@ -240,27 +200,13 @@ def test_arena_holds_every_sequences_steady_cache(vae):
 def test_bad_arguments(vae):
     dec = StreamingVAEDecoder(vae, sequences=2)
     z = latents(60, B=2, F=1)
-    cases = [
-        (lambda: dec.decode(z[:, :3]), r"latents must be a floating \[B, 4, F, H, W\].*\[2, 3, 1"),
-        (lambda: dec.decode(z[0]), r"latents must be a \[B, C, F, H, W\] tensor, got ndim 4"),
-        (lambda: dec.decode(z.long()), r"latents must be a floating"),
-        (lambda: dec.decode(z.to("meta")), r"latents must be on the decoder's device cpu"),
-        (lambda: dec.decode(z, [0, 2]), r"rows must be 2 distinct integers in \[0, 2\)"),
-        (lambda: dec.decode(z, [1, 1]), r"rows must be 2 distinct.*got \[1, 1\]"),
-        (lambda: dec.decode(z, [0]), r"rows must be 2 distinct"),
-        (lambda: dec.decode(latents(61, B=3, F=1)), r"rows must be 3 distinct.*\[0, 2\)"),
-        (lambda: dec.reset([5]), r"rows must be distinct integers in \[0, 2\)"),
-        (lambda: dec.frames_decoded(2), r"row must be an integer in \[0, 2\).*got 2"),
-        (lambda: dec.capture(1, 1, (H, W)), r"capture\(\) needs use_graphs=True"),
+    check_common_refusals(dec, z, dec.frames_decoded)
+    check_refusals([
         (lambda: StreamingVAEDecoder(vae, sequences=0), r"sequences must be None or an integer"),
         (lambda: StreamingVAEDecoder(vae, use_graphs="yes"), r"use_graphs must be True or False"),
         (lambda: StreamingVAEDecoder(torch.nn.Linear(2, 2)),
          r"vae must be a diffusers AutoencoderKLWan, got Linear"),
-        (lambda: build_vae("huge"), r"config must be one of \['1.3b', '14b', 'tiny'\]"),
-    ]
-    for call, match in cases:
-        with pytest.raises(ValueError, match=match):
-            call()
+        (lambda: build_vae("huge"), r"config must be one of \['1.3b', '14b', 'tiny'\]")])
     dec.decode(z)
     with pytest.raises(ValueError, match=r"latents must be \[5, 6\] \(H, W\).*got \[6, 6\]"):
         dec.decode(latents(62, B=2, F=1, size=(6, 6)))
@@ -268,13 +214,8 @@ def test_bad_arguments(vae):
 
 
 def test_wan22_vaes_are_refused():
-    from diffusers import AutoencoderKLWan
-
-    v22 = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                           patch_size=2, is_residual=True, in_channels=12, out_channels=12,
-                           latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
     with pytest.raises(ValueError, match="vae must be a Wan 2.1 VAE.*patch_size=2"):
-        StreamingVAEDecoder(v22)
+        StreamingVAEDecoder(wan22_vae())
 
 
 def test_load_vae_reads_a_local_folder_and_its_vae_subfolder(vae, tmp_path):

@@ -11,11 +11,14 @@ import weakref
 import pytest
 import torch
 
+from coder_harness import (check_channels_last_arena, check_half_precision,
+                           check_state_moves_between_programs, check_unwritten, chunked,
+                           fused_pair)
 from framekv.engine.wan import StreamingVAEDecoder, build_vae
-from framekv.engine.wan import vae_fused
+from framekv.engine.wan import vae_blocks, vae_fused
 from framekv.engine.wan.vae_fused import FusedDecoder, fused_chunk_program
 from framekv.engine.wan.vae_graph import CacheLayout
-from test_vae import chunked, latents
+from test_vae import latents
 
 
 def shuffled_gammas(vae, seed: int):
@@ -35,7 +38,7 @@ def vae():
 
 
 def pair(vae, **kw):
-    return StreamingVAEDecoder(vae, fused=True, **kw), StreamingVAEDecoder(vae, fused=False, **kw)
+    return fused_pair(StreamingVAEDecoder, vae, **kw)
 
 
 @pytest.mark.parametrize("fold_below", [None, 0])
@@ -97,7 +100,7 @@ def test_a_residual_block_adds_the_bias_pending_on_its_input(vae, fold_below):
 def test_a_first_conv_output_is_freed_once_its_norm_has_read_it(vae, monkeypatch):
     # the residual block's peak: conv1's output must not live on beside conv2's input
     freed = []
-    call = vae_fused._Fill.__call__
+    call = vae_blocks._Fill.__call__
 
     def watched(fill, outs, counts):
         ref = weakref.ref(fill._x) if fill._release else None
@@ -105,7 +108,7 @@ def test_a_first_conv_output_is_freed_once_its_norm_has_read_it(vae, monkeypatch
         if ref is not None:
             freed.append(ref() is None)
 
-    monkeypatch.setattr(vae_fused._Fill, "__call__", watched)
+    monkeypatch.setattr(vae_blocks._Fill, "__call__", watched)
     dec = StreamingVAEDecoder(vae)
     dec.decode(latents(16, F=3))               # two passes: the first frame, then the rest
     blocks = sum(kind == "res" for kind, _ in dec._program_weights.blocks)
@@ -114,52 +117,25 @@ def test_a_first_conv_output_is_freed_once_its_norm_has_read_it(vae, monkeypatch
 
 @pytest.mark.parametrize("src_fused", [True, False])
 def test_a_state_moves_between_the_programs(vae, src_fused):
-    z = latents(12, B=1, F=6)
     src = StreamingVAEDecoder(vae, fused=src_fused, sequences=2)
     dst = StreamingVAEDecoder(vae, fused=not src_fused, sequences=3)
-    src.decode(z[:, :, :2], rows=[1])
-    src.decode(z[:, :, 2:3], rows=[1])
-    dst.restore(2, src.snapshot(1))
-    torch.testing.assert_close(dst.decode(z[:, :, 3:], rows=[2]), src.decode(z[:, :, 3:], rows=[1]),
-                               rtol=0, atol=1e-5)
+    check_state_moves_between_programs(src, dst, latents(12, B=1, F=6), (2, 1), 3)
 
 
 def test_the_arena_is_channels_last_and_snapshots_keep_the_modules_layout(vae):
-    fused, ref = pair(vae, sequences=2)
-    z = latents(13, B=2, F=3)
-    fused.decode(z), ref.decode(z)
-    arena = fused._cache
-    for t, v, shape in zip(arena.rows_last, arena.tensors, arena.layout.shapes):
-        C, two, H, W = shape
-        assert t.shape == (2, two, H, W, C) and t.is_contiguous()
-        assert v.shape == (2, *shape) and v.data_ptr() == t.data_ptr()
-    assert ref._cache.rows_last is None
-    a, b = fused.snapshot(1), ref.snapshot(1)
-    assert [tuple(t.shape) for t in a["cache"]] == [tuple(t.shape) for t in b["cache"]]
-    assert all(t.is_contiguous() for t in a["cache"])
-    for x, y in zip(a["cache"], b["cache"]):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    check_channels_last_arena(*pair(vae, sequences=2), latents(13, B=2, F=3))
 
 
 def test_a_program_that_must_not_write_leaves_the_rows(vae):
     fused = StreamingVAEDecoder(vae, sequences=2)
     fused.decode(latents(14, B=2, F=2))
-    before = [t.clone() for t in fused._cache.rows_last]
     fn = fused_chunk_program(fused._program_weights, fused._cache, first=False,
                              mean=fused._mean, inv_std=fused._inv_std, write=False)
-    out = fn(latents(15, B=2, F=2), torch.tensor([0, 1]))
-    assert out.shape == (2, 3, 8, 40, 48)
-    assert all(torch.equal(a, b) for a, b in zip(before, fused._cache.rows_last))
-    with pytest.raises(ValueError, match="fused must be"):
-        StreamingVAEDecoder(vae, fused="yes")
+    assert check_unwritten(fused, fn, latents(15, B=2, F=2)).shape == (2, 3, 8, 40, 48)
 
 
 def test_a_half_precision_vae_runs_the_modules_and_refuses_fused():
-    half = build_vae("tiny", dtype=torch.float16, seed=7)
-    assert StreamingVAEDecoder(half).fused is False
-    with pytest.raises(ValueError, match="fused=True needs a bfloat16 or float32 vae, got "
-                                         "torch.float16"):
-        StreamingVAEDecoder(half, fused=True)
+    check_half_precision(StreamingVAEDecoder, build_vae("tiny", dtype=torch.float16, seed=7))
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])

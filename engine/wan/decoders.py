@@ -1,7 +1,9 @@
 """Which streaming decoder turns a Wan pipeline's latents into frames: ``"wan"`` (the
 Wan VAE, `StreamingVAEDecoder`) or ``"tiny"`` / ``"tiny:PATH"`` (`TinyStreamingDecoder`
 of a TAEHV ``taew2_1`` checkpoint), the ``--decoder`` of ``framekv serve`` and
-``framekv generate``.
+``framekv generate``; and the encoder that follows a choice, for frames in
+(`build_encoder`): the same VAE's `StreamingVAEEncoder`, or the `TinyStreamingEncoder`
+of the same checkpoint.
 
 ``tiny`` without a path takes ``taew2_1.safetensors`` or ``taew2_1.pth`` from the
 pipeline's diffusers folder; a pipeline of random parts (a config, no folder) gets a
@@ -85,12 +87,34 @@ def build_decoder(kind: str, path: str | None, *, vae, sequences, use_graphs, de
     from .tiny_decoder import TinyStreamingDecoder
     from .vae import StreamingVAEDecoder
 
+    return _build(StreamingVAEDecoder, TinyStreamingDecoder, kind, path, vae=vae,
+                  sequences=sequences, use_graphs=use_graphs, device=device, dtype=dtype,
+                  latent_channels=latent_channels, net=net)
+
+
+def build_encoder(kind: str, path: str | None, *, vae, sequences, use_graphs, device, dtype,
+                  latent_channels: int, net=None):
+    """The streaming encoder that follows a checked decoder choice, so a video's frames
+    come in through the same latent space its frames go out of: `StreamingVAEEncoder`
+    over ``vae`` for ``wan``, or the `TinyStreamingEncoder` of the same TAEHV checkpoint
+    ``path`` for ``tiny`` (None: random, seed 0, ``latent_channels``; ``net``: its
+    encoder half read already, `TinyStreamingEncoder.read_net`), in ``dtype`` (None:
+    the encoder's default). Arguments as `build_decoder`'s."""
+    from .tiny_encoder import TinyStreamingEncoder
+    from .vae_encoder import StreamingVAEEncoder
+
+    return _build(StreamingVAEEncoder, TinyStreamingEncoder, kind, path, vae=vae,
+                  sequences=sequences, use_graphs=use_graphs, device=device, dtype=dtype,
+                  latent_channels=latent_channels, net=net)
+
+
+def _build(wan, tiny, kind, path, *, vae, sequences, use_graphs, device, dtype,
+           latent_channels, net):
     if kind == "wan":
-        return StreamingVAEDecoder(vae, sequences=sequences, use_graphs=use_graphs,
-                                   device=device)
+        return wan(vae, sequences=sequences, use_graphs=use_graphs, device=device)
     opts = {"sequences": sequences, "use_graphs": use_graphs, "device": device, "dtype": dtype}
     if net is not None:
-        return TinyStreamingDecoder.from_net(net, **opts)
+        return tiny.from_net(net, **opts)
     if path is None:
-        return TinyStreamingDecoder.random(seed=0, latent_channels=latent_channels, **opts)
-    return TinyStreamingDecoder.from_file(path, **opts)
+        return tiny.random(seed=0, latent_channels=latent_channels, **opts)
+    return tiny.from_file(path, **opts)

@@ -41,46 +41,19 @@ per stage, batch, frames and latent size; eager on CPU or with ``use_graphs=Fals
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from framekv.specs.checks import check_count, check_flag
-
-from .tiny_net import WIDTHS, TinyDecoderNet, random_init, read_taehv, unset_net
+from .coder_rows import DecoderRows
+from .tiny_blocks import TinyCoder, random_init
+from .tiny_net import WIDTHS, TinyDecoderNet
 from .vae import StreamingVAEDecoder
-from .vae_graph import CacheArena, CacheLayout, DecoderRows
 
 __all__ = ["TinyDecoderNet", "TinyStreamingDecoder", "WIDTHS", "random_init"]
 
 TRIM = 3                     # frames dropped at a video's start (4F - 3 frames)
 
 
-def _chunk_program(net: TinyDecoderNet, arena: CacheArena, *, first: bool, write: bool = True):
-    """``fn(latents, rows) -> frames`` for one chunk: latents [B, C, F, H, W] in the net's
-    dtype, rows [B] int64 (distinct); reads (zeros when ``first``) and, with ``write``,
-    writes the rows' carried frames (a graph's warm-up must not advance them)."""
-    layout = arena.layout
-
-    @torch.no_grad()
-    def fn(latents: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        B = latents.shape[0]
-        if first:
-            memory = [torch.zeros(B, *s, dtype=d, device=latents.device)
-                      for s, d in zip(layout.shapes, layout.dtypes)]
-        else:
-            memory = arena.gather(rows)
-        rgb, carried = net.stream(latents, memory)                  # [B, 3, 4F, 8H, 8W]
-        if write:
-            arena.scatter(rows, carried)
-        if first:
-            rgb = rgb[:, :, TRIM:]
-        return (rgb.clamp(0, 1) * 2 - 1).contiguous()
-
-    return fn
-
-
-class TinyStreamingDecoder(DecoderRows):
+class TinyStreamingDecoder(TinyCoder, DecoderRows):
     """Decode Wan 2.1 latents chunk by chunk with a `TinyDecoderNet` (module doc),
     each sequence's carried frames kept between calls.
 
@@ -98,73 +71,29 @@ class TinyStreamingDecoder(DecoderRows):
 
     video_frames = staticmethod(StreamingVAEDecoder.video_frames)
 
-    def __init__(self, net: TinyDecoderNet, *, sequences=None, use_graphs=None, device=None):
-        from framekv.ops import resolve_device
-
-        if not isinstance(net, TinyDecoderNet):
-            raise ValueError(f"net must be a TinyDecoderNet, got {type(net).__name__}")
-        self.sequences = check_count("sequences", sequences)
-        self.device = resolve_device(next(net.parameters()).device if device is None else device)
-        self.net = net.to(self.device).eval().requires_grad_(False)
-        self.dtype, self.latent_channels = next(net.parameters()).dtype, net.latent_channels
-        graphs = True if use_graphs is None else check_flag("use_graphs", use_graphs)
-        self.use_graphs = graphs and self.device.type == "cuda"
-        self._start_rows()
+    NET = TinyDecoderNet
 
     @classmethod
     def random(cls, *, seed: int = 0, latent_channels: int = 16, device=None, dtype=None,
                widths: tuple[int, ...] = WIDTHS, **kwargs) -> "TinyStreamingDecoder":
         """A decoder of random weights drawn from ``seed`` (`random_init`), of the
         checkpoint layout's widths unless ``widths`` says otherwise (`TinyDecoderNet`);
-        dtype default bf16 on CUDA, fp32 on CPU; ``kwargs`` go to the constructor."""
-        check_count("latent_channels", latent_channels)
-        net = unset_net(latent_channels, widths)
-        random_init(net, seed)
-        return cls._of(net, device, dtype, kwargs)
-
-    @classmethod
-    def from_file(cls, path, *, device=None, dtype=None, **kwargs) -> "TinyStreamingDecoder":
-        """A decoder of a local TAEHV checkpoint (`read_net`); ``kwargs`` go to the
-        constructor. ValueError as `read_net` raises it."""
-        return cls.from_net(cls.read_net(path), device=device, dtype=dtype, **kwargs)
-
-    @staticmethod
-    def read_net(path) -> TinyDecoderNet:
-        """The `TinyDecoderNet` of a local TAEHV checkpoint (``taew2_1.pth``,
-        ``torch.load`` with ``weights_only``, or ``.safetensors``) on the CPU: its decoder
-        keys, the encoder's ignored; latent channels from ``decoder.1.weight``. ValueError
-        naming the path for a file that is absent or unreadable, or the keys for another
-        layout (`TinyDecoderNet.load_taehv`)."""
-        state = read_taehv(path)
-        stem = state.get("decoder.1.weight")
-        channels = stem.shape[1] if isinstance(stem, torch.Tensor) and stem.dim() == 4 else 16
-        net = unset_net(channels)
-        net.load_taehv(state, where=f"checkpoint {os.fspath(path)!r}")
-        return net
-
-    @classmethod
-    def from_net(cls, net: TinyDecoderNet, *, device=None, dtype=None,
-                 **kwargs) -> "TinyStreamingDecoder":
-        """A decoder of ``net`` (`read_net`'s, moved) on ``device`` in ``dtype`` (default
-        bf16 on CUDA, fp32 on the CPU); ``kwargs`` go to the constructor."""
-        return cls._of(net, device, dtype, kwargs)
-
-    @classmethod
-    def _of(cls, net, device, dtype, kwargs) -> "TinyStreamingDecoder":
-        from framekv.ops import resolve_device
-
-        dev = resolve_device(device)
-        dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        return cls(net.to(dev, dtype), device=dev, **kwargs)
+        dtype default bf16 on CUDA, fp32 on CPU; ``kwargs`` go to the constructor.
+        (`from_file`: a decoder of a TAEHV checkpoint's decoder keys, latent channels
+        from ``decoder.1.weight``.)"""
+        return cls._random(seed, latent_channels, widths, device, dtype, kwargs)
 
     # ------------------------------------------------------------------ internals
     PROGRAM = "tiny-decode"
     MISMATCH = "another layout, dtype or latent size"
 
-    def _layout(self, latent_size: tuple[int, int]) -> CacheLayout:
-        shapes = self.net.memory_shapes(latent_size)
-        return CacheLayout(slots=len(shapes), shapes=shapes, latent_size=tuple(latent_size),
-                           dtypes=(self.dtype,) * len(shapes))
+    @staticmethod
+    def _net_input(latents: torch.Tensor, first: bool) -> torch.Tensor:
+        return latents                                              # [B, C, F, H, W]
 
-    def _chunk(self, first: bool, write: bool):
-        return _chunk_program(self.net, self._cache, first=first, write=write)
+    @staticmethod
+    def _output(rgb: torch.Tensor, first: bool) -> torch.Tensor:
+        """rgb [B, 3, 4F, 8H, 8W] -> frames in [-1, 1], a video's first 3 dropped."""
+        if first:
+            rgb = rgb[:, :, TRIM:]
+        return (rgb.clamp(0, 1) * 2 - 1).contiguous()

@@ -32,7 +32,8 @@ from framekv.specs.checks import check_count, check_flag
 from .vae_fused import FusedDecoder, fused_chunk_program
 from .vae_graph import CacheLayout, DecoderRows, chunk_program
 
-__all__ = ["VAE_CONFIGS", "StreamingVAEDecoder", "build_vae", "load_vae"]
+__all__ = ["VAE_CONFIGS", "StreamingVAEDecoder", "VaeCoder", "build_vae", "check_vae",
+           "load_vae"]
 
 _WAN21_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
                0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
@@ -97,12 +98,12 @@ def load_vae(path, *, dtype=None, device=None):
     return vae.to(dev).eval().requires_grad_(False)
 
 
-def check_vae(vae) -> None:
-    """ValueError unless ``vae`` is a Wan 2.1 ``AutoencoderKLWan``."""
+def check_vae(vae, owner: str = "StreamingVAEDecoder") -> None:
+    """ValueError unless ``vae`` is a Wan 2.1 ``AutoencoderKLWan`` (``owner``: who needs it)."""
     try:
         from diffusers import AutoencoderKLWan
     except ImportError as exc:
-        raise ValueError("StreamingVAEDecoder needs diffusers: pip install 'framekv[wan]'") from exc
+        raise ValueError(f"{owner} needs diffusers: pip install 'framekv[wan]'") from exc
     if not isinstance(vae, AutoencoderKLWan):
         raise ValueError(f"vae must be a diffusers AutoencoderKLWan, got {type(vae).__name__}")
     if vae.config.patch_size is not None or vae.config.is_residual:
@@ -111,7 +112,50 @@ def check_vae(vae) -> None:
                          f"is_residual={vae.config.is_residual}")
 
 
-class StreamingVAEDecoder(DecoderRows):
+class VaeCoder:
+    """What the Wan VAE's streaming coders (`StreamingVAEDecoder`, `StreamingVAEEncoder`)
+    do alike: the constructor (``vae``, ``sequences``, ``use_graphs``, ``device``,
+    ``fused``: their docstrings say what each means), checked, setting ``fused``
+    (default: a bf16 or fp32 vae, the dtypes the norm kernel reads), ``sequences``,
+    ``device`` (the vae moved there), ``vae``, ``dtype``, ``latent_channels``,
+    ``use_graphs``, WanPipeline's ``_mean`` and ``_inv_std`` [1, z, 1, 1, 1] in the
+    vae's dtype, and the fused program's weights (``FUSED(vae)``); the graph keys'
+    program name (``NAME``, "-fused" after it for the fused program) and the arena's
+    layout (channels last for the fused program)."""
+
+    NAME, FUSED = "", None
+
+    def __init__(self, vae, *, sequences=None, use_graphs=None, device=None, fused=None):
+        check_vae(vae, type(self).__name__)
+        readable = vae.dtype in (torch.bfloat16, torch.float32)
+        self.fused = readable if fused is None else check_flag("fused", fused)
+        if self.fused and not readable:
+            raise ValueError(f"fused=True needs a bfloat16 or float32 vae, got {vae.dtype} "
+                             "(pass fused=False to run diffusers' modules)")
+        self.sequences = check_count("sequences", sequences)
+        self.device = _resolve(device if device is not None else next(vae.parameters()).device)
+        if next(vae.parameters()).device != self.device:
+            vae.to(self.device)
+        self.vae, self.dtype, self.latent_channels = vae, vae.dtype, vae.config.z_dim
+        self.use_graphs = self._graphs_on(use_graphs, self.device)
+        cfg, shape = vae.config, (1, vae.config.z_dim, 1, 1, 1)
+        # WanPipeline's tensors, built as it builds them (1 / std in fp32, then cast).
+        self._mean = torch.tensor(cfg.latents_mean).view(shape).to(self.device, self.dtype)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std)
+        self._inv_std = inv_std.view(shape).to(self.device, self.dtype)
+        self._program_weights = type(self).FUSED(vae) if self.fused else None
+        self._start_rows()
+
+    @property
+    def PROGRAM(self) -> str:
+        return f"{self.NAME}-fused" if self.fused else self.NAME
+
+    @property
+    def CACHE_CHANNELS_LAST(self) -> bool:
+        return self.fused            # the fused program's cache layout
+
+
+class StreamingVAEDecoder(VaeCoder, DecoderRows):
     """Decode Wan latents chunk by chunk, each sequence's causal cache kept between calls.
 
     Args:
@@ -133,27 +177,7 @@ class StreamingVAEDecoder(DecoderRows):
         known), use_graphs, fused, latent_channels (the vae's z_dim).
     """
 
-    def __init__(self, vae, *, sequences=None, use_graphs=None, device=None, fused=None):
-        check_vae(vae)
-        readable = vae.dtype in (torch.bfloat16, torch.float32)
-        self.fused = readable if fused is None else check_flag("fused", fused)
-        if self.fused and not readable:
-            raise ValueError(f"fused=True needs a bfloat16 or float32 vae, got {vae.dtype} "
-                             "(pass fused=False to run diffusers' modules)")
-        self.sequences = check_count("sequences", sequences)
-        self.device = _resolve(device if device is not None else next(vae.parameters()).device)
-        if next(vae.parameters()).device != self.device:
-            vae.to(self.device)
-        self.vae, self.dtype, self.latent_channels = vae, vae.dtype, vae.config.z_dim
-        graphs = True if use_graphs is None else check_flag("use_graphs", use_graphs)
-        self.use_graphs = graphs and self.device.type == "cuda"
-        cfg, shape = vae.config, (1, vae.config.z_dim, 1, 1, 1)
-        # WanPipeline's tensors, built as it builds them (1 / std in fp32, then cast).
-        self._mean = torch.tensor(cfg.latents_mean).view(shape).to(self.device, self.dtype)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std)
-        self._inv_std = inv_std.view(shape).to(self.device, self.dtype)
-        self._program_weights = FusedDecoder(vae) if self.fused else None
-        self._start_rows()
+    NAME, FUSED = "vae-decode", FusedDecoder
 
     @staticmethod
     def video_frames(latent_frames: int, first: bool) -> int:
@@ -162,14 +186,6 @@ class StreamingVAEDecoder(DecoderRows):
         return 1 + 4 * (latent_frames - 1) if first else 4 * latent_frames
 
     # ------------------------------------------------------------------ internals
-    @property
-    def PROGRAM(self) -> str:
-        return "vae-decode-fused" if self.fused else "vae-decode"
-
-    @property
-    def CACHE_CHANNELS_LAST(self) -> bool:
-        return self.fused            # the fused program's cache layout
-
     MISMATCH = "another vae or latent size, or a decoder that has not decoded yet"
 
     def _layout(self, latent_size: tuple[int, int]) -> CacheLayout:

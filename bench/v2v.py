@@ -1,0 +1,199 @@
+"""Video in, video out on one GPU: the streaming encoders that turn a video's frames into
+the latents a video-to-video rollout starts from.
+
+All weights random, in bf16 as ``torch_dtype`` would load them. Frames H x W (default
+480 x 832), chunks of F latent frames (default 3: a video's first chunk 1 + 4 (F - 1)
+frames, then 4 F = 12 a chunk), one sequence. Parts (``--parts``):
+
+    encoders    per encoder, graphed: ms per steady chunk (CUDA events, the encoders in
+                turn, rotated order; medians, p10, p90), ms of a video's first chunk
+                (replayed, after its capture), the largest |graphed - eager| over the
+                first ``--check-chunks`` chunks (graphs replay the same kernels: 0), and
+                for the Wan VAE's programs max and mean |latents - fp32 latents| against
+                diffusers' modules in fp32 (TF32 off) over those chunks. Encoders:
+                  wan           `StreamingVAEEncoder`, its fused channels-last program
+                  wan-modules   the same VAE through diffusers' modules as
+                                ``AutoencoderKLWan._encode`` runs them (``fused=False``)
+                  tiny          `TinyStreamingEncoder` of the TAEHV ``taew2_1`` layout
+
+(The end-to-end part, frames -> encoder -> the video-to-video rollout -> decoder ->
+frames, joins `PARTS` with the sampler it times.)
+
+    python -m framekv.bench.v2v --parts encoders --json FILE
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .timing import (interleaved_device_times, require_cuda, stderr_progress, summary_ms,
+                     write_result)
+
+ENCODERS = ("wan", "wan-modules", "tiny")
+
+
+def _encoder(kind: str, vae, device, graphs: bool):
+    """A one-row encoder of ``kind`` for ``vae``'s latent space (tiny: random, seed 0)."""
+    from framekv.engine.wan import StreamingVAEEncoder, TinyStreamingEncoder
+
+    if kind in ("wan", "wan-modules"):
+        return StreamingVAEEncoder(vae, sequences=1, use_graphs=graphs, fused=kind == "wan")
+    return TinyStreamingEncoder.random(latent_channels=vae.config.z_dim, device=device,
+                                       sequences=1, use_graphs=graphs)
+
+
+def _clips(frame_size, latent_frames: int, steady: int, device) -> list[torch.Tensor]:
+    """A video's first chunk, then ``steady`` later chunks: frames [1, 3, F_i, H, W] in
+    [-1, 1], random."""
+    from framekv.engine.wan import StreamingVAEEncoder as E
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [E.video_frames(latent_frames, True)] + [E.video_frames(latent_frames, False)] * steady
+    return [(torch.rand(1, 3, f, *frame_size, generator=g) * 2 - 1).to(device) for f in sizes]
+
+
+def _fp32_latents(config: str, device, clips: list) -> list[torch.Tensor]:
+    """The clips through diffusers' modules in fp32, TF32 off: the error's reference."""
+    from framekv.engine.wan import build_vae
+
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        enc = _encoder("wan-modules", build_vae(config, device=device, dtype=torch.float32),
+                       device, False)
+        out = [enc.encode(c).float() for c in clips]
+        enc.close()
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    return out
+
+
+def _first_chunk_ms(enc, clip: torch.Tensor) -> float:
+    """ms of a video's first chunk on ``enc``'s row, between CUDA events (the row then
+    goes on from it)."""
+    enc.reset()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    enc.encode(clip)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _check(kind: str, vae, device, clips: list, exact: list) -> tuple[object, dict]:
+    """The graphed encoder of ``kind``, run over ``clips`` from a video's start, and its
+    checks: against an eager twin, and (Wan) against the fp32 latents ``exact``."""
+    graphed, eager = _encoder(kind, vae, device, True), _encoder(kind, vae, device, False)
+    outs = [graphed.encode(c).float() for c in clips]
+    twin = [eager.encode(c).float() for c in clips]
+    eager.close()
+    res = {"max_abs_diff_eager_graphed": max(float((a - b).abs().max())
+                                             for a, b in zip(outs, twin))}
+    if kind != "tiny":           # the tiny encoder is another network: no fp32 reference
+        errs = [(a - e).abs() for a, e in zip(outs, exact)]
+        res["max_abs_err"] = max(float(e.max()) for e in errs)
+        res["mean_abs_err"] = sum(float(e.mean()) for e in errs) / len(errs)
+    return graphed, res
+
+
+def measure_encoders(*, config: str = "1.3b", device="cuda", frame_size=(480, 832),
+                     latent_frames: int = 3, iters: int = 10, check_chunks: int = 3,
+                     encoders=ENCODERS, progress=print) -> dict:
+    """The encoders part (module doc) for ``encoders``: per encoder its checks and, on
+    CUDA, its times."""
+    from framekv.engine.wan import build_vae
+
+    dev = torch.device(device)
+    vae = build_vae(config, device=dev)
+    clips = _clips(frame_size, latent_frames, max(check_chunks, 2), dev)
+    res = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "config": config, "frame_size": list(frame_size), "latent_frames": latent_frames,
+           "frames_per_chunk": clips[-1].shape[2], "dtype": str(vae.dtype).removeprefix("torch."),
+           "encoders": {}}
+    exact = []
+    if any(k != "tiny" for k in encoders):
+        progress("fp32 reference (diffusers' modules, TF32 off)")
+        exact = _fp32_latents(config, dev, clips[:check_chunks])
+    encs = {}
+    for kind in encoders:
+        progress(f"{kind}: first chunks (capture), against eager and fp32")
+        encs[kind], res["encoders"][kind] = _check(kind, vae, dev, clips[:check_chunks], exact)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()       # the eager twin's blocks, for the next captures
+            res["encoders"][kind]["first_chunk_ms"] = _first_chunk_ms(encs[kind], clips[0])
+    if dev.type == "cuda":
+        progress("steady chunks, the encoders in turn")
+        calls = {k: (lambda e=e: e.encode(clips[-1])) for k, e in encs.items()}
+        times = interleaved_device_times(calls, iters, warmup=2, rotate=True)
+        for k, e in encs.items():
+            res["encoders"][k]["chunk_ms"] = summary_ms(times[k])
+    for e in encs.values():
+        e.close()
+    return res
+
+
+def format_encoders(res: dict) -> str:
+    """The encoders part as a table, one row an encoder (errors only for the Wan VAE's)."""
+    H, W = res["frame_size"]
+    rows = [("encoder", "ms/chunk", "p10", "p90", "first ms", "max err", "mean err",
+             "|graphed-eager|")]
+    for name, r in res["encoders"].items():
+        c = r.get("chunk_ms", {})
+        err = [f"{r[k]:.{d}f}" if k in r else "-" for k, d in (("max_abs_err", 4),
+                                                                ("mean_abs_err", 5))]
+        rows.append((name, *(f"{c.get(k, 0.0):.2f}" for k in ("median", "p10", "p90")),
+                     f"{r.get('first_chunk_ms', 0.0):.2f}", *err,
+                     f"{r['max_abs_diff_eager_graphed']:.3g}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join([f"streaming encoders on {res['gpu']}: {H}x{W} frames, "
+                      f"{res['frames_per_chunk']}-frame chunks ({res['latent_frames']} latent "
+                      f"frames), {res['dtype']}"] +
+                     ["  " + "  ".join(v.ljust(w) if i == 0 else v.rjust(w)
+                                       for i, (v, w) in enumerate(zip(row, widths)))
+                      for row in rows])
+
+
+#: The parts `main` runs: name -> (measure(encoders=..., progress=...), format).
+PARTS = {"encoders": (measure_encoders, format_encoders)}
+
+
+def _names(p, flag: str, value: str, allowed) -> tuple[str, ...]:
+    names = tuple(value.split(","))
+    if not value or any(n not in allowed for n in names):
+        p.error(f"{flag} must be a comma-separated list of {', '.join(allowed)}, got {value!r}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m framekv.bench.v2v",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated, of {', '.join(PARTS)} (default all)")
+    p.add_argument("--encoders", default=",".join(ENCODERS),
+                   help=f"comma-separated, of {', '.join(ENCODERS)} (default all)")
+    p.add_argument("--config", default="1.3b", help="a shipped VAE config (default 1.3b)")
+    p.add_argument("--iters", type=int, default=10, help="steady chunks timed per encoder")
+    p.add_argument("--check-chunks", type=int, default=3,
+                   help="chunks checked against eager and fp32 (default 3)")
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+    parts = _names(p, "--parts", args.parts, tuple(PARTS))
+    encoders = _names(p, "--encoders", args.encoders, ENCODERS)
+    for flag, v in (("--iters", args.iters), ("--check-chunks", args.check_chunks)):
+        if v < 1:
+            p.error(f"{flag} must be at least 1, got {v}")
+    require_cuda("framekv.bench.v2v")
+    out = {}
+    for name in parts:
+        measure, fmt = PARTS[name]
+        out[name] = measure(config=args.config, iters=args.iters, check_chunks=args.check_chunks,
+                            encoders=encoders, progress=stderr_progress("v2v"))
+        print(fmt(out[name]))
+    write_result(args.json_path, v2v=out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
