@@ -9,8 +9,8 @@ loop steps the ready streams together (`steps`: plan, run, commit)::
     ready = active, not paused, budget left, fewer than queue_chunks chunks
             unacknowledged (sent to a socket or not: a client that stops reading
             stops its stream)
-    batch = the S ready streams (at most): within their swap quantum first, then the
-            longest waiting; one without a slot takes a free one or a victim's
+    batch = the ready streams on the pool, then the longest waiting in slots free, idle
+            or rotated (`steps`: turns); one without a slot takes a free one or a victim's
     one `ChunkRunner.execute` of the `StepPlan` (swaps, prompt rewrites, one chunk of
             the batch padded with scratch rows to a captured batch size)
     with a decoder: the decode of the step's chunks and the uint8 frames
@@ -71,7 +71,7 @@ class StreamScheduler(Steps, Moves):
         slots: streams on the pool at once (the runner's sequences, besides scratch
             rows), in [1, max_sessions]; None: max_sessions (no stream swaps).
         swap_quantum: steps a ready stream keeps a slot it took before a waiting one
-            may take it.
+            may take it, and steps between two rotations (`steps`: turns).
         device, backend, cache_dir, use_graphs: as for `Rollout`.
         queue_chunks: unacknowledged chunks a stream may hold before it pauses.
         batch_sizes: the batch sizes captured (default `default_batch_sizes`).
@@ -125,7 +125,8 @@ class StreamScheduler(Steps, Moves):
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: threading.Thread | None = None
         self._counts = {"steps": 0, "chunks": 0, "failed_steps": 0, "failed_resets": 0,
-                        "video_frames": 0}
+                        "video_frames": 0, "rows": 0, "scratch_rows": 0}
+        self._batch_sizes: dict[int, int] = {}   # rows -> steps that ran as many
         self._stale: set[int] = set()       # scratch rows to start over before a step
         self._due: list[str] = []           # streams whose checkpoint is due
         #: why the GPU loop ended by an exception (`run`); None while it has not
@@ -328,11 +329,11 @@ class StreamScheduler(Steps, Moves):
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
         """A snapshot for a server's metrics (host work only): streams open and allowed,
-        slots, streams on the pool (``sessions_resident``) and off it
-        (``sessions_swapped``), the host bytes those hold (``swapped_bytes``), swaps and
-        their bytes and failures, steps, chunks, failed steps, video frames decoded,
-        streams ended by reason (``ended``), histograms of step seconds, chunk latency
-        and swap seconds, the device and `ChunkRunner.stats` (graphs, pool bytes)."""
+        slots, streams on (``sessions_resident``) and off the pool (``sessions_swapped``),
+        the host bytes those hold (``swapped_bytes``), swaps, their bytes and failures,
+        rotations, steps (``rows``, ``scratch_rows``, ``batch_sizes``), chunks, failed
+        steps, video frames, streams ended by reason (``ended``), histograms of step and
+        swap seconds and chunk latency, the device and `ChunkRunner.stats`."""
         with self.lock:
             streams = list(self.sessions.values())
             resident = sum(s.slot is not None for s in streams)
@@ -342,6 +343,7 @@ class StreamScheduler(Steps, Moves):
                     "swapped_bytes": sum(s.held_bytes for s in streams), **self.pool.counts,
                     "device": str(self.runner.device), "decoding": self.decoding,
                     "ended": dict(self.ended.by_reason), **self._counts,
+                    "batch_sizes": dict(sorted(self._batch_sizes.items())),
                     "step_seconds": self._step_seconds.snapshot(),
                     "chunk_seconds": self._chunk_seconds.snapshot(),
                     "swap_seconds": self.pool.seconds.snapshot(), **self.runner.stats()}
