@@ -2,15 +2,19 @@
 slots, whole groups rotate at turn boundaries, every step runs a full batch, the first
 in is the first out and comes back first, and over any window every session's chunks
 are within a quantum of the others'. Replayed step by step on the CPU over a runner
-that runs no model (`framekv.bench.swap_model`).
+that runs no model (`framekv.bench.swap_model`); on the tiny model, the host memory
+reserved at start.
 """
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 
 from framekv.bench.swap_model import CostModel, drain, model_scheduler, simulate
+from framekv.engine import Rollout
+from framekv.engine.serving import StreamScheduler
 
 #: (sessions, slots, quantum): a multiple of the slots, and not
 CASES = [(6, 3, 2), (5, 3, 2), (4, 3, 3), (9, 8, 3), (11, 4, 3)]
@@ -120,3 +124,27 @@ def test_a_session_not_ready_gives_its_slot_up_at_once():
         assert all(r.scratch == 0 for r in log) and log[4].left_waiting == 1
     finally:
         sched.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    r = Rollout("tiny", device="cpu", use_graphs=False)
+    yield r.model
+    r.close()
+
+
+@pytest.mark.parametrize("sessions,slots,reserved", [(5, 2, 5), (3, 2, 2), (4, 4, None)])
+def test_start_reserves_the_host_memory_of_parked_streams_and_a_rotation(
+        tiny_model, sessions, slots, reserved):
+    """The parked streams' exports, and one rotation's swap outs besides (copied out
+    while the streams coming in still hold theirs); nothing without swaps."""
+    asked = []
+
+    def make(**kw):
+        r = Rollout("tiny", "cpu", model=tiny_model, use_graphs=False, **kw)
+        r.cache.reserve_exports = lambda count: asked.append(count) or 0
+        return r
+
+    sched = StreamScheduler(max_sessions=sessions, slots=slots, runner_factory=make)
+    sched.close()
+    assert asked == ([] if reserved is None else [reserved])

@@ -145,15 +145,15 @@ class StreamScheduler(Steps, Moves):
         self.model = self.runner.describe()
 
     def _start(self, rows: int, parked: int, progress, decoder_factory):
-        """Capture the graphs, start every row, reserve the swapped-out streams' host
-        memory, build the decoder; (capture report, decoder)."""
+        """Capture the graphs, start every row, reserve host memory for the parked streams
+        and a rotation's swap outs, build the decoder; (capture report, decoder)."""
         try:
             report = self.runner.capture(progress=progress) if self.runner.use_graphs else None
             self.runner.prefill_rows(range(rows))
             cache = self.runner.cache
             if cache is not None and parked > 0:
                 branches = 1 if getattr(self.runner, "guidance", None) is None else 2
-                cache.reserve_exports(branches * parked)
+                cache.reserve_exports(branches * (parked + min(parked, self.slots)))
             return report, None if decoder_factory is None else decoder_factory(self.slots)
         except BaseException:
             self.runner.close()
