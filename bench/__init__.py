@@ -6,8 +6,9 @@ modules run on their own.
 
 Modules run as ``python -m framekv.bench.NAME [--json FILE]`` (each checks its results
 against a reference before timing and writes JSON; ``--help`` says what it takes). Each
-but serve_load and cluster need a CUDA GPU: without one it says so in one line and exits with
-status 2 (`framekv.bench.timing.require_cuda`, called once its arguments are checked):
+but serve_load, cluster and swap_model need a CUDA GPU: without one it says so in one line
+and exits with status 2 (`framekv.bench.timing.require_cuda`, called once its arguments
+are checked):
 
     clean_pass      a clean pass kept for its K/V only against the whole clean pass
     commit          the commit at the seed geometry: kernels, uploads, device and host time
@@ -29,6 +30,8 @@ status 2 (`framekv.bench.timing.require_cuda`, called once its arguments are che
     snapshots       a stream's export and import against PCIe, sessions over fewer slots
     startup         process start to the first replayed chunk, cold and warm
     streams         concurrent streams: B sequences batched on one pool against B in turn
+    swap_model      the scheduler's swap policy replayed on a CPU against given step and
+                    swap times: its steps, batches, swaps, fairness, ratio to resident
     ulysses         Ulysses attention over several GPUs (under torchrun)
     v2v             video in, video out: the streaming encoders (the Wan VAE's fused
                     program against diffusers' modules, the tiny one) per chunk

@@ -13,13 +13,18 @@ slots than sessions.
                the same bytes, device to host and host to device (CUDA events).
                ``exact``: the restored rollout's next chunks equal the source's
                (torch.equal, graph replays on both).
-    swap       `StreamScheduler` of the preset (default small-stream): ``sessions``
-               sessions over ``slots`` slots against ``slots`` sessions over as many
-               slots, every session open-ended with a consumer thread taking its
-               chunks; aggregate latent frames/s over ``seconds`` after a warm-up, the
-               swaps, their bytes and seconds, graph captures after start (must be 0).
+    swap       `StreamScheduler` of the preset (default small-stream, ``--swap-quantum``
+               steps a turn): ``sessions`` sessions over ``slots`` slots against
+               ``slots`` sessions over as many slots, every session open-ended with a
+               consumer thread taking its chunks; aggregate latent frames/s over
+               ``seconds`` after a warm-up (``warmup`` seconds and, swapping, the
+               second rotation: the first that restores), chunks per session (min,
+               max), the steps, their batch sizes (rows -> steps) and scratch rows per
+               step, the mean step seconds, the rotations, swaps, their bytes and host
+               seconds; ``rotation_seconds``: the swapped run's step seconds beyond
+               the resident run's, per rotation; graph captures after start (must be 0).
 
-    python -m framekv.bench.snapshots [--sections transfer,swap] --json FILE
+    python -m framekv.bench.snapshots [--sections transfer,swap] [--swap-quantum N] --json FILE
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ from .e2e import with_window
 from .timing import require_cuda, stderr_progress, summary, write_result
 
 SECTIONS = ("transfer", "swap")
+#: swap: the longest the warm-up waits for the swapped run's second rotation
+WARMUP_ROTATIONS_S = 300.0
 TRANSFER_PRESETS = (("wan-1.3b", 21), ("small-stream", None))
 
 
@@ -123,24 +130,29 @@ def _consume(sched, sid: str, stop: threading.Event, got: list) -> None:
 
 def measure_swap(preset: str = "small-stream", *, sessions: int = 16, slots: int = 8,
                  seconds: float = 30.0, warmup: float = 10.0, device: str = "cuda",
-                 progress=print) -> dict:
+                 quantum: int = 16, progress=print) -> dict:
     """``sessions`` over ``slots`` against ``slots`` resident (module doc)."""
     out = {}
     for name, n in (("resident", slots), ("swapped", sessions)):
-        out[name] = _serve(preset, n, slots, seconds, warmup, device, progress)
+        out[name] = _serve(preset, n, slots, seconds, warmup, device, quantum, progress)
         if out[name]["frames_per_second"] <= 0:
             raise RuntimeError(f"swap {preset}: {name} made no frames in {seconds} s")
     out["swapped_vs_resident"] = (out["swapped"]["frames_per_second"]
                                   / out["resident"]["frames_per_second"])
-    return {"preset": preset, "sessions": sessions, "slots": slots, **out}
+    sw, res = out["swapped"], out["resident"]
+    out["rotation_seconds"] = ((sw["step_seconds_mean"] - res["step_seconds_mean"]) * sw["steps"]
+                               / max(sw["rotations"], 1))
+    return {"preset": preset, "sessions": sessions, "slots": slots, "swap_quantum": quantum,
+            **out}
 
 
 def _serve(preset, n: int, slots: int, seconds: float, warmup: float, device: str,
-           progress) -> dict:
+           quantum: int, progress) -> dict:
     from framekv.engine.serving import StreamScheduler
 
     progress(f"swap {preset}: {n} sessions over {slots} slots, capturing")
-    sched = StreamScheduler(preset, max_sessions=n, slots=slots, device=device)
+    sched = StreamScheduler(preset, max_sessions=n, slots=slots, device=device,
+                            swap_quantum=quantum)
     captures0 = sched.metrics()["graph_captures"]
     ids = [sched.open_session(seed=i).id for i in range(n)]
     stop, got = threading.Event(), [[] for _ in ids]
@@ -151,6 +163,11 @@ def _serve(preset, n: int, slots: int, seconds: float, warmup: float, device: st
     for t in (*threads, loop):
         t.start()
     time.sleep(warmup)
+    # swapping: past the second rotation too, the first whose swaps in restore streams
+    deadline = time.monotonic() + WARMUP_ROTATIONS_S
+    while (n > slots and sched.metrics()["rotations"] < 2 and time.monotonic() < deadline
+           and loop.is_alive()):
+        time.sleep(0.05)
     m0, t0, c0 = sched.metrics(), time.perf_counter(), sum(map(len, got))
     progress(f"swap {preset}: {n} sessions over {slots} slots, {seconds:.0f} s")
     time.sleep(seconds)
@@ -162,14 +179,26 @@ def _serve(preset, n: int, slots: int, seconds: float, warmup: float, device: st
     res = {"sessions": n, "slots": slots, "seconds": t1 - t0,
            "frames_per_second": (c1 - c0) * sched.frames_per_chunk / (t1 - t0),
            "chunks_per_session_min": min(per_session), "chunks_per_session_max": max(per_session),
-           "captures_after_start": m1["graph_captures"] - captures0}
-    for key in ("swap_outs", "swap_ins", "swap_bytes", "swap_seconds"):
-        if isinstance(m1.get(key), (int, float)):
-            res[key] = m1[key] - m0.get(key, 0)
+           "captures_after_start": m1["graph_captures"] - captures0, **_steps_between(m0, m1)}
     sched.close()
     if device == "cuda":
         torch.cuda.empty_cache()
     return res
+
+
+def _steps_between(m0: dict, m1: dict) -> dict:
+    """What the scheduler's metrics say of the steps between two snapshots: counts,
+    batch sizes (rows -> steps), scratch rows per step, swaps and their seconds."""
+    out = {k: m1[k] - m0[k] for k in ("steps", "rows", "scratch_rows", "rotations",
+                                       "swap_outs", "swap_ins", "swap_bytes")}
+    out["batch_sizes"] = {b: n - m0["batch_sizes"].get(b, 0)
+                          for b, n in m1["batch_sizes"].items() if n > m0["batch_sizes"].get(b, 0)}
+    steps = max(out["steps"], 1)
+    out["scratch_rows_per_step"] = out["scratch_rows"] / steps
+    out["step_seconds_mean"] = (m1["step_seconds"]["sum"] - m0["step_seconds"]["sum"]) / steps
+    out["swap_seconds"] = m1["swap_seconds"]["sum"] - m0["swap_seconds"]["sum"]
+    out["swap_seconds_per_rotation"] = out["swap_seconds"] / max(out["rotations"], 1)
+    return out
 
 
 def format_snapshots(res: dict) -> str:
@@ -189,8 +218,14 @@ def format_snapshots(res: dict) -> str:
             lines.append(f"{name:>9}: {r['sessions']} sessions / {r['slots']} slots  "
                          f"{r['frames_per_second']:.2f} latent frames/s, chunks per session "
                          f"{r['chunks_per_session_min']}-{r['chunks_per_session_max']}, "
-                         f"swaps {r.get('swap_ins', 0)}, captures {r['captures_after_start']}")
-        lines.append(f"  swapped / resident {s['swapped_vs_resident']:.3f}")
+                         f"swaps {r['swap_ins']}, captures {r['captures_after_start']}")
+            lines.append(f"           {r['steps']} steps ({r['step_seconds_mean'] * 1e3:.1f} ms "
+                         f"mean), batch sizes {r['batch_sizes']}, scratch rows per step "
+                         f"{r['scratch_rows_per_step']:.2f}; {r['rotations']} rotations, "
+                         f"{r['swap_seconds_per_rotation'] * 1e3:.1f} ms of swaps each")
+        lines.append(f"  swapped / resident {s['swapped_vs_resident']:.3f} (swap quantum "
+                     f"{s['swap_quantum']} steps; a rotation costs "
+                     f"{s['rotation_seconds'] * 1e3:.1f} ms of steps beyond resident)")
     return "\n".join(lines)
 
 
@@ -201,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=30.0, help="swap: seconds measured")
     p.add_argument("--warmup", type=float, default=10.0, help="swap: seconds before measuring")
+    p.add_argument("--swap-quantum", type=int, default=16, help="swap: the scheduler's turn")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
+    if args.swap_quantum < 1:
+        p.error(f"--swap-quantum must be >= 1, got {args.swap_quantum}")
     require_cuda("framekv.bench.snapshots")
     sections = [s for s in args.sections.split(",") if s]
     bad = [s for s in sections if s not in SECTIONS]
@@ -214,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                            for pr, w in TRANSFER_PRESETS]
         write_result(args.json_path, snapshots=res)
     if "swap" in sections:
-        res["swap"] = measure_swap(seconds=args.seconds, warmup=args.warmup, progress=progress)
+        res["swap"] = measure_swap(seconds=args.seconds, warmup=args.warmup,
+                                   quantum=args.swap_quantum, progress=progress)
     print(format_snapshots(res))
     write_result(args.json_path, snapshots=res)
     return 0

@@ -35,7 +35,7 @@ BACKEND_COMMANDS = ("demo", "verify", "warmup")
 RUNNABLE = sorted(f.stem for f in BENCH_DIR.glob("*.py")
                   if 'if __name__ == "__main__":' in f.read_text())
 #: Runnable modules that run on a CPU: they skip the no-GPU check.
-RUNS_ON_CPU: frozenset[str] = frozenset({"serve_load", "cluster"})
+RUNS_ON_CPU: frozenset[str] = frozenset({"serve_load", "cluster", "swap_model"})
 
 
 def help_text(command: str, capsys, monkeypatch) -> str:

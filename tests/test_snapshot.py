@@ -63,6 +63,27 @@ def test_a_sequence_moves_to_another_pool_and_goes_on_exactly(geometry, tpp, tpp
     assert a.positions == b.positions and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
 
 
+@pytest.mark.parametrize("geometry,tpp,_", MOVES)
+def test_the_slots_of_many_positions_are_each_one_s_slot(geometry, tpp, _):
+    """`HostLayout.slots_of` (what an export and an import copy through) gives
+    `slot_of` of every resident position at once, before and after the ring turns, and
+    names the first position that is not resident."""
+    cache = make(geometry, tpp)
+    host = cache._seq(0).host
+    P, W, M = geometry.pin_tokens, geometry.window_tokens, geometry.max_staged_tokens
+    C, history = 0, {}
+    for commits in (0, 2, 9):
+        if commits:
+            C = roll(cache, geometry, commits=commits, seed=commits, history=history)
+        resident = list(range(min(P, C))) + list(range(max(P, C - W), C + M))
+        got = host.slots_of(resident)
+        assert got.dtype == np.int64 and got.tolist() == [host.slot_of(x) for x in resident]
+        assert host.slots_of([]).shape == (0,)
+        beyond = max(P, C + M)                      # past the pins and the staging
+        with pytest.raises(ValueError, match=f"position {beyond} is not resident"):
+            host.slots_of(resident[:2] + [beyond, -1])
+
+
 def test_export_reads_only_the_kept_tokens_and_changes_nothing():
     g = G(4, 10, 6, (2, 6))
     cache = make(g, 4)

@@ -53,6 +53,27 @@ def test_an_export_is_fenced_against_later_writes(then):
     roll(dst, g, commits=6, seed=3, history=history, sequence=1)
 
 
+def test_every_export_of_a_sequence_is_fenced_not_only_its_latest():
+    """Two exports of one sequence queued behind a long queue, then a reset: both read
+    what was there (exports copy on one stream, in the order asked, so the reset's
+    fence on the latest covers the earlier one too)."""
+    g = G(5, 37, 12, (3, 12))
+    src = _cache(g, 8)
+    src.open(g)
+    roll(src, g, commits=9, seed=4, history={})
+    from framekv.engine.cache.snapshot import kept_positions
+
+    slots = [src.slot_of(p) for p in kept_positions(g, src.committed_tokens)]
+    want = src.k_pool[:, slots].cpu(), src.v_pool[:, slots].cpu()
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        big = big @ big / 64
+    first, second = src.export_sequence(0), src.export_sequence(0)
+    src.reset_sequences([0])
+    for snap in (first, second):
+        assert torch.equal(snap.k, want[0]) and torch.equal(snap.v, want[1])
+
+
 def _cache_snapshot_at_zero(g):
     c = _cache(g, 8)
     c.open(g)

@@ -127,6 +127,7 @@ class CausalKVCache:
         self._states: dict[Geometry, PoolState] = {}
         self._open: PoolState | None = None
         self._exports: dict[int, object] = {}   # sequence -> CUDA event of its export copy
+        self._export_side = None                # the CUDA stream exports copy on, in order
 
     # ------------------------------------------------------------------ sizing
     @staticmethod
@@ -440,8 +441,9 @@ class CausalKVCache:
     def export_sequence(self, i: int) -> SequenceSnapshot:
         """Sequence ``i`` (between chunks: nothing staged) as a `SequenceSnapshot`: C
         and the K/V of its visible positions in every layer, copied to pinned host
-        memory on a side stream behind the work queued so far (returns at once on a
-        CUDA device; the snapshot's tensors wait for the copy). Reads only; the
+        memory on the cache's export stream (one for all exports: they copy in the
+        order asked) behind the work queued so far (returns at once on a CUDA device;
+        the snapshot's tensors wait for the copy). Reads only; the
         sequence goes on unchanged (module doc for what waits for the copy)."""
         state = self._seq(i)
         if state.host.staged:
@@ -466,9 +468,12 @@ class CausalKVCache:
 
     def _export(self, i: int, state: GeometryState) -> SequenceSnapshot:
         C = state.host.committed
-        slots = torch.tensor([state.host.slot_of(x) for x in kept_positions(
-            state.plan.geometry, C)], dtype=torch.int64, device=self.device)
-        k, v, done = gather(self.k_pool, self.v_pool, slots)
+        slots = torch.from_numpy(state.host.slots_of(kept_positions(state.plan.geometry, C)))
+        if self.device.type == "cuda" and self._export_side is None:
+            self._export_side = torch.cuda.Stream(self.device)
+        # One stream for every export: they copy in the order asked, so a sequence's
+        # latest export done (what `_fence` waits for) means its earlier ones are too.
+        k, v, done = gather(self.k_pool, self.v_pool, slots.to(self.device), self._export_side)
         if done is not None:
             self._exports[i] = done
         return SequenceSnapshot(state.plan.geometry, self.num_layers, self.num_kv_heads,
@@ -508,8 +513,7 @@ class CausalKVCache:
         L = self.num_layers
         state.host.restore((C, ring_base_for(plan, C),
                             plan.page_base + np.arange(plan.table_len, dtype=np.int64), [0] * L))
-        slots = torch.tensor([state.host.slot_of(x) for x in snap.positions], dtype=torch.int64,
-                             device=self.device)
+        slots = torch.from_numpy(state.host.slots_of(snap.positions)).to(self.device)
         scatter(self.k_pool, self.v_pool, slots, snap.k, snap.v)
         state.upload()
         src, dst = state.host.committed_copies()

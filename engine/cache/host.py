@@ -45,7 +45,7 @@ from framekv.ops.causal_layout import DESC_COLUMNS, causal_layout_reference
 from .plan import BlockPlan, LayoutPlan
 
 __all__ = ["BlockLayout", "FlatLayout", "build_block_layout", "build_block_layout_looped",
-           "physical_page", "slot_at", "FLAT_FIELDS"]
+           "physical_page", "slot_at", "slots_at", "FLAT_FIELDS"]
 
 #: Fields of BlockLayout / FlatLayout that hold tensors, in the op's argument order
 #: (seq_len_q, constant, is not an op output).
@@ -149,8 +149,8 @@ def build_block_layout_looped(plan: LayoutPlan, b: int, committed: int, ring_bas
     return out
 
 
-def _slots(plan: LayoutPlan, ring_base: int, table: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Vectorised ``slot_at`` over positions known to be resident."""
+def slots_at(plan: LayoutPlan, ring_base: int, table: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Vectorised ``slot_at`` over positions known to be resident (int64 [n])."""
     tpp, F = plan.tokens_per_page, plan.fixed_pages
     page = x // tpp
     idx = np.where(page < F, page, F + page - ring_base)
@@ -190,7 +190,7 @@ def _fill_rows(out: BlockLayout, plan: LayoutPlan, bp: BlockPlan, ring_base: int
     logical = np.where(k < n_a[:, None], k, cu1[:, None] + k - n_a[:, None])  # [nb, RP]
     is_full = k < n_full[:, None]
     rows = page0[:, None] + np.minimum(k - n_full[:, None], bp.private_pages - 1)
-    rows[is_full] = _slots(plan, ring_base, table, logical[is_full] * tpp) // tpp
+    rows[is_full] = slots_at(plan, ring_base, table, logical[is_full] * tpp) // tpp
     out.rows[:] = rows
     return n_full
 
@@ -212,7 +212,7 @@ def build_block_layout(plan: LayoutPlan, b: int, committed: int, ring_base: int,
     com = valid & (cand < committed)   # committed positions come first in each row
     n_com = com.sum(axis=1)
     at = jj[com] * bp.committed_len + rank[com]
-    out.committed_src[at] = _slots(plan, ring_base, table, cand[com])
+    out.committed_src[at] = slots_at(plan, ring_base, table, cand[com])
     out.committed_dst[at] = slot0[jj[com]] + rank[com]
     cur = valid & (cand >= committed)
     assert (n_partial - n_com).max(initial=0) <= bp.current_len
@@ -221,6 +221,6 @@ def build_block_layout(plan: LayoutPlan, b: int, committed: int, ring_base: int,
     out.staged_dst[at] = slot0[jj[cur]] + rank[cur]
     i = np.arange(nb * b)                                                    # own tokens
     out.staged_src[:nb * b] = i
-    out.staged_dst[:nb * b] = _slots(plan, ring_base, table, committed + i)
+    out.staged_dst[:nb * b] = slots_at(plan, ring_base, table, committed + i)
     out.staged_dst2[:nb * b] = slot0[i // b] + n_partial[i // b] + i % b
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .host import FLAT_FIELDS, BlockLayout, FlatLayout, build_block_layout, slot_at
+from .host import FLAT_FIELDS, BlockLayout, FlatLayout, build_block_layout, slot_at, slots_at
 from .plan import (LayoutPlan, check_ring_capacity, is_resident, resident_low,
                    ring_base_for)
 
@@ -110,6 +110,17 @@ class HostLayout:
                 f"[{resident_low(self.plan, self._committed)}, "
                 f"{self._committed + g.max_staged_tokens})")
         return slot_at(self.plan, self._ring_base, self._table, int(pos))
+
+    def slots_of(self, positions) -> np.ndarray:
+        """`slot_of` of every position in ``positions`` (ints) at once: int64 [n];
+        ValueError naming the first position that is not resident."""
+        x = np.asarray(positions, dtype=np.int64).reshape(-1)
+        M = self.plan.geometry.max_staged_tokens
+        ok = ((x >= 0) & (x < self.plan.geometry.pin_tokens)) | (
+            (x >= resident_low(self.plan, self._committed)) & (x < self._committed + M))
+        if not ok.all():
+            self.slot_of(int(x[~ok][0]))      # raises, naming it and the resident ranges
+        return slots_at(self.plan, self._ring_base, self._table, x)
 
     def block_layout(self, b: int) -> BlockLayout:
         """Per-block tensors of block size ``b`` at the current state (cached)."""

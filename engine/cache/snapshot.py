@@ -195,21 +195,22 @@ def check_format(path, header: dict, fmt: str, version: int) -> None:
                           f"version {version}")
 
 
-def gather(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+def gather(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, side=None,
            ) -> tuple[torch.Tensor, torch.Tensor, object]:
     """K/V of ``slots`` (int64 [n] on the pool's device) in every layer as host tensors
-    [L, n, H, D], and the CUDA event their copy completes (None on the CPU: done)."""
+    [L, n, H, D], and the CUDA event their copy completes (None on the CPU: done).
+    ``side``: the CUDA stream the copy runs on (None: one from torch's pool)."""
     L, _, H, D = k_pool.shape
     n = slots.numel()
     if k_pool.device.type != "cuda":
         return k_pool.index_select(1, slots), v_pool.index_select(1, slots), None
     if k_pool.dtype == torch.float8_e4m3fn:   # moved as bytes: fp8 has no index kernels
-        k, v, done = gather(k_pool.view(torch.uint8), v_pool.view(torch.uint8), slots)
+        k, v, done = gather(k_pool.view(torch.uint8), v_pool.view(torch.uint8), slots, side)
         return k.view(k_pool.dtype), v.view(k_pool.dtype), done
     k = torch.empty((L, n, H, D), dtype=k_pool.dtype, pin_memory=True)
     v = torch.empty_like(k, pin_memory=True)
     group = _group(k_pool, n)
-    side = torch.cuda.Stream(k_pool.device)
+    side = side if side is not None else torch.cuda.Stream(k_pool.device)
     side.wait_stream(torch.cuda.current_stream(k_pool.device))
     with torch.cuda.stream(side):
         buf = torch.empty((group, n, H, D), dtype=k_pool.dtype, device=k_pool.device)

@@ -83,9 +83,7 @@ class Overlap:
                     self._advance(s, self.frames_per_chunk)
                     s.inflight += 1
                     advanced.append((r, s.prompt_version))
-            self._counts["steps"] += 1
-            for e in batch:
-                e.stream.last_stepped = self._counts["steps"]
+            self._stepped(plan, batch)
         self._inflight = InFlight(plan, batch, stages, latents, copied, t0, advanced)
         return made
 

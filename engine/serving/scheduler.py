@@ -9,8 +9,8 @@ loop steps the ready streams together (`steps`: plan, run, commit)::
     ready = active, not paused, budget left, fewer than queue_chunks chunks
             unacknowledged (sent to a socket or not: a client that stops reading
             stops its stream)
-    batch = the S ready streams (at most): within their swap quantum first, then the
-            longest waiting; one without a slot takes a free one or a victim's
+    batch = the ready streams on the pool, then the longest waiting in slots free, idle
+            or rotated (`steps`: turns); one without a slot takes a free one or a victim's
     one `ChunkRunner.execute` of the `StepPlan` (swaps, prompt rewrites, one chunk of
             the batch padded with scratch rows to a captured batch size)
     with a decoder: the decode of the step's chunks and the uint8 frames
@@ -71,23 +71,21 @@ class StreamScheduler(Steps, Moves):
         slots: streams on the pool at once (the runner's sequences, besides scratch
             rows), in [1, max_sessions]; None: max_sessions (no stream swaps).
         swap_quantum: steps a ready stream keeps a slot it took before a waiting one
-            may take it.
+            may take it, and steps between two rotations (`steps`: turns).
         device, backend, cache_dir, use_graphs: as for `Rollout`.
         queue_chunks: unacknowledged chunks a stream may hold before it pauses.
         batch_sizes: the batch sizes captured (default `default_batch_sizes`).
         runner_factory: instead of the preset's `Rollout`, a callable
             ``(sequences=N, batch_sizes=sizes) -> ChunkRunner`` (a `WanRollout` partial).
-        kv_dtype: the preset `Rollout`'s K/V pool (None or "bf16": the model's dtype,
-            "fp8"); a ``runner_factory`` sets its runner's, so it takes None here.
+        kv_dtype: the preset `Rollout`'s K/V pool (None, "bf16", "fp8"); None: a factory's.
         decoder_factory: None (latents only), or ``(slots) ->`` a streaming video
             decoder (``decode(latents, rows=)``, ``reset(rows=)``, ``snapshot(row)``,
             ``restore(row, state)``, ``close()``: `framekv.engine.wan.StreamingVAEDecoder`).
         ended_records: the ended streams' infos `ended` keeps (the latest).
         checkpoints: None, or a `Checkpoints` writer: every stream written every N chunks.
-        overlap: a step's decode beside the next step's transformer (`Overlap`): None,
-            where it decodes on CUDA; True, also on a CPU (the chunks queued a step
-            late, decoded at once); False, never. Steps run plainly while checkpoints
-            are kept.
+        overlap: a step's decode beside the next step's transformer (`Overlap`): None: on
+            CUDA; True: also on a CPU (chunks queued a step late); False: never. Steps
+            run plainly while checkpoints are kept.
     """
 
     def __init__(self, preset="tiny", *, max_sessions: int = 8, slots: int | None = None,
@@ -125,7 +123,8 @@ class StreamScheduler(Steps, Moves):
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: threading.Thread | None = None
         self._counts = {"steps": 0, "chunks": 0, "failed_steps": 0, "failed_resets": 0,
-                        "video_frames": 0}
+                        "video_frames": 0, "rows": 0, "scratch_rows": 0}
+        self._batch_sizes: dict[int, int] = {}   # rows -> steps that ran as many
         self._stale: set[int] = set()       # scratch rows to start over before a step
         self._device: dict = {}             # gpu_allocated_bytes, as of the last step
         self._due: list[str] = []           # streams whose checkpoint is due
@@ -145,15 +144,15 @@ class StreamScheduler(Steps, Moves):
         self.model = self.runner.describe()
 
     def _start(self, rows: int, parked: int, progress, decoder_factory):
-        """Capture the graphs, start every row, reserve the swapped-out streams' host
-        memory, build the decoder; (capture report, decoder)."""
+        """Capture the graphs, start every row, reserve host memory for the parked streams
+        and a rotation's swap outs, build the decoder; (capture report, decoder)."""
         try:
             report = self.runner.capture(progress=progress) if self.runner.use_graphs else None
             self.runner.prefill_rows(range(rows))
             cache = self.runner.cache
             if cache is not None and parked > 0:
                 branches = 1 if getattr(self.runner, "guidance", None) is None else 2
-                cache.reserve_exports(branches * parked)
+                cache.reserve_exports(branches * (parked + min(parked, self.slots)))
             return report, None if decoder_factory is None else decoder_factory(self.slots)
         except BaseException:
             self.runner.close()
@@ -329,12 +328,12 @@ class StreamScheduler(Steps, Moves):
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
         """A snapshot for a server's metrics (host work only): streams open and allowed,
-        slots, streams on the pool (``sessions_resident``) and off it
-        (``sessions_swapped``), the host bytes those hold (``swapped_bytes``), swaps and
-        their bytes and failures, steps, chunks, failed steps, video frames decoded,
-        streams ended by reason (``ended``), histograms of step seconds, chunk latency
-        and swap seconds, the device and `ChunkRunner.stats` (graphs, pool bytes); on
-        CUDA torch's allocated bytes as of the last step (``gpu_allocated_bytes``)."""
+        slots, streams on (``sessions_resident``) and off the pool (``sessions_swapped``),
+        the host bytes those hold (``swapped_bytes``), swaps, their bytes and failures,
+        rotations, steps (``rows``, ``scratch_rows``, ``batch_sizes``), chunks, failed
+        steps, video frames, streams ended by reason (``ended``), histograms of step and
+        swap seconds and chunk latency, the device and `ChunkRunner.stats`; on CUDA
+        torch's allocated bytes as of the last step (``gpu_allocated_bytes``)."""
         with self.lock:
             streams = list(self.sessions.values())
             resident = sum(s.slot is not None for s in streams)
@@ -344,6 +343,7 @@ class StreamScheduler(Steps, Moves):
                     "swapped_bytes": sum(s.held_bytes for s in streams), **self.pool.counts,
                     "device": str(self.runner.device), "decoding": self.decoding,
                     "ended": dict(self.ended.by_reason), **self._counts, **self._device,
+                    "batch_sizes": dict(sorted(self._batch_sizes.items())),
                     "step_seconds": self._step_seconds.snapshot(),
                     "chunk_seconds": self._chunk_seconds.snapshot(),
                     "swap_seconds": self.pool.seconds.snapshot(), **self.runner.stats()}

@@ -1,5 +1,6 @@
 """The slots of a pool (host bookkeeping only): which are free, which resident stream
-gives its slot up for a waiting one (`pick_victim`), and the swap counters.
+gives its slot up for a waiting one (`pick_victim`), the turns (when the last rotation
+was, how many slots were taken) and the swap counters.
 
 A scheduler with S slots and N >= S streams plans each step's swaps here; the runner
 runs them (`framekv.engine.step`). A swap out copies the stream's K/V, prompt and
@@ -30,18 +31,28 @@ class SlotPool:
     Attributes:
         free: the free slots, taken first to last.
         counts: swap_outs, swap_ins, swap_bytes (host bytes moved, both ways),
-            failed_swaps.
+            failed_swaps, rotations (steps whose ready streams gave their slots up).
         seconds: a `Histogram` of each step's swap seconds (`SWAP_BUCKETS`).
+        turn: the step count of the last rotation.
+        entries: slots taken so far (`Stream.entered`: the last taken's number).
     """
 
     def __init__(self, slots: int):
         self.free: list[int] = list(range(slots))
-        self.counts = {"swap_outs": 0, "swap_ins": 0, "swap_bytes": 0, "failed_swaps": 0}
+        self.counts = {"swap_outs": 0, "swap_ins": 0, "swap_bytes": 0, "failed_swaps": 0,
+                       "rotations": 0}
         self.seconds = Histogram(SWAP_BUCKETS)
+        self.turn = self.entries = 0
 
     def take(self) -> int | None:
         """A free slot, or None."""
         return self.free.pop(0) if self.free else None
+
+    def rotated(self, steps: int) -> None:
+        """Ready streams gave their slots up at step ``steps``: a rotation (one a step),
+        the next one a turn from it."""
+        self.counts["rotations"] += self.turn != steps
+        self.turn = steps
 
     def give(self, slot: int) -> None:
         """Free ``slot`` (its next stream starts it over or restores into it)."""

@@ -1,8 +1,7 @@
 """How `StreamScheduler` steps: plan under the lock, run on the GPU without it, commit
 under it again.
 
-    plan     (lock; host work only) the ready streams in order (within their swap
-             quantum first, then the longest waiting), cut to the slots; each one
+    plan     (lock; host work only) the streams of the step (turns, below); each one
              without a slot takes a free one or a victim's (`slots.pick_victim`), a
              swap out then a swap in; prompt changes of resident streams; rows padded
              with scratch rows to a captured batch size. Records move at once (the
@@ -13,6 +12,17 @@ under it again.
     commit   (lock) parked states stored, failed swaps and rewrites settled, prompt
              changes settled, each stream's chunk queued (a chunk made again at or
              below its acknowledged index is dropped), counters, checkpoints due.
+
+Turns: a step runs every ready stream on the pool, and ready streams off it (the
+longest waiting first) in the slots that are free or held by streams not ready, so no
+row runs scratch while a ready stream waits for a slot. A ready stream on the pool
+gives its slot up only at a turn boundary, ``swap_quantum`` steps or more after the
+last rotation, and only once it held the slot ``swap_quantum`` steps: at a boundary as
+many of those as there are streams waiting (at most S) leave, the first in first, in
+one step (its swaps in one plan); the rest stay until a later boundary. So N > S ready
+streams rotate in groups, a full batch every step, and share the chunks alike (round
+robin: the first to leave comes back first; over any window each stream's count is
+within a quantum's worth of the others').
 
 Readers of the records (a server's routes, metrics) take the lock only around host
 work, so none of them waits on a step. A chunk whose stream was closed or exported
@@ -49,6 +59,12 @@ class Entry:
     requested: float
 
 
+def _waited(s: Stream) -> tuple:
+    """How long ``s`` has waited for its next chunk, as a sort key: longest first (of
+    those that left the pool together, the first to leave)."""
+    return (math.inf if s.waiting_since is None else s.waiting_since, s.entered)
+
+
 class Steps(Overlap):
     """The step of `StreamScheduler` (module doc); its attributes are the scheduler's."""
 
@@ -59,16 +75,31 @@ class Steps(Overlap):
                 and (s.budget is None or s.chunks < s.budget))
 
     def _ready(self) -> list[Stream]:
+        """The streams of the next step (at most S; none while held): the ready ones on
+        the pool, and ready ones off it (longest waiting first) as many as there are
+        slots free, slots of streams not ready, and at a turn boundary slots of streams
+        whose quantum ran (`_rotating`), less those the rotation takes."""
         if self._held:
             return []
         ready = [s for s in self.sessions.values() if self._is_ready(s)]
+        on = sorted((s for s in ready if s.slot is not None), key=lambda s: s.entered)
+        off = sorted((s for s in ready if s.slot is None), key=_waited)
+        idle = self.slots - len(on)        # slots free or held by streams not ready
+        if len(off) <= idle:
+            return on + off
+        leaving = {s.id for s in self._rotating(on)[:len(off) - idle]}
+        staying = [s for s in on if s.id not in leaving]
+        return staying + off[:self.slots - len(staying)]
+
+    def _rotating(self, on: list[Stream]) -> list[Stream]:
+        """The ready streams on the pool that give their slots up to waiting ones, in
+        that order: at a turn boundary (``swap_quantum`` steps since the last rotation),
+        those whose own quantum ran, longest on the pool first; else none."""
         steps = self._counts["steps"]
-
-        def order(s: Stream) -> tuple:
-            within = s.slot is not None and steps - s.slot_since < self.swap_quantum
-            return (not within, math.inf if s.waiting_since is None else s.waiting_since)
-
-        return sorted(ready, key=order)[:self.slots]
+        if steps - self.pool.turn < self.swap_quantum:
+            return []
+        ran = [s for s in on if steps - s.slot_since >= self.swap_quantum]
+        return sorted(ran, key=lambda s: s.entered)
 
     def _mark_waiting(self, s: Stream) -> None:
         """Start (or stop) the clock of a stream's next chunk as it turns ready (or not)."""
@@ -111,6 +142,8 @@ class Steps(Overlap):
             if victim is None:
                 return False
             slot, victim.slot = victim.slot, None
+            if self._is_ready(victim):    # a rotation: the next one a turn from now
+                self.pool.rotated(steps)
             if not victim.finished:       # a finished one keeps nothing: no copy out
                 plan.swap_outs.append(Swap(victim.id, slot))
         if s.parked is None:              # no stream yet: it starts under its prompt
@@ -119,7 +152,8 @@ class Steps(Overlap):
             rewrite = s.pending_prompt if s.pending else None
             plan.swap_ins.append(Swap(s.id, slot, s.parked, rewrite, s.decoder))
             s.parked, s.decoder = None, None
-        s.slot, s.last_stepped, s.slot_since = slot, steps, steps
+        self.pool.entries += 1
+        s.slot, s.last_stepped, s.slot_since, s.entered = slot, steps, steps, self.pool.entries
         return True
 
     def _rewrites(self, plan: StepPlan) -> dict:
@@ -217,13 +251,23 @@ class Steps(Overlap):
                                  s.video_frames, e.requested, now)
             self._queue(s, chunk)
             made += 1
-        self._counts["steps"] += bool(batch)
         self._counts["chunks"] += made
-        for e in batch:
-            e.stream.last_stepped = self._counts["steps"]
+        self._stepped(plan, batch)
         if batch:
             self._step_seconds.observe(seconds)
         return made
+
+    def _stepped(self, plan: StepPlan, batch: list[Entry]) -> None:
+        """A step that ran ``batch`` is counted (steps, rows, scratch rows, its batch
+        size) and its streams were stepped at it."""
+        if not batch:
+            return
+        self._counts["steps"] += 1
+        self._counts["rows"] += len(plan.rows)
+        self._counts["scratch_rows"] += len(plan.rows) - len(batch)
+        self._batch_sizes[len(plan.rows)] = self._batch_sizes.get(len(plan.rows), 0) + 1
+        for e in batch:
+            e.stream.last_stepped = self._counts["steps"]
 
     def _commit_swaps(self, plan: StepPlan, res, rows_out: dict) -> None:
         for sw in plan.swap_outs:

@@ -45,8 +45,10 @@ class Stream:
     chunks (`rewind` makes a new one; those before it take none). ``last_stepped``: the
     scheduler's step count when it last made a chunk or took its slot (which resident
     stream gives its slot up first: the least recent); ``slot_since``: the step count
-    when it took its slot (its swap quantum runs from it); ``inflight``: chunks counted
-    made whose frames are still being decoded (an overlapped step's, `Overlap`)."""
+    when it took its slot (its swap quantum runs from it); ``entered``: the scheduler's
+    count of slots taken when it took its slot (on a rotation the lowest, the earliest
+    in, gives its slot up first); ``inflight``: chunks counted made whose frames are
+    still being decoded (an overlapped step's, `Overlap`)."""
 
     id: str
     seed: int
@@ -72,6 +74,7 @@ class Stream:
     waiting_since: float | None = None
     last_stepped: int = 0
     slot_since: int = 0
+    entered: int = 0
     inflight: int = 0
 
     @property
