@@ -22,7 +22,8 @@ under it, so readers (`session_info`, `metrics`) never wait on a step. GPU work 
 the loop's thread (`run`), or in the caller's when no loop runs; requests that need it
 (`export_session`, `save_sessions`) are handed to the loop and run between steps.
 
-A stream's chunk i starts from `chunk_noise(seed, i)` (self_forcing re-noises from
+A stream's chunk i starts from `chunk_noise(seed, i)`, its sampler's static inputs
+drawn from (seed, i) too (`Sampler.row_inputs`: self_forcing re-noises from
 `chunk_renoise(seed, i)`): a stream is a function of its seed and prompts, alone or
 batched, moved, swapped or restarted. Its chunks stay queued until acknowledged, and it
 leaves and enters as one `StreamState` (`moves`: swaps, restarts, checkpoints, moves).
@@ -79,6 +80,8 @@ class StreamScheduler(Steps, Moves):
             ``(sequences=N, batch_sizes=sizes) -> ChunkRunner`` (a `WanRollout` partial).
         kv_dtype: the preset `Rollout`'s K/V pool (None or "bf16": the model's dtype,
             "fp8"); a ``runner_factory`` sets its runner's, so it takes None here.
+        steps: the preset `Rollout`'s ``steps`` (N of the preset's denoising steps;
+            None: all); likewise None with a ``runner_factory``.
         decoder_factory: None (latents only), or ``(slots) ->`` a streaming video
             decoder (``decode(latents, rows=)``, ``reset(rows=)``, ``snapshot(row)``,
             ``restore(row, state)``, ``close()``: `framekv.engine.wan.StreamingVAEDecoder`).
@@ -95,9 +98,9 @@ class StreamScheduler(Steps, Moves):
                  queue_chunks: int = 4, batch_sizes=None, progress: bool = False,
                  runner_factory=None, decoder_factory=None, ended_records: int = 1024,
                  swap_quantum: int = 16, kv_dtype=None, checkpoints=None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, steps: int | None = None):
         S = check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum,
-                        kv_dtype, runner_factory, decoder_factory)
+                       {"kv_dtype": kv_dtype, "steps": steps}, runner_factory, decoder_factory)
         sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(S))))
         if sizes[-1] < S or sizes[0] < 1:
             raise ValueError(f"batch_sizes must reach slots={S}, got {sizes}")
@@ -106,7 +109,7 @@ class StreamScheduler(Steps, Moves):
         self.swap_quantum, self.batch_sizes, self.checkpoints = swap_quantum, sizes, checkpoints
         make = runner_factory or functools.partial(
             Rollout, preset, device, backend=backend, cache_dir=cache_dir, use_graphs=use_graphs,
-            kv_dtype=kv_dtype)
+            kv_dtype=kv_dtype, steps=steps)
         self.runner: ChunkRunner = make(sequences=S + scratch, batch_sizes=sizes)
         if not isinstance(self.runner, ChunkRunner):
             raise ValueError(f"runner_factory must build a ChunkRunner, got "
