@@ -22,11 +22,11 @@ under it, so readers (`session_info`, `metrics`) never wait on a step. GPU work 
 the loop's thread (`run`), or in the caller's when no loop runs; requests that need it
 (`export_session`, `save_sessions`) are handed to the loop and run between steps.
 
-A stream's chunk i starts from `chunk_noise(seed, i)`, its sampler's static inputs
-drawn from (seed, i) too (`Sampler.row_inputs`: self_forcing re-noises from
-`chunk_renoise(seed, i)`): a stream is a function of its seed and prompts, alone or
-batched, moved, swapped or restarted. Its chunks stay queued until acknowledged, and it
-leaves and enters as one `StreamState` (`moves`: swaps, restarts, checkpoints, moves).
+A stream's chunk i starts from `chunk_noise(seed, i)`, its sampler's inputs drawn from
+(seed, i) too (self_forcing re-noises from `chunk_renoise(seed, i)`): a stream is a
+function of its seed and prompts, alone or batched, moved, swapped or restarted. Its
+chunks stay queued until acknowledged, and it leaves and enters as one `StreamState`
+(`moves`: swaps, restarts, checkpoints, moves).
 
 A step (or its decode) that raises fails the streams in it and the loop goes on; a
 swap that raises fails its stream alone; a prompt change whose re-cache raises leaves
@@ -78,10 +78,9 @@ class StreamScheduler(Steps, Moves):
         batch_sizes: the batch sizes captured (default `default_batch_sizes`).
         runner_factory: instead of the preset's `Rollout`, a callable
             ``(sequences=N, batch_sizes=sizes) -> ChunkRunner`` (a `WanRollout` partial).
-        kv_dtype: the preset `Rollout`'s K/V pool (None or "bf16": the model's dtype,
-            "fp8"); a ``runner_factory`` sets its runner's, so it takes None here.
-        steps: the preset `Rollout`'s ``steps`` (N of the preset's denoising steps;
-            None: all); likewise None with a ``runner_factory``.
+        kv_dtype, steps: the preset `Rollout`'s K/V pool (None or "bf16": the model's
+            dtype, "fp8") and ``steps`` (N of its denoising steps; None: all); a
+            ``runner_factory`` sets its runner's, so it takes None for both.
         decoder_factory: None (latents only), or ``(slots) ->`` a streaming video
             decoder (``decode(latents, rows=)``, ``reset(rows=)``, ``snapshot(row)``,
             ``restore(row, state)``, ``close()``: `framekv.engine.wan.StreamingVAEDecoder`).
