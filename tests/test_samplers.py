@@ -223,9 +223,9 @@ def test_sampler_options_and_steps_are_part_of_a_streams_state(toy):
     a.prefill()
     a.step()
     state = a.snapshot(0)
-    assert state.model["sampler"] == {"name": "toy", "eta": 0.5, "skip": 0}
+    assert state.model["sampler"] == {"name": "toy", "options": {"eta": 0.5, "skip": 0}}
     for kw, words in [({"sampler": toy, "sampler_options": {"eta": 0.25}},
-                       "sampler.eta: the state has 0.5, the runner 0.25"),
+                       "sampler.options.eta: the state has 0.5, the runner 0.25"),
                       ({}, "sampler: the state has {'name': 'toy'"),
                       ({"sampler": toy, "steps": 1}, "sigmas: the state has")]:
         b = Rollout("tiny", "cpu", use_graphs=False, model=a.model, **kw)

@@ -151,8 +151,8 @@ def build_sampler(name: str, timesteps, timestep_scale: float, options=None) -> 
 
 def sampler_description(name: str, sampler: Sampler):
     """What a stream's state records of its sampler: the name alone, or with options
-    ``{"name": name, **options}``."""
-    return name if not sampler.options else {"name": name, **sampler.options}
+    ``{"name": name, "options": options}``."""
+    return name if not sampler.options else {"name": name, "options": dict(sampler.options)}
 
 
 def sampler_label(name: str, sampler: Sampler) -> str:
