@@ -149,7 +149,8 @@ class Rollout(ChunkRunner):
         self.name, self.model_spec, self.spec = resolve_specs(preset)
         timesteps = pick_steps(torch.linspace(1.0, 0.0, self.spec.denoising_steps + 1)[:-1]
                                .tolist(), steps)
-        build_sampler(sampler, timesteps, DiTChunks.timestep_scale, sampler_options)  # checked early
+        # the sampler and its options checked before the model is built
+        build_sampler(sampler, timesteps, DiTChunks.timestep_scale, sampler_options)
         dev = resolve_device(device)
         dtype = model_dtype(self.model_spec, dev)
         held = getattr(getattr(kv, "cache", None), "dtype", None)

@@ -275,7 +275,8 @@ def test_steps_below_one_is_refused_at_parse_time(command, capsys):
     extra = ["--prompt", "p", "--chunks", "1", "--out", "v.mp4"] if command == "generate" else []
     with pytest.raises(SystemExit) as exc:
         main([command, *extra, "--steps", "0"])
-    assert exc.value.code == 2 and "--steps: must be an integer >= 1, got 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--steps: must be an integer >= 1, got 0" in err
 
 
 def test_serve_hands_steps_to_the_reference_rollout(monkeypatch):

@@ -129,7 +129,8 @@ def test_failed_capture_names_the_graph(capsys, monkeypatch):
     monkeypatch.setattr(CachedAttention, "forward", broken)
     assert cli(["tiny", "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "kernel exploded" in err and "warm-up request 0: chunk[euler]:2x32+clean16+commit T=32" in err
+    assert "kernel exploded" in err
+    assert "warm-up request 0: chunk[euler]:2x32+clean16+commit T=32" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")

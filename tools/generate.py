@@ -34,8 +34,8 @@ The sizes are those of PRESET (or ``--preset``; default: the config's,
 matches). ``--seed`` seeds the chunks' noise as a server session of that seed draws it
 (`framekv.engine.step.chunk_noise`, and the sampler's own static inputs, such as the
 ``self_forcing`` sampler's fresh noise, `framekv.engine.step.sampler_inputs`): the same
-seed gives the same video, as a server session of it would; random weights are always those of seed 0, so that the same config is the same
-model.
+seed gives the same video, as a server session of it would; random weights are always
+those of seed 0, so that the same config is the same model.
 
 Progress goes to stderr, the summary line to stdout. A bad argument, missing weights
 or an ``--out`` whose folder takes no new file exit 2 before any work, with one line

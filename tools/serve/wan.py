@@ -54,9 +54,9 @@ def wan_factory(args, *, use_graphs: bool = True, decode: bool = True) -> WanPar
     random; or those of the diffusers folder ``--weights`` (its text encoder where it
     has one); the transformer's weights those of ``--checkpoint`` if given, sampled by
     ``--sampler`` at ``--shift`` (default Self-Forcing's with a checkpoint), ``--steps``
-    of the preset's steps; at the sizes of ``--preset`` (default: the preset of the shipped config the transformer
-    matches), prompts of the preset's ``prompt_tokens``, the pool of ``--kv-dtype``,
-    frames by ``--decoder``.
+    of the preset's steps; at the sizes of ``--preset`` (default: the preset of the
+    shipped config the transformer matches), prompts of the preset's ``prompt_tokens``,
+    the pool of ``--kv-dtype``, frames by ``--decoder``.
     ValueError for a bad option, before anything is built."""
     from framekv.engine.wan.pipeline import WanPipeline
 
