@@ -6,7 +6,8 @@ model, the fp32 reference), ``attention/`` (the layer module, backends, cuDNN,
 split-KV, Ulysses), ``model/`` (the reference DiT), ``wan/`` (diffusers' Wan); ``kv.py``
 is the seam between a model and the K/V it attends (`KVStore`, `ForwardContext`);
 ``runner.py`` is the one chunk cycle (`ChunkRunner`), which `Rollout` (``rollout.py``)
-and `WanRollout` adapt to their models, and ``step.py`` the step it takes from a
+and `WanRollout` adapt to their models, running a sampler of ``samplers/`` (the
+`Sampler` protocol and its registry), and ``step.py`` the step it takes from a
 scheduler (`StepPlan`); ``serving/`` steps streams on it (`StreamScheduler`).
 """
 from .arena import (ArenaClosedError, ArenaError, ArenaExhaustedError, DeviceArena,

@@ -3,8 +3,9 @@
 A preset (`framekv.specs.Preset`) names the model (`CausalVideoDiT`, deterministic
 random weights) and the rollout: its prompt is the pinned prefix (P = prompt_tokens),
 the window ``window_frames`` finished frames, a chunk ``frames_per_chunk`` frames,
-sampled by Euler over ``denoising_steps`` steps of t = linspace(1, 0) with the whole
-chunk one causal block, then cleaned in one-frame blocks; a short last chunk
+sampled (by default Euler; ``sampler``) over the ``denoising_steps`` steps of
+t = linspace(1, 0), or ``steps`` of them, with the whole chunk one causal block, then
+cleaned in one-frame blocks; a short last chunk
 (``last_chunk_frames``) gets a graph of its own. Where the K/V go is a `KVStore`: the
 paged cache (default), the fp32 reference (``kv="reference"``), a store across ranks
 (``process_group``), or one the caller built for this geometry. The paged pool holds the
@@ -35,6 +36,7 @@ from .memory import check_fits, rollout_bytes
 from .model import CausalVideoDiT, DiTChunks, default_backend, model_dtype
 from framekv.specs.checks import check_choice
 from .runner import ChunkRunner
+from .samplers import DEFAULT_SAMPLER, build_sampler, pick_steps
 
 #: The names ``kv_dtype`` takes (also ``--kv-dtype``): "bf16" the model's own dtype (an
 #: unquantized pool), "fp8" float8 e4m3 (`torch.float8_e4m3fn`).
@@ -117,6 +119,10 @@ class Rollout(ChunkRunner):
             dtype (default), "fp8" or torch.float8_e4m3fn. With a ``kv`` the caller built,
             None takes its cache's dtype and anything else must name it; the reference
             store keeps fp32 (no fp8).
+        sampler, sampler_options: a registered sampler's name (default euler) and its
+            options (`framekv.engine.samplers`).
+        steps: run N of the preset's ``denoising_steps`` steps (`pick_steps`: evenly
+            spaced, the first always); None: all of them.
 
     Attributes:
         kv_dtype: the dtype the K/V are kept in (the pool's; the model's for a store
@@ -133,13 +139,18 @@ class Rollout(ChunkRunner):
                  debug: bool = False, model: CausalVideoDiT | None = None,
                  process_group=None, kv="paged", cache_dir=None,
                  sequences: int | None = None, batch_sizes=None, glue: str = "fused",
-                 trim_clean_pass: bool = True, kv_dtype=None):
+                 trim_clean_pass: bool = True, kv_dtype=None, sampler: str = DEFAULT_SAMPLER,
+                 sampler_options=None, steps: int | None = None):
         check_choice("glue", glue, ("fused", "torch"))
         if sequences is not None and (kv != "paged" or process_group is not None):
             raise ValueError("sequences runs several sequences on one paged pool: it needs "
                              f"kv='paged' and no process_group, got kv={kv!r}, "
                              f"process_group={process_group!r}")
         self.name, self.model_spec, self.spec = resolve_specs(preset)
+        timesteps = pick_steps(torch.linspace(1.0, 0.0, self.spec.denoising_steps + 1)[:-1]
+                               .tolist(), steps)
+        # the sampler and its options checked before the model is built
+        build_sampler(sampler, timesteps, DiTChunks.timestep_scale, sampler_options)
         dev = resolve_device(device)
         dtype = model_dtype(self.model_spec, dev)
         held = getattr(getattr(kv, "cache", None), "dtype", None)
@@ -157,12 +168,11 @@ class Rollout(ChunkRunner):
         store = self._store(kv, process_group, geometry, dev, self.kv_dtype, sequences or 1)
         s = self.spec
         last = (s.chunks - 1, s.last_chunk_frames) if s.last_chunk_frames else None
-        timesteps = torch.linspace(1.0, 0.0, s.denoising_steps + 1)[:-1].tolist()
         super().__init__(DiTChunks(self.model, glue), store, frames_per_chunk=s.frames_per_chunk,
-                         timesteps=timesteps, clean_block="frame", use_graphs=use_graphs,
+                         timesteps=list(timesteps), clean_block="frame", use_graphs=use_graphs,
                          debug=debug, sequences=sequences, batch_sizes=batch_sizes,
                          trim_clean_pass=trim_clean_pass, seed=self.model_spec.seed,
-                         last_chunk=last)
+                         last_chunk=last, sampler=sampler, sampler_options=sampler_options)
         self.glue = glue
 
     def _model(self, model, backend, device, plan_dir) -> CausalVideoDiT:

@@ -3,19 +3,19 @@
 A chunk of B sequences, from noise x [B, C, F, H, W] at rope frames frame0 [B], is one
 callable over static inputs, so on a GPU it is ONE graph replay::
 
-    for i, t_i in enumerate(timesteps):              # the chunk is one causal block
+    x = sampler.start(noise, inputs)
+    for i, t_i in enumerate(sampler.timesteps):      # the chunk is one causal block
         v = model.forward(x, t_i, ctx(T, T))         # guidance: both branches, one batch
-        x = sampler(x, v, i)
+        x = sampler.update(x, v, i)
+        x = sampler.renoise(x, i, inputs)            # between calls (not after the last)
     model.forward(x, 0, ctx(T, clean, output=False))  # the clean pass, kept for its K/V
     kv.commit(T)                                     # the chunk becomes history
 
-Samplers over the schedule sigma_i = t_i / timestep_scale (0 after the last step)::
-
-    euler          x <- x + (sigma_{i+1} - sigma_i) * v(x, t_i)
-    self_forcing   x0 = x - sigma_i * v(x, t_i); x <- (1 - sigma_{i+1}) x0 + sigma_{i+1} e_i
-                   (fresh noise e_i, a static input ``renoise`` [B, steps - 1, ...]: each
-                   row's own `chunk_renoise`, so a stream replays wherever it runs);
-                   the chunk is x0 of the last step
+The sampler is the registry's (`framekv.engine.samplers`: its name and options, over
+the runner's ``timesteps``); its static inputs beyond noise and frame0 (``inputs``,
+e.g. the self_forcing sampler's fresh noise) are each row's own, drawn from the row's
+(seed, chunk index), so a stream replays wherever it runs. The runner knows no
+sampler by name.
 
 The clean pass is one block of the chunk (``clean_block="chunk"``) or one-frame
 blocks; with ``trim_clean_pass`` (default) its last layer stops once its K/V are staged
@@ -67,15 +67,15 @@ import torch
 from framekv.graphs import CaptureRequest, GraphCache, WarmupReport, chunk_key, owner_token, run_warmup
 from framekv.specs.checks import (check_batch_sizes, check_choice, check_count, check_finite,
                                   check_flag, check_frames, check_guidance, check_prompt,
-                                  check_shape, check_timesteps)
+                                  check_shape)
 
 from .cache.sequences import check_rows
 from .history import History, pieces
 from .kv import ForwardContext, KVStore, Recorder
-from .step import StepPlan, StepResult, chunk_noise, chunk_renoise
+from .samplers import DEFAULT_SAMPLER, build_sampler, sampler_description, sampler_label
+from .step import StepPlan, StepResult, chunk_noise, sampler_inputs
 from .stream_state import StreamState
 
-SAMPLERS = ("euler", "self_forcing")
 CLEAN_BLOCKS = ("chunk", "frame")
 
 
@@ -131,8 +131,10 @@ class ChunkRunner:
         kv: the `KVStore` (its geometry the runner's).
         frames_per_chunk: latent frames of a chunk.
         timesteps: the model timesteps of the denoising steps, decreasing in
-            (0, timestep_scale].
-        sampler: "euler" or "self_forcing"; clean_block: "chunk" or "frame".
+            (0, timestep_scale]: the schedule the sampler is built over.
+        sampler: a registered sampler's name (`framekv.engine.samplers.samplers`),
+            default euler; sampler_options: its options (a mapping, default none).
+        clean_block: "chunk" or "frame".
         sink_frames: frames pinned at the start of each sequence (the history's sink).
         use_graphs: replay whole-chunk graphs (eager calls on CPU); debug: the graph
             cache's address checks at every replay.
@@ -146,13 +148,16 @@ class ChunkRunner:
     """
 
     def __init__(self, model: ChunkModel, kv: KVStore, *, frames_per_chunk: int, timesteps,
-                 sampler: str = "euler", clean_block: str = "chunk", sink_frames: int = 0,
-                 use_graphs: bool = True, debug: bool = False, sequences: int | None = None,
-                 batch_sizes=None, guidance_scale: float | None = None,
-                 trim_clean_pass: bool = True, seed: int = 0, last_chunk=None):
+                 sampler: str = DEFAULT_SAMPLER, clean_block: str = "chunk",
+                 sink_frames: int = 0, use_graphs: bool = True, debug: bool = False,
+                 sequences: int | None = None, batch_sizes=None,
+                 guidance_scale: float | None = None, trim_clean_pass: bool = True,
+                 seed: int = 0, last_chunk=None, sampler_options=None):
         self.chunk_model, self.kv, self.geometry = model, kv, kv.geometry
         self.device, self.dtype = model.device, model.dtype
-        self.sampler = check_choice("sampler", sampler, SAMPLERS)
+        #: the sampler's name and the `Sampler` it built over ``timesteps``
+        self.sampling = build_sampler(sampler, timesteps, model.timestep_scale, sampler_options)
+        self.sampler: str = sampler
         self.clean_block = check_choice("clean_block", clean_block, CLEAN_BLOCKS)
         self.trim_clean_pass = check_flag("trim_clean_pass", trim_clean_pass)
         self.guidance = check_guidance(guidance_scale)
@@ -161,8 +166,9 @@ class ChunkRunner:
         self.batch_sizes = check_batch_sizes(batch_sizes, self.sequences)
         self.frames_per_chunk, self.sink_frames, self.last_chunk = frames_per_chunk, sink_frames, last_chunk
         self.tokens_per_frame = model.tokens_per_frame
-        self.sigmas = check_timesteps(timesteps, model.timestep_scale)
-        self._t = [torch.full((1,), float(t), device=self.device) for t in timesteps]
+        self.sigmas = list(self.sampling.sigmas)           # of the steps a chunk runs, then 0
+        self._t = [torch.full((1,), t, device=self.device) for t in self.sampling.timesteps]
+        self._check_sampler_inputs()
         self._t0 = torch.zeros(1, device=self.device)
         if use_graphs and not kv.graph_safe:
             raise ValueError(f"kv={type(kv).__name__} cannot be captured in graphs: "
@@ -407,33 +413,29 @@ class ChunkRunner:
             self.recorder("clean", v)
         self.kv.commit(frames * tpf)
 
-    def chunk(self, noise: torch.Tensor, frame0: torch.Tensor,
-              renoise: torch.Tensor | None = None) -> torch.Tensor:
+    def chunk(self, noise: torch.Tensor, frame0: torch.Tensor, **inputs) -> torch.Tensor:
         """One whole chunk over static inputs, of the pool rows in use: the sampler's
         steps, the clean pass, the commit. noise fp32 [B, C, F, H, W] (B: the sequences
-        in use, per branch); frame0 int64 [B]; renoise (self_forcing only) fp32
-        [B, steps - 1, C, F, H, W] -> clean latents fp32 [B, C, F, H, W]. Shapes and
-        dtypes are checked (host metadata only: a capture runs it)."""
+        in use, per branch); frame0 int64 [B]; ``inputs``: the sampler's static inputs,
+        fp32 [B, *shape] each (`Sampler.input_shapes`) -> clean latents fp32
+        [B, C, F, H, W]. Shapes and dtypes are checked (host metadata only: a capture
+        runs it)."""
         B = len(self._in_use) // (1 if self.guidance is None else 2)
         self._check_noise(noise, B)
-        self._check_renoise(renoise, noise.shape)
+        inputs = self._check_inputs(inputs, noise.shape)
         if (not isinstance(frame0, torch.Tensor) or frame0.dtype != torch.int64
                 or tuple(frame0.shape) != (B,)):
             got = (f"{frame0.dtype} {list(frame0.shape)}" if isinstance(frame0, torch.Tensor)
                    else type(frame0).__name__)
             raise ValueError(f"frame0 must be an int64 [{B}] tensor (each row's first rope "
                              f"frame), got {got}")
-        sig, x = self.sigmas, noise.clone()
+        sampler, x = self.sampling, self.sampling.start(noise, inputs)    # [B, C, F, H, W]
         both = self.guidance is not None
         frame0 = torch.cat([frame0, frame0]) if both else frame0           # [R] pool rows
         for i in range(len(self._t)):
-            v = self._velocity(x, i, frame0)
-            if self.sampler == "euler":
-                x = x + (sig[i + 1] - sig[i]) * v
-            else:
-                x = x - sig[i] * v                                         # x0
-                if i + 1 < len(self._t):
-                    x = (1 - sig[i + 1]) * x + sig[i + 1] * renoise[:, i]
+            x = sampler.update(x, self._velocity(x, i, frame0), i)
+            if i + 1 < len(self._t):
+                x = sampler.renoise(x, i, inputs)
         self._clean_pass(torch.cat([x, x]) if both else x, frame0)
         return x
 
@@ -472,9 +474,8 @@ class ChunkRunner:
         F = tokens // self.tokens_per_frame
         inputs = {"noise": torch.zeros(batch, C, F, H, W, device=self.device),
                   "frame0": torch.zeros(batch, dtype=torch.int64, device=self.device)}
-        if self.sampler == "self_forcing":  # its fresh noise: a static input of the graph
-            inputs["renoise"] = torch.zeros(batch, len(self._t) - 1, C, F, H, W,
-                                            device=self.device)
+        for name, shape in self.sampling.input_shapes((C, F, H, W)).items():
+            inputs[name] = torch.zeros(batch, *shape, device=self.device)
         rows = self._pool_rows(range(batch))
         whole = self.clean_block == "chunk" and tokens == self.frames_per_chunk * self.tokens_per_frame
         clean = tokens if whole else self.tokens_per_frame
@@ -482,7 +483,7 @@ class ChunkRunner:
         splits, packed = self.kv.key_layout(self.chunk_model.attention, tokens, blocks, len(rows))
         key = chunk_key(owner_token(self), self.geometry, tokens, denoise_steps=len(self._t),
                         clean_block=clean, inputs=inputs, splits=splits, batch=len(rows),
-                        packed=packed)
+                        packed=packed, sampler=sampler_label(self.sampler, self.sampling))
         return CaptureRequest(key, self.chunk, inputs,
                               functools.partial(self.kv.after_replay, tokens))
 
@@ -528,12 +529,12 @@ class ChunkRunner:
 
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
-    def step(self, noise: torch.Tensor | None = None,
-             renoise: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, noise: torch.Tensor | None = None, inputs: dict | None = None) -> torch.Tensor:
         """The next chunk of every sequence; returns the clean latents, fp32
         [N, C, F, H, W] (a copy). ``noise``: the chunks' starting noise in that shape,
-        default each sequence's own (`chunk_noise`); ``renoise`` (self_forcing):
-        [N, steps - 1, C, F, H, W], default each sequence's own (`chunk_renoise`)."""
+        default each sequence's own (`chunk_noise`); ``inputs``: the sampler's static
+        inputs, name -> [N, *shape] (`Sampler.input_shapes`), default each sequence's
+        own (`Sampler.row_inputs` of its seed and chunk index)."""
         self._check_open()
         S = self.sequences
         self._require_prompt(range(self.pool))
@@ -548,27 +549,29 @@ class ChunkRunner:
             noise = torch.stack([chunk_noise(seed, i, (C, F, H, W), n) for (seed, n), i in streams])
         self._check_noise(noise, S, frames=F)
         check_finite("noise", noise)
-        if renoise is None and self.sampler != "euler":
-            renoise = torch.stack([chunk_renoise(seed, i, len(self._t), (C, F, H, W), n)
-                                   for (seed, n), i in streams])
-        self._check_renoise(renoise, noise.shape)
+        if inputs is None:
+            inputs = sampler_inputs(self.sampling, [(seed, i) for (seed, _), i in streams],
+                                    (C, F, H, W), sequences=[n for (_, n), _ in streams])
+        inputs = self._check_inputs(inputs, noise.shape, finite=True)
         if self.use_graphs and not self._keys:
             self.capture()  # every sequence at 0, and back at 0 after
-        out = self._run(tuple(range(S)), noise, self.sequence_frames, renoise)
+        out = self._run(tuple(range(S)), noise, self.sequence_frames, inputs)
         self.sequence_chunks = [i + 1 for i in self.sequence_chunks]
         self.sequence_frames = [f + F for f in self.sequence_frames]
         return out
 
     @torch.no_grad()
     def step_rows(self, rows, noise: torch.Tensor, frame0,
-                  renoise: torch.Tensor | None = None) -> torch.Tensor:
+                  inputs: dict | None = None) -> torch.Tensor:
         """One chunk of sequences ``rows`` (distinct host ints in [0, sequences), as many
         as one of ``batch_sizes``): batch row r is sequence rows[r], from noise[r]
         [C, F, H, W] (F: a chunk's frames; finite values only) at rope frame frame0[r]
-        (integers >= 0: host ints or an integer tensor); ``renoise`` (self_forcing
-        only) its fresh noise [B, steps - 1, C, F, H, W]; returns the clean latents
-        [B, C, F, H, W] (a copy). One graph replay (captured for that batch size); the
-        caller keeps the positions. Every argument is checked before anything runs."""
+        (integers >= 0: host ints or an integer tensor); ``inputs``: the sampler's
+        static inputs, name -> [B, *shape] with row r sequence rows[r]'s (none for a
+        sampler without any; `framekv.engine.step.sampler_inputs`); returns the clean
+        latents [B, C, F, H, W] (a copy). One graph replay (captured for that batch
+        size); the caller keeps the positions. Every argument is checked before
+        anything runs."""
         self._check_open()
         if not isinstance(rows, (list, tuple, range)) or len(rows) not in self.batch_sizes:
             got = len(rows) if isinstance(rows, (list, tuple, range)) else repr(rows)
@@ -577,12 +580,10 @@ class ChunkRunner:
         rows = check_rows(rows, self.sequences, name="rows")
         self._check_noise(noise, len(rows))
         check_finite("noise", noise)
-        self._check_renoise(renoise, noise.shape)
-        if renoise is not None:
-            check_finite("renoise", renoise)
+        inputs = self._check_inputs(inputs, noise.shape, finite=True)
         frames = check_frames("frame0", frame0, len(rows))  # read once, host ints
         self._require_prompt(self._pool_rows(rows))
-        return self._run(rows, noise, frames, renoise)
+        return self._run(rows, noise, frames, inputs)
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -617,7 +618,7 @@ class ChunkRunner:
             if plan.restarts:
                 self.prefill_rows(plan.restarts)
             if plan.rows:
-                res.latents = self.step_rows(plan.rows, plan.noise, plan.frame0, plan.renoise)
+                res.latents = self.step_rows(plan.rows, plan.noise, plan.frame0, plan.inputs)
         except Exception as exc:            # the swaps above stand: the caller keeps them
             res.error = exc
         return res
@@ -653,31 +654,41 @@ class ChunkRunner:
         if not noise.is_floating_point():
             raise ValueError(f"noise must be a floating-point tensor, got {noise.dtype}")
 
-    def _check_renoise(self, renoise, shape) -> None:
-        """ValueError naming ``renoise`` unless it is what the sampler reads: None for
-        euler, a floating [B, steps - 1, C, F, H, W] tensor for self_forcing (``shape``
-        the noise's [B, C, F, H, W])."""
-        if self.sampler == "euler":
-            if renoise is not None:
-                raise ValueError("renoise is the self_forcing sampler's; this runner samples "
-                                 f"with euler, got a {type(renoise).__name__}")
-            return
-        want = (shape[0], len(self._t) - 1, *shape[1:])
-        if renoise is None:
-            raise ValueError(f"renoise: the self_forcing sampler needs its fresh noise, a "
-                             f"{list(want)} tensor (`chunk_renoise` per row), got None")
-        check_shape("renoise", renoise, want)
-        if not renoise.is_floating_point():
-            raise ValueError(f"renoise must be a floating-point tensor, got {renoise.dtype}")
+    def _check_sampler_inputs(self) -> None:
+        """ValueError for a sampler whose static inputs take the names of the chunk's
+        own (noise, frame0)."""
+        names = set(self.sampling.input_shapes(self.chunk_shape))
+        if names & {"noise", "frame0"}:
+            raise ValueError(f"the {self.sampler} sampler's static inputs must not be named "
+                             f"noise or frame0 (the chunk's own), got {sorted(names)}")
+
+    def _check_inputs(self, inputs, shape, *, finite: bool = False) -> dict:
+        """``inputs`` (None: none) as a dict, after a ValueError naming what is wrong
+        unless it holds exactly the sampler's static inputs, each a floating
+        [B, *row shape] tensor (`Sampler.input_shapes` of ``shape``, the noise's
+        [B, C, F, H, W]) and, with ``finite``, of finite values only."""
+        want = self.sampling.input_shapes(tuple(shape[1:]))
+        inputs = {} if inputs is None else inputs
+        if not isinstance(inputs, dict) or set(inputs) != set(want):
+            got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+            raise ValueError(f"inputs must hold the {self.sampler} sampler's static inputs "
+                             f"{sorted(want)} (each row's own: Sampler.row_inputs), got {got}")
+        for name, row in want.items():
+            x = inputs[name]
+            check_shape(f"inputs[{name!r}]", x, (shape[0], *row))
+            if not x.is_floating_point():
+                raise ValueError(f"inputs[{name!r}] must be a floating-point tensor, got {x.dtype}")
+            if finite:
+                check_finite(f"inputs[{name!r}]", x)
+        return dict(inputs)
 
     def _run(self, rows: tuple[int, ...], noise: torch.Tensor, frames: list[int],
-             renoise: torch.Tensor | None = None) -> torch.Tensor:
+             extra: dict) -> torch.Tensor:
         pool = self._pool_rows(rows)
         self._use(pool)
         inputs = {"noise": noise.to(self.device, torch.float32),
                   "frame0": torch.tensor(frames, dtype=torch.int64, device=self.device)}
-        if renoise is not None:
-            inputs["renoise"] = renoise.to(self.device, torch.float32)
+        inputs.update((k, x.to(self.device, torch.float32)) for k, x in extra.items())
         key = self._keys.get((noise.shape[2] * self.tokens_per_frame, len(pool)))
         if self.use_graphs and key is not None and self.kv.replayable:
             # Replay only: a capture here would run warm-up calls on the live store.
@@ -699,13 +710,15 @@ class ChunkRunner:
 
     def describe(self) -> dict:
         """What a `StreamState` must match to be restored here (JSON-able): the model
-        type and shapes, the chunk cycle and the pool's geometry, K/V shape and dtype."""
+        type and shapes, the chunk cycle (the sigmas of the steps a chunk runs, the
+        sampler with its options) and the pool's geometry, K/V shape and dtype."""
         cache = self._paged_cache()
         m = self.chunk_model
         return {"model": type(m).__name__, "latent_shape": list(m.latent_shape),
                 "prompt_shape": None if m.prompt_shape is None else list(m.prompt_shape),
                 "frames_per_chunk": self.frames_per_chunk, "sigmas": list(self.sigmas),
-                "sampler": self.sampler, "clean_block": self.clean_block,
+                "sampler": sampler_description(self.sampler, self.sampling),
+                "clean_block": self.clean_block,
                 "sink_frames": self.sink_frames, "guidance": self.guidance,
                 "last_chunk": None if self.last_chunk is None else list(self.last_chunk),
                 "pool": cache.describe()}

@@ -12,9 +12,13 @@ A plan names every piece of GPU work of one step, in the order it runs::
     restarts    rows started over before the step (scratch rows a failure left stale)
     rows        the batch: the streams' slots, then scratch rows up to a batch size
     noise       [B, C, F, H, W] fp32, each stream's `chunk_noise` (scratch rows: zeros)
-    renoise     None, or [B, steps - 1, C, F, H, W] fp32 for the self_forcing sampler:
-                each stream's `chunk_renoise`, so a stream's chunk is a function of its
-                own seed and index wherever and beside whatever it runs
+    inputs      the sampler's static inputs beyond noise and frame0, name -> [B, *shape]
+                fp32 (`framekv.engine.samplers.Sampler.input_shapes`; the self_forcing
+                sampler's fresh noise, say): each stream's `Sampler.row_inputs`, drawn
+                from its key, or taken from its ``sources`` entry (what it brings
+                beside its noise), so a stream's chunk is a function of its own seed,
+                index and source wherever and beside whatever it runs (scratch rows:
+                zeros)
     frame0      each row's first rope frame
 
 A failed swap fails its stream alone (its slot is started over under the default
@@ -30,7 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StepPlan", "StepResult", "Swap", "chunk_noise", "chunk_renoise", "noise_seed"]
+__all__ = ["StepPlan", "StepResult", "Swap", "chunk_noise", "chunk_renoise", "noise_seed",
+           "sampler_inputs"]
 
 _MASK64 = (1 << 64) - 1
 #: Offset of the re-noise streams in `noise_seed`'s ``sequence``: far above any pool row.
@@ -70,6 +75,25 @@ def chunk_renoise(seed: int, index: int, steps: int, shape, sequence: int = 0) -
     return torch.randn(max(steps - 1, 0), *shape, generator=gen)
 
 
+def sampler_inputs(sampler, keys, shape, *, pad: int = 0, sequences=None,
+                   sources=None) -> dict[str, torch.Tensor]:
+    """A batch's static sampler inputs (`framekv.engine.samplers.Sampler`), name ->
+    [len(keys) + pad, *shape of a row]: row r is ``sampler.row_inputs(*keys[r], shape,
+    sequences[r], sources[r])`` (keys: (seed, chunk index); sequences default 0,
+    sources None), then ``pad`` rows of zeros (fp32 on the CPU, or like the rows)."""
+    n = len(keys)
+    sequences = [0] * n if sequences is None else list(sequences)
+    sources = [None] * n if sources is None else list(sources)
+    rows = [sampler.row_inputs(seed, index, shape, q, src)
+            for (seed, index), q, src in zip(keys, sequences, sources)]
+    out = {}
+    for name, row in sampler.input_shapes(shape).items():
+        got = [r[name] for r in rows]
+        zeros = (got[0] if got else torch.zeros(())).new_zeros(row)
+        out[name] = torch.stack(got + [zeros] * pad)
+    return out
+
+
 @dataclass(eq=False)
 class Swap:
     """One stream moving into or out of a slot, or rewriting its prompt there.
@@ -90,29 +114,31 @@ class Swap:
 @dataclass(eq=False)
 class StepPlan:
     """One step's GPU work (module doc). ``streams``: the ids of ``rows[:len(streams)]``;
-    ``keys``: each stream's (seed, chunk index), what its noise is drawn from."""
+    ``keys``: each stream's (seed, chunk index), what its noise is drawn from;
+    ``sources``: each stream's source for its sampler inputs (`Sampler.row_inputs`;
+    empty: None for every stream)."""
 
     rows: list[int] = field(default_factory=list)
     streams: list[str] = field(default_factory=list)
     keys: list[tuple[int, int]] = field(default_factory=list)
     frame0: list[int] = field(default_factory=list)
+    sources: list = field(default_factory=list)
     noise: torch.Tensor | None = None
-    renoise: torch.Tensor | None = None
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     swap_outs: list[Swap] = field(default_factory=list)
     swap_ins: list[Swap] = field(default_factory=list)
     rewrites: list[Swap] = field(default_factory=list)
     restarts: list[int] = field(default_factory=list)
 
-    def draw_noise(self, shape, steps: int | None = None) -> None:
-        """``noise`` (and with ``steps``, the self_forcing ``renoise``) of every row:
-        each stream's from its key, zeros for the scratch rows (host work)."""
+    def draw_noise(self, shape, sampler=None) -> None:
+        """``noise`` of every row ([C, F, H, W] ``shape`` each) and, with a ``sampler``
+        (the runner's `ChunkRunner.sampling`), its static ``inputs``: each stream's
+        from its key (and source), zeros for the scratch rows (host work)."""
         pad = len(self.rows) - len(self.keys)
         self.noise = torch.stack([chunk_noise(s, i, shape) for s, i in self.keys]
                                  + [torch.zeros(shape)] * pad)
-        if steps is not None:
-            zeros = torch.zeros(max(steps - 1, 0), *shape)
-            self.renoise = torch.stack([chunk_renoise(s, i, steps, shape) for s, i in self.keys]
-                                       + [zeros] * pad)
+        self.inputs = {} if sampler is None else sampler_inputs(
+            sampler, self.keys, tuple(shape), pad=pad, sources=self.sources or None)
 
 
 @dataclass(eq=False)

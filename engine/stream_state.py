@@ -11,10 +11,13 @@ between chunks::
                 ``keeps_history``), what a later prompt change re-caches
     chunks, frames   the sequence's position: chunks made, latent frames made
     noise       (seed, sequence): `chunk_noise(seed, chunk, shape, sequence)` draws its
-                next chunk's noise wherever it goes on (the self_forcing sampler's
-                re-noising draws from the device's generator, shared by all streams)
+                next chunk's noise wherever it goes on, and the sampler's static inputs
+                come from the same (seed, chunk, sequence) (`Sampler.row_inputs`: the
+                self_forcing sampler's fresh noise is `chunk_renoise` of them, on the
+                CPU), so no generator state goes with it
     model       what a runner must match to take it: the model type, latent and prompt
-                shapes, chunk layout, schedule, sampler, guidance and the pool's shape
+                shapes, chunk layout, schedule (the steps a chunk runs), sampler (with
+                its options), guidance and the pool's shape
 
 `ChunkRunner.snapshot` / `ChunkRunner.restore` make and take one. ``save`` writes one
 file (`framekv.engine.cache.tensorfile`: safetensors layout, versioned JSON header,

@@ -5,7 +5,8 @@ A chunk of an autoregressive rollout is several denoising forwards, one clean fo
 replays with one launch and no Python between the steps. Nothing special is needed
 for that: any callable that runs the steps in order is captured like any other.
 `chunk_key` names such a graph: its ``program`` string and ``block_sizes`` list the
-steps, e.g. ``"chunk:4x1576+clean394+commit"``.
+steps, e.g. ``"chunk:4x1576+clean394+commit"``, and the sampler between them where one
+is given (``"chunk[euler]:..."``).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def chunk_key(owner: int, geometry: Geometry | None, tokens: int, *, denoise_ste
               commit: bool | int = True,
               inputs: Mapping[str, torch.Tensor] | None = None,
               splits: tuple[int, ...] = (), batch: int = 1,
-              packed: tuple[bool, ...] = ()) -> GraphKey:
+              packed: tuple[bool, ...] = (), sampler: str | None = None) -> GraphKey:
     """Key of a whole chunk: ``denoise_steps`` forwards, a clean forward, a commit.
 
     Args:
@@ -64,14 +65,20 @@ def chunk_key(owner: int, geometry: Geometry | None, tokens: int, *, denoise_ste
         splits: split-KV S of each forward (``block_sizes`` order), or empty.
         batch: B, the sequences each forward runs.
         packed: GQA query packing of each forward (``block_sizes`` order), or empty.
+        sampler: the sampler's label (its name and options: what it computes between
+            the forwards and what its static inputs mean), or None for none.
     Example: ``chunk_key(o, g, 1576, denoise_steps=4, clean_block=394)`` has program
     ``"chunk:4x1576+clean394+commit"`` and block sizes ``(1576,) * 4 + (394,)``;
-    runs of equal steps are written ``NxL``, a partial commit ``commit:N``.
+    runs of equal steps are written ``NxL``, a partial commit ``commit:N``; with
+    ``sampler="euler"`` the program is ``"chunk[euler]:4x1576+clean394+commit"``.
     """
     labels = _chunk_labels(tokens, denoise_steps=denoise_steps, denoise_block=denoise_block,
                            clean_block=clean_block, commit=commit)
     blocks = (denoise_block or tokens,) * denoise_steps
     blocks += (clean_block,) if clean_block is not None else ()
+    if sampler is not None and (not isinstance(sampler, str) or not sampler.strip()):
+        raise ValueError(f"sampler must be None or a non-empty string, got {sampler!r}")
+    name = "chunk" if sampler is None else f"chunk[{sampler}]"
     return GraphKey.build(owner=owner, geometry=geometry, tokens=tokens, block_sizes=blocks,
-                          program=_program_string("chunk", labels), inputs=inputs,
+                          program=_program_string(name, labels), inputs=inputs,
                           splits=splits, batch=batch, packed=packed)

@@ -56,7 +56,7 @@ def test_graphs_and_eager_agree_and_capture_does_not_corrupt():
     assert _max_err(out_a, out_b) == 0.0
     stats = a.graphs.stats()
     assert stats.graphs == 1 and stats.hits == TINY.rollout.chunks and stats.eager
-    assert a.graphs.keys()[0].program == "chunk:2x32+clean16+commit"
+    assert a.graphs.keys()[0].program == "chunk[euler]:2x32+clean16+commit"
     assert len(b.graphs) == 0
 
 
@@ -95,8 +95,8 @@ def test_capture_warms_exactly_what_is_replayed():
     r = Rollout(_specs(chunks=3, last_chunk_frames=1))
     requests = r.capture_requests()
     assert [q.key.tokens for q in requests] == [32, 16]
-    assert [q.key.program for q in requests] == ["chunk:2x32+clean16+commit",
-                                                 "chunk:2x16+clean16+commit"]
+    assert [q.key.program for q in requests] == ["chunk[euler]:2x32+clean16+commit",
+                                                 "chunk[euler]:2x16+clean16+commit"]
     report = r.capture(progress=False)
     assert report.graphs == 2 and report.captured == 2
     assert [rec.program for rec in report.records] == [q.key.program for q in requests]

@@ -183,10 +183,13 @@ def test_shipped_config_matches_every_value():
 
 
 def test_the_parsers_copies_are_the_engines():
-    from framekv.engine.runner import SAMPLERS
+    from framekv.engine.samplers import samplers
     from framekv.tools import generate
+    from framekv.tools.conventions import SAMPLER_NAMES
 
-    assert generate.SAMPLERS == SAMPLERS and generate.SELF_FORCING_SHIFT == pl.SELF_FORCING_SHIFT
+    # --sampler's choices are read from the registry, the shift is a copy
+    assert tuple(SAMPLER_NAMES) == samplers()
+    assert generate.SELF_FORCING_SHIFT == pl.SELF_FORCING_SHIFT
 
 
 # ----------------------------------------------------------------------------- errors
@@ -302,6 +305,25 @@ def test_serve_refuses_a_bad_checkpoint_in_one_line(tmp_path, capsys, no_server,
     err = capsys.readouterr().err
     assert err.startswith("framekv serve: error: ") and err.count("\n") == 1, err
     assert re.search(match, err), err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "--steps", "3"], "framekv serve: error: --steps must be an integer in [1, 2] "
+                                "(how many of the preset's 2 denoising steps run), got 3"),
+    (["serve", "--model", "wan-diffusers", "--steps", "5"],
+     "framekv serve: error: steps must be an integer in [1, 2] (how many of the preset's 2 "
+     "denoising steps run), got 5"),
+    (["generate", "--prompt", "a cat", "--chunks", "1", "--out", "{tmp}/v.mp4", "--steps", "5"],
+     "framekv generate: error: steps must be an integer in [1, 2]"),
+])
+def test_steps_beyond_the_preset_is_one_line_and_exit_2(argv, words, tmp_path, capsys,
+                                                         no_server):
+    from framekv.tools.cli import main
+
+    assert main([*[a.format(tmp=tmp_path) for a in argv], "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(words) and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -39,11 +39,11 @@ def test_tiny_prints_the_table_and_writes_json(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert tool.CPU_NOTE in out and "1 chunk graph(s)" in out and "backend reference" in out
     assert "program" in out and "reserved MiB" in out and "1 graphs on cpu" in out
-    assert "chunk:2x32+clean16+commit" in out
+    assert "chunk[euler]:2x32+clean16+commit" in out
     assert err == ""  # --no-progress
     report = decode_report(out_json.read_bytes())
     assert [(r.tokens, r.program, r.status) for r in report.records] == [
-        (32, "chunk:2x32+clean16+commit", "captured")]
+        (32, "chunk[euler]:2x32+clean16+commit", "captured")]
     assert report.records[0].block_sizes == (32, 32, 16)
     assert report.graphs == report.captured == 1 and report.device == "cpu"
     assert decode_report(json.dumps(msgspec.to_builtins(report))) == report
@@ -129,7 +129,8 @@ def test_failed_capture_names_the_graph(capsys, monkeypatch):
     monkeypatch.setattr(CachedAttention, "forward", broken)
     assert cli(["tiny", "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "kernel exploded" in err and "warm-up request 0: chunk:2x32+clean16+commit T=32" in err
+    assert "kernel exploded" in err
+    assert "warm-up request 0: chunk[euler]:2x32+clean16+commit T=32" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")

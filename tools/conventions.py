@@ -8,9 +8,11 @@ Giving both is allowed only when they name the same preset.
 Help names what a registry holds, read from the registry, so that a new preset, backend
 or bench section shows up in every help without an edit here: the shipped presets
 (`framekv.specs.list_presets`), the attention backends
-(`framekv.engine.attention.BACKENDS`, read only when a help is printed or a
-``--backend`` value checked: importing the engine imports torch) and the bench sections
-(`framekv.tools.bench.SECTIONS`).
+(`framekv.engine.attention.BACKENDS`) and the samplers
+(`framekv.engine.samplers.samplers`, a sampler registered at run time included), both
+read only when a help is printed or a value checked (importing the engine imports
+torch), and the bench sections (`framekv.tools.bench.SECTIONS`). ``--steps N`` means
+the same to every command that takes it (`STEPS_HELP`).
 
 A command whose options are all checked before it builds anything (serve, generate)
 reports a bad one in one line, ``framekv COMMAND: error: ...``, with exit status 2
@@ -19,7 +21,6 @@ reports a bad one in one line, ``framekv COMMAND: error: ...``, with exit status
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 from collections.abc import Callable, Sequence
 
@@ -93,13 +94,14 @@ def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 class RegistryNames(Sequence):
-    """A registry's names, read on first use (a membership test, iteration), so that a
-    parser can offer them as ``choices`` without importing the registry when built."""
+    """A registry's names, read at each use (a membership test, iteration), so that a
+    parser can offer them as ``choices`` without importing the registry when built,
+    and a name registered after it was built is among them."""
 
     def __init__(self, load: Callable[[], Sequence[str]]):
         self._load = load
 
-    @functools.cached_property
+    @property
     def _names(self) -> tuple[str, ...]:
         return tuple(self._load())
 
@@ -118,6 +120,21 @@ def _backend_registry() -> Sequence[str]:
 
 #: The attention backends `framekv.engine.attention.get_backend` takes.
 BACKEND_NAMES = RegistryNames(_backend_registry)
+
+
+def _sampler_registry() -> Sequence[str]:
+    from framekv.engine.samplers import samplers
+
+    return samplers()
+
+
+#: The samplers `framekv.engine.samplers.get_sampler` takes (``--sampler``).
+SAMPLER_NAMES = RegistryNames(_sampler_registry)
+#: ``--steps N``: which N of a preset's S denoising steps run
+#: (`framekv.engine.samplers.pick_steps`).
+STEPS_HELP = ("run N of the preset's S denoising steps, N in 1..S: those at indices "
+              "floor(i*S/N) for i = 0..N-1, evenly spaced and always the first (default: "
+              "all S)")
 
 
 def add_backend_argument(p: argparse.ArgumentParser, default: str) -> None:

@@ -23,16 +23,19 @@ all three from a local diffusers folder; ``--checkpoint FILE`` replaces the
 transformer's weights with a Self-Forcing generator checkpoint (VAE and text encoder
 from ``--weights``, or random from ``--config``), sampled as Self-Forcing samples: the
 ``self_forcing`` sampler over the preset's steps warped by shift 5 (1000, 937.5, 833.3,
-625 for four steps); ``--sampler`` and ``--shift`` override. Nothing is downloaded. The
-parts load as the server's do (`framekv.engine.wan.pipeline.WanPipeline`).
+625 for four steps); ``--sampler`` (a registered sampler,
+`framekv.engine.samplers`) and ``--shift`` override. ``--steps N`` runs N of the
+preset's S steps: those at indices floor(i S / N), i = 0 .. N - 1 (evenly spaced, the
+first always; `framekv.engine.samplers.pick_steps`), N in [1, S]. Nothing is
+downloaded. The parts load as the server's do (`framekv.engine.wan.pipeline.WanPipeline`).
 
 The sizes are those of PRESET (or ``--preset``; default: the config's,
 `framekv.engine.wan.PRESETS`; with ``--weights``, the shipped config the transformer
 matches). ``--seed`` seeds the chunks' noise as a server session of that seed draws it
-(`framekv.engine.step.chunk_noise`, and `chunk_renoise` for the ``self_forcing``
-sampler's fresh noise): the same seed gives the same video, as a server session of it
-would; random weights are always those of seed 0, so that the same config is the same
-model.
+(`framekv.engine.step.chunk_noise`, and the sampler's own static inputs, such as the
+``self_forcing`` sampler's fresh noise, `framekv.engine.step.sampler_inputs`): the same
+seed gives the same video, as a server session of it would; random weights are always
+those of seed 0, so that the same config is the same model.
 
 Progress goes to stderr, the summary line to stdout. A bad argument, missing weights
 or an ``--out`` whose folder takes no new file exit 2 before any work, with one line
@@ -50,13 +53,12 @@ import sys
 import time
 
 from .args import nonnegative_int, positive_int, writable_file
-from .conventions import add_preset_arguments, one_line_errors
+from .conventions import SAMPLER_NAMES, STEPS_HELP, add_preset_arguments, one_line_errors
 from .video import DEFAULT_CRF, check_mp4_path
 
 CONFIGS = ("tiny", "1.3b")
-# The parser's copies of `framekv.engine.runner.SAMPLERS` and
-# `framekv.engine.wan.pipeline.SELF_FORCING_SHIFT`: building it imports no engine.
-SAMPLERS = ("euler", "self_forcing")
+# The parser's copy of `framekv.engine.wan.pipeline.SELF_FORCING_SHIFT`: building it
+# imports no engine.
 #: Self-Forcing's schedule: its denoising steps warped by the flow-matching shift.
 SELF_FORCING_SHIFT = 5.0
 
@@ -87,13 +89,16 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
              shift: float | None = None, fps: int = 16, seed: int = 0, device=None,
              use_graphs: bool | None = None, crf: int = DEFAULT_CRF, stream=None,
              progress: bool = True, on_frames=None, decoder: str = "wan",
-             overlap: bool | None = None) -> GenerateResult:
+             overlap: bool | None = None, steps: int | None = None,
+             sampler_options=None) -> GenerateResult:
     """Generate ``chunks`` chunks for ``prompt`` and write them to the MP4 ``out``.
 
     Args as for the command (module doc); ``use_graphs`` None: graphs on CUDA;
     ``negative_prompt`` (default "") is the unconditional branch's prompt and needs
     ``guidance_scale``; ``sampler`` and ``shift`` default to Self-Forcing's with a
-    checkpoint, else Euler at the preset's timesteps (shift 1); ``decoder``: "wan",
+    checkpoint, else Euler at the preset's timesteps (shift 1); ``sampler_options``:
+    the sampler's options; ``steps``: N of the preset's steps (module doc; None: all);
+    ``decoder``: "wan",
     "tiny" or "tiny:PATH" (module doc); ``overlap``: each chunk decoded on a stream of
     its own beside the next chunk's transformer (`DecodeLane`; None: on CUDA, False:
     one after the other); ``stream``: where the header and progress go (default
@@ -114,7 +119,8 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
     # The pipeline checks the weights, the checkpoint and the sampling before it loads.
     pipe = WanPipeline.load(None if weights is not None else config, weights=weights,
                             checkpoint=checkpoint, preset=preset, sampler=sampler, shift=shift,
-                            device=dev, decoder=decoder)
+                            device=dev, decoder=decoder, steps=steps,
+                            sampler_options=sampler_options)
     with contextlib.ExitStack() as stack:
         r, decoder = _start(stack, pipe, prompt, negative_prompt, guidance_scale, dev,
                             use_graphs)
@@ -166,7 +172,7 @@ def _roll(stack, r, decoder, chunks, seed, path, fps, crf, stream, on_frames, ov
     one's transformer on CUDA (`DecodeLane`); (frames, width, height). The writer
     joins ``stack``: the video is finished (or discarded) when the stack closes."""
     from framekv.engine.decode_lane import DecodeLane
-    from framekv.engine.step import chunk_noise, chunk_renoise
+    from framekv.engine.step import chunk_noise, sampler_inputs
 
     from .demo import Progress
 
@@ -176,9 +182,8 @@ def _roll(stack, r, decoder, chunks, seed, path, fps, crf, stream, on_frames, ov
     for i in range(chunks):
         # A server session's noise for the same seed (`framekv.engine.step`).
         noise = chunk_noise(seed, i, r.chunk_shape)[None]               # [1, C, F, H, W]
-        renoise = None if r.sampler == "euler" else chunk_renoise(
-            seed, i, len(r.sigmas) - 1, r.chunk_shape)[None]             # [1, n-1, C, F, H, W]
-        lane.submit(r.step(noise, renoise))                              # [1, C, F, H, W]
+        inputs = sampler_inputs(r.sampling, [(seed, i)], r.chunk_shape)  # each [1, ...]
+        lane.submit(r.step(noise, inputs))                               # [1, C, F, H, W]
         # overlapped, chunk i - 1 is written once chunk i's transformer is queued
         while len(lane) > lane.overlap:
             out.write(lane.take()[0])                                    # [F', 8H, 8W, 3]
@@ -222,7 +227,7 @@ def _header(pipe, weights, checkpoint, r, chunks) -> str:
     return (f"framekv generate: Wan {name} ({source}), device {r.device}, "
             f"{str(r.dtype).removeprefix('torch.')}; latent {s.latent_size[0]}x"
             f"{s.latent_size[1]}, {s.frames_per_chunk}-frame chunks, {chunks} chunk(s); "
-            f"{pipe.sampler} at t = {', '.join(f'{t:.1f}' for t in pipe.timesteps)}; "
+            f"{r.sampler} at t = {', '.join(f'{t:.1f}' for t in r.sampling.timesteps)}; "
             f"{_decoder_name(pipe)}")
 
 
@@ -279,11 +284,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the unconditional branch's prompt (needs --guidance-scale)")
     p.add_argument("--guidance-scale", type=positive_number, default=None,
                    help="classifier-free guidance scale (default: none, as Self-Forcing runs)")
-    p.add_argument("--sampler", choices=SAMPLERS, default=None,
-                   help="euler, or self_forcing (x0, then fresh noise; default with --checkpoint)")
+    p.add_argument("--sampler", choices=SAMPLER_NAMES, metavar="NAME", default=None,
+                   help="the sampler, one of %(choices)s (euler: Euler steps, the default; "
+                        "self_forcing: x0, then fresh noise, the default with --checkpoint)")
     p.add_argument("--shift", type=positive_number, default=None,
                    help=f"timestep shift of the preset's steps (default {SELF_FORCING_SHIFT} "
                         "with --checkpoint, as Self-Forcing samples; else 1)")
+    p.add_argument("--steps", type=positive_int, default=None, metavar="N", help=STEPS_HELP)
     p.add_argument("--decoder", metavar="wan|tiny[:PATH]", default="wan",
                    help="frames by the Wan VAE (default), or by the tiny TAEHV decoder of "
                         "PATH (taew2_1.pth/.safetensors; default the one in --weights, "
@@ -319,7 +326,7 @@ def run(args) -> int:
                           weights=args.weights, checkpoint=args.checkpoint, preset=args.preset,
                           negative_prompt=args.negative_prompt,
                           guidance_scale=args.guidance_scale, sampler=args.sampler,
-                          shift=args.shift, fps=args.fps, seed=args.seed,
+                          shift=args.shift, steps=args.steps, fps=args.fps, seed=args.seed,
                           device=args.device, use_graphs=False if args.no_graphs else None,
                           progress=not args.no_progress, decoder=args.decoder,
                           overlap=False if args.no_overlap else None)

@@ -22,10 +22,10 @@ under it, so readers (`session_info`, `metrics`) never wait on a step. GPU work 
 the loop's thread (`run`), or in the caller's when no loop runs; requests that need it
 (`export_session`, `save_sessions`) are handed to the loop and run between steps.
 
-A stream's chunk i starts from `chunk_noise(seed, i)` (self_forcing re-noises from
-`chunk_renoise(seed, i)`): a stream is a function of its seed and prompts, alone or
-batched, moved, swapped or restarted. Its chunks stay queued until acknowledged, and it
-leaves and enters as one `StreamState` (`moves`: swaps, restarts, checkpoints, moves).
+A stream's chunk i starts from `chunk_noise(seed, i)`, its sampler's inputs drawn from
+(seed, i) too: a stream is a function of its seed and prompts, alone or batched, moved,
+swapped or restarted. Its chunks stay queued until acknowledged, and it leaves and
+enters as one `StreamState` (`moves`: swaps, restarts, checkpoints, moves).
 
 A step (or its decode) that raises fails the streams in it and the loop goes on; a
 swap that raises fails its stream alone; a prompt change whose re-cache raises leaves
@@ -66,8 +66,7 @@ class StreamScheduler(Steps, Moves):
 
     Args:
         preset: the rollout preset of the reference model (a name, path or `Preset`).
-        max_sessions: streams open at once; beyond them `open_session` raises
-            `SchedulerFull`.
+        max_sessions: streams open at once (beyond: `open_session` raises `SchedulerFull`).
         slots: streams on the pool at once (the runner's sequences, besides scratch
             rows), in [1, max_sessions]; None: max_sessions (no stream swaps).
         swap_quantum: steps a ready stream keeps a slot it took before a waiting one
@@ -77,7 +76,8 @@ class StreamScheduler(Steps, Moves):
         batch_sizes: the batch sizes captured (default `default_batch_sizes`).
         runner_factory: instead of the preset's `Rollout`, a callable
             ``(sequences=N, batch_sizes=sizes) -> ChunkRunner`` (a `WanRollout` partial).
-        kv_dtype: the preset `Rollout`'s K/V pool (None, "bf16", "fp8"); None: a factory's.
+        kv_dtype, steps: the preset `Rollout`'s K/V pool (None, "bf16", "fp8") and N of
+            its denoising steps (None: all); None for both with a ``runner_factory``.
         decoder_factory: None (latents only), or ``(slots) ->`` a streaming video
             decoder (``decode(latents, rows=)``, ``reset(rows=)``, ``snapshot(row)``,
             ``restore(row, state)``, ``close()``: `framekv.engine.wan.StreamingVAEDecoder`).
@@ -93,9 +93,9 @@ class StreamScheduler(Steps, Moves):
                  queue_chunks: int = 4, batch_sizes=None, progress: bool = False,
                  runner_factory=None, decoder_factory=None, ended_records: int = 1024,
                  swap_quantum: int = 16, kv_dtype=None, checkpoints=None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, steps: int | None = None):
         S = check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum,
-                        kv_dtype, runner_factory, decoder_factory)
+                       {"kv_dtype": kv_dtype, "steps": steps}, runner_factory, decoder_factory)
         sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(S))))
         if sizes[-1] < S or sizes[0] < 1:
             raise ValueError(f"batch_sizes must reach slots={S}, got {sizes}")
@@ -104,7 +104,7 @@ class StreamScheduler(Steps, Moves):
         self.swap_quantum, self.batch_sizes, self.checkpoints = swap_quantum, sizes, checkpoints
         make = runner_factory or functools.partial(
             Rollout, preset, device, backend=backend, cache_dir=cache_dir, use_graphs=use_graphs,
-            kv_dtype=kv_dtype)
+            kv_dtype=kv_dtype, steps=steps)
         self.runner: ChunkRunner = make(sequences=S + scratch, batch_sizes=sizes)
         if not isinstance(self.runner, ChunkRunner):
             raise ValueError(f"runner_factory must build a ChunkRunner, got "

@@ -6,9 +6,10 @@ under it again.
              swap out then a swap in; prompt changes of resident streams; rows padded
              with scratch rows to a captured batch size. Records move at once (the
              victim leaves its slot, the newcomer takes it).
-    run      (GPU thread, no lock) noise drawn, `ChunkRunner.execute`, then the result
-             stage: the decoder rows of the swaps, the decode (first chunks and later
-             ones apart), the uint8 frames, the latents to the host.
+    run      (GPU thread, no lock) noise and the sampler's inputs drawn,
+             `ChunkRunner.execute`, then the result stage: the decoder rows of the
+             swaps, the decode (first chunks and later ones apart), the uint8 frames,
+             the latents to the host.
     commit   (lock) parked states stored, failed swaps and rewrites settled, prompt
              changes settled, each stream's chunk queued (a chunk made again at or
              below its acknowledged index is dropped), counters, checkpoints due.
@@ -186,10 +187,10 @@ class Steps(Overlap):
         return res, rows_out, video, latents
 
     def _execute(self, plan: StepPlan):
-        """The plan's noise drawn, then `ChunkRunner.execute` (no lock)."""
+        """The plan's noise and sampler inputs drawn, then `ChunkRunner.execute` (no
+        lock)."""
         if plan.rows:
-            steps = len(self.runner.sigmas) - 1 if self.runner.sampler == "self_forcing" else None
-            plan.draw_noise(self.chunk_shape, steps)
+            plan.draw_noise(self.chunk_shape, self.runner.sampling)
         return self.runner.execute(plan)
 
     def _decoder_swaps(self, plan: StepPlan, res) -> dict:

@@ -8,8 +8,9 @@ decoder row's snapshot), or not started (neither: it starts at position 0 under
 
     chunks, frames     the next chunk's index and first rope frame (the runner keeps no
                        position for a scheduler's rows)
-    seed               its noise: chunk i starts from chunk_noise(seed, i) and re-noises
-                       (self_forcing) from chunk_renoise(seed, i): no generator state
+    seed               its noise: chunk i starts from chunk_noise(seed, i), and the
+                       sampler's inputs are drawn from (seed, i) too (self_forcing
+                       re-noises from chunk_renoise(seed, i)): no generator state
     prompt             the prompt in force (host; None: the runner's default) and its
                        ``prompt_version``; ``pending``: changes not yet taken, the last
                        one's prompt in ``pending_prompt``

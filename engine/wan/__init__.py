@@ -29,7 +29,7 @@ diffusers and transformers are imported on first use (``pip install 'framekv[wan
 """
 from .model import WanChunks
 from .pipeline import WanPipeline
-from .rollout import CLEAN_BLOCKS, SAMPLERS, WanRollout
+from .rollout import CLEAN_BLOCKS, WanRollout
 from .setup import CONFIGS, PRESETS, WanShape, build_model, preset_sizes
 from .text import TEXT_CONFIGS, TextEncoder
 from .tiny_decoder import TinyStreamingDecoder
@@ -38,7 +38,7 @@ from .vae import VAE_CONFIGS, StreamingVAEDecoder, build_vae, load_vae
 from .vae_encoder import StreamingVAEEncoder
 from .weights import WanWeights, load_folder, load_model, save_original_checkpoint
 
-__all__ = ["CLEAN_BLOCKS", "CONFIGS", "PRESETS", "SAMPLERS", "TEXT_CONFIGS", "VAE_CONFIGS",
+__all__ = ["CLEAN_BLOCKS", "CONFIGS", "PRESETS", "TEXT_CONFIGS", "VAE_CONFIGS",
            "StreamingVAEDecoder", "StreamingVAEEncoder", "TextEncoder", "TinyStreamingDecoder",
            "TinyStreamingEncoder", "WanChunks", "WanPipeline", "WanRollout", "WanShape",
            "WanWeights", "build_model", "build_vae", "load_folder", "load_model", "load_vae",

@@ -20,7 +20,9 @@ Sizes are ``preset``'s (`preset_sizes`), else those of the preset of the shipped
 the transformer's config matches (`PRESETS`); a transformer of no shipped config needs
 ``preset``. Sampling is Euler at the preset's timesteps; with a checkpoint it is
 Self-Forcing's: the ``self_forcing`` sampler over the steps warped by shift
-`SELF_FORCING_SHIFT` (`sampling`); ``sampler`` and ``shift`` override either.
+`SELF_FORCING_SHIFT` (`sampling`); ``sampler`` (any registered one,
+`framekv.engine.samplers`, with its ``sampler_options``) and ``shift`` override
+either, and ``steps`` runs N of the preset's steps (`pick_steps`).
 
 ``text_encoder`` and ``vae`` say which parts load: True (a source without one is an
 error), None (where the source has one) or False (never). ``decoder`` picks the
@@ -38,8 +40,11 @@ import os
 
 import torch
 
+from ..samplers import (DEFAULT_SAMPLER, GENERATOR_SAMPLER, build_sampler, pick_steps,
+                        samplers)
 from .decoders import build_decoder, check_decoder, read_tiny
-from .rollout import SAMPLERS, WanRollout
+from .model import WanChunks
+from .rollout import WanRollout
 from .setup import CONFIGS, PRESETS, build_model, preset_sizes
 from .text import TEXT_CONFIGS, TextEncoder, has_text_encoder
 from .vae import VAE_CONFIGS, build_vae, load_vae
@@ -66,7 +71,9 @@ class WanPipeline:
             ``prompt_tokens``, or None.
         vae: the diffusers ``AutoencoderKLWan``, or None.
         sizes: `preset_sizes` of the preset (its ``timesteps`` unshifted).
-        sampler, timesteps: the rollout's sampling (`sampling`).
+        sampler, timesteps: the rollout's sampling (`sampling`): the sampler's name and
+            the model timesteps of its steps.
+        sampler_options: the sampler's options (default none).
         config_name: the shipped config the transformer matches, or None.
         decoder_choice: ``(kind, path)`` of the streaming decoder (module doc; path None:
             the VAE, or random tiny weights).
@@ -79,8 +86,9 @@ class WanPipeline:
     text_encoder: TextEncoder | None
     vae: torch.nn.Module | None
     sizes: dict
-    sampler: str = "euler"
+    sampler: str = DEFAULT_SAMPLER
     timesteps: tuple[float, ...] = ()
+    sampler_options: dict = dataclasses.field(default_factory=dict)
     config_name: str | None = None
     decoder_choice: tuple[str, str | None] = ("wan", None)
     dtype: torch.dtype | None = None
@@ -90,7 +98,8 @@ class WanPipeline:
     def load(cls, config=None, *, weights=None, checkpoint=None, preset=None,
              sampler: str | None = None, shift: float | None = None,
              text_encoder: bool | None = True, vae: bool | None = True, device=None,
-             dtype=None, key: str | None = None, decoder: str = "wan") -> "WanPipeline":
+             dtype=None, key: str | None = None, decoder: str = "wan",
+             steps: int | None = None, sampler_options=None) -> "WanPipeline":
         """The parts of ``config``, ``weights`` and ``checkpoint`` (module doc) at the
         sizes of ``preset`` on ``device``, in ``dtype`` (default bf16 on CUDA, fp32 on
         the CPU; the modules diffusers keeps in fp32 stay fp32). ``key``: the
@@ -109,6 +118,11 @@ class WanPipeline:
         if weights is None:
             _check_random_parts(name, text_encoder=text_encoder, vae=vae)
         sizes = _sizes(preset, name)
+        how = sampling(sizes["timesteps"], checkpoint=checkpoint is not None, sampler=sampler,
+                       shift=shift, steps=steps)
+        # the sampler built once over its schedule: a bad option is named before any part
+        build_sampler(how["sampler"], how["timesteps"], WanChunks.timestep_scale,
+                      sampler_options)
         dev = resolve_device(device)
         if checkpoint is not None:
             model = load_model(checkpoint, config=shape, key=key, dtype=dtype, device=dev)
@@ -120,8 +134,7 @@ class WanPipeline:
         decoder_vae = _vae(vae, weights, name, dev, dtype)
         return cls(model, text, decoder_vae, sizes, config_name=name,
                    decoder_choice=(kind, tiny), dtype=dtype, decoder_net=net,
-                   **sampling(sizes["timesteps"], checkpoint=checkpoint is not None,
-                              sampler=sampler, shift=shift))
+                   sampler_options=dict(sampler_options or {}), **how)
 
     @property
     def device(self) -> torch.device:
@@ -129,8 +142,10 @@ class WanPipeline:
         return next(self.transformer.parameters()).device
 
     def rollout_kwargs(self) -> dict:
-        """`WanRollout` keywords: the sizes, the sampler and its timesteps."""
-        return {**self.sizes, "sampler": self.sampler, "timesteps": self.timesteps}
+        """`WanRollout` keywords: the sizes, the sampler and its timesteps (and its
+        options, where it has any)."""
+        options = {"sampler_options": dict(self.sampler_options)} if self.sampler_options else {}
+        return {**self.sizes, "sampler": self.sampler, "timesteps": self.timesteps, **options}
 
     def rollout(self, **kwargs) -> WanRollout:
         """A `WanRollout` of the transformer with the text encoder at `rollout_kwargs`;
@@ -155,20 +170,20 @@ class WanPipeline:
 
 
 def sampling(timesteps, *, checkpoint: bool = False, sampler: str | None = None,
-             shift: float | None = None) -> dict:
+             shift: float | None = None, steps: int | None = None) -> dict:
     """``{"sampler", "timesteps"}`` of a rollout at the model timesteps ``timesteps``:
     Euler over them as they are, or for a generator ``checkpoint`` as Self-Forcing
     samples (the ``self_forcing`` sampler, shift `SELF_FORCING_SHIFT`); ``sampler`` and
     ``shift`` override. Shift k warps each t = 1000 s to 1000 k s / (1 + (k - 1) s), as
-    Self-Forcing warps its steps; shift 1 keeps them as they are."""
+    Self-Forcing warps its steps; shift 1 keeps them as they are. ``steps``: N of them
+    run (`pick_steps`; None: all)."""
     _check_sampling(sampler, shift)
     k = float(shift if shift is not None else (SELF_FORCING_SHIFT if checkpoint else 1.0))
-    steps = tuple(float(t) for t in timesteps)
+    ts = tuple(float(t) for t in timesteps)
     if k != 1.0:
-        steps = tuple(1000.0 * k * (t / 1000.0) / (1.0 + (k - 1.0) * (t / 1000.0))
-                      for t in steps)
-    return {"sampler": sampler or ("self_forcing" if checkpoint else "euler"),
-            "timesteps": steps}
+        ts = tuple(1000.0 * k * (t / 1000.0) / (1.0 + (k - 1.0) * (t / 1000.0)) for t in ts)
+    return {"sampler": sampler or (GENERATOR_SAMPLER if checkpoint else DEFAULT_SAMPLER),
+            "timesteps": pick_steps(ts, steps)}
 
 
 def shipped_config(values) -> str | None:
@@ -207,8 +222,8 @@ def _check_sources(config, weights, checkpoint):
 
 def _check_sampling(sampler, shift) -> None:
     """ValueError for a sampler or a shift that is not one."""
-    if sampler is not None and sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {list(SAMPLERS)}, got {sampler!r}")
+    if sampler is not None and sampler not in samplers():
+        raise ValueError(f"sampler must be one of {list(samplers())}, got {sampler!r}")
     if shift is not None and (isinstance(shift, bool) or not isinstance(shift, (int, float))
                               or not 0 < shift < math.inf):
         raise ValueError(f"shift must be a number > 0, got {shift!r}")

@@ -33,14 +33,15 @@ from ..cache_dir import use_cache_dir
 from ..kv import KVStore, PagedKV
 from framekv.specs.checks import check_choice, check_count
 from ..rollout import check_store_dtype, resolve_kv_dtype
-from ..runner import CLEAN_BLOCKS, SAMPLERS, ChunkRunner
+from ..runner import CLEAN_BLOCKS, ChunkRunner
+from ..samplers import DEFAULT_SAMPLER
 from .model import WanChunks
 from .setup import (PRESETS, WanShape, build_model, check_model, model_device_dtype,
                     preset_sizes)
 from .text import TEXT_CONFIGS, TextEncoder, has_text_encoder
 from .weights import load_model
 
-__all__ = ["CLEAN_BLOCKS", "SAMPLERS", "WanRollout"]
+__all__ = ["CLEAN_BLOCKS", "WanRollout"]
 
 
 class WanRollout(ChunkRunner):
@@ -53,8 +54,10 @@ class WanRollout(ChunkRunner):
         latent_size: (H, W) of a latent frame.
         frames_per_chunk, sink_frames, window_frames: the geometry (module doc).
         timesteps: the model timesteps of the denoising steps, in (0, 1000], decreasing.
-        sampler: "euler" or "self_forcing"; clean_block: "chunk" (the clean pass is one
-            block, as Self-Forcing trains) or "frame" (one-frame blocks).
+        sampler, sampler_options: a registered sampler's name (default euler) and its
+            options (`framekv.engine.samplers`), over ``timesteps``.
+        clean_block: "chunk" (the clean pass is one block, as Self-Forcing trains) or
+            "frame" (one-frame blocks).
         device: default the model's; backend: attention backend (default cudnn on
             CUDA, reference on CPU); use_graphs: one graph replay per chunk;
         cache_dir: keep and load kernels and cuDNN plans (`framekv.engine.cache_dir`).
@@ -78,12 +81,13 @@ class WanRollout(ChunkRunner):
     """
 
     def __init__(self, model, *, latent_size, frames_per_chunk: int, sink_frames: int = 1,
-                 window_frames: int, timesteps=(1000, 750, 500, 250), sampler: str = "euler",
+                 window_frames: int, timesteps=(1000, 750, 500, 250),
+                 sampler: str = DEFAULT_SAMPLER,
                  clean_block: str = "chunk", device=None, backend=None, use_graphs: bool = True,
                  cache_dir=None, kv: KVStore | None = None, guidance_scale: float | None = None,
                  sequences: int | None = None, batch_sizes=None, prompt_tokens: int | None = None,
                  glue: str = "fused", trim_clean_pass: bool = True, text_encoder=None,
-                 kv_dtype=None):
+                 kv_dtype=None, sampler_options=None):
         check_model(model)
         check_choice("glue", glue, ("fused", "torch"))
         check_count("prompt_tokens", prompt_tokens)
@@ -109,7 +113,8 @@ class WanRollout(ChunkRunner):
                          frames_per_chunk=frames_per_chunk, timesteps=list(timesteps),
                          sampler=sampler, clean_block=clean_block, sink_frames=sink_frames,
                          use_graphs=use_graphs, sequences=sequences, batch_sizes=batch_sizes,
-                         guidance_scale=guidance_scale, trim_clean_pass=trim_clean_pass)
+                         guidance_scale=guidance_scale, trim_clean_pass=trim_clean_pass,
+                         sampler_options=sampler_options)
         self.model, self.backend, self.glue = model, attention, glue
         self.text_encoder = text_encoder
 

@@ -68,7 +68,8 @@ WebSocket and /docs also ``?token=T``)::
 or ``--weights DIR``, a diffusers folder with its VAE and text encoder; ``--checkpoint
 FILE``, a Self-Forcing / CausVid generator checkpoint in the original Wan layout,
 replaces the transformer's weights and is sampled as Self-Forcing samples unless
-``--sampler`` and ``--shift`` say otherwise, as ``framekv generate --checkpoint`` is;
+``--sampler`` (a registered sampler, `framekv.engine.samplers`) and ``--shift`` say
+otherwise, as ``framekv generate --checkpoint`` is;
 `framekv.engine.wan.pipeline.WanPipeline` loads them) at the sizes of ``--preset``
 (default the config's, `framekv.engine.wan.PRESETS`); a prompt is then
 text (the config's text encoder, random, or the folder's) or [L, text_dim] text
@@ -80,7 +81,9 @@ as a picture of their latents, one image per latent frame at 8 times its size
 (`framekv.engine.serving.LatentPreview`), so the page shows a stream of either.
 ``--output latents`` streams the latents themselves.
 ``--kv-dtype fp8`` keeps either model's K/V pool in float8 e4m3 (half a bf16 pool's
-bytes; `framekv.engine.rollout.resolve_kv_dtype`).
+bytes; `framekv.engine.rollout.resolve_kv_dtype`). ``--steps N`` runs N of the preset's
+S denoising steps for either model: those at indices floor(i S / N), i = 0 .. N - 1
+(evenly spaced, the first always; `framekv.engine.samplers.pick_steps`), N in [1, S].
 
 One thread runs the GPU loop (`StreamScheduler.run`); every graph is captured before
 the socket opens. ``--max-sessions`` sessions may be open, ``--slots`` of them (default
@@ -117,8 +120,8 @@ out of memory) resumes every session from its last checkpoint when started over 
 Every option is checked before anything is built: a bad one (an unknown preset or a
 malformed preset file, a device other than cpu or an available cuda[:N], ``--fps``
 outside 1..240, ``--port`` outside 0..65535, ``--max-sessions`` over 4096,
-``--checkpoint-every`` without ``--state-dir``, ...) is one line on stderr and exit
-status 2.
+``--checkpoint-every`` without ``--state-dir``, ``--steps`` beyond the preset's
+steps, ...) is one line on stderr and exit status 2.
 Python clients: `framekv.client.sessions` (``framekv.client``).
 """
 
@@ -129,8 +132,9 @@ import sys
 
 from ..args import (add_kv_dtype_argument, bearer_token, int_in, kv_dtype_of, origins,
                     positive_int, seconds)
-from ..conventions import add_preset_arguments, load_preset_arg, one_line_errors
-from ..generate import SAMPLERS, SELF_FORCING_SHIFT, positive_number
+from ..conventions import (SAMPLER_NAMES, STEPS_HELP, add_preset_arguments, load_preset_arg,
+                           one_line_errors)
+from ..generate import SELF_FORCING_SHIFT, positive_number
 from .app import FRAME_FORMATS, MAX_FPS, OUTPUTS, build_app, page_html, state_dir_path
 from .wan import WanParts, wan_factory
 from .wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
@@ -175,6 +179,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"the video's frame rate the page plays at, 1 to {MAX_FPS} "
                         "(default 16)")
     add_kv_dtype_argument(p)
+    p.add_argument("--steps", type=positive_int, default=None, metavar="N", help=STEPS_HELP)
     _session_options(p)
     p.add_argument("--cache-dir", default=None, help="kernels and cuDNN plans kept on disk")
     p.add_argument("--device", default=None,
@@ -190,9 +195,10 @@ def _checkpoint_options(p: argparse.ArgumentParser) -> None:
                         "(.pt/.pth/.safetensors, the original Wan layout) replacing the "
                         "transformer's weights; its shape, VAE and text encoder from "
                         "--weights, else random ones of --config")
-    p.add_argument("--sampler", choices=SAMPLERS, default=None,
-                   help="with --model wan-diffusers: euler, or self_forcing (x0, then fresh "
-                        "noise; default with --checkpoint)")
+    p.add_argument("--sampler", choices=SAMPLER_NAMES, metavar="NAME", default=None,
+                   help="with --model wan-diffusers: the sampler, one of %(choices)s (euler: "
+                        "Euler steps, the default; self_forcing: x0, then fresh noise, the "
+                        "default with --checkpoint)")
     p.add_argument("--shift", type=positive_number, default=None,
                    help=f"with --model wan-diffusers: timestep shift of the preset's steps "
                         f"(default {SELF_FORCING_SHIFT} with --checkpoint, as Self-Forcing "
@@ -339,8 +345,13 @@ def checked_options(args) -> dict:
     check_wan_options(args)
     device = resolve_device(args.device, name="--device")
     # the reference model's preset, loaded once here: a bad one is refused before
-    # the model is built (Wan's sizes are `WanPipeline.load`'s to check)
+    # the model is built (Wan's sizes and --steps are `WanPipeline.load`'s to check)
     preset = None if args.model == "wan-diffusers" else load_preset_arg(args.preset or "tiny")
+    if preset is not None:
+        from framekv.engine.samplers import check_steps
+
+        check_steps(getattr(args, "steps", None), preset.rollout.denoising_steps,
+                    name="--steps")
     if args.slots is not None and args.slots > args.max_sessions:
         raise ValueError(f"--slots must be at most --max-sessions ({args.max_sessions}), "
                          f"got {args.slots}")
@@ -367,6 +378,7 @@ def build_scheduler(args, options: dict):
                            cache_dir=args.cache_dir, progress=True,
                            queue_chunks=args.queue_chunks, runner_factory=parts,
                            kv_dtype=kv_dtype_of(args) if parts is None else None,
+                           steps=getattr(args, "steps", None) if parts is None else None,
                            decoder_factory=decoder,
                            overlap=False if getattr(args, "no_overlap", False) else None)
 

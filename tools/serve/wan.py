@@ -53,10 +53,10 @@ def wan_factory(args, *, use_graphs: bool = True, decode: bool = True) -> WanPar
     transformer, text encoder (its built-in tokenizer) and, with ``decode``, VAE, all
     random; or those of the diffusers folder ``--weights`` (its text encoder where it
     has one); the transformer's weights those of ``--checkpoint`` if given, sampled by
-    ``--sampler`` at ``--shift`` (default Self-Forcing's with a checkpoint); at the
-    sizes of ``--preset`` (default: the preset of the shipped config the transformer
-    matches), prompts of the preset's ``prompt_tokens``, the pool of ``--kv-dtype``,
-    frames by ``--decoder``.
+    ``--sampler`` at ``--shift`` (default Self-Forcing's with a checkpoint), ``--steps``
+    of the preset's steps; at the sizes of ``--preset`` (default: the preset of the
+    shipped config the transformer matches), prompts of the preset's ``prompt_tokens``,
+    the pool of ``--kv-dtype``, frames by ``--decoder``.
     ValueError for a bad option, before anything is built."""
     from framekv.engine.wan.pipeline import WanPipeline
 
@@ -66,6 +66,7 @@ def wan_factory(args, *, use_graphs: bool = True, decode: bool = True) -> WanPar
                             preset=getattr(args, "preset", None),
                             sampler=getattr(args, "sampler", None),
                             shift=getattr(args, "shift", None), device=args.device,
+                            steps=getattr(args, "steps", None),
                             text_encoder=None, vae=decode,
                             decoder=getattr(args, "decoder", None) or "wan")
     return WanParts(pipe, args.cache_dir, use_graphs, kv_dtype=kv_dtype_of(args))
