@@ -79,6 +79,8 @@ class StreamScheduler(Steps, Moves):
             ``(sequences=N, batch_sizes=sizes) -> ChunkRunner`` (a `WanRollout` partial).
         kv_dtype: the preset `Rollout`'s K/V pool (None or "bf16": the model's dtype,
             "fp8"); a ``runner_factory`` sets its runner's, so it takes None here.
+        gemm_dtype: the preset `Rollout`'s block GEMMs (None or "bf16": the model's
+            dtype, "fp8"); None with a ``runner_factory``, as ``kv_dtype``.
         decoder_factory: None (latents only), or ``(slots) ->`` a streaming video
             decoder (``decode(latents, rows=)``, ``reset(rows=)``, ``snapshot(row)``,
             ``restore(row, state)``, ``close()``: `framekv.engine.wan.StreamingVAEDecoder`).
@@ -95,9 +97,10 @@ class StreamScheduler(Steps, Moves):
                  queue_chunks: int = 4, batch_sizes=None, progress: bool = False,
                  runner_factory=None, decoder_factory=None, ended_records: int = 1024,
                  swap_quantum: int = 16, kv_dtype=None, checkpoints=None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, gemm_dtype=None):
         S = check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum,
-                        kv_dtype, runner_factory, decoder_factory)
+                       {"kv_dtype": kv_dtype, "gemm_dtype": gemm_dtype}, runner_factory,
+                       decoder_factory)
         sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(S))))
         if sizes[-1] < S or sizes[0] < 1:
             raise ValueError(f"batch_sizes must reach slots={S}, got {sizes}")
@@ -106,7 +109,7 @@ class StreamScheduler(Steps, Moves):
         self.swap_quantum, self.batch_sizes, self.checkpoints = swap_quantum, sizes, checkpoints
         make = runner_factory or functools.partial(
             Rollout, preset, device, backend=backend, cache_dir=cache_dir, use_graphs=use_graphs,
-            kv_dtype=kv_dtype)
+            kv_dtype=kv_dtype, gemm_dtype=gemm_dtype)
         self.runner: ChunkRunner = make(sequences=S + scratch, batch_sizes=sizes)
         if not isinstance(self.runner, ChunkRunner):
             raise ValueError(f"runner_factory must build a ChunkRunner, got "

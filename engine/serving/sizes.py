@@ -24,9 +24,10 @@ def scratch_rows(sizes: tuple[int, ...], slots: int) -> int:
     return scratch
 
 
-def check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum, kv_dtype,
-                runner_factory, decoder_factory) -> int:
-    """The slots S once every argument is valid; else a ValueError naming it."""
+def check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum, dtypes: dict,
+               runner_factory, decoder_factory) -> int:
+    """The slots S once every argument is valid; else a ValueError naming it.
+    ``dtypes``: the preset Rollout's ``kv_dtype`` and ``gemm_dtype`` by name."""
     for name, v in (("max_sessions", max_sessions), ("queue_chunks", queue_chunks),
                     ("ended_records", ended_records), ("swap_quantum", swap_quantum)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -34,9 +35,10 @@ def check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum, k
     if max_sessions > MAX_SESSIONS:
         raise ValueError(f"max_sessions must be an integer in [1, {MAX_SESSIONS}], got "
                          f"{max_sessions}")
-    if kv_dtype is not None and runner_factory is not None:
-        raise ValueError(f"kv_dtype is the preset's Rollout's: with a runner_factory, "
-                         f"set it in the factory, got kv_dtype={kv_dtype!r}")
+    for name, value in dtypes.items():
+        if value is not None and runner_factory is not None:
+            raise ValueError(f"{name} is the preset's Rollout's: with a runner_factory, "
+                             f"set it in the factory, got {name}={value!r}")
     if decoder_factory is not None and not callable(decoder_factory):
         raise ValueError(f"decoder_factory must be a callable, got {decoder_factory!r}")
     if slots is None:
