@@ -2,7 +2,7 @@
 
     framekv generate --prompt "a cat" --chunks 6 --out cat.mp4 [--config tiny|1.3b]
                      [--weights DIR] [--checkpoint FILE] [--decoder wan|tiny[:PATH]]
-                     [PRESET] [--seed S] ...
+                     [PRESET] [--seed S] [--fp8-gemm] ...
 
 The prompt is encoded once (the text encoder), the transformer rolls out ``--chunks``
 chunks of latents (`WanRollout`, one graph replay per chunk on CUDA), and one
@@ -25,6 +25,10 @@ from ``--weights``, or random from ``--config``), sampled as Self-Forcing sample
 ``self_forcing`` sampler over the preset's steps warped by shift 5 (1000, 937.5, 833.3,
 625 for four steps); ``--sampler`` and ``--shift`` override. Nothing is downloaded. The
 parts load as the server's do (`framekv.engine.wan.pipeline.WanPipeline`).
+
+``--fp8-gemm`` runs the transformer blocks' linear layers as fp8 GEMMs
+(`framekv.engine.fp8_linear`; the config's in and out features must be multiples of
+16: 1.3b's are, tiny's are not).
 
 The sizes are those of PRESET (or ``--preset``; default: the config's,
 `framekv.engine.wan.PRESETS`; with ``--weights``, the shipped config the transformer
@@ -49,7 +53,7 @@ import os
 import sys
 import time
 
-from .args import nonnegative_int, positive_int, writable_file
+from .args import add_fp8_gemm_argument, gemm_dtype_of, nonnegative_int, positive_int, writable_file
 from .conventions import add_preset_arguments, one_line_errors
 from .video import DEFAULT_CRF, check_mp4_path
 
@@ -87,7 +91,7 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
              shift: float | None = None, fps: int = 16, seed: int = 0, device=None,
              use_graphs: bool | None = None, crf: int = DEFAULT_CRF, stream=None,
              progress: bool = True, on_frames=None, decoder: str = "wan",
-             overlap: bool | None = None) -> GenerateResult:
+             overlap: bool | None = None, gemm_dtype=None) -> GenerateResult:
     """Generate ``chunks`` chunks for ``prompt`` and write them to the MP4 ``out``.
 
     Args as for the command (module doc); ``use_graphs`` None: graphs on CUDA;
@@ -96,8 +100,8 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
     checkpoint, else Euler at the preset's timesteps (shift 1); ``decoder``: "wan",
     "tiny" or "tiny:PATH" (module doc); ``overlap``: each chunk decoded on a stream of
     its own beside the next chunk's transformer (`DecodeLane`; None: on CUDA, False:
-    one after the other); ``stream``: where the header and progress go (default
-    stderr);
+    one after the other); ``gemm_dtype``: the blocks' GEMMs (`WanRollout`'s: None, or
+    "fp8"); ``stream``: where the header and progress go (default stderr);
     ``on_frames(index, frames)``: called with each chunk's uint8 frames [F', H, W, 3]
     as they are written.
 
@@ -117,7 +121,7 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
                             device=dev, decoder=decoder)
     with contextlib.ExitStack() as stack:
         r, decoder = _start(stack, pipe, prompt, negative_prompt, guidance_scale, dev,
-                            use_graphs)
+                            use_graphs, gemm_dtype)
         setup = time.perf_counter() - t0
         print(_header(pipe, weights, checkpoint, r, chunks), file=stream)
         t1 = time.perf_counter()
@@ -149,11 +153,13 @@ def _check_args(prompt, chunks, out, config, weights, negative_prompt, guidance_
     return path
 
 
-def _start(stack, pipe, prompt, negative_prompt, guidance_scale, device, use_graphs):
+def _start(stack, pipe, prompt, negative_prompt, guidance_scale, device, use_graphs,
+           gemm_dtype=None):
     """The rollout under the prompt (encoded by the pipeline's text encoder), and the
     streaming decoder; both closed by ``stack``."""
     graphs = use_graphs if use_graphs is not None else device.type == "cuda"
-    r = pipe.rollout(device=device, use_graphs=graphs, guidance_scale=guidance_scale)
+    r = pipe.rollout(device=device, use_graphs=graphs, guidance_scale=guidance_scale,
+                     gemm_dtype=gemm_dtype)
     stack.callback(r.close)
     r.set_prompt(prompt, negative_prompt)
     decoder = pipe.decoder(use_graphs=use_graphs)
@@ -220,7 +226,8 @@ def _header(pipe, weights, checkpoint, r, chunks) -> str:
     if checkpoint is not None:
         source += f", checkpoint {checkpoint}"
     return (f"framekv generate: Wan {name} ({source}), device {r.device}, "
-            f"{str(r.dtype).removeprefix('torch.')}; latent {s.latent_size[0]}x"
+            f"{str(r.dtype).removeprefix('torch.')}"
+            f"{'' if r.gemm_dtype == r.dtype else ', fp8 GEMMs'}; latent {s.latent_size[0]}x"
             f"{s.latent_size[1]}, {s.frames_per_chunk}-frame chunks, {chunks} chunk(s); "
             f"{pipe.sampler} at t = {', '.join(f'{t:.1f}' for t in pipe.timesteps)}; "
             f"{_decoder_name(pipe)}")
@@ -298,6 +305,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true",
                    help="decode each chunk after its transformer, not beside the next one's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_fp8_gemm_argument(p)
     p.set_defaults(func=run)
     return p
 
@@ -322,7 +330,8 @@ def run(args) -> int:
                           shift=args.shift, fps=args.fps, seed=args.seed,
                           device=args.device, use_graphs=False if args.no_graphs else None,
                           progress=not args.no_progress, decoder=args.decoder,
-                          overlap=False if args.no_overlap else None)
+                          overlap=False if args.no_overlap else None,
+                          gemm_dtype=gemm_dtype_of(args))
     except (ValueError, FileNotFoundError, ImportError) as exc:
         return _fail(exc, 2)
     except (OSError, RuntimeError) as exc:

@@ -78,7 +78,8 @@ as a picture of their latents, one image per latent frame at 8 times its size
 (`framekv.engine.serving.LatentPreview`), so the page shows a stream of either.
 ``--output latents`` streams the latents themselves.
 ``--kv-dtype fp8`` keeps either model's K/V pool in float8 e4m3 (half a bf16 pool's
-bytes; `framekv.engine.rollout.resolve_kv_dtype`).
+bytes; `framekv.engine.rollout.resolve_kv_dtype`); ``--fp8-gemm`` runs either model's
+block GEMMs in fp8 (`framekv.engine.fp8_linear`).
 
 One thread runs the GPU loop (`StreamScheduler.run`); every graph is captured before
 the socket opens. ``--max-sessions`` sessions may be open, ``--slots`` of them (default
@@ -123,7 +124,8 @@ import os
 import signal
 import sys
 
-from ..args import (add_kv_dtype_argument, bearer_token, int_in, kv_dtype_of, origins,
+from ..args import (add_fp8_gemm_argument, add_kv_dtype_argument, bearer_token, gemm_dtype_of,
+                    int_in, kv_dtype_of, origins,
                     positive_int, seconds)
 from ..conventions import add_preset_arguments, load_preset_arg, one_line_errors
 from ..generate import SAMPLERS, SELF_FORCING_SHIFT, positive_number
@@ -171,6 +173,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"the video's frame rate the page plays at, 1 to {MAX_FPS} "
                         "(default 16)")
     add_kv_dtype_argument(p)
+    add_fp8_gemm_argument(p)
     _session_options(p)
     p.add_argument("--cache-dir", default=None, help="kernels and cuDNN plans kept on disk")
     p.add_argument("--device", default=None,
@@ -344,6 +347,7 @@ def build_scheduler(args, options: dict):
                            cache_dir=args.cache_dir, progress=True,
                            queue_chunks=args.queue_chunks, runner_factory=parts,
                            kv_dtype=kv_dtype_of(args) if parts is None else None,
+                           gemm_dtype=gemm_dtype_of(args) if parts is None else None,
                            decoder_factory=decoder,
                            overlap=False if getattr(args, "no_overlap", False) else None)
 
