@@ -77,10 +77,8 @@ class StreamScheduler(Steps, Moves):
         batch_sizes: the batch sizes captured (default `default_batch_sizes`).
         runner_factory: instead of the preset's `Rollout`, a callable
             ``(sequences=N, batch_sizes=sizes) -> ChunkRunner`` (a `WanRollout` partial).
-        kv_dtype: the preset `Rollout`'s K/V pool (None or "bf16": the model's dtype,
-            "fp8"); a ``runner_factory`` sets its runner's, so it takes None here.
-        gemm_dtype: the preset `Rollout`'s block GEMMs (None or "bf16": the model's
-            dtype, "fp8"); None with a ``runner_factory``, as ``kv_dtype``.
+        kv_dtype, gemm_dtype: the preset `Rollout`'s K/V pool and block GEMMs (None or
+            "bf16": the model's dtype, "fp8"); a ``runner_factory`` sets its runner's.
         decoder_factory: None (latents only), or ``(slots) ->`` a streaming video
             decoder (``decode(latents, rows=)``, ``reset(rows=)``, ``snapshot(row)``,
             ``restore(row, state)``, ``close()``: `framekv.engine.wan.StreamingVAEDecoder`).
@@ -98,9 +96,8 @@ class StreamScheduler(Steps, Moves):
                  runner_factory=None, decoder_factory=None, ended_records: int = 1024,
                  swap_quantum: int = 16, kv_dtype=None, checkpoints=None,
                  overlap: bool | None = None, gemm_dtype=None):
-        S = check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum,
-                       {"kv_dtype": kv_dtype, "gemm_dtype": gemm_dtype}, runner_factory,
-                       decoder_factory)
+        S = check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum, {
+            "kv_dtype": kv_dtype, "gemm_dtype": gemm_dtype}, runner_factory, decoder_factory)
         sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(S))))
         if sizes[-1] < S or sizes[0] < 1:
             raise ValueError(f"batch_sizes must reach slots={S}, got {sizes}")
