@@ -24,9 +24,11 @@ from test_wan_gpu import CONFIG, KW, noise, prompt
 pytestmark = pytest.mark.gpu
 
 #: Per chunk, relative L2 of WanRollout 1.3B's latents with fp8 GEMMs (bf16 pool) from
-#: the bf16 rollout's, random weights, 60x104 latents, a 6-frame window, 4 chunks: the
-#: test's safety bound (the section's targets are the fp8 bench's to report).
-WAN_13B_REL_L2 = 2.5e-2
+#: the bf16 rollout's, random weights, 60x104 latents, a 6-frame window, 4 chunks. The
+#: same 1.3B weights in fp32 on a CPU (4x4 latents) gave 4.1e-3 to 4.6e-3 against
+#: fp32; the bound leaves a factor of 4 for bf16's own rounding beside it (the
+#: section's targets are the fp8 bench's to report).
+WAN_13B_REL_L2 = 2e-2
 
 #: (K, N, gelu on the input) of Wan 1.3B's block GEMMs.
 SHAPES = [(1536, 4608, False), (1536, 1536, False), (1536, 8960, False), (8960, 1536, True)]
