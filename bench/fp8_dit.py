@@ -98,7 +98,8 @@ def measure_dit(preset="wan-1.3b", *, rounds: int = 20, device="cuda", flush: bo
             "held_out": {"seed": HELD_OUT_SEED, "t": HELD_OUT_TIME, "frame0": HELD_OUT_FRAME},
             "max_abs_want": float(want.abs().max()), "check": check,
             "us": {n: summary(us) for n, us in times.items()},
-            "fp8_gemm_over_bf16": statistics.median(times["fp8-gemm"]) / statistics.median(times["bf16"]),
+            "fp8_gemm_over_bf16": (statistics.median(times["fp8-gemm"])
+                                   / statistics.median(times["bf16"])),
             **speedups(times["bf16"], times["fp8-gemm"], "fp8_gemm")}
 
 

@@ -79,12 +79,12 @@ class Case:
         # bf16's ffn_out reads GELU(x) from the epilogue before it: its input is that
         x16 = F.gelu(self.x.float(), approximate="tanh").bfloat16() if pre else self.x
         lay = self.layer
-        if gelu == "epilogue" and self.x.device.type == "cuda":
-            bf16 = lambda: torch._addmm_activation(self.b, self.x, self.w.t(), use_gelu=True)  # noqa: E731
-        elif gelu == "epilogue":
-            bf16 = lambda: F.gelu(F.linear(self.x, self.w, self.b), approximate="tanh")  # noqa: E731
-        else:
-            bf16 = lambda: F.linear(x16, self.w, self.b)  # noqa: E731
+        def bf16():
+            if gelu != "epilogue":
+                return F.linear(x16, self.w, self.b)
+            if self.x.device.type == "cuda":    # the bias and GELU in cuBLASLt's epilogue
+                return torch._addmm_activation(self.b, self.x, self.w.t(), use_gelu=True)
+            return F.gelu(F.linear(self.x, self.w, self.b), approximate="tanh")
 
         def fast():
             q, s = quantize_rows(self.x, gelu=pre)

@@ -13,8 +13,9 @@ video's first chunk decodes 4F - 3).
                 events, the two in turn, rotated), the first chunk, and the largest
                 |eager - graphed| (graphs replay the same kernels: 0)
     e2e         per decoder, text -> `TextEncoder` -> `WanRollout` (a ``window``-frame
-                window, ``--kv-dtype``, ``--fp8-gemm``) -> decoder -> uint8 frames on the host, graphs
-                captured beforehand (as a server does at start), through `DecodeLane`:
+                window, ``--kv-dtype``, ``--fp8-gemm``) -> decoder -> uint8 frames on the
+                host, graphs captured beforehand (as a server does at start), through
+                `DecodeLane`:
                   sequential   each chunk decoded after its transformer
                   overlapped   each chunk decoded on the lane's stream beside the next
                                chunk's transformer
