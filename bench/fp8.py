@@ -174,9 +174,10 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma-separated: {','.join(PARTS)} (default all)")
     p.add_argument("--forward-preset", default="seed-bench",
                    help="the forward part's geometry (default seed-bench)")
-    p.add_argument("--iters", type=int, default=50, help="forward rounds (default 50)")
-    p.add_argument("--preset", default="wan-1.3b", help="the reference part's model preset "
-                   "(default wan-1.3b)")
+    p.add_argument("--iters", type=int, default=50,
+                   help="forward and dit rounds (default 50)")
+    p.add_argument("--preset", default="wan-1.3b", help="the dit and reference parts' model "
+                   "preset (default wan-1.3b)")
     p.add_argument("--window", type=int, default=21, help="reference window frames (default 21)")
     p.add_argument("--chunks", type=int, default=8,
                    help="reference chunks whose latents are compared (default 8)")
