@@ -12,8 +12,11 @@ are checked):
 
     clean_pass      a clean pass kept for its K/V only against the whole clean pass
     commit          the commit at the seed geometry: kernels, uploads, device and host time
-    fp8             bf16 against fp8 K/V side by side, speed beside accuracy: one paged
-                    attention forward, the reference DiT, diffusers' Wan
+    fp8             bf16 against fp8 K/V, and fp8 K/V with fp8 GEMMs, side by side, speed
+                    beside accuracy: one paged attention forward, the reference DiT's
+                    held-out forward against fp32, the reference DiT, diffusers' Wan
+    fp8_gemm        a block's linear layers, bf16 GEMMs against fp8 GEMMs (the input's
+                    quantization included), Wan 1.3B and 14B shapes at a chunk's tokens
     cluster         a live stream's move between replicas of `framekv serve --replicas`
                     (bytes, export, transfer, import, the client's gap), sessions
                     placed per second (``--device cpu``: runs on a CPU)

@@ -1,8 +1,9 @@
-"""What the parts of the bf16-vs-fp8 section (`framekv.bench.fp8`) share: the two pools,
-rotated timing on a GPU or a CPU, speed-ups, distributions, peak memory and an fp8
-pool's statistics in brief."""
+"""What the parts of the bf16-vs-fp8 section (`framekv.bench.fp8`) share: the runs side
+by side (bf16, fp8 K/V, fp8 K/V and fp8 GEMMs), rotated timing on a GPU or a CPU,
+speed-ups, distributions, peak memory and an fp8 pool's statistics in brief."""
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from typing import Callable
@@ -11,8 +12,22 @@ import torch
 
 from .timing import Flusher, interleaved_device_times, round_order
 
-#: The two pools: each name and the ``kv_dtype`` a rollout takes for it.
-POOLS = {"bf16": None, "fp8": "fp8"}
+#: The runs side by side: each name and the (``kv_dtype``, ``gemm_dtype``) a rollout takes
+#: for it: the model's dtype throughout, an fp8 K/V pool, an fp8 pool and fp8 GEMMs.
+RUNS = {"bf16": (None, None), "fp8": ("fp8", None), "fp8-gemm": ("fp8", "fp8")}
+#: The runs that differ in their pool alone: each name and its ``kv_dtype``.
+POOLS = {name: kv for name, (kv, gemm) in RUNS.items() if gemm is None}
+
+
+def subset_of(choices):
+    """An argument type: a comma-separated, non-empty subset of ``choices`` (a tuple)."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(s for s in text.split(",") if s)
+        if not names or any(n not in choices for n in names):
+            raise argparse.ArgumentTypeError(f"must be a comma-separated subset of "
+                                             f"{list(choices)}, got {text!r}")
+        return names
+    return parse
 
 
 def distribution(values: list[float]) -> dict[str, float]:
@@ -54,12 +69,33 @@ def rotated_times(calls: dict[str, Callable[[], object]], rounds: int, *, cuda: 
     return times
 
 
-def speedups(bf16: list[float], fp8: list[float]) -> dict[str, float]:
+def speedups(bf16: list[float], fp8: list[float], name: str = "fp8") -> dict[str, float]:
     """fp8's speed-up over bf16 from per-round times: ``fp8_speedup`` the ratio of the
     medians (bf16 / fp8: above 1, fp8 is faster) and ``fp8_speedup_paired`` the median
-    of the per-round ratios (rounds taken side by side)."""
-    return {"fp8_speedup": statistics.median(bf16) / statistics.median(fp8),
-            "fp8_speedup_paired": statistics.median(b / f for b, f in zip(bf16, fp8))}
+    of the per-round ratios (rounds taken side by side); ``name`` for "fp8" in the keys."""
+    return {f"{name}_speedup": statistics.median(bf16) / statistics.median(fp8),
+            f"{name}_speedup_paired": statistics.median(b / f for b, f in zip(bf16, fp8))}
+
+
+def run_speedups(times: dict[str, list[float]]) -> dict[str, float]:
+    """`speedups` over "bf16" of every other run in ``times`` ("fp8_speedup", ...,
+    "fp8_gemm_speedup_paired")."""
+    out: dict[str, float] = {}
+    for name, us in times.items():
+        if name != "bf16":
+            out.update(speedups(times["bf16"], us, name.replace("-", "_")))
+    return out
+
+
+def latents_from_bf16(latents: dict[str, list[torch.Tensor]]) -> dict[str, dict]:
+    """Per run other than "bf16": its clean latents' relative L2 from bf16's, chunk by
+    chunk (``per_chunk``) and their `distribution`."""
+    out = {}
+    for name, lat in latents.items():
+        if name != "bf16":
+            rel = [rel_l2(b, a) for a, b in zip(latents["bf16"], lat)]
+            out[name] = {**distribution(rel), "per_chunk": rel}
+    return out
 
 
 def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -120,8 +156,8 @@ def saturation_line(f: dict) -> str:
             f"scales K {k0:.3g}..{k1:.3g}, V {v0:.3g}..{v1:.3g}")
 
 
-def latents_line(f: dict) -> str:
-    """The fp8 pool's clean latents against bf16's (``f["latents_rel_l2"]``), one line."""
+def latents_line(f: dict, name: str = "fp8") -> str:
+    """A run's clean latents against bf16's (``f["latents_rel_l2"]``), one line."""
     d = f["latents_rel_l2"]
-    return (f"fp8 latents vs bf16, relative L2 over {d['n']} chunks: median "
+    return (f"{name} latents vs bf16, relative L2 over {d['n']} chunks: median "
             f"{d['median']:.2e}, p90 {d['p90']:.2e}, max {d['max']:.2e}")

@@ -1,43 +1,46 @@
-"""The reference DiT of a preset over a bf16 pool and an fp8 pool, side by side: the
-same chunks, speed beside accuracy.
+"""The reference DiT of a preset in bf16, over an fp8 pool, and over an fp8 pool with
+fp8 GEMMs, side by side: the same chunks, speed beside accuracy.
 
 One model (the reference DiT of a preset, its window set to ``window_frames``, every
-chunk full), two pools: "bf16", the model's dtype (bf16 on CUDA; fp32 on a CPU, where
-only the code path is exercised), and "fp8", float8 e4m3 at the default scales (1.0).
-Per pool:
+chunk full), three runs (`fp8_common.RUNS`): "bf16", the model's dtype (bf16 on CUDA;
+fp32 on a CPU, where only the code path is exercised), "fp8", a float8 e4m3 pool at
+the default scales (1.0), and "fp8-gemm", that pool and fp8 GEMMs
+(`framekv.engine.fp8_linear`). Per run:
 
-    attention   an eager rollout with an attention recorder, its window filled, then one
-                chunk measured: every forward's attention output at the measured layers
-                (first, middle, last) against the fp32 exact-window reference over the
-                same K/V unquantized (`ExactWindowReference`, the oracle of
-                `framekv verify`): max and mean |d|
+    attention   (the two pools: "fp8-gemm" has the fp8 one) an eager rollout with an
+                attention recorder, its window filled, then one chunk measured: every
+                forward's attention output at the measured layers (first, middle,
+                last) against the fp32 exact-window reference over the same K/V
+                unquantized (`ExactWindowReference`, the oracle of `framekv verify`):
+                max and mean |d|
     latents     the graphed rollouts side by side from the first chunk, the same noise:
-                per chunk, the fp8 path's clean latents' relative L2 distance from the
-                bf16 path's, ||x8 - x16|| / ||x16||, over ``chunks`` chunks (the error
+                per chunk, each fp8 run's clean latents' relative L2 distance from the
+                bf16 run's, ||x8 - x16|| / ||x16||, over ``chunks`` chunks (the error
                 compounds through the history): median, p90, max
-    speed       both windows filled, one chunk of each per round, the order rotated
-                every round (A B, B A, ...: neither is always first after the host's
+    speed       every window filled, one chunk of each per round, the order rotated
+                every round (A B C, B C A, ...: none is always first after the host's
                 sync), CUDA events around each (host timers on a CPU): median ms per
-                chunk, fp8 / bf16 and the speed-up
+                chunk, each run's time over bf16's and its speed-up
     saturation  the fp8 pool's saturated values and its largest |K| and |V|
                 (`CausalKVCache.kv_stats`)
 """
 from __future__ import annotations
 
+import statistics
 
 import msgspec
 import torch
 
 from .fp8_common import (
     POOLS,
-    distribution,
+    RUNS,
     fp8_pool_stats,
+    latents_from_bf16,
     latents_line,
     ms_summary,
-    rel_l2,
     rotated_times,
+    run_speedups,
     saturation_line,
-    speedups,
 )
 
 
@@ -118,17 +121,14 @@ def _attention_accuracy(pair, device, backend, layers, progress):
     return out, model
 
 
-def _latents_side_by_side(rollouts: dict, chunks: int, fill: int) -> list[float]:
-    """Per chunk from the first, fp8's latents' relative L2 from bf16's over ``chunks``
-    chunks; then both go on until ``fill`` chunks ran."""
-    rel = []
-    for _ in range(chunks):
-        a, b = (rollouts[n].step() for n in POOLS)
-        rel.append(rel_l2(b, a))
+def _latents_side_by_side(rollouts: dict, chunks: int, fill: int) -> dict[str, dict]:
+    """Per chunk from the first, each fp8 run's latents' relative L2 from bf16's over
+    ``chunks`` chunks (`latents_from_bf16`); then all go on until ``fill`` chunks ran."""
+    lat = {n: [r.step() for _ in range(chunks)] for n, r in rollouts.items()}
     for _ in range(max(0, fill - chunks)):
         for r in rollouts.values():
             r.step()
-    return rel
+    return latents_from_bf16(lat)
 
 
 def _start(r) -> None:
@@ -144,8 +144,8 @@ def _start(r) -> None:
 def measure_reference(preset="wan-1.3b", *, window_frames: int | None = 21, chunks: int = 8,
                       rounds: int = 10, device="cuda", backend=None, layers=None,
                       progress=print) -> dict:
-    """bf16 and fp8 pools of the reference DiT side by side (module doc): accuracy,
-    then speed.
+    """The bf16, fp8 and fp8-gemm runs of the reference DiT side by side (module doc):
+    accuracy, then speed.
 
     Args:
         preset: the reference model's preset (a name, path or `Preset`).
@@ -162,9 +162,10 @@ def measure_reference(preset="wan-1.3b", *, window_frames: int | None = 21, chun
     device = torch.device(device)
     layers = measured_layers(mspec.num_layers) if layers is None else sorted(set(layers))
     accuracy, model = _attention_accuracy(pair, device, backend, layers, progress)
-    rollouts = {name: Rollout(pair, device, backend=backend, model=model, kv_dtype=kv_dtype)
-                for name, kv_dtype in POOLS.items()}
-    progress(f"fp8 reference: {chunks} chunks of both pools, latents compared")
+    rollouts = {name: Rollout(pair, device, backend=backend, model=model, kv_dtype=kv_dtype,
+                              gemm_dtype=gemm_dtype)
+                for name, (kv_dtype, gemm_dtype) in RUNS.items()}
+    progress(f"fp8 reference: {chunks} chunks of every run, latents compared")
     for r in rollouts.values():
         _start(r)
     rel = _latents_side_by_side(rollouts, chunks, _fill(rspec))
@@ -172,18 +173,21 @@ def measure_reference(preset="wan-1.3b", *, window_frames: int | None = 21, chun
     times = rotated_times({name: r.step for name, r in rollouts.items()}, rounds,
                           cuda=device.type == "cuda")
     pools = {name: {"dtype": str(r.kv_dtype).removeprefix("torch."),
+                    "gemm_dtype": str(r.gemm_dtype).removeprefix("torch."),
                     "pool_bytes": r.cache.pool_bytes, "chunk_ms": ms_summary(times[name]),
-                    "attention": accuracy[name]} for name, r in rollouts.items()}
-    pools["fp8"]["latents_rel_l2"] = {**distribution(rel), "per_chunk": rel}
+                    "attention": accuracy[name if name in accuracy else "fp8"],
+                    "over_bf16": statistics.median(times[name]) / statistics.median(times["bf16"])}
+             for name, r in rollouts.items()}
+    for name, d in rel.items():
+        pools[name]["latents_rel_l2"] = d
     pools["fp8"].update(fp8_pool_stats(rollouts["fp8"].cache.kv_stats()))
     name = rollouts["bf16"].name
     for r in rollouts.values():
         r.close()
     return {"preset": name, **_sizes(mspec, rspec), "chunks": chunks, "rounds": rounds,
             "device": str(device), "timer": "cuda events" if device.type == "cuda" else "host",
-            "pools": pools, **speedups(times["bf16"], times["fp8"]),
-            "fp8_over_bf16": (pools["fp8"]["chunk_ms"]["median"]
-                              / pools["bf16"]["chunk_ms"]["median"]),
+            "pools": pools, **run_speedups(times),
+            "fp8_over_bf16": pools["fp8"]["over_bf16"],
             "fp8_pool_fraction": pools["fp8"]["pool_bytes"] / pools["bf16"]["pool_bytes"]}
 
 
@@ -203,17 +207,19 @@ def format_reference(res: dict) -> str:
              f"{res['window_frames']} frames ({res['keys']} keys per forward), "
              f"{res['frames_per_chunk']}-frame chunks, {res['rounds']} rounds rotated "
              f"({res['timer']}), {res['device']}",
-             f"  {'pool':<6}{'dtype':<15}{'ms/chunk':>10}{'p10':>9}{'p90':>9}{'pool MiB':>10}"
+             f"  {'run':<9}{'K/V dtype':<15}{'ms/chunk':>10}{'p10':>9}{'p90':>9}{'pool MiB':>10}"
              f"{'attn max|d|':>13}{'attn mean|d|':>14}"]
     for name, r in p.items():
         c, a = r["chunk_ms"], r["attention"]
-        lines.append(f"  {name:<6}{r['dtype']:<15}{c['median']:>10.2f}{c['p10']:>9.2f}"
+        lines.append(f"  {name:<9}{r['dtype']:<15}{c['median']:>10.2f}{c['p10']:>9.2f}"
                      f"{c['p90']:>9.2f}{r['pool_bytes'] / 2**20:>10.1f}{a['max_abs']:>13.2e}"
                      f"{a['mean_abs']:>14.2e}")
-    f = p["fp8"]
-    lines.append(f"  fp8 / bf16 ms per chunk = {res['fp8_over_bf16']:.3f} (fp8 speed-up "
-                 f"{res['fp8_speedup']:.3f}, per round {res['fp8_speedup_paired']:.3f}); "
-                 f"pool bytes {res['fp8_pool_fraction']:.3f}")
-    lines.append("  " + latents_line(f))
-    lines.append("  " + saturation_line(f))
+    for name, r in p.items():
+        if name != "bf16":
+            key = name.replace("-", "_")
+            lines.append(f"  {name} / bf16 ms per chunk = {r['over_bf16']:.3f} ({name} speed-up "
+                         f"{res[key + '_speedup']:.3f}, per round "
+                         f"{res[key + '_speedup_paired']:.3f}); " + latents_line(r, name))
+    lines.append(f"  fp8 pool bytes {res['fp8_pool_fraction']:.3f} of bf16's")
+    lines.append("  " + saturation_line(p["fp8"]))
     return "\n".join(lines)

@@ -1,27 +1,32 @@
-"""diffusers' Wan transformer rolled out by `WanRollout` over a bf16 pool and over an
-fp8 pool, one model shared: speed beside accuracy.
+"""diffusers' Wan transformer rolled out by `WanRollout` in bf16, over an fp8 pool, and
+over an fp8 pool with fp8 GEMMs, one model shared: speed beside accuracy.
 
 One model per config (`framekv.engine.wan.CONFIGS`: random weights of a fixed seed,
-built in bf16 as ``torch_dtype`` would load it; fp32 on a CPU), one prompt (random
-embeddings), the sizes of `framekv.bench.wan` (latent 60x104, 3-frame chunks, a
-1-frame sink, a 21-frame window). Two rollouts, graphed: ``kv_dtype`` None (the
-model's dtype, "bf16") and "fp8" (float8 e4m3, the rollout's default scales).
+built in bf16 as ``torch_dtype`` would load it; fp32 on a CPU, or a config dict), one
+prompt (random embeddings), the sizes of `framekv.bench.wan` (latent 60x104, 3-frame
+chunks, a 1-frame sink, a 21-frame window). Three rollouts, graphed (`fp8_common.RUNS`):
+"bf16" (``kv_dtype`` and ``gemm_dtype`` None: the model's dtype), "fp8" (float8 e4m3
+K/V, the rollout's default scales) and "fp8-gemm" (the fp8 pool and fp8 GEMMs,
+`framekv.engine.fp8_linear`).
 
-    latents   from the first chunk, the same noise for both: per chunk, the fp8
-              path's clean latents' relative L2 distance from the bf16 path's,
+    latents   from the first chunk, the same noise for all: per chunk, each fp8 run's
+              clean latents' relative L2 distance from the bf16 run's,
               ||x8 - x16|| / ||x16||, over ``chunks`` chunks: median, p90, max
-    speed     both windows filled (sink and window full), one chunk per round of
+    speed     every window filled (sink and window full), one chunk per round of
               each, CUDA events around each (host timers on a CPU): median ms per
-              chunk, latent frames per second, the fp8 speed-up (bf16 / fp8 time)
-    memory    per pool, the weights plus torch's peak allocation while that rollout
-              was built, captured and run, plus its K/V pool; and the process's whole
-              device footprint (torch's reserve, the pools, workspaces) after timing
+              chunk, latent frames per second, each fp8 run's speed-up (bf16 time /
+              its time)
+    memory    per run, the weights plus torch's peak allocation while that rollout
+              was built (the fp8 GEMMs' weight copies included), captured and run,
+              plus its K/V pool; and the process's whole device footprint (torch's
+              reserve, the pools, workspaces) after timing
 
-Order: "rotated" keeps both rollouts and times them in turn, the order rotated every
-round; "sequential" runs the bf16 rollout alone (its latents kept on the host), closes
-it, then the fp8 one, each timed alone: for a model whose two pools do not fit beside
-its weights. "auto" picks rotated when both pools and `HEADROOM_BYTES` each fit in
-the free device memory after the weights.
+Order: "rotated" keeps every rollout and times them in turn, the order rotated every
+round; "sequential" runs one rollout at a time (the latents kept on the host), each
+closed before the next and timed alone: for a model whose pools do not fit together
+beside its weights. "auto" picks rotated when every pool and `HEADROOM_BYTES` each fit
+in the free device memory after the weights (and a run with fp8 GEMMs its weights'
+fp8 copies).
 """
 from __future__ import annotations
 
@@ -30,16 +35,15 @@ import gc
 import torch
 
 from .fp8_common import (
-    POOLS,
+    RUNS,
     PeakMeter,
-    distribution,
     fp8_pool_stats,
+    latents_from_bf16,
     latents_line,
     ms_summary,
-    rel_l2,
     rotated_times,
+    run_speedups,
     saturation_line,
-    speedups,
 )
 
 #: `WanRollout` sizes (`framekv.bench.wan`'s).
@@ -51,7 +55,7 @@ ORDERS = ("auto", "rotated", "sequential")
 
 
 class WanPools:
-    """The two rollouts of one model (module doc): building, running, timing each."""
+    """The rollouts of one model (module doc): building, running, timing each."""
 
     def __init__(self, model, sizes: dict, *, chunks: int, rounds: int, seed: int,
                  prompt_tokens: int, backend, progress):
@@ -73,12 +77,12 @@ class WanPools:
         self.weights_bytes = torch.cuda.memory_allocated(self.device) if self.cuda else 0
 
     def pool_bytes(self, name: str) -> int:
-        """Device bytes the pool of ``name`` ("bf16", "fp8") maps once opened."""
+        """Device bytes the pool of run ``name`` (`RUNS`) maps once opened."""
         from framekv.engine import CausalKVCache
         from framekv.engine.rollout import resolve_kv_dtype
 
         s = self.shape
-        dtype = resolve_kv_dtype(POOLS[name], self.model.patch_embedding.weight.dtype)
+        dtype = resolve_kv_dtype(RUNS[name][0], self.model.patch_embedding.weight.dtype)
         return CausalKVCache.pool_bytes_for(s.geometry(), num_layers=s.num_layers,
                                             num_kv_heads=s.heads, head_dim=s.head_dim,
                                             dtype=dtype, tokens_per_page=s.tokens_per_page)
@@ -91,16 +95,21 @@ class WanPools:
             return "rotated"
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info(self.device)[0]
-        need = sum(self.pool_bytes(n) + HEADROOM_BYTES for n in POOLS)
+        # a run with fp8 GEMMs also holds a byte per weight of the blocks' matrices
+        fp8 = sum(p.numel() for p in self.model.blocks.parameters() if p.dim() == 2)
+        need = sum(self.pool_bytes(n) + HEADROOM_BYTES + (fp8 if RUNS[n][1] else 0)
+                   for n in RUNS)
         return "rotated" if need <= free else "sequential"
 
     def build(self, name: str):
-        """The rollout of pool ``name``, prompted and captured; (rollout, its meter)."""
+        """The rollout of run ``name``, prompted and captured; (rollout, its meter)."""
         from framekv.engine import WanRollout
 
         self.progress(f"fp8 wan: building and capturing the {name} rollout")
         meter = PeakMeter(self.device)
-        r = WanRollout(self.model, kv_dtype=POOLS[name], backend=self.backend, **self.sizes)
+        kv_dtype, gemm_dtype = RUNS[name]
+        r = WanRollout(self.model, kv_dtype=kv_dtype, gemm_dtype=gemm_dtype,
+                       backend=self.backend, **self.sizes)
         r.set_prompt(self.text)
         if r.use_graphs:
             r.capture()
@@ -124,7 +133,9 @@ class WanPools:
 
     def pool_result(self, r, meter: PeakMeter, us: list[float]) -> dict:
         ms = ms_summary(us)
-        out = {"dtype": str(r.kv_dtype).removeprefix("torch."), "pool_bytes": r.cache.pool_bytes,
+        out = {"dtype": str(r.kv_dtype).removeprefix("torch."),
+               "gemm_dtype": str(r.gemm_dtype).removeprefix("torch."),
+               "pool_bytes": r.cache.pool_bytes,
                "chunk_ms": ms, "path": r.path,
                "frames_per_second": self.sizes["frames_per_chunk"] / (ms["median"] / 1e3),
                "peak_bytes": self.weights_bytes + meter.peak() + r.cache.pool_bytes,
@@ -134,9 +145,9 @@ class WanPools:
         return out
 
     def rotated(self) -> tuple[dict, dict, dict]:
-        """Both rollouts alive, timed in turn: (pool results, latents, µs) by pool."""
+        """Every rollout alive, timed in turn: (run results, latents, µs) by run."""
         built, lat = {}, {}
-        for name in POOLS:
+        for name in RUNS:
             built[name] = self.build(name)
             lat[name] = self.latents(name, *built[name])
         times = self.timed({name: r for name, (r, _) in built.items()})
@@ -148,7 +159,7 @@ class WanPools:
     def sequential(self) -> tuple[dict, dict, dict]:
         """One rollout at a time, each timed alone: as `rotated`."""
         res, lat, times = {}, {}, {}
-        for name in POOLS:
+        for name in RUNS:
             r, meter = self.build(name)
             lat[name] = self.latents(name, r, meter)
             times.update(self.timed({name: r}))
@@ -178,10 +189,11 @@ def _device_used(device: torch.device) -> int:
 def measure_wan_pools(config="1.3b", *, chunks: int = 20, rounds: int = 10, order="auto",
                       device="cuda", backend=None, seed: int = 0, prompt_tokens: int = 512,
                       progress=print, **sizes) -> dict:
-    """bf16 and fp8 pools of one Wan config side by side (module doc).
+    """The bf16, fp8 and fp8-gemm runs of one Wan config side by side (module doc).
 
     Args:
-        config: a `framekv.engine.wan.CONFIGS` name ("tiny", "1.3b", "14b").
+        config: a `framekv.engine.wan.CONFIGS` name ("tiny", "1.3b", "14b") or a config
+            dict (reported as "custom").
         chunks: chunks whose latents are compared, from the first (>= 1).
         rounds: timed chunks of each pool.
         order: "auto", "rotated" or "sequential" (module doc).
@@ -205,14 +217,14 @@ def measure_wan_pools(config="1.3b", *, chunks: int = 20, rounds: int = 10, orde
                   prompt_tokens=prompt_tokens, backend=backend, progress=progress)
     order = wp.choose(order)
     pools, lat, times = wp.rotated() if order == "rotated" else wp.sequential()
-    rel = [rel_l2(b, a) for a, b in zip(lat["bf16"], lat["fp8"])]
-    pools["fp8"]["latents_rel_l2"] = {**distribution(rel), "per_chunk": rel}
-    res = {"config": config, **_sizes(wp.shape), "chunks": chunks, "rounds": rounds,
+    for name, d in latents_from_bf16(lat).items():
+        pools[name]["latents_rel_l2"] = d
+    res = {"config": config if isinstance(config, str) else "custom", **_sizes(wp.shape),
+           "chunks": chunks, "rounds": rounds,
            "order": order, "device": str(device),
            "timer": "cuda events" if device.type == "cuda" else "host",
            "model_dtype": str(model.patch_embedding.weight.dtype).removeprefix("torch."),
-           "weights_bytes": wp.weights_bytes, "pools": pools,
-           **speedups(times["bf16"], times["fp8"]),
+           "weights_bytes": wp.weights_bytes, "pools": pools, **run_speedups(times),
            "fp8_pool_fraction": pools["fp8"]["pool_bytes"] / pools["bf16"]["pool_bytes"]}
     del wp, model
     release(device)
@@ -236,19 +248,23 @@ def format_wan_pools(res: dict) -> str:
              f"{res['sink_frames']} + window {res['window_frames']} frames ({res['keys']} keys "
              f"per forward), {res['frames_per_chunk']}-frame chunks, {res['rounds']} rounds "
              f"{res['order']} ({res['timer']}), {res['device']}",
-             f"  {'pool':<6}{'dtype':<15}{'ms/chunk':>10}{'p10':>9}{'p90':>9}{'frames/s':>10}"
+             f"  {'run':<9}{'K/V dtype':<15}{'ms/chunk':>10}{'p10':>9}{'p90':>9}{'frames/s':>10}"
              f"{'pool GiB':>10}{'peak GiB':>10}{'device GiB':>12}  path"]
     for name, r in res["pools"].items():
         c = r["chunk_ms"]
-        lines.append(f"  {name:<6}{r['dtype']:<15}{c['median']:>10.2f}{c['p10']:>9.2f}"
+        lines.append(f"  {name:<9}{r['dtype']:<15}{c['median']:>10.2f}{c['p10']:>9.2f}"
                      f"{c['p90']:>9.2f}{r['frames_per_second']:>10.2f}"
                      f"{r['pool_bytes'] / 2**30:>10.2f}{r['peak_bytes'] / 2**30:>10.2f}"
                      f"{r['device_used_bytes'] / 2**30:>12.2f}  {r['path']}")
-    f = res["pools"]["fp8"]
     paired = "per round" if res["order"] == "rotated" else "round by round, timed apart"
-    lines.append(f"  fp8 speed-up (bf16 time / fp8 time) {res['fp8_speedup']:.3f} ({paired} "
-                 f"{res['fp8_speedup_paired']:.3f}); pool bytes {res['fp8_pool_fraction']:.3f}; "
-                 f"weights {res['weights_bytes'] / 2**30:.2f} GiB")
-    lines.append("  " + latents_line(f))
-    lines.append("  " + saturation_line(f))
+    for name, r in res["pools"].items():
+        if name == "bf16":
+            continue
+        key = name.replace("-", "_")
+        lines.append(f"  {name} speed-up (bf16 time / {name} time) {res[key + '_speedup']:.3f} "
+                     f"({paired} {res[key + '_speedup_paired']:.3f}); "
+                     + latents_line(r, name))
+    lines.append(f"  fp8 pool bytes {res['fp8_pool_fraction']:.3f} of bf16's; weights "
+                 f"{res['weights_bytes'] / 2**30:.2f} GiB")
+    lines.append("  " + saturation_line(res["pools"]["fp8"]))
     return "\n".join(lines)

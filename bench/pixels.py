@@ -13,8 +13,9 @@ video's first chunk decodes 4F - 3).
                 events, the two in turn, rotated), the first chunk, and the largest
                 |eager - graphed| (graphs replay the same kernels: 0)
     e2e         per decoder, text -> `TextEncoder` -> `WanRollout` (a ``window``-frame
-                window, ``--kv-dtype``) -> decoder -> uint8 frames on the host, graphs
-                captured beforehand (as a server does at start), through `DecodeLane`:
+                window, ``--kv-dtype``, ``--fp8-gemm``) -> decoder -> uint8 frames on the
+                host, graphs captured beforehand (as a server does at start), through
+                `DecodeLane`:
                   sequential   each chunk decoded after its transformer
                   overlapped   each chunk decoded on the lane's stream beside the next
                                chunk's transformer
@@ -173,9 +174,11 @@ def _split(rollout, dec, noises, dev) -> tuple[list[float], list[float]]:
 
 
 def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk: int = 3,
-                window_frames: int = 21, chunks: int = 6, kv_dtype=None, progress=print) -> dict:
+                window_frames: int = 21, chunks: int = 6, kv_dtype=None, gemm_dtype=None,
+                progress=print) -> dict:
     """Time to the first frame and video frames per second, prompt to host frames, in
-    both modes (module doc), over one rollout and decoder."""
+    both modes (module doc), over one rollout and decoder; ``kv_dtype``, ``gemm_dtype``:
+    the rollout's (`WanRollout`)."""
     from framekv.engine import WanRollout
     from framekv.engine.decode_lane import DecodeLane
 
@@ -186,7 +189,7 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
     noises = _latents(fill + chunks, model.config.in_channels, F, latent_size, seed=1)
     rollout = WanRollout(model, latent_size=tuple(latent_size), frames_per_chunk=F,
                          window_frames=window_frames, prompt_tokens=encoder.max_tokens,
-                         text_encoder=encoder, kv_dtype=kv_dtype)
+                         text_encoder=encoder, kv_dtype=kv_dtype, gemm_dtype=gemm_dtype)
     t = time.perf_counter()
     rollout.set_prompt("a warm-up prompt")
     if dev.type == "cuda":
@@ -195,7 +198,8 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
     _sync(dev)
     res = {"window_frames": window_frames, "chunks": fill + chunks, "steady_from_chunk": fill,
            "capture_s": time.perf_counter() - t, "modes": {},
-           "kv_dtype": str(rollout.kv_dtype).removeprefix("torch.")}
+           "kv_dtype": str(rollout.kv_dtype).removeprefix("torch."),
+           "gemm_dtype": str(rollout.gemm_dtype).removeprefix("torch.")}
     counts = [4 * F - 3] + [4 * F] * (len(noises) - 1)
     frames = {}
     for k, mode in enumerate(MODES):
@@ -278,7 +282,7 @@ def _modes_agree(rollout, dec, noises) -> bool:
 
 def measure_pixels(*, decoders=DECODERS, config: str = "1.3b", device="cuda",
                    latent_size=(60, 104), frames_per_chunk: int = 3, window_frames: int = 21,
-                   chunks: int = 6, decode_iters: int = 10, kv_dtype=None,
+                   chunks: int = 6, decode_iters: int = 10, kv_dtype=None, gemm_dtype=None,
                    progress=print) -> dict:
     """Both parts (module doc) for each of ``decoders``, one set of random weights."""
     from framekv.engine.wan import TextEncoder, build_model
@@ -298,18 +302,21 @@ def measure_pixels(*, decoders=DECODERS, config: str = "1.3b", device="cuda",
         _release(dev)
         dec = build_decoder(kind, config, dev, dev.type == "cuda")
         res["e2e"] = measure_e2e(model, dec, encoder, window_frames=window_frames,
-                                 chunks=chunks, kv_dtype=kv_dtype, progress=progress, **kw)
+                                 chunks=chunks, kv_dtype=kv_dtype, gemm_dtype=gemm_dtype,
+                                 progress=progress, **kw)
         dec.close()
         _release(dev)
         out["decoders"][kind] = res
         out["kv_dtype"] = res["e2e"]["kv_dtype"]        # the rollout's pool, as it resolved it
+        out["gemm_dtype"] = res["e2e"]["gemm_dtype"]
     return out
 
 
 def format_pixels(res: dict) -> str:
     H, W = (8 * v for v in res["latent_size"])
     lines = [f"prompt to pixels on {res['gpu']}: {H}x{W} video, {res['frames_per_chunk']}-frame "
-             f"latent chunks ({res['video_frames']} video frames), K/V {res['kv_dtype']}"]
+             f"latent chunks ({res['video_frames']} video frames), K/V {res['kv_dtype']}, "
+             f"GEMMs {res.get('gemm_dtype', res['kv_dtype'])}"]
     for kind, r in res["decoders"].items():
         d, e = r["decode"], r["e2e"]
         lines.append(f"  {kind} decoder, ms/chunk {'median':>8}{'p10':>8}{'p90':>8}   first")
@@ -337,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated, of wan, wan-modules and tiny (default all)")
     p.add_argument("--kv-dtype", choices=("fp8",), default=None,
                    help="the transformer's K/V pool (default its dtype)")
+    p.add_argument("--fp8-gemm", action="store_true",
+                   help="the transformer blocks' GEMMs in fp8 (default its dtype)")
     p.add_argument("--window", type=int, default=21, help="window frames (default 21)")
     p.add_argument("--chunks", type=int, default=6, help="chunks timed once the window is full")
     p.add_argument("--decode-iters", type=int, default=10, help="decode chunks timed per variant")
@@ -351,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     require_cuda("framekv.bench.pixels")
     res = measure_pixels(decoders=decoders, window_frames=args.window, chunks=args.chunks,
                          decode_iters=args.decode_iters, kv_dtype=args.kv_dtype,
+                         gemm_dtype="fp8" if args.fp8_gemm else None,
                          progress=stderr_progress("pixels"))
     print(format_pixels(res))
     write_result(args.json_path, pixels=res)

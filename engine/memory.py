@@ -4,7 +4,8 @@ A preset whose sizes the machine cannot hold should fail at once with what it wo
 need, not after minutes of building modules or with an allocator's traceback. The need
 is counted from the shapes alone::
 
-    weights      ModelSpec.parameter_count() x the compute dtype's bytes
+    weights      ModelSpec.parameter_count() x the compute dtype's bytes, and one byte
+                 per block GEMM weight for their fp8 copies (fp8 GEMMs)
     K/V cache    CausalKVCache.pool_bytes_for(geometry, ...)  (exact)
     activations  one forward's largest tensors over a chunk, x 4 for what the graph
                  pool and the allocator keep alive (an estimate, said so)
@@ -33,11 +34,13 @@ _QUERY_TILE = 256
 def rollout_bytes(model: ModelSpec, rollout: RolloutSpec, dtype: torch.dtype, *,
                   weights: bool = True, paged_cache: bool = True,
                   reference_attention: bool = False, sequences: int = 1,
-                  kv_dtype: torch.dtype | None = None) -> dict[str, int]:
+                  kv_dtype: torch.dtype | None = None,
+                  fp8_weights: bool = False) -> dict[str, int]:
     """Bytes a rollout of these specs needs on its device, by part (see module doc);
     ``sequences`` sequences batched: B pools' worth of cache, B x the activations.
     ``dtype`` is the compute dtype, ``kv_dtype`` the pool's (default ``dtype``; an fp8
-    pool is half a bf16 one)."""
+    pool is half a bf16 one); ``fp8_weights``: the blocks' fp8 GEMM weights too
+    (``fp8_weights`` in the result, kept beside the model's own)."""
     size = torch.empty((), dtype=dtype).element_size()
     T, hid = sequences * rollout.chunk_tokens, model.hidden_size
     qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
@@ -45,6 +48,8 @@ def rollout_bytes(model: ModelSpec, rollout: RolloutSpec, dtype: torch.dtype, *,
     if reference_attention:  # fp32 scores of one query tile over every key, and softmax
         act += 2 * model.num_heads * _QUERY_TILE * rollout.keys_per_forward * 4
     out = {"weights": model.parameter_count() * size if weights else 0,
+           "fp8_weights": model.num_layers * hid * (qkv + hid + 2 * model.ffn_size)
+           if fp8_weights else 0,
            "kv_cache": 0, "activations": _ACTIVATION_COPIES * act}
     if paged_cache:
         out["kv_cache"] = CausalKVCache.pool_bytes_for(

@@ -10,7 +10,8 @@ cleaned in one-frame blocks; a short last chunk
 paged cache (default), the fp32 reference (``kv="reference"``), a store across ranks
 (``process_group``), or one the caller built for this geometry. The paged pool holds the
 model's dtype or, with ``kv_dtype="fp8"``, float8 e4m3 with per-head scales
-(`resolve_kv_dtype`); q, k and v stay in the model's dtype. Memory is constant in
+(`resolve_kv_dtype`); q, k and v stay in the model's dtype. With ``gemm_dtype="fp8"``
+the blocks' GEMMs run in fp8 (`framekv.engine.fp8_linear`). Memory is constant in
 the number of chunks: the pool never grows, graphs are captured once per chunk length
 and batch size, the runner keeps nothing per chunk.
 """
@@ -31,6 +32,7 @@ from .attention.ulysses import resolve_world_size
 from .attention.ulysses_kv import UlyssesKV
 from .cache import CausalKVCache
 from .cache_dir import build_counts, use_cache_dir
+from .fp8_linear import FP8, resolve_gemm_dtype
 from .kv import KVStore, PagedKV, ReferenceKV
 from .memory import check_fits, rollout_bytes
 from .model import CausalVideoDiT, DiTChunks, default_backend, model_dtype
@@ -123,10 +125,14 @@ class Rollout(ChunkRunner):
             options (`framekv.engine.samplers`).
         steps: run N of the preset's ``denoising_steps`` steps (`pick_steps`: evenly
             spaced, the first always); None: all of them.
+        gemm_dtype: the blocks' GEMMs (`framekv.engine.fp8_linear.resolve_gemm_dtype`):
+            None or "bf16" the model's dtype (default), "fp8" or torch.float8_e4m3fn
+            (fp8 GEMMs with row-wise scales, the weights quantized here, once).
 
     Attributes:
         kv_dtype: the dtype the K/V are kept in (the pool's; the model's for a store
             without a pool).
+        gemm_dtype: the dtype the blocks' GEMMs run in.
 
     Usage::
 
@@ -140,7 +146,7 @@ class Rollout(ChunkRunner):
                  process_group=None, kv="paged", cache_dir=None,
                  sequences: int | None = None, batch_sizes=None, glue: str = "fused",
                  trim_clean_pass: bool = True, kv_dtype=None, sampler: str = DEFAULT_SAMPLER,
-                 sampler_options=None, steps: int | None = None):
+                 sampler_options=None, steps: int | None = None, gemm_dtype=None):
         check_choice("glue", glue, ("fused", "torch"))
         if sequences is not None and (kv != "paged" or process_group is not None):
             raise ValueError("sequences runs several sequences on one paged pool: it needs "
@@ -156,19 +162,22 @@ class Rollout(ChunkRunner):
         held = getattr(getattr(kv, "cache", None), "dtype", None)
         self.kv_dtype: torch.dtype = (held if kv_dtype is None and held is not None
                                       else resolve_kv_dtype(kv_dtype, dtype))
+        self.gemm_dtype: torch.dtype = resolve_gemm_dtype(gemm_dtype, dtype)
         geometry = self.spec.geometry()
         check_fits(f"preset {self.name!r}", rollout_bytes(
             self.model_spec, self.spec, dtype, weights=model is None,
             paged_cache=kv == "paged", sequences=sequences or 1, kv_dtype=self.kv_dtype,
             reference_attention=_default_name(backend, dev, self.model_spec.head_dim)
-            == "reference"), dev)
+            == "reference", fp8_weights=self.gemm_dtype == FP8), dev)
         self.model = self._model(model, backend, dev, use_cache_dir(cache_dir, dev))
         #: name of the attention backend (a shared model brings its own)
         self.backend: str = self.model.blocks[0].attn.backend.name
+        # the fp8 weights before the store: a layer that cannot be one fails first
+        chunks = DiTChunks(self.model, glue, fp8=self.gemm_dtype == FP8)
         store = self._store(kv, process_group, geometry, dev, self.kv_dtype, sequences or 1)
         s = self.spec
         last = (s.chunks - 1, s.last_chunk_frames) if s.last_chunk_frames else None
-        super().__init__(DiTChunks(self.model, glue), store, frames_per_chunk=s.frames_per_chunk,
+        super().__init__(chunks, store, frames_per_chunk=s.frames_per_chunk,
                          timesteps=list(timesteps), clean_block="frame", use_graphs=use_graphs,
                          debug=debug, sequences=sequences, batch_sizes=batch_sizes,
                          trim_clean_pass=trim_clean_pass, seed=self.model_spec.seed,

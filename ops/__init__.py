@@ -24,6 +24,7 @@ from .fill_pattern import fill_node_params, fill_pattern_, fill_pattern_referenc
 from .merge_split_kv import merge_split_kv_, merge_split_kv_reference
 from .adaln import adaln_, adaln_reference, gated_residual_, gated_residual_reference
 from .rms_silu import rms_norm_silu, rms_norm_silu_reference
+from .quant_rows import quantize_rows, quantize_rows_reference
 from .qk_norm_rope import RopeGrid, q_bound, qk_norm_rope_stage_, qk_norm_rope_stage_reference
 from .rotate_rows import rotate_rows_, rotate_rows_reference
 from .scatter_kv_slots import (ScatterKVSlots, bind_scatter_kv_slots, scatter_kv_slots_,
@@ -42,5 +43,6 @@ __all__ = [
     "adaln_", "adaln_reference",
     "gated_residual_", "gated_residual_reference",
     "rms_norm_silu", "rms_norm_silu_reference",
+    "quantize_rows", "quantize_rows_reference",
     "qk_norm_rope_stage_", "qk_norm_rope_stage_reference", "RopeGrid", "q_bound",
 ]

@@ -9,6 +9,10 @@ same two values in either order). Shuffles, not a serial loop over shared memory
 a LayerNorm of one row per CTA such a loop costs more than the rest of the kernel
 together, the shuffles next to nothing (docs/benchmarks.md).
 
+``segment_max`` and ``warps_max`` are the same two with the maximum in place of the sum,
+for values that are never NaN (lanes could disagree over one); a maximum is exact, so
+every lane ends with the same bits whatever the order.
+
 Under numba's CUDA simulator, which has no shuffles, the same sum goes through
 ``part`` (a shared array of one float per thread) between two barriers, in a fixed
 order; every thread of the block must call it (it does on the GPU too, by contract).
@@ -30,7 +34,7 @@ from numba import float32 as _f32
 
 from ._launch import SIMULATOR
 
-__all__ = ["segment_total", "warps_total", "WARP"]
+__all__ = ["segment_total", "warps_total", "segment_max", "warps_max", "WARP"]
 
 WARP = 32
 
@@ -48,6 +52,18 @@ if SIMULATOR:
         cuda.syncthreads()
         return acc
 
+    @cuda.jit(device=True)
+    def segment_max(v, part, t, nt, size):
+        """Max of v (never NaN) over t's aligned segment of ``size`` lanes."""
+        part[t] = v
+        cuda.syncthreads()
+        first = t - t % size
+        top = v
+        for k in range(first, min(first + size, nt)):
+            top = max(top, part[k])
+        cuda.syncthreads()
+        return top
+
 else:
 
     @cuda.jit(device=True, forceinline=True)
@@ -56,6 +72,15 @@ else:
         m = size // 2
         while m > 0:
             v += cuda.shfl_xor_sync(0xFFFFFFFF, v, m)
+            m //= 2
+        return v
+
+    @cuda.jit(device=True, forceinline=True)
+    def segment_max(v, part, t, nt, size):
+        """Max of v (never NaN) over t's aligned segment of ``size`` lanes."""
+        m = size // 2
+        while m > 0:
+            v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, m))
             m //= 2
         return v
 
@@ -69,3 +94,15 @@ def warps_total(v, part, runs, t, nt, w0, w1):
     cuda.syncthreads()
     lane = t & (WARP - 1)
     return segment_total(runs[w0 + lane] if w0 + lane < w1 else _f32(0), part, t, nt, WARP)
+
+
+@cuda.jit(device=True, **({} if SIMULATOR else {"forceinline": True}))
+def warps_max(v, part, runs, t, nt, w0, w1):
+    """Max of v (never NaN) over the warps w0 .. w1 - 1 holding thread t, returned to
+    each of their lanes (`warps_total`'s order, with the maximum)."""
+    top = segment_max(v, part, t, nt, WARP)
+    if (t & (WARP - 1)) == 0:
+        runs[t >> 5] = top
+    cuda.syncthreads()
+    k = w0 + (t & (WARP - 1))
+    return segment_max(runs[k] if k < w1 else runs[w0], part, t, nt, WARP)

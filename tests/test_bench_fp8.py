@@ -1,7 +1,8 @@
 """The bf16-vs-fp8 bench section on CPU: every part's whole code path with the reference
 backend and tiny sizes (the forward at the tiny geometry, the reference DiT of the tiny
-preset, diffusers' Wan at its tiny config), host timers standing in for CUDA events;
-its tables, its options, and how ``framekv bench`` reaches it."""
+preset, its held-out forward, diffusers' Wan at a tiny config whose features are
+multiples of 16, as fp8 GEMMs need), host timers standing in for CUDA events; its
+tables, its options, and how ``framekv bench`` reaches it."""
 from __future__ import annotations
 
 import json
@@ -11,32 +12,50 @@ import pytest
 
 from framekv.bench import fp8
 from framekv.bench.fp8 import check_options, format_fp8, measure_fp8, summary_rows
-from framekv.bench.fp8_common import distribution, speedups
+from framekv.bench.fp8_common import distribution, run_speedups, speedups
 from framekv.bench.fp8_forward import format_forward, measure_forward
 from framekv.bench.fp8_reference import measured_layers
 from framekv.bench.fp8_wan import measure_wan_pools
+from framekv.engine.wan import CONFIGS
 from framekv.tools import bench as tools_bench
 from framekv.tools.bench import SECTIONS, sections_of
 from framekv.tools.cli import build_parser
 
 pytest.importorskip("diffusers")
 
-#: The tiny Wan config at tiny sizes: 4 tokens a frame, 2-frame chunks, sink 1 + window 3.
+#: Tiny Wan sizes: 4 tokens a frame, 2-frame chunks, sink 1 + window 3.
 WAN_SIZES = {"latent_size": (4, 4), "frames_per_chunk": 2, "window_frames": 3,
              "prompt_tokens": 8}
+#: The tiny Wan config with heads of 16 (width 32) and an MLP of 64: fp8 GEMMs need
+#: features that are multiples of 16 (the shipped tiny config's width is 24).
+TINY16 = {**CONFIGS["tiny"], "attention_head_dim": 16, "ffn_dim": 64}
+RUNS = ["bf16", "fp8", "fp8-gemm"]
 
 
 @pytest.fixture(scope="module")
 def result():
     return measure_fp8("tiny", forward_preset="tiny", window_frames=None, chunks=4, rounds=3,
-                       iters=3, wan_configs=("tiny",), wan_chunks=3, wan_sizes=WAN_SIZES,
+                       iters=3, wan_configs=(TINY16,), wan_chunks=3, wan_sizes=WAN_SIZES,
                        device="cpu", progress=lambda msg: None)
 
 
 def test_every_part_is_in_the_result_and_the_json(result):
-    assert result["parts"] == ["forward", "reference", "wan"]
-    assert set(result) == {"parts", "forward", "reference", "wan"} and len(result["wan"]) == 1
+    assert result["parts"] == ["forward", "dit", "reference", "wan"]
+    assert set(result) == {"parts", "forward", "dit", "reference", "wan"}
+    assert len(result["wan"]) == 1
     json.loads(json.dumps(result))
+
+
+def test_dit_checks_both_gemms_against_fp32_on_a_held_out_chunk(result):
+    d = result["dit"]
+    assert (d["preset"], d["layers"], d["tokens"], d["timer"]) == ("tiny", 2, 32, "host")
+    assert d["held_out"]["seed"] not in (0, 1) and d["model_dtype"] == "float32"
+    # on a CPU the model is fp32: its own GEMMs are the twin's (the glue's rounding
+    # aside); fp8 GEMMs are off by e4m3's rounding of every operand
+    bf16, f8 = d["check"]["bf16"], d["check"]["fp8-gemm"]
+    assert bf16["max_abs"] < 1e-4 and 1e-3 < f8["mean_abs"] <= f8["max_abs"] < 0.1 * d["max_abs_want"]
+    assert set(d["us"]) == {"bf16", "fp8-gemm"} and all(u["n"] == 3 for u in d["us"].values())
+    assert d["fp8_gemm_speedup"] > 0 and d["fp8_gemm_over_bf16"] > 0
 
 
 def test_forward_both_pools_timed_and_checked_against_fp32(result):
@@ -85,17 +104,21 @@ def test_forward_over_the_cudnn_plans_times_the_launch_alone_too():
         "forward denoise µs", "forward denoise call µs", "forward clean µs", "forward clean call µs"]
 
 
-def test_reference_both_pools_are_timed_and_checked_side_by_side(result):
+def test_reference_every_run_is_timed_and_checked_side_by_side(result):
     r = result["reference"]
     pools = r["pools"]
-    assert list(pools) == ["bf16", "fp8"]
-    assert pools["bf16"]["dtype"] == "float32" and pools["fp8"]["dtype"] == "float8_e4m3fn"
+    assert list(pools) == RUNS
+    assert [p["dtype"] for p in pools.values()] == ["float32", "float8_e4m3fn", "float8_e4m3fn"]
+    assert [p["gemm_dtype"] for p in pools.values()] == ["float32", "float32", "float8_e4m3fn"]
     for p in pools.values():
         assert p["chunk_ms"]["median"] > 0 and p["chunk_ms"]["n"] == 3
         assert p["attention"]["layers"] == [0, 1]
-    assert r["fp8_over_bf16"] == pytest.approx(
-        pools["fp8"]["chunk_ms"]["median"] / pools["bf16"]["chunk_ms"]["median"])
-    assert r["fp8_speedup"] == pytest.approx(1 / r["fp8_over_bf16"])
+    for name in RUNS[1:]:
+        key = name.replace("-", "_")
+        assert pools[name]["over_bf16"] == pytest.approx(
+            pools[name]["chunk_ms"]["median"] / pools["bf16"]["chunk_ms"]["median"])
+        assert r[key + "_speedup"] == pytest.approx(1 / pools[name]["over_bf16"])
+    assert r["fp8_over_bf16"] == pools["fp8"]["over_bf16"]
     assert r["timer"] == "host" and r["fp8_pool_fraction"] < 1
 
 
@@ -105,50 +128,69 @@ def test_reference_accuracy_is_the_quantization_error(result):
     # rounds each stored value by up to 2^-4 of itself.
     assert bf16["max_abs"] < 1e-5 and 1e-4 < f8["max_abs"] < 0.25
     assert 0 < f8["mean_abs"] <= f8["max_abs"]
-    d = result["reference"]["pools"]["fp8"]["latents_rel_l2"]
-    assert d["n"] == 4 and len(d["per_chunk"]) == 4
-    assert 0 < d["median"] <= d["p90"] <= d["max"] < 1e-2
+    for name in RUNS[1:]:
+        d = result["reference"]["pools"][name]["latents_rel_l2"]
+        assert d["n"] == 4 and len(d["per_chunk"]) == 4
+        assert 0 < d["median"] <= d["p90"] <= d["max"] < 2e-2
+    # fp8 GEMMs add their rounding to the pool's
+    gemm, kv = (result["reference"]["pools"][n]["latents_rel_l2"] for n in RUNS[:0:-1])
+    assert gemm["median"] > kv["median"]
     assert result["reference"]["pools"]["fp8"]["saturated"] == 0
 
 
-def test_wan_both_rollouts_on_one_model(result):
+def test_wan_every_rollout_on_one_model(result):
     (w,) = result["wan"]
-    assert (w["config"], w["layers"], w["heads"], w["head_dim"]) == ("tiny", 2, 2, 12)
+    assert (w["config"], w["layers"], w["heads"], w["head_dim"]) == ("custom", 2, 2, 16)
     assert w["tokens_per_frame"] == 4 and w["keys"] == (1 + 3 + 2) * 4
     assert w["order"] == "rotated" and w["timer"] == "host" and w["model_dtype"] == "float32"
     pools = w["pools"]
-    assert pools["bf16"]["dtype"] == "float32" and pools["fp8"]["dtype"] == "float8_e4m3fn"
+    assert list(pools) == RUNS
+    assert [p["dtype"] for p in pools.values()] == ["float32", "float8_e4m3fn", "float8_e4m3fn"]
+    assert [p["gemm_dtype"] for p in pools.values()] == ["float32", "float32", "float8_e4m3fn"]
     for p in pools.values():
         assert p["chunk_ms"]["n"] == 3 and p["chunk_ms"]["median"] > 0
         assert p["frames_per_second"] == pytest.approx(2e3 / p["chunk_ms"]["median"])
         assert p["pool_bytes"] > 0 and p["path"] in ("graphs", "eager")
     assert w["fp8_speedup"] > 0 and w["fp8_speedup_paired"] > 0 and w["fp8_pool_fraction"] < 1
-    d = pools["fp8"]["latents_rel_l2"]
-    assert d["n"] == 3 and all(math.isfinite(x) and x > 0 for x in d["per_chunk"])
-    assert d["median"] <= d["p90"] <= d["max"] < 1e-2
+    assert w["fp8_gemm_speedup"] > 0 and w["fp8_gemm_speedup_paired"] > 0
+    for name in RUNS[1:]:
+        d = pools[name]["latents_rel_l2"]
+        assert d["n"] == 3 and all(math.isfinite(x) and x > 0 for x in d["per_chunk"])
+        assert d["median"] <= d["p90"] <= d["max"] < 2e-2
     assert pools["fp8"]["saturated"] == 0
 
 
 def test_wan_sequential_order_gives_the_same_latents(result):
-    seq = measure_wan_pools("tiny", chunks=2, rounds=2, order="sequential", device="cpu",
+    seq = measure_wan_pools(TINY16, chunks=2, rounds=2, order="sequential", device="cpu",
                             progress=lambda msg: None, **WAN_SIZES)
-    assert seq["order"] == "sequential" and seq["pools"]["fp8"]["chunk_ms"]["n"] == 2
-    rotated = result["wan"][0]["pools"]["fp8"]["latents_rel_l2"]["per_chunk"]
-    assert seq["pools"]["fp8"]["latents_rel_l2"]["per_chunk"] == pytest.approx(rotated[:2])
+    assert seq["order"] == "sequential" and seq["pools"]["fp8-gemm"]["chunk_ms"]["n"] == 2
+    for name in RUNS[1:]:
+        rotated = result["wan"][0]["pools"][name]["latents_rel_l2"]["per_chunk"]
+        assert seq["pools"][name]["latents_rel_l2"]["per_chunk"] == pytest.approx(rotated[:2])
+
+
+def test_wan_shipped_tiny_config_cannot_run_fp8_gemms():
+    with pytest.raises(ValueError, match="blocks.0.attn1.to_q/to_k/to_v: fp8 GEMMs need"):
+        measure_wan_pools("tiny", chunks=1, rounds=1, device="cpu", progress=lambda msg: None,
+                          **WAN_SIZES)
 
 
 def test_the_tables_name_every_part_and_the_summary(result):
     text = format_fp8(result)
     for piece in ("fp8 forward, one layer at tiny", "denoise           32  fp8   float8_e4m3fn",
                   "fp8 speed-up (bf16 time / fp8 time; per round in brackets): denoise", "fp8 reference DiT: tiny",
-                  "bf16  float32", "relative L2 over 4 chunks", "fp8 wan tiny (2 layers",
-                  "rounds rotated (host)", "relative L2 over 3 chunks", "0 values saturated",
+                  "bf16     float32", "fp8-gemm latents vs bf16, relative L2 over 4 chunks",
+                  "fp8 wan custom (2 layers", "fp8 dit forward: tiny", "fp8 GEMMs' speed-up",
+                  "rounds rotated (host)", "fp8-gemm speed-up (bf16 time / fp8-gemm time)",
+                  "fp8 latents vs bf16, relative L2 over 3 chunks", "0 values saturated",
                   "summary (speed-up = bf16 time / fp8 time)", "forward clean µs",
-                  "reference ms/chunk", "wan tiny ms/chunk"):
+                  "reference fp8-gemm ms/chunk", "wan custom fp8 ms/chunk"):
         assert piece in text, piece
     rows = summary_rows(result)
     assert [r[0] for r in rows] == ["forward denoise µs", "forward clean µs",
-                                    "reference ms/chunk", "wan tiny ms/chunk"]
+                                    "dit fp8-gemm forward µs",
+                                    "reference fp8 ms/chunk", "reference fp8-gemm ms/chunk",
+                                    "wan custom fp8 ms/chunk", "wan custom fp8-gemm ms/chunk"]
     assert all(r[1] > 0 and r[2] > 0 and r[3] == pytest.approx(r[1] / r[2]) for r in rows)
 
 
@@ -157,6 +199,9 @@ def test_helpers():
     assert measured_layers(30) == [0, 15, 29] and measured_layers(1) == [0]
     assert speedups([2.0, 4.0, 6.0], [1.0, 4.0, 2.0]) == {"fp8_speedup": 2.0,
                                                           "fp8_speedup_paired": 2.0}
+    assert run_speedups({"bf16": [2.0], "fp8": [1.0], "fp8-gemm": [0.5]}) == {
+        "fp8_speedup": 2.0, "fp8_speedup_paired": 2.0, "fp8_gemm_speedup": 4.0,
+        "fp8_gemm_speedup_paired": 4.0}
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -216,7 +261,7 @@ def test_framekv_bench_passes_its_options_to_the_section(result, monkeypatch, ca
         "wan_configs": ["1.3b", "14b"], "wan_chunks": 7}
     assert out["fp8"] == {"parts": ["wan", "forward"], "wan": [result["wan"][0]]} and saved
     text = capsys.readouterr().out
-    assert "fp8 wan tiny" in text and "wan tiny ms/chunk" in text
+    assert "fp8 wan custom" in text and "wan custom fp8-gemm ms/chunk" in text
 
 
 def test_error_budget_emulates_the_plans_roundings():

@@ -155,3 +155,17 @@ def kv_dtype_of(args) -> str | None:
     for bf16, "fp8" for fp8."""
     value = getattr(args, "kv_dtype", "bf16")
     return None if value == "bf16" else value
+
+
+def add_fp8_gemm_argument(p: argparse.ArgumentParser) -> None:
+    """``--fp8-gemm`` into ``args.fp8_gemm`` (a switch of its own, beside ``--kv-dtype``:
+    the two roundings are separate choices, measured apart)."""
+    p.add_argument("--fp8-gemm", action="store_true",
+                   help="run the transformer blocks' linear layers as fp8 GEMMs (float8 "
+                        "e4m3, a scale per token and per output channel; "
+                        "framekv.engine.fp8_linear); default: the model's dtype")
+
+
+def gemm_dtype_of(args) -> str | None:
+    """The ``gemm_dtype`` of the rollout ``--fp8-gemm`` asks for: "fp8", else None."""
+    return "fp8" if getattr(args, "fp8_gemm", False) else None

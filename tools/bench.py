@@ -30,13 +30,16 @@ Sections (``--sections``, default all; `SECTIONS`, which the help lists):
                 graphed, and text -> UMT5 -> `WanRollout` (1.3B, 21-frame window) ->
                 decoded frames on the host, the decode after each chunk or overlapped
                 with the next chunk's denoising (`framekv.bench.pixels`)
-    fp8         bf16 against fp8 K/V side by side, speed beside accuracy, in parts
-                (``--fp8-parts``, default all; `framekv.bench.fp8`): forward, one
+    fp8         bf16 against fp8 K/V, and fp8 K/V with fp8 GEMMs, side by side, speed
+                beside accuracy, in parts (``--fp8-parts``, default all;
+                `framekv.bench.fp8`): forward, one
                 layer's paged cuDNN forward at the PRESET geometry, the denoising
                 forward and the clean pass over a bf16 and an fp8 pool of the same
                 K/V (``--iters`` rounds rotated, CUDA events), each output's max and
-                mean error against the fp32 exact-window reference; reference, the
-                ``--e2e-preset`` model at a 21-frame window over both pools (attention
+                mean error against the fp32 exact-window reference; dit, the
+                ``--e2e-preset`` model's forward of a held-out chunk with bf16 and fp8
+                GEMMs against fp32, and its speed; reference, the
+                ``--e2e-preset`` model at a 21-frame window in the three runs (attention
                 errors, the fp8 latents' relative L2 from the bf16 path over
                 ``--chunks`` chunks, ``--chunk-iters`` rounds rotated); wan, diffusers'
                 Wan at each of ``--wan-configs`` (default 1.3b; 14b needs about 28 GiB
@@ -67,7 +70,7 @@ from .conventions import add_preset_arguments, preset_help
 SECTIONS = ("attention", "chunk", "e2e", "wan", "streams", "breakdown", "pixels", "fp8")
 #: The fp8 section's parts (`framekv.bench.fp8.PARTS`) and the Wan configs it takes
 #: (`framekv.engine.wan.CONFIGS`), named here so that parsing imports neither.
-FP8_PARTS = ("forward", "reference", "wan")
+FP8_PARTS = ("forward", "dit", "reference", "wan")
 WAN_CONFIGS = ("tiny", "1.3b", "14b")
 
 

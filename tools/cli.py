@@ -23,8 +23,8 @@ import sys
 
 from . import bench, generate, serve
 from .cluster import command as cluster
-from .args import (add_kv_dtype_argument, nonnegative_int, positive_int, tolerance,
-                   writable_file)
+from .args import (add_fp8_gemm_argument, add_kv_dtype_argument, gemm_dtype_of,
+                   nonnegative_int, positive_int, tolerance, writable_file)
 from .conventions import (PresetError, add_backend_argument, add_preset_arguments,
                           load_preset_arg, preset_help, version_line)
 
@@ -55,14 +55,14 @@ def _cmd_demo(args) -> int:
                                   chunks=args.chunks,
                                   device=args.device, backend=args.backend,
                                   check_chunks=args.check_chunks, cache_dir=args.cache_dir,
-                                  kv_dtype=args.kv_dtype)
+                                  kv_dtype=args.kv_dtype, gemm_dtype=gemm_dtype_of(args))
         else:
             from .demo import run_demo
 
             report = run_demo(args.preset or "tiny", chunks=args.chunks, device=args.device,
                               backend=args.backend, check_chunks=args.check_chunks,
                               progress=not args.no_progress, cache_dir=args.cache_dir,
-                              kv_dtype=args.kv_dtype)
+                              kv_dtype=args.kv_dtype, gemm_dtype=gemm_dtype_of(args))
     except (ValueError, FileNotFoundError) as exc:
         return _fail("demo", exc)
     if args.json and report.get("rank", 0) == 0:  # under torchrun, rank 0 writes it
@@ -180,6 +180,7 @@ def _warmup_args(p: argparse.ArgumentParser) -> None:
 def _demo_args(p: argparse.ArgumentParser) -> None:
     _rollout_args(p, "default tiny; with --model wan-diffusers the config's: tiny or "
                      "wan-1.3b")
+    add_fp8_gemm_argument(p)
     p.add_argument("--json", metavar="FILE", type=writable_file, default=None,
                    help="also write the report as JSON to FILE")
     p.add_argument("--check-chunks", type=nonnegative_int, default=2,

@@ -31,9 +31,14 @@ from framekv.engine.rollout import Rollout, resolve_device, resolve_specs, with_
 #: A check passes when max|a - b| <= tolerance * max(1, max|b|): fp32 sides differ in
 #: summation order only; bf16/fp16 latents drift by rounding through the sampler.
 CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}
-#: The same over an fp8 pool (both sides fp8: the backends may quantize Q too, and
-#: e4m3's 2^-4 rounding feeds through the sampler).
+#: The same over an fp8 pool or fp8 GEMMs (both sides fp8: the backends may quantize Q
+#: too, and e4m3's 2^-4 rounding feeds through the sampler).
 FP8_CHECK_TOLERANCE = 1e-1
+
+
+def uses_fp8(r) -> bool:
+    """Whether a rollout keeps fp8 K/V or runs fp8 GEMMs (its checks' tolerance)."""
+    return torch.float8_e4m3fn in (r.kv_dtype, getattr(r, "gemm_dtype", None))
 
 
 class Progress:
@@ -94,11 +99,10 @@ def _compare(name: str, want: list, got: list, tol: float, note: str) -> dict:
 def _checks(main: Rollout, spec, kept: list, backend_name: str, group=None) -> list[dict]:
     """Re-run the first chunks eagerly and with the reference backend; compare."""
     n = len(kept)
-    tol = (FP8_CHECK_TOLERANCE if main.kv_dtype == torch.float8_e4m3fn
-           else CHECK_TOLERANCE[main.dtype])
+    tol = FP8_CHECK_TOLERANCE if uses_fp8(main) else CHECK_TOLERANCE[main.dtype]
     cpu = main.device.type != "cuda"
     parallel = {} if group is None else {"process_group": group}
-    parallel["kv_dtype"] = main.kv_dtype
+    parallel["kv_dtype"], parallel["gemm_dtype"] = main.kv_dtype, main.gemm_dtype
     eager = Rollout(spec, main.device, backend=main.backend, use_graphs=False, model=main.model,
                     **parallel)
     out = [_compare("graphs vs eager", kept, eager.run(n), tol,
@@ -143,14 +147,15 @@ def distributed_from_env(device=None):
 
 def run_demo(preset="tiny", *, chunks: int | None = None, device=None, backend=None,
              check_chunks: int = 2, stream=None, progress: bool = True,
-             cache_dir=None, kv_dtype=None) -> dict:
+             cache_dir=None, kv_dtype=None, gemm_dtype=None) -> dict:
     """Run the demo; returns its report (what ``--json`` writes). Text goes to ``stream``
     (default stdout), the progress bar to stderr; under torchrun only rank 0 writes
     either, and the report also holds ``world_size`` and ``rank``. ``cache_dir``:
     load (and keep) compiled kernels and cuDNN plans there (`framekv warmup --cache-dir`
     fills it), so the captures build nothing. ``kv_dtype``: the K/V pool (`Rollout`'s;
     the checks' rollouts use the same); over fp8 the report holds the pool's
-    statistics (``kv_stats``: saturation counts, amax, scales)."""
+    statistics (``kv_stats``: saturation counts, amax, scales). ``gemm_dtype``: the
+    blocks' GEMMs (`Rollout`'s: None, or "fp8"; the checks' rollouts use the same)."""
     if isinstance(check_chunks, bool) or not isinstance(check_chunks, int) or check_chunks < 0:
         raise ValueError(f"check_chunks must be an integer >= 0, got {check_chunks!r}")
     name, mspec, rspec = resolve_specs(preset)
@@ -160,7 +165,7 @@ def run_demo(preset="tiny", *, chunks: int | None = None, device=None, backend=N
     try:
         return _run(name, mspec, rspec, device, backend, check_chunks,
                     (stream or sys.stdout) if rank == 0 else io.StringIO(),
-                    progress and rank == 0, group, cache_dir, kv_dtype)
+                    progress and rank == 0, group, cache_dir, kv_dtype, gemm_dtype)
     finally:
         del group
         if created:
@@ -185,12 +190,12 @@ def release_process_group() -> None:
 
 
 def _run(name, mspec, rspec, device, backend, check_chunks: int, stream, progress: bool,
-         group, cache_dir=None, kv_dtype=None) -> dict:
+         group, cache_dir=None, kv_dtype=None, gemm_dtype=None) -> dict:
     """The demo on one rank (``group``: its process group, or None for one process)."""
     t0 = time.perf_counter()
     parallel = {} if group is None else {"process_group": group}
     r = Rollout((mspec, rspec), device, backend=backend, cache_dir=cache_dir,
-                kv_dtype=kv_dtype, **parallel)
+                kv_dtype=kv_dtype, gemm_dtype=gemm_dtype, **parallel)
     bname = r.backend
     _print_header(stream, name, r, bname)
     r.capture()
@@ -220,6 +225,8 @@ def _print_header(stream, name: str, r: Rollout, bname: str) -> None:
     g = r.geometry
     pool = ("" if r.kv_dtype == r.dtype
             else f", K/V pool {str(r.kv_dtype).removeprefix('torch.')}")
+    if r.gemm_dtype != r.dtype:
+        pool += f", GEMMs {str(r.gemm_dtype).removeprefix('torch.')}"
     print(f"framekv demo: preset {name}, device {r.device}, backend {bname}, "
           f"{str(r.dtype).removeprefix('torch.')}{pool}", file=stream)
     if r.device.type == "cuda" and bname == "reference" and not cudnn_frontend_available():
@@ -250,7 +257,8 @@ def _report(name: str, r: Rollout, bname: str, setup_s: float, prefill_s: float,
         memory["torch_reserved_bytes"] = torch.cuda.memory_reserved(r.device)
     return {"preset": name, "device": str(r.device), "backend": bname,
             "dtype": str(r.dtype).removeprefix("torch."),
-            "kv_dtype": str(r.kv_dtype).removeprefix("torch."), "chunks": len(lat),
+            "kv_dtype": str(r.kv_dtype).removeprefix("torch."),
+            "gemm_dtype": str(r.gemm_dtype).removeprefix("torch."), "chunks": len(lat),
             "frames": frames,
             "setup_seconds": setup_s, "prefill_seconds": prefill_s, "chunk_seconds": lat,
             "median_chunk_seconds": statistics.median(lat) if lat else 0.0,

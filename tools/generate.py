@@ -2,7 +2,7 @@
 
     framekv generate --prompt "a cat" --chunks 6 --out cat.mp4 [--config tiny|1.3b]
                      [--weights DIR] [--checkpoint FILE] [--decoder wan|tiny[:PATH]]
-                     [PRESET] [--seed S] ...
+                     [PRESET] [--seed S] [--fp8-gemm] ...
 
 The prompt is encoded once (the text encoder), the transformer rolls out ``--chunks``
 chunks of latents (`WanRollout`, one graph replay per chunk on CUDA), and one
@@ -29,6 +29,10 @@ preset's S steps: those at indices floor(i S / N), i = 0 .. N - 1 (evenly spaced
 first always; `framekv.engine.samplers.pick_steps`), N in [1, S]. Nothing is
 downloaded. The parts load as the server's do (`framekv.engine.wan.pipeline.WanPipeline`).
 
+``--fp8-gemm`` runs the transformer blocks' linear layers as fp8 GEMMs
+(`framekv.engine.fp8_linear`; the config's in and out features must be multiples of
+16: 1.3b's are, tiny's are not).
+
 The sizes are those of PRESET (or ``--preset``; default: the config's,
 `framekv.engine.wan.PRESETS`; with ``--weights``, the shipped config the transformer
 matches). ``--seed`` seeds the chunks' noise as a server session of that seed draws it
@@ -52,7 +56,7 @@ import os
 import sys
 import time
 
-from .args import nonnegative_int, positive_int, writable_file
+from .args import add_fp8_gemm_argument, gemm_dtype_of, nonnegative_int, positive_int, writable_file
 from .conventions import SAMPLER_NAMES, STEPS_HELP, add_preset_arguments, one_line_errors
 from .video import DEFAULT_CRF, check_mp4_path
 
@@ -90,7 +94,7 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
              use_graphs: bool | None = None, crf: int = DEFAULT_CRF, stream=None,
              progress: bool = True, on_frames=None, decoder: str = "wan",
              overlap: bool | None = None, steps: int | None = None,
-             sampler_options=None) -> GenerateResult:
+             sampler_options=None, gemm_dtype=None) -> GenerateResult:
     """Generate ``chunks`` chunks for ``prompt`` and write them to the MP4 ``out``.
 
     Args as for the command (module doc); ``use_graphs`` None: graphs on CUDA;
@@ -101,8 +105,8 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
     ``decoder``: "wan",
     "tiny" or "tiny:PATH" (module doc); ``overlap``: each chunk decoded on a stream of
     its own beside the next chunk's transformer (`DecodeLane`; None: on CUDA, False:
-    one after the other); ``stream``: where the header and progress go (default
-    stderr);
+    one after the other); ``gemm_dtype``: the blocks' GEMMs (`WanRollout`'s: None, or
+    "fp8"); ``stream``: where the header and progress go (default stderr);
     ``on_frames(index, frames)``: called with each chunk's uint8 frames [F', H, W, 3]
     as they are written.
 
@@ -123,7 +127,7 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
                             sampler_options=sampler_options)
     with contextlib.ExitStack() as stack:
         r, decoder = _start(stack, pipe, prompt, negative_prompt, guidance_scale, dev,
-                            use_graphs)
+                            use_graphs, gemm_dtype)
         setup = time.perf_counter() - t0
         print(_header(pipe, weights, checkpoint, r, chunks), file=stream)
         t1 = time.perf_counter()
@@ -155,11 +159,13 @@ def _check_args(prompt, chunks, out, config, weights, negative_prompt, guidance_
     return path
 
 
-def _start(stack, pipe, prompt, negative_prompt, guidance_scale, device, use_graphs):
+def _start(stack, pipe, prompt, negative_prompt, guidance_scale, device, use_graphs,
+           gemm_dtype=None):
     """The rollout under the prompt (encoded by the pipeline's text encoder), and the
     streaming decoder; both closed by ``stack``."""
     graphs = use_graphs if use_graphs is not None else device.type == "cuda"
-    r = pipe.rollout(device=device, use_graphs=graphs, guidance_scale=guidance_scale)
+    r = pipe.rollout(device=device, use_graphs=graphs, guidance_scale=guidance_scale,
+                     gemm_dtype=gemm_dtype)
     stack.callback(r.close)
     r.set_prompt(prompt, negative_prompt)
     decoder = pipe.decoder(use_graphs=use_graphs)
@@ -225,7 +231,8 @@ def _header(pipe, weights, checkpoint, r, chunks) -> str:
     if checkpoint is not None:
         source += f", checkpoint {checkpoint}"
     return (f"framekv generate: Wan {name} ({source}), device {r.device}, "
-            f"{str(r.dtype).removeprefix('torch.')}; latent {s.latent_size[0]}x"
+            f"{str(r.dtype).removeprefix('torch.')}"
+            f"{'' if r.gemm_dtype == r.dtype else ', fp8 GEMMs'}; latent {s.latent_size[0]}x"
             f"{s.latent_size[1]}, {s.frames_per_chunk}-frame chunks, {chunks} chunk(s); "
             f"{r.sampler} at t = {', '.join(f'{t:.1f}' for t in r.sampling.timesteps)}; "
             f"{_decoder_name(pipe)}")
@@ -305,6 +312,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true",
                    help="decode each chunk after its transformer, not beside the next one's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_fp8_gemm_argument(p)
     p.set_defaults(func=run)
     return p
 
@@ -329,7 +337,8 @@ def run(args) -> int:
                           shift=args.shift, steps=args.steps, fps=args.fps, seed=args.seed,
                           device=args.device, use_graphs=False if args.no_graphs else None,
                           progress=not args.no_progress, decoder=args.decoder,
-                          overlap=False if args.no_overlap else None)
+                          overlap=False if args.no_overlap else None,
+                          gemm_dtype=gemm_dtype_of(args))
     except (ValueError, FileNotFoundError, ImportError) as exc:
         return _fail(exc, 2)
     except (OSError, RuntimeError) as exc:

@@ -21,7 +21,8 @@ import torch
 
 #: A check passes when max|a - b| <= tolerance * max(1, max|b|).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
-#: The same over an fp8 pool (both sides fp8; `framekv.tools.demo.FP8_CHECK_TOLERANCE`).
+#: The same over an fp8 pool or fp8 GEMMs (both sides fp8;
+#: `framekv.tools.demo.FP8_CHECK_TOLERANCE`).
 FP8_TOLERANCE = 1e-1
 
 
@@ -32,9 +33,10 @@ def _sync(device) -> None:
 
 def run_wan_demo(config: str = "tiny", *, preset=None, weights=None, chunks: int | None = None,
                  device=None, backend=None, check_chunks: int = 2, stream=None,
-                 cache_dir=None, kv_dtype=None) -> dict:
+                 cache_dir=None, kv_dtype=None, gemm_dtype=None) -> dict:
     """Run the demo; returns its report. Text goes to ``stream`` (default stdout).
-    ``kv_dtype``: the K/V pool (`WanRollout`'s; the checks' rollouts use the same)."""
+    ``kv_dtype``: the K/V pool, ``gemm_dtype``: the blocks' GEMMs (`WanRollout`'s; the
+    checks' rollouts use the same)."""
     from framekv.engine.wan.pipeline import WanPipeline
 
     stream = stream or sys.stdout
@@ -45,8 +47,9 @@ def run_wan_demo(config: str = "tiny", *, preset=None, weights=None, chunks: int
     model, kw, n = pipe.transformer, pipe.rollout_kwargs(), chunks or 6
     latent, frames = kw["latent_size"], kw["frames_per_chunk"]
     sink, window = kw["sink_frames"], kw["window_frames"]
-    kw["kv_dtype"] = kv_dtype
-    r = pipe.rollout(backend=backend, cache_dir=cache_dir, kv_dtype=kv_dtype)
+    kw["kv_dtype"], kw["gemm_dtype"] = kv_dtype, gemm_dtype
+    r = pipe.rollout(backend=backend, cache_dir=cache_dir, kv_dtype=kv_dtype,
+                     gemm_dtype=gemm_dtype)
     text = torch.randn(1, kw["prompt_tokens"], model.config.text_dim,
                        generator=torch.Generator().manual_seed(0))
     r.set_prompt(text)
@@ -54,7 +57,8 @@ def run_wan_demo(config: str = "tiny", *, preset=None, weights=None, chunks: int
     print(f"framekv demo: Wan {name} ({len(model.blocks)} layers, "
           f"{'weights ' + str(weights) if weights else 'random weights'}), device {r.device}, "
           f"backend {r.backend.name}, {str(r.dtype).removeprefix('torch.')}, K/V pool "
-          f"{str(r.kv_dtype).removeprefix('torch.')}; latent "
+          f"{str(r.kv_dtype).removeprefix('torch.')}, GEMMs "
+          f"{str(r.gemm_dtype).removeprefix('torch.')}; latent "
           f"{latent[0]}x{latent[1]}, {frames}-frame chunks, sink {sink} + window {window} frames",
           file=stream)
     if r.use_graphs:
@@ -73,6 +77,7 @@ def run_wan_demo(config: str = "tiny", *, preset=None, weights=None, chunks: int
             kept.append(out)
     report = {"model": "wan-diffusers", "config": config, "device": str(r.device),
               "backend": r.backend.name, "kv_dtype": str(r.kv_dtype).removeprefix("torch."),
+              "gemm_dtype": str(r.gemm_dtype).removeprefix("torch."),
               "chunks": n, "frames": n * frames,
               "setup_seconds": setup, "chunk_seconds": lat,
               "median_chunk_seconds": statistics.median(lat),
@@ -95,8 +100,10 @@ def _checks(model, r, text, noises, kept, kw, stream) -> list[dict]:
     a new rollout over the same model)."""
     from framekv.engine import WanRollout
 
+    from .demo import uses_fp8
+
     out = []
-    tol = FP8_TOLERANCE if r.kv_dtype == torch.float8_e4m3fn else TOLERANCE.get(r.dtype, 5e-2)
+    tol = FP8_TOLERANCE if uses_fp8(r) else TOLERANCE.get(r.dtype, 5e-2)
     for name, backend in (("graphs vs eager", r.backend.name), ("vs reference backend", "reference")):
         twin = WanRollout(model, backend=backend, use_graphs=False, **kw)
         twin.set_prompt(text)

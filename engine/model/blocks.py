@@ -9,7 +9,9 @@ GEMMs and attention) one of two ways, the same math: ``fused`` through framekv's
 (`adaln_` for norm + modulation with the gated residual before it, `gated_residual_`,
 `qk_norm_rope_stage_` for the QK norm and rope from device positions, staged into the
 cache by the store when it can, and the MLP's bias + GELU as a cuBLASLt epilogue on
-CUDA), or as torch ops (the unfused reference and what a baseline runs).
+CUDA), or as torch ops (the unfused reference and what a baseline runs). Either glue
+runs its four GEMMs in the model's dtype or, given the block's `fp8_linears`, as fp8
+GEMMs (`framekv.engine.fp8_linear`; `linear`, `mlp`).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from framekv import ops
 from framekv.specs import ModelSpec
 
 from ..attention import CachedAttention
+from ..fp8_linear import Fp8Linear
 from ..kv import ForwardContext
 
 #: Wan feeds the sampler's t in [0, 1] to the sinusoid as t * 1000.
@@ -157,6 +160,23 @@ def linear_gelu(fc: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], -1)
 
 
+def linear(fc: torch.nn.Linear, x: torch.Tensor, fp8: Fp8Linear | None = None) -> torch.Tensor:
+    """fc(x) in the model's dtype, or through ``fp8``, its fp8 GEMM."""
+    return fc(x) if fp8 is None else fp8(x)
+
+
+def mlp(fc1, fc2, h: torch.Tensor, fp8: tuple[Fp8Linear, Fp8Linear] | None = None, *,
+        epilogue: bool = True) -> torch.Tensor:
+    """fc2(GELU-tanh(fc1(h))): the GELU in fc1's GEMM epilogue (``epilogue``,
+    `linear_gelu`) or after it as a torch op; with ``fp8`` (fc1's and fc2's fp8 GEMMs)
+    fc1 writes its pre-activation and fc2's input quantizer applies the GELU."""
+    if fp8 is not None:
+        return fp8[1](fp8[0](h), gelu=True)
+    if epilogue:
+        return fc2(linear_gelu(fc1, h))
+    return fc2(F.gelu(fc1(h), approximate="tanh"))
+
+
 class DiTBlock(torch.nn.Module):
     """One block: adaptive-norm self-attention (fused QKV, QK RMSNorm, 3-axis rope)
     and an adaptive-norm GELU-tanh MLP, each added through a gate.
@@ -164,6 +184,9 @@ class DiTBlock(torch.nn.Module):
     ``modulation`` [6, hidden] is added to the shared time projection [B, 6, 1, hidden]:
     shift, scale and gate of the attention, then of the MLP (Wan's layout).
     """
+
+    #: The linears that run as fp8 GEMMs with ``gemm_dtype="fp8"`` (`fp8_linears`).
+    FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")
 
     def __init__(self, spec: ModelSpec, layer_idx: int, backend):
         super().__init__()
@@ -178,10 +201,16 @@ class DiTBlock(torch.nn.Module):
         self.modulation = torch.nn.Parameter(torch.zeros(6, hid))
         self.attn = CachedAttention(H, Hkv, D, backend=backend, layer_idx=layer_idx)
 
-    def qkv_packed(self, h: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+    def fp8_linears(self, prefix: str) -> dict[str, Fp8Linear]:
+        """The block's `FP8_LINEARS` as fp8 GEMMs, by name (their weights quantized
+        now); ``prefix`` names the block in errors ("blocks.3")."""
+        return {n: Fp8Linear.of(getattr(self, n), f"{prefix}.{n}") for n in self.FP8_LINEARS}
+
+    def qkv_packed(self, h: torch.Tensor, rope: tuple | None,
+                   fp8: dict | None = None) -> torch.Tensor:
         """[B, S, hidden] -> packed [B, S, H + 2*H_kv, D]: q, k normed and rotated."""
         H, Hkv, D = self.heads
-        qkv = self.qkv(h).unflatten(-1, (H + 2 * Hkv, D))                 # [B, S, H+2Hkv, D]
+        qkv = linear(self.qkv, h, (fp8 or {}).get("qkv")).unflatten(-1, (H + 2 * Hkv, D))
         q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -189,25 +218,30 @@ class DiTBlock(torch.nn.Module):
         return torch.cat([q, k, v], dim=2)
 
     def forward(self, x: torch.Tensor, time_mod: torch.Tensor, rope, ctx: ForwardContext, *,
-                fused: bool = False, last: bool = False) -> torch.Tensor | None:
+                fused: bool = False, last: bool = False,
+                fp8: dict[str, Fp8Linear] | None = None) -> torch.Tensor | None:
         """x [B, S, hidden]; time_mod [B, 6, 1, hidden]; rope (cos, sin), a `RopeGrid`
         (fused) or None. ``fused``: the glue through framekv's ops (module doc; x is
         then updated in place). ``last``: the model's last block, which in a forward
-        kept for its K/V only stops once they are staged (None back)."""
+        kept for its K/V only stops once they are staged (None back). ``fp8``: the
+        block's `fp8_linears` (its GEMMs in fp8), or None (the model's dtype)."""
         mods = self._mods(x, time_mod, fused)
-        qkv, prologue = self._attention_input(x, mods, rope, fused)
+        qkv, prologue = self._attention_input(x, mods, rope, fused, fp8)
         out = ctx.attention(self.attn, qkv, prologue, last=last)           # [B, S, H, D]
         if out is None:
             return None
         shift1, scale1, gate1, shift2, scale2, gate2 = mods
+        f = fp8 or {}
+        proj = linear(self.proj, out.flatten(2), f.get("proj"))           # [B, S, hidden]
+        ffn = (f["fc1"], f["fc2"]) if f else None
         if fused:
-            h = ops.adaln_(x, residual=self.proj(out.flatten(2)), gate=gate1, shift=shift2,
-                           scale=scale2, eps=1e-6)                         # x += gate1 * proj
-            ops.gated_residual_(x, self.fc2(linear_gelu(self.fc1, h)), gate2)
+            h = ops.adaln_(x, residual=proj, gate=gate1, shift=shift2, scale=scale2,
+                           eps=1e-6)                                       # x += gate1 * proj
+            ops.gated_residual_(x, mlp(self.fc1, self.fc2, h, ffn), gate2)
             return x
-        x = x + gate1 * self.proj(out.flatten(2))
+        x = x + gate1 * proj
         h = modulate(x, shift2, scale2)
-        return x + gate2 * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+        return x + gate2 * mlp(self.fc1, self.fc2, h, ffn, epilogue=False)
 
     def _mods(self, x, time_mod, fused: bool) -> list[torch.Tensor]:
         """shift, scale, gate of the attention, then of the MLP: [B, 1, hidden] each."""
@@ -215,15 +249,16 @@ class DiTBlock(torch.nn.Module):
         # A prompt forward of several sequences has one time row: broadcast it (views).
         return [m.expand(x.shape[0], -1, -1) for m in mods] if fused else list(mods)
 
-    def _attention_input(self, x, mods, rope, fused: bool):
+    def _attention_input(self, x, mods, rope, fused: bool, fp8: dict | None):
         """(packed QKV [B, S, H + 2*H_kv, D], its QK prologue or None): torch glue
         returns q and k normed and rotated; fused glue returns them as projected with
         `qk_norm_rope_stage_` bound as the prologue."""
         H, Hkv, D = self.heads
         if not fused:
-            return self.qkv_packed(modulate(x, mods[0], mods[1]), rope), None
+            return self.qkv_packed(modulate(x, mods[0], mods[1]), rope, fp8), None
         h = ops.adaln_(x, shift=mods[0], scale=mods[1], eps=1e-6)         # [B, S, hidden]
-        qkv = self.qkv(h).unflatten(-1, (H + 2 * Hkv, D))                 # [B, S, H+2Hkv, D]
+        qkv = linear(self.qkv, h, (fp8 or {}).get("qkv")).unflatten(
+            -1, (H + 2 * Hkv, D))                                          # [B, S, H+2Hkv, D]
         prologue = functools.partial(
             ops.qk_norm_rope_stage_, q_weight=self.q_norm.weight, k_weight=self.k_norm.weight,
             num_heads=H, num_kv_heads=Hkv, norm="head", eps=self.q_norm.eps, rope=rope)

@@ -21,6 +21,10 @@ model width. `CausalVideoDiT.prefill` runs it through the blocks at t = 0 as one
 block (every prompt token sees every other, which is exactly V(j) of a block [0, P))
 and commits its K/V as the pinned prefix.
 
+Every block's four GEMMs run in the model's dtype or, with the blocks' fp8 copies
+(`CausalVideoDiT.fp8_linears`, passed to a forward as ``fp8``), as fp8 GEMMs
+(`framekv.engine.fp8_linear`); the embeddings and the head stay in the model's dtype.
+
 Where each layer's K/V goes is said by the forward's `framekv.engine.kv.ForwardContext`
 (its store: the paged cache, the fp32 reference, a store spread over ranks, a dense
 baseline; or none, dense attention over the forward's own tokens). `DiTChunks` is the
@@ -37,6 +41,7 @@ from framekv.specs import ModelSpec
 
 from ..attention import get_backend
 from ..attention.registry import default_backend
+from ..fp8_linear import Fp8Linear
 from ..kv import ForwardContext, KVStore, Recorder
 from .blocks import DiTBlock, Rope3D, modulate, sinusoidal_embedding
 
@@ -130,8 +135,15 @@ class CausalVideoDiT(torch.nn.Module):
         e = self.time_embed(sinusoidal_embedding(t, self.spec.freq_dim).to(self.dtype))
         return e, self.time_proj(e).view(t.shape[0], 6, 1, -1)
 
+    def fp8_linears(self) -> list[dict[str, Fp8Linear]]:
+        """Each block's GEMMs as fp8 GEMMs (`DiTBlock.fp8_linears`), quantized now: what
+        ``fp8`` of `forward` and `prefill` takes. ValueError naming the first layer that
+        cannot be one (`framekv.engine.fp8_linear.Fp8Linear`)."""
+        return [blk.fp8_linears(f"blocks.{i}") for i, blk in enumerate(self.blocks)]
+
     def forward(self, latents: torch.Tensor, t: torch.Tensor, ctx: ForwardContext, *,
-                glue: str | None = None) -> torch.Tensor | None:
+                glue: str | None = None,
+                fp8: list[dict[str, Fp8Linear]] | None = None) -> torch.Tensor | None:
         """The velocity of a chunk's latents.
 
         Args:
@@ -145,6 +157,7 @@ class CausalVideoDiT(torch.nn.Module):
                 False for a forward kept only for the K/V it stages (a clean pass: the
                 last block stops once they are staged, the head does not run).
             glue: "torch" or "fused" for this forward (default ``self.glue``).
+            fp8: the blocks' fp8 GEMMs (`fp8_linears`), or None (the model's dtype).
         Returns:
             velocity [B, C, F, H, W] in the model dtype; None without ``ctx.output``.
         """
@@ -154,7 +167,7 @@ class CausalVideoDiT(torch.nn.Module):
         fused = (glue or self.glue) == "fused"
         e, mod = self.time_conditioning(t)
         rope = self.rope.for_forward(ctx.frame0 + 1, frames, B, fused, ctx)  # video at f + 1
-        x = self._blocks(ctx.shard(x), mod, rope, ctx, fused)              # [B, S(_l), hidden]
+        x = self._blocks(ctx.shard(x), mod, rope, ctx, fused, fp8)         # [B, S(_l), hidden]
         if x is None:
             return None
         shift, scale = (self.head_modulation + e[:, None]).unbind(1)      # [B, hidden] each
@@ -163,13 +176,14 @@ class CausalVideoDiT(torch.nn.Module):
 
     def prefill(self, kv: KVStore, prompt: torch.Tensor | None = None, *,
                 rewrite: bool = False, glue: str | None = None,
-                recorder: Recorder | None = None) -> None:
+                recorder: Recorder | None = None,
+                fp8: list[dict[str, Fp8Linear]] | None = None) -> None:
         """Run the prompt at t = 0 as one causal block and commit its K/V (P tokens) as
         the pinned prefix of ``kv``'s sequences in use, which must be at position 0.
         ``prompt``: [P, text_dim] tokens instead of the model's own. ``rewrite``: write
         them over the pinned region of sequences under way instead (a prompt change;
         the store must support it: `PagedKV.rewrite_prompt`). Only the prompt's K/V
-        are kept: its last block stops once they are staged."""
+        are kept: its last block stops once they are staged. ``fp8``: as `forward`."""
         P = self.prompt_tokens
         if P == 0:
             return
@@ -183,15 +197,17 @@ class CausalVideoDiT(torch.nn.Module):
         ctx = ForwardContext(kv, seq_len=P, output=False, recorder=recorder, attend=attend)
         x = self.text_embed(prompt.to(self.device, self.dtype))[None]      # [1, P, hidden]
         _, mod = self.time_conditioning(torch.zeros(1, device=self.device))
-        self._blocks(ctx.shard(x), mod, None, ctx, (glue or self.glue) == "fused")
+        self._blocks(ctx.shard(x), mod, None, ctx, (glue or self.glue) == "fused", fp8)
         kv.rewrite_prompt() if rewrite else kv.commit_prompt()
 
-    def _blocks(self, x, mod, rope, ctx: ForwardContext, fused: bool) -> torch.Tensor | None:
+    def _blocks(self, x, mod, rope, ctx: ForwardContext, fused: bool,
+                fp8: list | None) -> torch.Tensor | None:
         """The blocks over x; None when the forward keeps only its K/V (the last block
         stopped once they were staged)."""
         last = len(self.blocks) - 1
         for i, blk in enumerate(self.blocks):
-            x = blk(x, mod, rope, ctx, fused=fused, last=i == last)
+            x = blk(x, mod, rope, ctx, fused=fused, last=i == last,
+                    fp8=None if fp8 is None else fp8[i])
             if x is None:
                 return None
         return x
@@ -200,19 +216,25 @@ class CausalVideoDiT(torch.nn.Module):
 class DiTChunks:
     """A `CausalVideoDiT` as a `framekv.engine.runner.ChunkModel`: its forward, its
     prompt as the pinned prefix (K/V committed into the sequences, rewritten in place
-    on a change), its latent shape, with its own glue (one model may serve runners of
-    both glues).
+    on a change), its latent shape, with its own glue and GEMMs (one model may serve
+    runners of both glues, with and without fp8 GEMMs).
 
     Args:
         model: the `CausalVideoDiT`; glue: "fused" or "torch".
+        fp8: run the blocks' GEMMs in fp8 (`CausalVideoDiT.fp8_linears`, quantized here:
+            ValueError naming a layer that cannot be one).
+
+    Attributes:
+        fp8: the blocks' fp8 GEMMs, or None.
     """
 
     keeps_history = False  # a prompt change rewrites the prefix; the window's K/V stay
     prompt_in_store = True  # the pinned prefix: a sequence's snapshot carries it
     timestep_scale = 1.0   # the sampler's sigma is the model's t
 
-    def __init__(self, model: CausalVideoDiT, glue: str):
+    def __init__(self, model: CausalVideoDiT, glue: str, fp8: bool = False):
         self.dit, self.glue = model, glue
+        self.fp8 = model.fp8_linears() if fp8 else None
         s = model.spec
         self.device, self.dtype = model.device, model.dtype
         self.tokens_per_frame = (s.latent_height // s.patch_size[1]) * (s.latent_width // s.patch_size[2])
@@ -221,7 +243,7 @@ class DiTChunks:
         self.attention = model.blocks[0].attn
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, ctx: ForwardContext):
-        return self.dit(x, t, ctx, glue=self.glue)
+        return self.dit(x, t, ctx, glue=self.glue, fp8=self.fp8)
 
     def q_bounds(self) -> list[float] | None:
         """Each block's |q| bound after its per-head QK norm (fused glue), else None."""
@@ -236,7 +258,8 @@ class DiTChunks:
         (``rows``, already in use), committed at position 0 or written over it. A
         rewrite is all or nothing: its forward writes nothing, and its writes put the
         old prompt's K/V back if one fails (`PagedKV.rewrite_prompt`)."""
-        self.dit.prefill(kv, prompt, rewrite=rewrite, glue=self.glue, recorder=recorder)
+        self.dit.prefill(kv, prompt, rewrite=rewrite, glue=self.glue, recorder=recorder,
+                         fp8=self.fp8)
 
     def clear_prompt(self, rows) -> None:
         """Nothing to do: the prompt's K/V live in the store, whose reset of ``rows``

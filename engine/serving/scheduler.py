@@ -35,7 +35,6 @@ No web imports here: `framekv.tools.serve` puts HTTP and WebSockets around it.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import logging
 import queue
@@ -51,6 +50,7 @@ from ..rollout import Rollout
 from ..decode_lane import DecodeLane
 from ..runner import ChunkRunner
 from .records import EndedSessions, Histogram, LoopStopped, PromptChange, SchedulerFull
+from .loop import GpuLoop
 from .moves import Moves
 from .sizes import check_args, default_batch_sizes, scratch_rows
 from .slots import SlotPool
@@ -61,7 +61,7 @@ __all__ = ["LoopStopped", "SchedulerFull", "StreamScheduler"]
 log = logging.getLogger("framekv.scheduler")
 
 
-class StreamScheduler(Steps, Moves):
+class StreamScheduler(Steps, Moves, GpuLoop):
     """Streams on one batched pool (module doc).
 
     Args:
@@ -76,8 +76,8 @@ class StreamScheduler(Steps, Moves):
         batch_sizes: the batch sizes captured (default `default_batch_sizes`).
         runner_factory: instead of the preset's `Rollout`, a callable
             ``(sequences=N, batch_sizes=sizes) -> ChunkRunner`` (a `WanRollout` partial).
-        kv_dtype, steps: the preset `Rollout`'s K/V pool (None, "bf16", "fp8") and N of
-            its denoising steps (None: all); None for both with a ``runner_factory``.
+        kv_dtype, gemm_dtype, steps: the preset `Rollout`'s K/V pool and block GEMMs (None,
+            "bf16", "fp8"), N of its denoising steps (None: all); None with a factory.
         decoder_factory: None (latents only), or ``(slots) ->`` a streaming video
             decoder (``decode(latents, rows=)``, ``reset(rows=)``, ``snapshot(row)``,
             ``restore(row, state)``, ``close()``: `framekv.engine.wan.StreamingVAEDecoder`).
@@ -93,9 +93,10 @@ class StreamScheduler(Steps, Moves):
                  queue_chunks: int = 4, batch_sizes=None, progress: bool = False,
                  runner_factory=None, decoder_factory=None, ended_records: int = 1024,
                  swap_quantum: int = 16, kv_dtype=None, checkpoints=None,
-                 overlap: bool | None = None, steps: int | None = None):
-        S = check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum,
-                       {"kv_dtype": kv_dtype, "steps": steps}, runner_factory, decoder_factory)
+                 overlap: bool | None = None, steps: int | None = None, gemm_dtype=None):
+        S = check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum, {
+            "kv_dtype": kv_dtype, "steps": steps, "gemm_dtype": gemm_dtype}, runner_factory,
+            decoder_factory)
         sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(S))))
         if sizes[-1] < S or sizes[0] < 1:
             raise ValueError(f"batch_sizes must reach slots={S}, got {sizes}")
@@ -104,7 +105,7 @@ class StreamScheduler(Steps, Moves):
         self.swap_quantum, self.batch_sizes, self.checkpoints = swap_quantum, sizes, checkpoints
         make = runner_factory or functools.partial(
             Rollout, preset, device, backend=backend, cache_dir=cache_dir, use_graphs=use_graphs,
-            kv_dtype=kv_dtype, steps=steps)
+            kv_dtype=kv_dtype, steps=steps, gemm_dtype=gemm_dtype)
         self.runner: ChunkRunner = make(sequences=S + scratch, batch_sizes=sizes)
         if not isinstance(self.runner, ChunkRunner):
             raise ValueError(f"runner_factory must build a ChunkRunner, got "
@@ -293,38 +294,6 @@ class StreamScheduler(Steps, Moves):
             self._checkpoint(due)
             return made
 
-    def _on_gpu(self, fn, *args):
-        """``fn(*args)`` where GPU work may run: handed to the loop thread between
-        steps, or run here when no loop runs (or this is it)."""
-        loop = self._loop
-        if loop is None or not loop.is_alive() or threading.current_thread() is loop:
-            with self._gpu:
-                self._flush()
-                return fn(*args)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._requests.put((fn, args, done))
-        with self.ready:
-            self.ready.notify_all()
-        while True:
-            try:
-                return done.result(timeout=0.5)
-            except concurrent.futures.TimeoutError:
-                if not loop.is_alive():     # it ended before taking the request
-                    with self._gpu:
-                        self._serve_requests()
-
-    def _serve_requests(self) -> None:
-        while True:
-            try:
-                fn, args, done = self._requests.get_nowait()
-            except queue.Empty:
-                return
-            self._flush()           # a request sees every chunk made, the decoder idle
-            try:
-                done.set_result(fn(*args))
-            except BaseException as exc:
-                done.set_exception(exc)
-
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
         """A snapshot for a server's metrics (host work only): streams open and allowed,
@@ -347,47 +316,6 @@ class StreamScheduler(Steps, Moves):
                     "step_seconds": self._step_seconds.snapshot(),
                     "chunk_seconds": self._chunk_seconds.snapshot(),
                     "swap_seconds": self.pool.seconds.snapshot(), **self.runner.stats()}
-
-    # ------------------------------------------------------------------ loop
-    def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
-        """Step until ``stop`` is set (the GPU loop of a server, in its own thread). A
-        failing step fails its streams and the loop goes on; should the loop itself
-        raise, `loop_error` keeps why, every stream still going fails with it,
-        `open_session` raises `LoopStopped` from then on, and the exception propagates."""
-        self._loop = threading.current_thread()
-        try:
-            while not stop.is_set():
-                if self.step() == 0:
-                    with self.ready:
-                        if (not self._ready() and self._requests.empty()
-                                and not stop.is_set()):
-                            self.ready.wait(idle_wait)
-        except BaseException as exc:
-            self._stopped(f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            self._serve_requests_after_stop()
-
-    def _serve_requests_after_stop(self) -> None:
-        """Requests handed over as the loop ended run here (nobody else would)."""
-        self._loop = None
-        with self._gpu:
-            self._flush()
-            self._serve_requests()
-
-    def _stopped(self, reason: str) -> None:
-        with self.lock:
-            self.loop_error = reason
-            for s in self.sessions.values():
-                if not s.finished:
-                    s.state, s.waiting_since = "failed", None
-                    s.error = f"the GPU loop stopped: {reason}"
-            self.ready.notify_all()
-
-    def _check_running(self) -> None:
-        if self.loop_error is not None:
-            raise LoopStopped(f"the GPU loop stopped ({self.loop_error}): no session can "
-                              "be stepped; restart the server")
 
     def close(self) -> None:
         """Free the pool, the graphs and the decoder; flush the checkpoints."""

@@ -11,7 +11,11 @@ weights are the model's own, called directly (no processor is replaced)::
 
 With the fused glue, q and k go as projected to one `framekv.ops.qk_norm_rope_stage_`
 (the norm over all heads, the rope from a `RopeGrid`), which a store that stages K/V
-with it (`PagedKV`) runs as its staging.
+with it (`PagedKV`) runs as its staging. Given a block's fp8 GEMMs
+(`framekv.engine.wan.blocks.fp8_linears`: "qkv", "out", "cross_q", "cross_out"), the
+q, k, v projection (one GEMM over the packed weight, either glue) and the output
+projections and cross-attention's q run through them; the prompt's k and v stay in
+the model's dtype (once per prompt).
 """
 from __future__ import annotations
 
@@ -22,8 +26,9 @@ import torch.nn.functional as F
 
 from framekv import ops
 
+from ..fp8_linear import Fp8Linear
 from ..kv import ForwardContext
-from ..model.blocks import apply_rope
+from ..model.blocks import apply_rope, linear
 
 
 def qkv_projections(attn, hidden_states: torch.Tensor):
@@ -82,6 +87,22 @@ def pack_projections(attn) -> None:
     setattr(attn, _PACKED, (weight, bias))
 
 
+def fp8_qkv(attn, name: str) -> Fp8Linear:
+    """The q, k, v projections of a self-attention module as one fp8 GEMM over their
+    weights stacked by rows ([3*H*D, dim], as `pack_projections` stores them; the
+    per-channel scales make it the three GEMMs' result side by side). ``name`` names
+    the module in errors."""
+    if getattr(attn, "fused_projections", False):
+        return Fp8Linear.of(attn.to_qkv, f"{name}.to_qkv")
+    parts = _packed_parts(attn)
+    if parts is None:
+        mods = (attn.to_q, attn.to_k, attn.to_v)
+        biased = all(m.bias is not None for m in mods)
+        parts = (torch.cat([m.weight for m in mods]),
+                 torch.cat([m.bias for m in mods]) if biased else None)
+    return Fp8Linear(*parts, name=f"{name}.to_q/to_k/to_v")
+
+
 def packed_qkv(attn, hidden_states: torch.Tensor) -> torch.Tensor:
     """q, k and v of a self-attention module side by side, [B, S, 3*H*D]: one GEMM where
     the projections are fused or packed (`pack_projections`), else a ``cat``."""
@@ -94,19 +115,22 @@ def packed_qkv(attn, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def self_attention(attn, hidden_states: torch.Tensor, rope, ctx: ForwardContext, cached, *,
-                   fused: bool, last: bool) -> torch.Tensor | None:
+                   fused: bool, last: bool, fp8: dict | None = None) -> torch.Tensor | None:
     """``attn1`` of a block over the forward's store: hidden_states [B, S, dim] -> [B, S, dim];
     ``cached`` the layer's `CachedAttention`; rope: cos/sin tables (torch glue) or a
     `RopeGrid` (fused); ``last``: the model's last layer (None back once its K/V are
-    staged in a forward kept for them)."""
+    staged in a forward kept for them); ``fp8``: the block's fp8 GEMMs, or None."""
+    fp8 = fp8 or {}
     if fused:
-        qkv = packed_qkv(attn, hidden_states).unflatten(2, (3 * attn.heads, -1))  # [B, S, 3H, D]
+        qkv = (fp8["qkv"](hidden_states) if fp8 else packed_qkv(attn, hidden_states))
+        qkv = qkv.unflatten(2, (3 * attn.heads, -1))                      # [B, S, 3H, D]
         prologue = functools.partial(
             ops.qk_norm_rope_stage_, q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight,
             num_heads=attn.heads, num_kv_heads=attn.heads, norm="all", eps=attn.norm_q.eps,
             rope=rope)
     else:
-        q, k, v = qkv_projections(attn, hidden_states)
+        q, k, v = (fp8["qkv"](hidden_states).chunk(3, dim=-1) if fp8
+                   else qkv_projections(attn, hidden_states))
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # [B, S, H, D]
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -114,7 +138,8 @@ def self_attention(attn, hidden_states: torch.Tensor, rope, ctx: ForwardContext,
     out = ctx.attention(cached, qkv, prologue, last=last)                  # [B, S, H, D]
     if out is None:
         return None
-    return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(hidden_states)))
+    return attn.to_out[1](linear(attn.to_out[0], out.flatten(2, 3).type_as(hidden_states),
+                                 fp8.get("out")))
 
 
 class PromptKV:
@@ -175,9 +200,13 @@ class PromptKV:
             self.k[list(rows)] = 0
             self.v[list(rows)] = 0
 
-    def __call__(self, attn, hidden_states: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """``attn2`` over hidden_states [B, S, dim] and the prompts of the forward's rows."""
-        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+    def __call__(self, attn, hidden_states: torch.Tensor, rows: torch.Tensor | None,
+                 fp8: dict | None = None) -> torch.Tensor:
+        """``attn2`` over hidden_states [B, S, dim] and the prompts of the forward's rows;
+        ``fp8``: the block's fp8 GEMMs ("cross_q", "cross_out"), or None."""
+        fp8 = fp8 or {}
+        q = attn.norm_q(linear(attn.to_q, hidden_states, fp8.get("cross_q")))
+        q = q.unflatten(2, (attn.heads, -1))
         B = q.shape[0]
         if rows is None:
             k, v = self.k[:B], self.v[:B]                                    # [B, L, H, D]
@@ -186,4 +215,4 @@ class PromptKV:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                              v.transpose(1, 2))              # [B, H, S, D]
         out = out.transpose(1, 2).flatten(2, 3).type_as(q)
-        return attn.to_out[1](attn.to_out[0](out))
+        return attn.to_out[1](linear(attn.to_out[0], out, fp8.get("cross_out")))

@@ -15,7 +15,9 @@ The rope is framekv's `Rope3D` at absolute frames (frame f of batch row r at rop
 stock table's angles without its length cap. A prompt lives in cross-attention, so the
 K/V of finished frames depend on it (``keeps_history``). With the fused glue each
 self-attention's q, k and v projections are packed into one weight
-(`attention.pack_projections`); the model is otherwise untouched.
+(`attention.pack_projections`); the model is otherwise untouched. With ``fp8`` every
+block's GEMMs run in fp8 (`blocks.fp8_linears`: fp8 copies of their weights, kept
+here, beside the model's own).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ..attention import CachedAttention
 from ..kv import ForwardContext, KVStore, Recorder
 from ..model.blocks import Rope3D
 from .attention import PromptKV, pack_projections
-from .blocks import block_forward
+from .blocks import block_forward, fp8_linears
 from .setup import WanShape
 
 
@@ -41,6 +43,11 @@ class WanChunks:
         sequences: N, the pool's sequences (one prompt each).
         prompt_tokens: L of every prompt, or None (the first prompt's).
         device, dtype: where the model runs and its compute dtype.
+        fp8: run the blocks' GEMMs in fp8 (their weights quantized here: ValueError
+            naming a layer that cannot be one).
+
+    Attributes:
+        fp8: each block's fp8 GEMMs (`blocks.fp8_linears`), or None.
     """
 
     keeps_history = True
@@ -48,7 +55,7 @@ class WanChunks:
     timestep_scale = 1000.0
 
     def __init__(self, model, shape: WanShape, *, glue: str, backend, sequences: int,
-                 prompt_tokens: int | None, device, dtype):
+                 prompt_tokens: int | None, device, dtype, fp8: bool = False):
         self.model, self.glue, self.device, self.dtype = model, glue, device, dtype
         self.tokens_per_frame = shape.tokens_per_frame
         self.latent_shape = (shape.channels, *shape.latent_size)
@@ -56,6 +63,8 @@ class WanChunks:
         if glue == "fused":
             for block in model.blocks:
                 pack_projections(block.attn1)
+        self.fp8 = ([fp8_linears(b, f"blocks.{i}") for i, b in enumerate(model.blocks)]
+                    if fp8 else None)
         self.layers = [CachedAttention(shape.heads, shape.heads, shape.head_dim, backend=backend,
                                        layer_idx=i) for i in range(shape.num_layers)]
         self.attention = self.layers[0]
@@ -129,7 +138,7 @@ class WanChunks:
         last = len(m.blocks) - 1
         for i, (block, cached, prompt) in enumerate(zip(m.blocks, self.layers, self.prompts)):
             h = block_forward(block, h, proj, rope, ctx, cached, prompt, fused=fused,
-                              last=i == last)
+                              last=i == last, fp8=None if self.fp8 is None else self.fp8[i])
             if h is None:
                 return None
         shift, scale = (m.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)

@@ -16,6 +16,10 @@ sequences (``sequences=N``): N independent sequences on one pool, each with its 
 prompt, position and history; a prompt change can re-cache a sequence's history
 (`ChunkRunner.recache`).
 
+The blocks' GEMMs run in the model's dtype or, with ``gemm_dtype="fp8"``, in fp8
+(`framekv.engine.fp8_linear`: self- and cross-attention projections and the MLP; the
+prompt's cross-attention K/V, the embeddings and the head stay in the model's dtype).
+
 Prompts are embeddings [1, L, text_dim] or, with a ``text_encoder`` (`TextEncoder`, its
 ``max_tokens`` the rollout's L), text: each text encoded once, as ``WanPipeline`` encodes
 it; under guidance a text prompt's negative defaults to the text "" (as the pipeline's).
@@ -30,6 +34,7 @@ from ..attention import get_backend
 from ..attention.registry import default_backend
 from ..cache import CausalKVCache
 from ..cache_dir import use_cache_dir
+from ..fp8_linear import FP8, resolve_gemm_dtype
 from ..kv import KVStore, PagedKV
 from framekv.specs.checks import check_choice, check_count
 from ..rollout import check_store_dtype, resolve_kv_dtype
@@ -73,11 +78,16 @@ class WanRollout(ChunkRunner):
             None or "bf16" the model's compute dtype (default), "fp8" or
             torch.float8_e4m3fn (e4m3 with per-head scales; q, k, v stay in the model's
             dtype). With ``kv``: None takes its cache's dtype, anything else must name it.
+        gemm_dtype: the blocks' GEMMs (`framekv.engine.fp8_linear.resolve_gemm_dtype`):
+            None or "bf16" the model's dtype (default), "fp8" or torch.float8_e4m3fn
+            (fp8 GEMMs with row-wise scales; the weights quantized here, once, their
+            copies held by the rollout). ValueError naming a layer whose in or out
+            features are not multiples of 16, or on CUDA a model not in bfloat16.
 
     Attributes:
         model: the diffusers model; shape: the `WanShape`; text_encoder: the
             `TextEncoder` or None; ``recorder``: see `ChunkRunner`; kv_dtype: the dtype
-            the K/V are kept in.
+            the K/V are kept in; gemm_dtype: the dtype the blocks' GEMMs run in.
     """
 
     def __init__(self, model, *, latent_size, frames_per_chunk: int, sink_frames: int = 1,
@@ -87,7 +97,7 @@ class WanRollout(ChunkRunner):
                  cache_dir=None, kv: KVStore | None = None, guidance_scale: float | None = None,
                  sequences: int | None = None, batch_sizes=None, prompt_tokens: int | None = None,
                  glue: str = "fused", trim_clean_pass: bool = True, text_encoder=None,
-                 kv_dtype=None, sampler_options=None):
+                 kv_dtype=None, sampler_options=None, gemm_dtype=None):
         check_model(model)
         check_choice("glue", glue, ("fused", "torch"))
         check_count("prompt_tokens", prompt_tokens)
@@ -102,11 +112,13 @@ class WanRollout(ChunkRunner):
                                       else resolve_kv_dtype(kv_dtype, dtype))
         if kv is not None:
             check_store_dtype(kv, self.kv_dtype)
+        self.gemm_dtype: torch.dtype = resolve_gemm_dtype(gemm_dtype, dtype)
         pool = (check_count("sequences", sequences) or 1) * (1 if guidance_scale is None else 2)
         name = backend if backend is not None else default_backend(dev, self.shape.head_dim)
         attention = get_backend(name, plan_dir=use_cache_dir(cache_dir, dev), device=dev)
         chunks = WanChunks(model, self.shape, glue=glue, backend=attention, sequences=pool,
-                           prompt_tokens=prompt_tokens, device=dev, dtype=dtype)
+                           prompt_tokens=prompt_tokens, device=dev, dtype=dtype,
+                           fp8=self.gemm_dtype == FP8)
         if kv is None:
             kv = PagedKV(self._cache(dev, self.kv_dtype, pool), self.shape.geometry())
         super().__init__(chunks, kv,

@@ -29,6 +29,7 @@ from urllib.parse import quote
 
 from ..args import bearer_token, int_in, positive_int
 from ..serve import command as serve_command
+from ..serve.tokens import token_of, warn_unguarded
 from .autoscale import autoscaling_config
 
 MAX_REPLICAS = 256
@@ -128,7 +129,7 @@ def _cluster_args(args) -> tuple[argparse.Namespace, dict]:
     """``args`` checked (`checked_options`), with a state folder every replica uses."""
     options = serve_command.checked_options(args)
     scaling(args)
-    admin = serve_command.token_of(args, option="admin_token", env="FRAMEKV_ADMIN_TOKEN")
+    admin = token_of(args, option="admin_token", env="FRAMEKV_ADMIN_TOKEN")
     if admin is not None and admin == options["token"]:
         raise ValueError("the admin token (--admin-token, FRAMEKV_ADMIN_TOKEN) must differ "
                          "from the session token: the session token must not pass the "
@@ -185,7 +186,7 @@ def run_cluster(args) -> int:
         return serve_command.fail(exc)
     from ray import serve
 
-    serve_command.warn_unguarded(args.host, options["token"])
+    warn_unguarded(args.host, options["token"])
     try:
         start_ray(args, options)
         serve.run(deployments(args, options), name=APP, route_prefix="/")

@@ -81,7 +81,8 @@ as a picture of their latents, one image per latent frame at 8 times its size
 (`framekv.engine.serving.LatentPreview`), so the page shows a stream of either.
 ``--output latents`` streams the latents themselves.
 ``--kv-dtype fp8`` keeps either model's K/V pool in float8 e4m3 (half a bf16 pool's
-bytes; `framekv.engine.rollout.resolve_kv_dtype`). ``--steps N`` runs N of the preset's
+bytes; `framekv.engine.rollout.resolve_kv_dtype`); ``--fp8-gemm`` runs either model's
+block GEMMs in fp8 (`framekv.engine.fp8_linear`). ``--steps N`` runs N of the preset's
 S denoising steps for either model: those at indices floor(i S / N), i = 0 .. N - 1
 (evenly spaced, the first always; `framekv.engine.samplers.pick_steps`), N in [1, S].
 
@@ -126,16 +127,17 @@ Python clients: `framekv.client.sessions` (``framekv.client``).
 """
 
 import argparse
-import os
 import signal
 import sys
 
-from ..args import (add_kv_dtype_argument, bearer_token, int_in, kv_dtype_of, origins,
+from ..args import (add_fp8_gemm_argument, add_kv_dtype_argument, bearer_token, gemm_dtype_of,
+                    int_in, kv_dtype_of, origins,
                     positive_int, seconds)
 from ..conventions import (SAMPLER_NAMES, STEPS_HELP, add_preset_arguments, load_preset_arg,
                            one_line_errors)
 from ..generate import SELF_FORCING_SHIFT, positive_number
 from .app import FRAME_FORMATS, MAX_FPS, OUTPUTS, build_app, page_html, state_dir_path
+from .tokens import token_of, warn_unguarded
 from .wan import WanParts, wan_factory
 from .wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
 
@@ -180,6 +182,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(default 16)")
     add_kv_dtype_argument(p)
     p.add_argument("--steps", type=positive_int, default=None, metavar="N", help=STEPS_HELP)
+    add_fp8_gemm_argument(p)
     _session_options(p)
     p.add_argument("--cache-dir", default=None, help="kernels and cuDNN plans kept on disk")
     p.add_argument("--device", default=None,
@@ -274,40 +277,6 @@ def check_wan_options(args) -> None:
         check_decoder(args.decoder, getattr(args, "weights", None), name="--decoder")
 
 
-def token_of(args, *, option: str = "token", env: str = "FRAMEKV_TOKEN") -> str | None:
-    """The bearer token: ``--token`` (with a warning on stderr: every user of the machine
-    sees a process's arguments), else ``FRAMEKV_TOKEN``, else None. ValueError for a
-    set but malformed FRAMEKV_TOKEN (an empty one included). ``option``, ``env``:
-    another token's (the cluster's ``--admin-token``, ``FRAMEKV_ADMIN_TOKEN``)."""
-    given = getattr(args, option, None)
-    if given is not None:
-        print(f"framekv serve: warning: --{option.replace('_', '-')} is visible to every "
-              f"user of this machine (ps, /proc); set {env} instead", file=sys.stderr)
-        return given
-    token = os.environ.get(env)
-    if token is None:
-        return None
-    try:
-        return bearer_token(token)
-    except argparse.ArgumentTypeError as exc:
-        raise ValueError(f"{env} {exc}") from None
-
-
-def warn_unguarded(host: str, token: str | None) -> None:
-    """One warning line on stderr for a server bound to an address other than loopback
-    with no token: whoever reaches it may open, read and end any session."""
-    import ipaddress
-
-    try:
-        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:                       # a host name: it may resolve to anything
-        loopback = host.lower() == "localhost"
-    if token is None and not loopback:
-        print(f"framekv serve: warning: --host {host} is not a loopback address and no token "
-              "is set: whoever reaches it can open, read and end any session (set "
-              "FRAMEKV_TOKEN)", file=sys.stderr)
-
-
 def model_name(args) -> str:
     """The model's name in /v1/info: "reference:PRESET" or "wan-diffusers:CONFIG" (or
     ":" + the weights folder's name), then "+" + the checkpoint's file name if any."""
@@ -379,6 +348,7 @@ def build_scheduler(args, options: dict):
                            queue_chunks=args.queue_chunks, runner_factory=parts,
                            kv_dtype=kv_dtype_of(args) if parts is None else None,
                            steps=getattr(args, "steps", None) if parts is None else None,
+                           gemm_dtype=gemm_dtype_of(args) if parts is None else None,
                            decoder_factory=decoder,
                            overlap=False if getattr(args, "no_overlap", False) else None)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from ..args import kv_dtype_of
+from ..args import gemm_dtype_of, kv_dtype_of
 
 if typing.TYPE_CHECKING:
     from framekv.engine.wan.pipeline import WanPipeline
@@ -19,13 +19,15 @@ class WanParts:
     runner (the pipeline's `WanRollout`, which encodes text); `decoder` is the
     scheduler's ``decoder_factory``. ``backend``: the rollout's attention backend
     (default: the device's, `default_backend`); ``kv_dtype``: its K/V pool
-    (`WanRollout`'s: None the model's dtype, or "fp8")."""
+    (`WanRollout`'s: None the model's dtype, or "fp8"); ``gemm_dtype``: its blocks'
+    GEMMs (None, or "fp8")."""
 
     pipeline: "WanPipeline"
     cache_dir: str | None = None
     use_graphs: bool = True
     backend: str | None = None
     kv_dtype: str | None = None
+    gemm_dtype: str | None = None
 
     model = property(lambda self: self.pipeline.transformer, doc="The transformer.")
     text_encoder = property(lambda self: self.pipeline.text_encoder, doc="Its TextEncoder.")
@@ -35,7 +37,8 @@ class WanParts:
     def __call__(self, *, sequences: int, batch_sizes):
         return self.pipeline.rollout(cache_dir=self.cache_dir, use_graphs=self.use_graphs,
                                      sequences=sequences, batch_sizes=batch_sizes,
-                                     backend=self.backend, kv_dtype=self.kv_dtype)
+                                     backend=self.backend, kv_dtype=self.kv_dtype,
+                                     gemm_dtype=self.gemm_dtype)
 
     def decoder(self, slots: int):
         """The pipeline's streaming decoder (the Wan VAE's or the tiny one, `--decoder`),
@@ -56,7 +59,7 @@ def wan_factory(args, *, use_graphs: bool = True, decode: bool = True) -> WanPar
     ``--sampler`` at ``--shift`` (default Self-Forcing's with a checkpoint), ``--steps``
     of the preset's steps; at the sizes of ``--preset`` (default: the preset of the
     shipped config the transformer matches), prompts of the preset's ``prompt_tokens``,
-    the pool of ``--kv-dtype``, frames by ``--decoder``.
+    the pool of ``--kv-dtype``, the GEMMs of ``--fp8-gemm``, frames by ``--decoder``.
     ValueError for a bad option, before anything is built."""
     from framekv.engine.wan.pipeline import WanPipeline
 
@@ -69,4 +72,5 @@ def wan_factory(args, *, use_graphs: bool = True, decode: bool = True) -> WanPar
                             steps=getattr(args, "steps", None),
                             text_encoder=None, vae=decode,
                             decoder=getattr(args, "decoder", None) or "wan")
-    return WanParts(pipe, args.cache_dir, use_graphs, kv_dtype=kv_dtype_of(args))
+    return WanParts(pipe, args.cache_dir, use_graphs, kv_dtype=kv_dtype_of(args),
+                    gemm_dtype=gemm_dtype_of(args))
