@@ -106,7 +106,7 @@ def format_clean_pass(records: list[dict]) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="reference,wan", help="reference, wan or both")
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds (>= 3)")
     ap.add_argument("--windows", type=int, default=21, help="window frames")

@@ -1,8 +1,13 @@
 """Moves on a framekv cluster: what a live stream's move costs, and how fast sessions
 are placed.
 
-    python -m framekv.bench.cluster --device cpu [--presets tiny,small-stream]
+    python -m framekv.bench.cluster [--device cpu|cuda] [--presets tiny,small-stream]
         [--moves 8] [--placements 32] [--json FILE]
+
+``--device`` defaults to cuda where a GPU is visible, else cpu; ``--presets`` to those
+of `DEFAULT_PRESETS` for that device (a CPU: tiny). Each preset is checked to fit
+two replicas of ``--max-sessions 8`` on the device before any cluster starts: one that
+does not is refused with what it needs, in one line, exit status 2.
 
 For each preset, starts ``framekv serve PRESET --replicas 2 --output latents`` (a
 local Ray cluster, its own process), then:
@@ -36,6 +41,12 @@ from .serve_load import free_port, read_chunks, stop_server, wait_serving
 from .timing import stderr_progress, write_result
 
 START_TIMEOUT_S = 600.0
+#: the presets measured by default, by device type: on a CPU the small-stream pool (8
+#: sessions of a 36-layer model) does not fit an ordinary host's memory
+DEFAULT_PRESETS = {"cpu": "tiny", "cuda": "tiny,small-stream"}
+#: each replica's sessions, as `cluster` starts them (``--max-sessions``)
+SESSIONS = 8
+REPLICAS = 2
 
 
 @contextlib.contextmanager
@@ -44,21 +55,42 @@ def cluster(preset: str, device: str, progress):
     replicas serve."""
     import httpx
 
-    port, state = free_port(), tempfile.mkdtemp(prefix="framekv-bench-cluster-")
+    port, state = free_port(), tempfile.TemporaryDirectory(prefix="framekv-bench-cluster-")
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "framekv.tools.cli", "serve", preset, "--replicas", "2",
-           "--output", "latents", "--device", device, "--max-sessions", "8",
-           "--port", str(port), "--state-dir", state, "--session-idle-timeout", "3600"]
+    cmd = [sys.executable, "-m", "framekv.tools.cli", "serve", preset, "--replicas",
+           str(REPLICAS), "--output", "latents", "--device", device, "--max-sessions",
+           str(SESSIONS), "--port", str(port), "--state-dir", state.name,
+           "--session-idle-timeout", "3600"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_serving(proc, lambda: len(_replicas(httpx, url)) == 2, log.name, START_TIMEOUT_S)
+        wait_serving(proc, lambda: len(_replicas(httpx, url)) == REPLICAS, log.name,
+                     START_TIMEOUT_S)
         progress(f"{preset}: cluster up at {url}")
         yield url
     finally:
         stop_server(proc, 90)
         log.close()
         os.unlink(log.name)
+        state.cleanup()
+
+
+def check_presets(presets: list[str], device) -> None:
+    """ValueError naming the first of ``presets`` whose `REPLICAS` replicas of
+    `SESSIONS` sessions do not fit ``device`` (`framekv.engine.memory.check_fits`: on one
+    host, every replica's pool and model on the same memory), before any cluster
+    starts."""
+    from framekv.engine.memory import check_fits, rollout_bytes
+    from framekv.engine.model import default_backend, model_dtype
+    from framekv.engine.rollout import resolve_specs
+
+    for preset in presets:
+        name, model, rollout = resolve_specs(preset)
+        need = rollout_bytes(model, rollout, model_dtype(model, device), sequences=SESSIONS,
+                             reference_attention=default_backend(device, model.head_dim)
+                             == "reference")
+        check_fits(f"preset {name!r} ({REPLICAS} replicas of {SESSIONS} sessions)",
+                   {k: REPLICAS * v for k, v in need.items()}, device)
 
 
 def _replicas(httpx, url: str) -> list:
@@ -124,19 +156,26 @@ def moves(url: str, count: int, progress) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.cluster",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.cluster",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--presets", default="tiny,small-stream")
+    p.add_argument("--presets", default=None,
+                   help="comma-separated presets (default: "
+                        + "; ".join(f"{v} on {k}" for k, v in DEFAULT_PRESETS.items()) + ")")
     p.add_argument("--moves", type=int, default=8)
     p.add_argument("--placements", type=int, default=32)
-    p.add_argument("--device", required=True,
-                   help="the replicas' device: cpu (here: Ray's wheels do not travel to the "
-                        "GPU machines), or cuda on a host with a GPU per replica")
+    p.add_argument("--device", default=None,
+                   help="the replicas' device: cpu, or cuda on a host with a GPU per "
+                        "replica (default: cuda where a GPU is visible, else cpu)")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
+    try:
+        device, presets = resolve(args)
+    except ValueError as exc:
+        print(f"python -m framekv.bench.cluster: error: {exc}", file=sys.stderr)
+        return 2
     progress, out = stderr_progress("cluster"), {}
-    for preset in args.presets.split(","):
-        with cluster(preset, args.device, progress) as url:
+    for preset in presets:
+        with cluster(preset, str(device), progress) as url:
             out[preset] = {"placement": placements(url, args.placements),
                            "moves": moves(url, args.moves, progress)}
         m, pl = out[preset]["moves"], out[preset]["placement"]
@@ -149,6 +188,18 @@ def main(argv=None) -> int:
               f"{m['steady_gap_s'] * 1e3:.1f} ms)  placed {pl['per_second']:.1f}/s")
     write_result(args.json, cluster=out)
     return 0
+
+
+def resolve(args) -> tuple:
+    """(the torch device, the presets) of ``args``: the defaults filled in (module
+    doc), every preset checked to fit (`check_presets`); ValueError for a bad device or
+    a preset that does not fit."""
+    from framekv.engine.rollout import resolve_device
+
+    device = resolve_device(args.device)
+    presets = (args.presets or DEFAULT_PRESETS[device.type]).split(",")
+    check_presets(presets, device)
+    return device, presets
 
 
 if __name__ == "__main__":

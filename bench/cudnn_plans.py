@@ -104,7 +104,7 @@ def format_plans(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.cudnn_plans",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.cudnn_plans",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", action="append", default=None,
                    help="preset (repeatable; default seed-bench and wan-1.3b)")

@@ -168,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
     """The module's command line."""
     from framekv.engine.wan import CONFIGS
 
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.fp8",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.fp8",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", type=subset_of(PARTS), default=PARTS,
                    help=f"comma-separated: {','.join(PARTS)} (default all)")

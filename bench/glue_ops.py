@@ -167,7 +167,7 @@ def format_glue_ops(res: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="wan-1.3b", help="model whose chunk shape to use")
     ap.add_argument("--rounds", type=int, default=20, help="timed rounds (>= 5)")
     ap.add_argument("--launches", type=int, default=20, help="calls per graph (>= 1)")

@@ -88,7 +88,7 @@ def measure(n: int, repeats: int) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--kernels", default="1,10,100,1000", help="kernels per graph, comma-separated")
     ap.add_argument("--repeats", type=int, default=200, help="timed batches per number")

@@ -245,7 +245,7 @@ def chain_rows(rows: list) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--rows", default="chains,kinds,stack",
                     help="comma-separated groups of rows to run (chains, kinds, params, stack)")

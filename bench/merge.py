@@ -138,7 +138,7 @@ def report(results: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--iters", type=int, default=100, help="timed replays per variant (>= 50)")
     args = ap.parse_args(argv)

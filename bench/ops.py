@@ -185,7 +185,7 @@ def report(results: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--launches", type=int, default=20, help="launches per graph")
     ap.add_argument("--repeats", type=int, default=50, help="graph replays timed")

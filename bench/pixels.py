@@ -338,7 +338,7 @@ def format_pixels(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.pixels",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.pixels",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--decoders", default=",".join(DECODERS),
                    help="comma-separated, of wan, wan-modules and tiny (default all)")

@@ -241,7 +241,7 @@ def _measure(port: int, ids: list[str], seconds: float, scrape, progress, preset
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.serve_load",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.serve_load",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", action="append", default=None,
                    help="preset (repeatable; default small-stream)")

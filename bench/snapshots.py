@@ -230,7 +230,7 @@ def format_snapshots(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.snapshots",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.snapshots",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--rounds", type=int, default=5)

@@ -108,7 +108,7 @@ def format_startup(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.startup",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.startup",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default="tiny,wan-1.3b", help="comma-separated preset names")
     p.add_argument("--json", dest="json_path", metavar="FILE", default=None)

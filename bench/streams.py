@@ -136,7 +136,7 @@ def format_streams(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.streams",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.streams",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", action="append", default=None,
                    help="preset (repeatable; default small-stream at B = 1, 2, 4, 8 and "

@@ -93,7 +93,7 @@ def variants(st: Setup, world: int, rank: int):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="seed-bench",
                     help="preset name or file (default seed-bench)")
     ap.add_argument("--iters", type=int, default=50, help="timed iterations per variant")

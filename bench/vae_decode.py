@@ -104,7 +104,7 @@ def format_result(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.vae_decode",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.vae_decode",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="1.3b", help="a shipped VAE config (default 1.3b)")
     p.add_argument("--iters", type=int, default=10, help="steady chunks timed per program")

@@ -184,7 +184,7 @@ def _read(path: str) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -194,7 +194,7 @@ def format_wan(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.wan",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.wan",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="1.3b", help="tiny or 1.3b (default 1.3b)")
     p.add_argument("--window", type=int, default=21, help="window frames (default 21)")

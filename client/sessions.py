@@ -4,7 +4,7 @@
     from framekv.client import Client
 
     with Client("http://127.0.0.1:8000") as client:         # token: FRAMEKV_TOKEN
-        session = client.create(seed=1, chunks=6, text="a red fox")
+        session = client.create(seed=1, chunks=12, text="a red fox")
         for chunk in session.stream():
             use(chunk.latents)       # --output latents: float32 [C, F, H, W]
             use(chunk.video())       # --output frames: uint8 [F', H, W, 3] (Pillow)
@@ -26,7 +26,8 @@ or "closed" with a ``reason``). Control messages go over the session's socket (o
 on first use), a tensor prompt over ``PUT /v1/sessions/{id}/prompt`` (bf16 and fp16
 as they are, anything else as float32); `Session.change_prompt` returns the server's
 ``{"type": "prompt_ack", "prompt_version", "applies_from"}``, and the chunks that
-arrive while it waits are kept for `stream`. ``create(prompt=tensor)`` opens the
+arrive while it waits are kept for `stream`; a change no chunk would come under (the
+session made its last one) raises `ServerError` with the server's reason. ``create(prompt=tensor)`` opens the
 session paused, uploads the prompt, and resumes it once its socket opens, so every
 chunk is made under that prompt. One task or thread uses a session at a time. Needs
 httpx and websockets >= 13 (the ``serve`` extra).
@@ -114,7 +115,9 @@ class Session(SessionState):
     def change_prompt(self, text: str | None = None, *, prompt=None,
                       prompt_seed: int | None = None, timeout: float | None = None) -> dict:
         """Change the prompt (text, a seed's random embeddings, or a tensor [L, D]);
-        the server's ack ``{"type": "prompt_ack", "prompt_version", "applies_from"}``."""
+        the server's ack ``{"type": "prompt_ack", "prompt_version", "applies_from"}``.
+        `ServerError` when the server refuses it (e.g. the session made its last
+        chunk: no chunk would come under it)."""
         if prompt is not None:
             raw, headers = prompt_upload(prompt)
             return check_response(self.client.http.put(f"/v1/sessions/{self.id}/prompt",

@@ -15,7 +15,7 @@ from framekv.specs import load_preset
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     preset = load_preset("tiny")

@@ -10,7 +10,7 @@ import threading
 
 from framekv.engine.serving import StreamScheduler
 
-p = argparse.ArgumentParser()
+p = argparse.ArgumentParser(allow_abbrev=False)
 p.add_argument("--device", default=None)
 p.add_argument("--model", choices=("reference", "wan-diffusers"), default="reference")
 args = p.parse_args()
@@ -23,15 +23,17 @@ sched = StreamScheduler("tiny", max_sessions=4, device=args.device, runner_facto
 stop = threading.Event()
 loop = threading.Thread(target=sched.run, args=(stop,))
 loop.start()                                                 # the GPU loop
-sessions = [sched.open_session(seed=seed, chunks=3) for seed in (1, 2, 3)]
-for s in sessions:
-    while (chunk := sched.next_chunk(s.id, timeout=60)) is not None:
-        sched.ack(s.id, chunk.index)                     # ours now: the stream may go on
-        C, F, H, W = chunk.latents.shape
-        print(f"session {s.seed}: chunk {chunk.index}, frames {chunk.frame0}..{chunk.frame0 + F - 1}"
-              f" of {C}x{H}x{W}, batch of {chunk.batch}")
-    print(f"session {s.seed}: {s.state}")
-    sched.close_session(s.id)
-stop.set()
-loop.join()
-sched.close()
+try:
+    sessions = [sched.open_session(seed=seed, chunks=3) for seed in (1, 2, 3)]
+    for s in sessions:
+        while (chunk := sched.next_chunk(s.id, timeout=60)) is not None:
+            sched.ack(s.id, chunk.index)                 # ours now: the stream may go on
+            C, F, H, W = chunk.latents.shape
+            print(f"session {s.seed}: chunk {chunk.index}, frames {chunk.frame0}.."
+                  f"{chunk.frame0 + F - 1} of {C}x{H}x{W}, batch of {chunk.batch}")
+        print(f"session {s.seed}: {s.state}")
+        sched.close_session(s.id)
+finally:                     # however it ends (an error, Ctrl-C): the loop stops, the pool goes
+    stop.set()
+    loop.join()
+    sched.close()

@@ -317,6 +317,18 @@ def check_frames(name: str, value, count: int) -> list[int]:
     return [int(v) for v in values]
 
 
+def check_text(name: str, value) -> str:
+    """``value`` as a text prompt: a string holding at least one character that is not
+    white space (an empty or blank prompt would encode as no words at all). Else a
+    ValueError naming ``name``."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise ValueError(f"{name} must hold at least one word (a character other than "
+                         f"white space), got {value!r}")
+    return value
+
+
 def check_prompt(name: str, x, shape):
     """``x`` as a [L, D] prompt (given as that, or [1, L, D]) of ``shape`` (L, D), L None
     for any length, with finite floating-point values; or None as it is (a runner's

@@ -70,6 +70,28 @@ def test_the_blocking_client_streams_changes_prompts_and_closes(server, monkeypa
     no_sessions(sched)
 
 
+def test_a_prompt_change_after_the_last_chunk_is_refused_with_the_reason(server, monkeypatch):
+    """Its last chunk made (not yet read), a session takes no new prompt: the change
+    raises `ServerError` saying so, over the socket and as an upload, and the chunks
+    still come, each under the old prompt."""
+    url, sched = server
+    monkeypatch.setenv("FRAMEKV_TOKEN", TOKEN)
+    with fc.Client(url) as client:
+        s = client.create(seed=33, chunks=1)
+        deadline = time.monotonic() + 30
+        while s.info()["state"] != "done":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for change in (lambda: s.change_prompt(prompt_seed=2),
+                       lambda: s.change_prompt(prompt=torch.zeros(sched.prompt_shape))):
+            with pytest.raises(fc.ServerError, match="has made all 1 of its chunks: a prompt "
+                                                     "change would apply from chunk 1"):
+                change()
+        assert [c.prompt_version for c in s.stream(timeout=30)] == [0]
+        assert s.end["state"] == "done"
+    no_sessions(sched)
+
+
 def test_a_tensor_prompt_applies_from_chunk_0_and_uploads_keep_their_dtype(server):
     url, sched = server
     L, D = sched.prompt_shape
@@ -187,12 +209,12 @@ def test_the_client_example_streams_from_its_own_server():
     for seed in (1, 2, 3):
         mine = [ln for ln in lines if ln.startswith(f"session {seed}: chunk")]
         assert [ln.split(", prompt")[0] for ln in mine] == [
-            f"session {seed}: chunk {i} of [4, 2, 8, 8]" for i in range(6)]
+            f"session {seed}: chunk {i} of [4, 2, 8, 8]" for i in range(8)]
         assert f"session {seed}: done" in lines
     ack = next(ln for ln in lines if "from chunk" in ln)
     applies = int(ack.rsplit(" ", 1)[1])
     versions = [ln.endswith("version 1") for ln in lines if ln.startswith("session 1: chunk")]
-    assert versions == [i >= applies for i in range(6)]
+    assert 1 < applies < 8 and versions == [i >= applies for i in range(8)]
 
 
 def test_chunks_sent_again_after_a_reconnect_come_once():

@@ -88,8 +88,12 @@ def test_sessions_move_drain_and_survive_a_killed_replica(tmp_path):
         for t in threads:
             t.start()
         wait_until(lambda: len(got[sids[0]]) >= 3)
+        before = httpx.get(f"{url}/v1/sessions/{sids[0]}", timeout=30).json()["replica"]
         r = httpx.post(f"{url}/v1/sessions/{sids[0]}/move", json={}, timeout=60)
         assert r.status_code == 200 and r.json()["bytes"] > 0, r.text
+        # GET names the replica that holds it: the one it left, then the one it went to
+        assert (r.json()["from"], r.json()["to"]) == (
+            before, httpx.get(f"{url}/v1/sessions/{sids[0]}", timeout=30).json()["replica"])
 
         wait_until(lambda: min(len(g) for g in got.values()) >= 5)
         first = min(replicas(url))

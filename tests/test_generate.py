@@ -189,12 +189,18 @@ def cli(tmp_path, *args) -> list[str]:
     (["--chunks", "1", "--out", "{tmp}/x.mp4", "--config", "huge"], "invalid choice: 'huge'"),
     (["--chunks", "1", "--out", "{tmp}/x.mp4", "--config", "tiny", "--weights", "{tmp}"],
      "not allowed with argument"),
+    (["--chunks", "1", "--out", "{tmp}/x.mp4", "--prompt", ""],
+     "--prompt: must hold at least one word .*, got ''"),
+    (["--chunks", "1", "--out", "{tmp}/x.mp4", "--prompt", " \t "],
+     r"--prompt: must hold at least one word .*, got ' \\t '"),
+    (["--chunks", "1", "--out", "{tmp}/x.mp4", "--chunk", "2"],
+     "unrecognized arguments: --chunk$"),
 ])
 def test_bad_arguments_exit_2_at_parse_time(tmp_path, capsys, args, match):
     with pytest.raises(SystemExit) as exc:
         main(cli(tmp_path, *[a.format(tmp=tmp_path) for a in args]))
     assert exc.value.code == 2
-    assert re.search(match, capsys.readouterr().err)
+    assert re.search(match, capsys.readouterr().err.strip())
     assert os.listdir(tmp_path) == []
 
 
@@ -245,6 +251,45 @@ def test_generate_refuses_arguments(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         generate(CAT, **kwargs)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", "\n\t"])
+def test_a_prompt_without_a_word_is_refused_before_anything_loads(tmp_path, prompt):
+    with pytest.raises(ValueError, match=f"prompt must hold at least one word .*"
+                                         f"{re.escape(repr(prompt))}"):
+        generate(prompt, chunks=1, out=tmp_path / "x.mp4")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("fps", [8, 16, 30])
+def test_a_20_chunk_video_reads_back_frame_for_frame(tmp_path, fps):
+    """20 chunks of the tiny config (157 frames: past the encoder's lookahead, whose
+    delayed packets once broke the file) at 8, 16 and 30 fps; the default 16 as the
+    command writes it, the others in-process, each frame read back against the one the
+    pipeline decoded."""
+    F, H, W = tiny_sizes()
+    n, path = video_frames(F, 20), tmp_path / "long.mp4"
+    assert n >= 150
+    if fps == 16:
+        out = subprocess.run([sys.executable, "-m", "framekv.tools.cli", "generate",
+                              "--config", "tiny", "--prompt", CAT, "--chunks", "20", "--out",
+                              str(path), "--no-progress"], capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr
+        want = None
+    else:
+        chunks, _ = run_generate(path, chunks=20, fps=fps)
+        want = np.concatenate(chunks)                                     # [n, 8H, 8W, 3]
+    got, rate = read_video(path)
+    assert got.shape == (n, 8 * H, 8 * W, 3) and rate == fps
+    import av
+
+    with av.open(str(path)) as c:
+        stream = c.streams.video[0]
+        assert stream.frames == n
+        assert float(stream.duration * stream.time_base) == pytest.approx(n / fps, abs=1e-3)
+    if want is not None:
+        assert max(mae(luma(g), luma(w)) for g, w in zip(got, want)) < LUMA_BOUND
 
 
 def test_a_failure_mid_run_leaves_nothing(tmp_path):

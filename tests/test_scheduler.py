@@ -17,7 +17,8 @@ import torch
 
 from framekv.engine import Rollout
 from framekv.engine.step import chunk_noise
-from framekv.engine.serving import Histogram, SchedulerFull, StreamScheduler, to_uint8
+from framekv.engine.serving import (Histogram, PromptTooLate, SchedulerFull, StreamScheduler,
+                                    to_uint8)
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +211,35 @@ def test_text_needs_a_text_encoder_and_changes_nothing(sched):
     with pytest.raises(ValueError, match="prompt text needs a runner with a text encoder"):
         sched.set_prompt(s.id, "a dog")
     assert s.prompt_version == 0 and not sched.text_prompts and not sched.decoding
+
+
+def test_a_prompt_change_no_chunk_would_come_under_is_refused(sched, monkeypatch):
+    """A session that made its last chunk takes no prompt change: it would apply from a
+    chunk that never comes. One asked for while its last chunk is being made fails so
+    once that chunk is made, and re-caches nothing."""
+    _clear(sched)
+    prompt = sched.runner.model.prompt + 1
+    s = sched.open_session(seed=3, chunks=2)
+    while not s.finished:
+        sched.step()
+    with pytest.raises(PromptTooLate, match=r"has made all 2 of its chunks: a prompt change "
+                                            r"would apply from chunk 2, which will not come"):
+        sched.set_prompt(s.id, prompt)
+    assert s.prompt_version == 0 and not s.pending
+    t, asked, execute = sched.open_session(seed=4, chunks=2), [], sched.runner.execute
+
+    def mid_step(plan):                              # the client asks during the last step
+        if (4, 1) in plan.keys and not asked:
+            asked.append(sched.set_prompt(t.id, prompt))
+        return execute(plan)
+    monkeypatch.setattr(sched.runner, "execute", mid_step)
+    while not t.finished:
+        sched.step()
+    assert asked and not asked[0].done() and t.pending       # accepted: it was not done yet
+    sched.step()                                             # the next plan settles it
+    with pytest.raises(PromptTooLate, match="has made all 2 of its chunks"):
+        asked[0].result(0)
+    assert t.prompt_version == 0 and not t.pending and t.pending_prompt is None
 
 
 def test_the_latency_clock_runs_while_a_session_is_ready_and_not_while_paused(sched):

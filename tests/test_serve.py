@@ -170,6 +170,9 @@ def test_errors_are_clear_and_change_nothing(server):
         (http.post("/v1/sessions", json={"seed": 1, "text": 5}), 422, "text must be a string"),
         (http.post("/v1/sessions", json={"seed": 1, "text": ""}), 422,
          "text must be a string of 1 or more characters, got ''"),
+        (http.post("/v1/sessions", json={"seed": 1, "text": " \n\t "}), 422,
+         "text must hold at least one word (a character other than white space), "
+         "got ' \\n\\t '"),
     ]
     for r, status, words in bad:
         assert r.status_code == status and words in r.json()["error"], (status, r.text)

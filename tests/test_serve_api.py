@@ -315,7 +315,8 @@ def test_info_and_a_session_record_describe_what_streams(server):
         "frame_format": None, "max_sessions": 4, "slots": 4, "queue_chunks": 2,
         "session_idle_timeout": 0.4}
     sid = create(http, seed=6, chunks=2, prompt_seed=3, paused=True)
-    base = {"id": sid, "seed": 6, "budget": 2, "prompt_version": 0, "error": None}
+    base = {"id": sid, "seed": 6, "budget": 2, "prompt_version": 0, "error": None,
+            "replica": None}                            # one server: no replica to name
     assert http.get(f"/v1/sessions/{sid}").json() == {
         **base, "state": "active", "paused": True, "connected": False, "chunks": 0,
         "delivered": 0, "ended": False, "end_reason": None}

@@ -88,6 +88,28 @@ def test_mp4_writer_round_trip_in_chunks(tmp_path):
     assert mae(got[0], frames[6]) > 20                                   # the check can fail
 
 
+@pytest.mark.parametrize("fps", [8, 16, 30])
+def test_a_long_video_reads_back_frame_for_frame(tmp_path, fps):
+    """157 frames (a 20-chunk tiny video), written in chunks as `generate` writes them:
+    past the encoder's lookahead its packets come delayed, each stamped in the stream's
+    time base, which the muxer sets once it writes the header."""
+    path, frames = tmp_path / "v.mp4", smooth_frames(157, 32, 48)
+    with MP4Writer(path, fps=fps, width=48, height=32) as w:
+        for i in range(0, 157, 8):
+            w.write(frames[i:i + 8])
+    got, rate = read_video(path)
+    assert got.shape == (157, 32, 48, 3) and rate == fps
+    for i, g in enumerate(got):           # each frame in its place: nearest its own source
+        own = mae(g, frames[i])
+        assert all(own + 1 < mae(g, frames[j]) for j in (i - 1, i + 1) if 0 <= j < 157), i
+    with av.open(str(path)) as c:
+        stream = c.streams.video[0]
+        assert stream.frames == 157
+        assert float(stream.duration * stream.time_base) == pytest.approx(157 / fps, abs=1e-3)
+        pts = [p.pts for p in c.demux(stream) if p.pts is not None]
+    assert len(pts) == 157 and len(set(pts)) == 157                     # one stamp a frame
+
+
 def test_mp4_writer_leaves_nothing_on_an_exception(tmp_path):
     path = tmp_path / "v.mp4"
     path.write_bytes(b"older video")

@@ -45,6 +45,17 @@ def int_in(low: int, high: int):
     return parse
 
 
+def prompt_text(text: str) -> str:
+    """A text prompt: at least one character other than white space
+    (`framekv.specs.checks.check_text`)."""
+    from framekv.specs.checks import check_text
+
+    try:
+        return check_text("prompt", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("prompt ")) from None
+
+
 def tolerance(text: str) -> float:
     """A finite number >= 0."""
     try:

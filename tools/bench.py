@@ -316,7 +316,8 @@ def _error(msg, status: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m framekv.tools.bench [...]``."""
-    p = argparse.ArgumentParser(prog="framekv bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="framekv bench",
+                                description=__doc__.split("\n\n")[0])
     configure(p)
     args = p.parse_args(argv)
     return args.func(args)

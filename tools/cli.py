@@ -25,8 +25,8 @@ from . import bench, generate, serve
 from .cluster import command as cluster
 from .args import (add_fp8_gemm_argument, add_kv_dtype_argument, gemm_dtype_of,
                    nonnegative_int, positive_int, tolerance, writable_file)
-from .conventions import (PresetError, add_backend_argument, add_preset_arguments,
-                          load_preset_arg, preset_help, version_line)
+from .conventions import (CommandParser, PresetError, add_backend_argument,
+                          add_preset_arguments, load_preset_arg, preset_help, version_line)
 
 CPU_NOTE = "cpu: graphs run eagerly; nothing is captured"
 
@@ -200,7 +200,7 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="framekv",
         description="framekv: a CUDA-graph-centric runtime for autoregressive video diffusion.")
     p.add_argument("--version", action="version", version=version_line())
@@ -230,13 +230,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: the exit status of a command that Ctrl-C (SIGINT) stopped: 128 + the signal's number
+INTERRUPTED = 130
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``framekv COMMAND ...``: the command's exit status. Ctrl-C ends a command with one
+    line, ``framekv COMMAND: interrupted``, and status 130, not a traceback (a server
+    drains first: its sessions end cleanly)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        # a terminal's cursor may stand in a progress bar, or after its ^C
+        lead = "\n" if sys.stderr.isatty() else ""
+        print(f"{lead}framekv {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

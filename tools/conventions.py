@@ -17,6 +17,10 @@ the same to every command that takes it (`STEPS_HELP`).
 A command whose options are all checked before it builds anything (serve, generate)
 reports a bad one in one line, ``framekv COMMAND: error: ...``, with exit status 2
 (`one_line_errors`).
+
+Options are taken only as spelled: no parser takes an abbreviation (``--chunk`` is not
+``--chunks``), and a command's unknown argument is its own usage error, not the top
+level's (`CommandParser`).
 """
 from __future__ import annotations
 
@@ -81,6 +85,30 @@ def _is_path(name: str) -> bool:
     # Preset names may hold dots ("wan-1.3b"): only a spec suffix or a separator makes
     # PRESET a path (the rule `framekv.specs.load_preset` uses).
     return name.lower().endswith((".toml", ".json")) or "/" in name or os.sep in name
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of ``framekv`` and of each of its commands: no abbreviated long option
+    is taken (``allow_abbrev`` is off), and a command's parser reports an argument it
+    does not know as its own error (``framekv demo: error: unrecognized arguments: ...``
+    after demo's usage), where argparse would print the top level's usage."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", _SubcommandParser)
+        return super().add_subparsers(**kwargs)
+
+
+class _SubcommandParser(CommandParser):
+    """A command's parser (`CommandParser`): what is left over is its own usage error."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
 
 def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

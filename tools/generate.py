@@ -56,7 +56,10 @@ import os
 import sys
 import time
 
-from .args import add_fp8_gemm_argument, gemm_dtype_of, nonnegative_int, positive_int, writable_file
+from framekv.specs.checks import check_text
+
+from .args import (add_fp8_gemm_argument, gemm_dtype_of, nonnegative_int, positive_int,
+                   prompt_text, writable_file)
 from .conventions import SAMPLER_NAMES, STEPS_HELP, add_preset_arguments, one_line_errors
 from .video import DEFAULT_CRF, check_mp4_path
 
@@ -142,8 +145,7 @@ def _check_args(prompt, chunks, out, config, weights, negative_prompt, guidance_
                 seed) -> str:
     """ValueError naming the first bad argument (the weights, the checkpoint and the
     sampling are `WanPipeline.load`'s to check); the absolute path of ``out``."""
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    check_text("prompt", prompt)
     for arg, value, low in (("chunks", chunks, 1), ("fps", fps, 1), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
@@ -286,7 +288,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="a Self-Forcing generator checkpoint (.pt/.safetensors) replacing the "
                         "transformer's weights")
     add_preset_arguments(p, default=None, note="the sizes; default the config's")
-    p.add_argument("--prompt", required=True, help="the text prompt")
+    p.add_argument("--prompt", type=prompt_text, required=True,
+                   help="the text prompt (at least one word)")
     p.add_argument("--negative-prompt", default=None,
                    help="the unconditional branch's prompt (needs --guidance-scale)")
     p.add_argument("--guidance-scale", type=positive_number, default=None,

@@ -102,7 +102,12 @@ class MP4Writer:
             self._stream = self._container.add_stream("libx264", rate=self.fps)
             self._stream.width, self._stream.height = width, height
             self._stream.pix_fmt = "yuv420p"
-            self._stream.time_base = Fraction(1, self.fps)
+            # Frames are stamped in 1/fps; the muxer may change the stream's time base
+            # once it writes the header (at the encoder's first packet), and PyAV
+            # rescales each packet from the codec's time base to the stream's.
+            self._frame_time_base = Fraction(1, self.fps)
+            self._stream.time_base = self._frame_time_base
+            self._stream.codec_context.time_base = self._frame_time_base
             self._stream.options = {"crf": str(crf)}
         except BaseException:
             self.abort()
@@ -133,7 +138,7 @@ class MP4Writer:
             raise ValueError(f"frames must be uint8, got {frames.dtype}")
         for pixels in frames:  # [H, W, 3]
             frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
-            frame.pts, frame.time_base = self.frames, self._stream.time_base
+            frame.pts, frame.time_base = self.frames, self._frame_time_base
             self._container.mux(self._stream.encode(frame))
             self.frames += 1
 

@@ -13,12 +13,14 @@ and the runner is `framekv.engine.step`; the chunk message `framekv.specs.wire`.
 from .checkpoint import Checkpoints
 from .frames import to_uint8
 from .preview import LatentPreview
-from .records import LATENCY_BUCKETS, EndedSessions, Histogram, PromptChange, SessionChunk
+from .records import (LATENCY_BUCKETS, EndedSessions, Histogram, PromptChange, PromptTooLate,
+                      SessionChunk)
 from .scheduler import LoopStopped, SchedulerFull, StreamScheduler
 from .sizes import default_batch_sizes
 from .slots import SlotPool, pick_victim
 from .stream import Stream
 
 __all__ = ["Checkpoints", "EndedSessions", "Histogram", "LATENCY_BUCKETS", "LatentPreview",
-           "LoopStopped", "PromptChange", "SchedulerFull", "SessionChunk", "SlotPool", "Stream",
-           "StreamScheduler", "default_batch_sizes", "pick_victim", "to_uint8"]
+           "LoopStopped", "PromptChange", "PromptTooLate", "SchedulerFull", "SessionChunk",
+           "SlotPool", "Stream", "StreamScheduler", "default_batch_sizes", "pick_victim",
+           "to_uint8"]

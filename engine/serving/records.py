@@ -1,7 +1,8 @@
 """What a scheduler hands out, counts and raises: `SessionChunk`, one chunk a stream made;
 `PromptChange`, a prompt change and when it took; `EndedSessions`, the bounded record
 of streams that ended; `Histogram`, the step, chunk and swap latencies;
-`SchedulerFull` and `LoopStopped`, why a stream cannot open."""
+`SchedulerFull` and `LoopStopped`, why a stream cannot open; `PromptTooLate`, why a
+prompt change cannot take."""
 from __future__ import annotations
 
 import collections
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["EndedSessions", "Histogram", "LATENCY_BUCKETS", "LoopStopped", "PromptChange",
-           "SWAP_BUCKETS", "SchedulerFull", "SessionChunk"]
+           "PromptTooLate", "SWAP_BUCKETS", "SchedulerFull", "SessionChunk"]
 
 #: upper bounds (seconds) of the step and chunk latency histograms
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -26,6 +27,11 @@ class SchedulerFull(Exception):
 class LoopStopped(RuntimeError):
     """The GPU loop (`StreamScheduler.run`) ended by an exception: no stream can be
     stepped any more; the message says why."""
+
+
+class PromptTooLate(ValueError):
+    """A prompt change no chunk would be made under: its stream has made its last chunk
+    (its budget is spent) or ended; the message says which (`Stream.late_prompt`)."""
 
 
 @dataclass

@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from framekv.specs.checks import check_prompt
+from framekv.specs.checks import check_prompt, check_text
 
 from ..rollout import Rollout
 from ..decode_lane import DecodeLane
@@ -171,7 +171,7 @@ class StreamScheduler(Steps, Moves, GpuLoop):
                                  f"{type(self.runner).__name__} has none: give a "
                                  f"{list(self.prompt_shape)} tensor, got {prompt!r}")
             with self._text_lock:  # the encoder's prompt cache is not thread safe
-                prompt = self.runner.encode_prompt(prompt)            # [1, L, text_dim]
+                prompt = self.runner.encode_prompt(check_text("prompt", prompt))  # [1, L, D]
         return check_prompt("prompt", prompt, self.prompt_shape).detach().to("cpu")
 
     def open_session(self, *, seed: int, prompt: torch.Tensor | str | None = None,
@@ -231,12 +231,14 @@ class StreamScheduler(Steps, Moves, GpuLoop):
         stream off the pool: as it takes a slot; one not started: at once); the video
         goes on. Returns the `PromptChange` (``result()`` waits for the re-cache and
         raises what it raised: the stream then stays under its old prompt). KeyError for
-        an id that is not open, ValueError for a bad prompt."""
+        an id not open; ValueError for a bad prompt, `PromptTooLate` for a stream done."""
         if session_id not in self.sessions:
             raise KeyError(session_id)
         prompt = self._prompt(prompt)
         with self.lock:
             s = self.sessions[session_id]
+            if (late := s.late_prompt()) is not None:
+                raise late
             version = max([s.prompt_version] + [c.version for c in s.pending]) + 1
             change = PromptChange(version, s.chunks)
             if not s.started:                # nothing to re-cache: it starts under it

@@ -163,6 +163,10 @@ class Steps(Overlap):
         entering = {sw.stream for sw in plan.swap_ins}
         taken = {}
         for s in self.sessions.values():
+            if s.pending and s.late_prompt() is not None:   # its last chunk came first
+                for change in s.pending:
+                    change.settle(error=s.late_prompt())
+                s.pending, s.pending_prompt = [], None
             if not s.pending or s.slot is None:
                 continue
             taken[s.id] = (list(s.pending), s.pending_prompt)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..stream_state import StreamState
+from .records import PromptTooLate
 
 __all__ = ["Stream"]
 
@@ -87,6 +88,19 @@ class Stream:
     def started(self) -> bool:
         """Whether it has a stream to keep: on the pool, or parked with one."""
         return self.slot is not None or self.parked is not None
+
+    def late_prompt(self) -> PromptTooLate | None:
+        """The `PromptTooLate` a prompt change of this stream meets when no chunk would
+        be made under it any more (it finished: its budget made, failed or closed);
+        else None."""
+        if not self.finished:
+            return None
+        if self.state == "done":
+            return PromptTooLate(f"session {self.id[:64]!r} has made all {self.chunks} of "
+                                 f"its chunks: a prompt change would apply from chunk "
+                                 f"{self.chunks}, which will not come")
+        return PromptTooLate(f"session {self.id[:64]!r} is {self.state}: no chunk will come "
+                             "under a new prompt")
 
     @property
     def delivered(self) -> int:

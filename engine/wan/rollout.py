@@ -36,7 +36,7 @@ from ..cache import CausalKVCache
 from ..cache_dir import use_cache_dir
 from ..fp8_linear import FP8, resolve_gemm_dtype
 from ..kv import KVStore, PagedKV
-from framekv.specs.checks import check_choice, check_count
+from framekv.specs.checks import check_choice, check_count, check_text
 from ..rollout import check_store_dtype, resolve_kv_dtype
 from ..runner import CLEAN_BLOCKS, ChunkRunner
 from ..samplers import DEFAULT_SAMPLER
@@ -190,6 +190,7 @@ class WanRollout(ChunkRunner):
         only; default the text "" for a text prompt, else zeros). ``recache``: also
         recompute the history's K/V under it."""
         if isinstance(text_embeds, str):
+            check_text("text_embeds", text_embeds)     # the negative prompt may be ""
             if negative_embeds is None and self.guidance is not None:
                 negative_embeds = ""
             text_embeds = self.encode_prompt(text_embeds)

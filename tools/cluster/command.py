@@ -6,9 +6,13 @@ local Ray cluster, or joins one (``--ray-address``), and deploys the application
 `deployments` builds: N replicas of the scheduler every other ``framekv serve`` flag
 describes (one GPU each; on a CPU host ``--replica-cpus`` cores), behind the ingress on
 ``--host``/``--port`` serving the API and the page of one server. Sessions are kept in
-``--state-dir`` (a temporary folder on a local cluster without one; joining a cluster
-of several hosts needs one every host reads), so a replica that stops hands its
-sessions on; ``--checkpoint-every`` makes that hold for a replica killed outright.
+``--state-dir`` (on a local cluster without one, a temporary folder made at start and
+removed at exit; joining a cluster of several hosts needs one every host reads), so a
+replica that stops hands its sessions on; ``--checkpoint-every`` makes that hold for a
+replica killed outright. The cluster extra and the address are checked before Ray
+starts (`framekv.tools.serve.preflight`); SIGTERM stops the cluster (exit status 0),
+Ctrl-C too, then ends with one line and exit status 130. Every worker drops Ray
+Serve's proxy's traceback for a client that went away (`logs`).
 
 ``framekv cluster replicas`` lists the replicas; ``framekv cluster drain REPLICA``
 moves every session off one, ``framekv cluster undrain REPLICA`` has it take new
@@ -20,6 +24,7 @@ Ray is imported only here (``pip install 'framekv[cluster]'``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -29,11 +34,15 @@ from urllib.parse import quote
 
 from ..args import bearer_token, int_in, positive_int
 from ..serve import command as serve_command
+from ..serve.preflight import SERVE_MODULES, check_address, check_extra
 from ..serve.tokens import token_of, warn_unguarded
 from .autoscale import autoscaling_config
+from .logs import HOOK
 
 MAX_REPLICAS = 256
 APP = "framekv"
+#: the modules of the cluster extra: the server's and Ray Serve
+CLUSTER_MODULES = {**SERVE_MODULES, "ray.serve": "ray[serve]"}
 #: Ray Serve's proxy checks, lengthened: a host whose cores are busy (replicas starting,
 #: a test suite beside them) answers its first check late, and Serve kills the proxy
 SLOW_HOST_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
@@ -125,9 +134,15 @@ def deployments(args, options: dict):
     return ingress.bind(replica.bind(args), settings(args, options))
 
 
-def _cluster_args(args) -> tuple[argparse.Namespace, dict]:
-    """``args`` checked (`checked_options`), with a state folder every replica uses."""
+def _cluster_args(args, stack: contextlib.ExitStack) -> tuple[argparse.Namespace, dict]:
+    """``args`` checked (`checked_options`), with a state folder every replica uses: on
+    a local cluster without ``--state-dir`` a temporary one, which ``stack`` removes."""
+    temporary = args.state_dir is None and args.ray_address is None
+    if temporary:
+        args.state_dir = stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="framekv-sessions-", ignore_cleanup_errors=True))
     options = serve_command.checked_options(args)
+    options["state_note"] = ", a temporary folder removed at exit" if temporary else ""
     scaling(args)
     admin = token_of(args, option="admin_token", env="FRAMEKV_ADMIN_TOKEN")
     if admin is not None and admin == options["token"]:
@@ -136,12 +151,8 @@ def _cluster_args(args) -> tuple[argparse.Namespace, dict]:
                          "admin routes")
     options["admin_token"] = admin
     if options["state_dir"] is None:
-        if args.ray_address is not None:
-            print("framekv serve: warning: no --state-dir on a joined cluster: a replica "
-                  "that stops ends its sessions", file=sys.stderr)
-        else:
-            args.state_dir = tempfile.mkdtemp(prefix="framekv-sessions-")
-            options["state_dir"] = args.state_dir
+        print("framekv serve: warning: no --state-dir on a joined cluster: a replica "
+              "that stops ends its sessions", file=sys.stderr)
     args.state_dir = None if options["state_dir"] is None else str(options["state_dir"])
     return args, options
 
@@ -155,13 +166,15 @@ def start_ray(args, options: dict) -> None:
     want = args.replicas or args.min_replicas or 1
     for name, value in SLOW_HOST_ENV.items():     # a busy host must not fail Serve's checks
         os.environ.setdefault(name, value)
+    env = {"worker_process_setup_hook": HOOK}      # no traceback for a client gone
     if args.ray_address is None:
         cpus = max(os.cpu_count() or 1, want * args.replica_cpus + 1,
                    (args.max_replicas or want) * args.replica_cpus + 1)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace=APP,
-                 logging_level="WARNING", configure_logging=False)
+                 logging_level="WARNING", configure_logging=False, runtime_env=env)
     else:
-        ray.init(address=args.ray_address, namespace=APP, logging_level="WARNING")
+        ray.init(address=args.ray_address, namespace=APP, logging_level="WARNING",
+                 runtime_env=env)
     if str(options["device"]).startswith("cuda"):
         gpus = int(ray.cluster_resources().get("GPU", 0))
         if gpus < want:
@@ -172,18 +185,22 @@ def start_ray(args, options: dict) -> None:
 
 def run_cluster(args) -> int:
     """Deploy, print where, serve until SIGTERM or Ctrl-C (module doc); 2 for a bad
-    option, or a replica that cannot start (its error named)."""
+    option, a missing extra, an address in use, or a replica that cannot start (its
+    error named). A temporary state folder is removed at exit, however it ends."""
+    with contextlib.ExitStack() as stack:
+        try:
+            check_extra("cluster", CLUSTER_MODULES)
+            args, options = _cluster_args(args, stack)
+            check_address(args.host, args.port)
+        except ValueError as exc:
+            return serve_command.fail(exc)
+        return _serve_cluster(args, options)
+
+
+def _serve_cluster(args, options: dict) -> int:
+    """Start Ray, deploy and serve (`run_cluster`)."""
     import signal
 
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        return serve_command.fail(ValueError("--replicas needs Ray Serve: pip install "
-                                             "'framekv[cluster]'"))
-    try:
-        args, options = _cluster_args(args)
-    except ValueError as exc:
-        return serve_command.fail(exc)
     from ray import serve
 
     warn_unguarded(args.host, options["token"])
@@ -196,15 +213,15 @@ def run_cluster(args) -> int:
         _disconnect()
         return serve_command.fail(exc)
     print(f"framekv cluster: serving on http://{args.host}:{args.port} (state in "
-          f"{args.state_dir})", flush=True)
+          f"{args.state_dir}{options['state_note']})", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
     try:
         while not stop:
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    serve.shutdown()
+    finally:                      # Ctrl-C: stopped as by SIGTERM, then its one line
+        serve.shutdown()
+        _disconnect()
     return 0
 
 

@@ -187,20 +187,25 @@ class ClusterSessions(Moves):
         return StreamView(number, v["state"], v["finished"], v["sent"], range(v["queued"]))
 
     def session_info(self, sid: str) -> dict | None:
-        """Its replica's `StreamScheduler.session_info`; for an ended session the
-        replica it ended on says, or this object (a session lost with its replica)."""
+        """Its replica's `StreamScheduler.session_info` and ``"replica"``, that
+        replica's id; for an ended session the replica it ended on says, or this object
+        (a session lost with its replica)."""
         with self.lock:
             open_here, how = sid in self.where, self.ended.get(sid)
         if open_here:
             try:
-                return self._on_session(sid, "session_info")
+                info = self._on_session(sid, "session_info")
             except (KeyError, ReplicaGone):
                 return None
+            with self.lock:
+                rid = self.where.get(sid)
+            return None if info is None else {**info, "replica": rid}
         if isinstance(how, str):
             try:
-                return self._call(how, "session_info", sid, timeout=10.0)
+                info = self._call(how, "session_info", sid, timeout=10.0)
             except ReplicaGone:
                 return None
+            return None if info is None else {**info, "replica": how}
         return how
 
     def close_session(self, sid: str, reason: str = "closed") -> None:

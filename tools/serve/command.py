@@ -122,7 +122,10 @@ Every option is checked before anything is built: a bad one (an unknown preset o
 malformed preset file, a device other than cpu or an available cuda[:N], ``--fps``
 outside 1..240, ``--port`` outside 0..65535, ``--max-sessions`` over 4096,
 ``--checkpoint-every`` without ``--state-dir``, ``--steps`` beyond the preset's
-steps, ...) is one line on stderr and exit status 2.
+steps, ...) is one line on stderr and exit status 2; so are a missing ``serve`` extra
+(the package named) and a ``--host``/``--port`` this process cannot listen on (in
+use, say), both checked before the model is built. Ctrl-C drains as SIGTERM does, then
+ends with one line and exit status 130.
 Python clients: `framekv.client.sessions` (``framekv.client``).
 """
 
@@ -137,6 +140,7 @@ from ..conventions import (SAMPLER_NAMES, STEPS_HELP, add_preset_arguments, load
                            one_line_errors)
 from ..generate import SELF_FORCING_SHIFT, positive_number
 from .app import FRAME_FORMATS, MAX_FPS, OUTPUTS, build_app, page_html, state_dir_path
+from .preflight import check_address, check_extra
 from .tokens import token_of, warn_unguarded
 from .wan import WanParts, wan_factory
 from .wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
@@ -357,14 +361,16 @@ def run(args) -> int:
     """``framekv serve``: build, capture, serve until SIGTERM; the exit status (2 for a
     bad option or option combination, before anything is built; or for a scheduler
     that cannot be built, e.g. a pool too large for the device)."""
-    from .net import DrainingServer, server_config
-
     try:
         options = checked_options(args)
+        check_extra()                           # before a model is built, not after
+        check_address(args.host, args.port)
         warn_unguarded(args.host, options["token"])
         sched = build_scheduler(args, options)
     except ValueError as exc:
         return fail(exc)
+    from .net import DrainingServer, server_config
+
     app = build_app(sched, token=options["token"], output=options["output"],
                     frame_format=args.frame_format, fps=args.fps,
                     idle_timeout=args.session_idle_timeout, model=model_name(args),

@@ -106,6 +106,9 @@ class SessionInfo(BaseModel):
     ended: bool = Field(description="It left the server: its slot is free.")
     end_reason: str | None = Field(description="deleted, idle, disconnected, done, failed, "
                                                "shutdown or closed; null while open.")
+    replica: str | None = Field(None, description="On a cluster (framekv serve --replicas): "
+                                                  "the replica that holds it, or held it "
+                                                  "last; null on one server.")
 
 
 class PromptSpec(BaseModel):

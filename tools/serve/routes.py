@@ -152,12 +152,11 @@ def _creator(srv):
 async def _upload(srv, sid: str, request, shape: str, dtype: str) -> PromptAck:
     """PUT .../prompt: the headers checked, the body read (capped at the prompt's
     bytes), the prompt set; its version and the first chunk under it."""
+    from framekv.engine.serving import PromptTooLate
+
     s = await asyncio.to_thread(srv.sched.sessions.get, sid)
     if s is None:
         raise await asyncio.to_thread(_not_open, srv, sid)
-    if s.finished:
-        raise RequestError(409, f"session {sid[:64]!r} is {s.state}: no chunk will come "
-                                "under a new prompt")
     dtype, nbytes = upload_spec(shape, dtype, srv.sched.prompt_shape)
     raw = await read_body(request, srv.body_timeout, cap=nbytes)
     prompt = upload_prompt(raw, dtype, srv.sched.prompt_shape)
@@ -165,6 +164,8 @@ async def _upload(srv, sid: str, request, shape: str, dtype: str) -> PromptAck:
         change = await asyncio.to_thread(srv.sched.set_prompt, sid, prompt)
     except KeyError:
         raise await asyncio.to_thread(_not_open, srv, sid) from None
+    except PromptTooLate as exc:                  # its last chunk is made: none would come
+        raise RequestError(409, str(exc)) from None
     except ValueError as exc:
         raise RequestError(422, str(exc)) from None
     try:  # it takes at the session's next step boundary (off the pool: as it comes back)
@@ -175,6 +176,8 @@ async def _upload(srv, sid: str, request, shape: str, dtype: str) -> PromptAck:
                              "applies_from": change.applies_from}, 202)
     except KeyError:
         raise await asyncio.to_thread(_not_open, srv, sid) from None
+    except PromptTooLate as exc:
+        raise RequestError(409, str(exc)) from None
     except Exception as exc:
         raise RequestError(500, f"the prompt change failed, the session goes on under its "
                                 f"old prompt: {type(exc).__name__}: {exc}") from None

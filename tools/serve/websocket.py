@@ -63,8 +63,17 @@ async def serve_socket(ws, sched, sid: str, encode, draining, *, after: int | No
     finally:
         for t in tasks:
             t.cancel()
-        with contextlib.suppress(Exception):
-            await ws.close(GOING_AWAY if draining.is_set() else 1000)
+        if not _client_gone(ws):   # a close sent after the client's own goes nowhere
+            with contextlib.suppress(Exception):
+                await ws.close(GOING_AWAY if draining.is_set() else 1000)
+
+
+def _client_gone(ws) -> bool:
+    """Whether the client has closed the socket (its close, or the connection lost): a
+    proxy in front of the app (Ray Serve's) fails on a message for a client gone."""
+    from starlette.websockets import WebSocketState
+
+    return ws.client_state == WebSocketState.DISCONNECTED
 
 
 def _end(sched, sid: str, reason: str | None = None, kept: bool = False) -> str:

@@ -26,6 +26,7 @@ import json
 import time
 
 from framekv.specs import wire
+from framekv.specs.checks import check_text
 
 MAX_BODY_BYTES = 1 << 20   # a request body or control message: JSON, at most 1 MiB
 BODY_TIMEOUT_S = 10.0      # seconds a client may take to send its body
@@ -64,7 +65,10 @@ def parse_prompt(body: dict, shape):
             got = f"a string of {len(text)}" if isinstance(text, str) else f"a {_json_kind(text)}"
             raise RequestError(422, f"text must be a string of 1 to {MAX_TEXT_CHARS} "
                                     f"characters, got {got}")
-        return text
+        try:
+            return check_text("text", text)
+        except ValueError as exc:
+            raise RequestError(422, str(exc)) from None
     if "prompt_seed" in body:
         seed = body["prompt_seed"]
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
