@@ -91,9 +91,10 @@ def by_hand(r, x, timesteps, step):
 
 # ----------------------------------------------------------------------------- the registry
 def test_the_registry_names_its_samplers_and_refuses_bad_entries():
-    assert samplers()[:2] == ("euler", "self_forcing") and get_sampler("euler") is EulerSampler
+    assert samplers()[:3] == ("euler", "self_forcing", "v2v")
+    assert get_sampler("euler") is EulerSampler
     with pytest.raises(ValueError, match="sampler must be one of 'euler', 'self_forcing', "
-                                         "got 'ddim'"):
+                                         "'v2v', got 'ddim'"):
         get_sampler("ddim")
     for name, cls, words in [("euler", ToySampler, "registered already"),
                              ("Toy-2", ToySampler, "lower-case identifier"),
@@ -104,7 +105,7 @@ def test_the_registry_names_its_samplers_and_refuses_bad_entries():
         unregister_sampler("euler")
     with pytest.raises(ValueError, match="name must be one of .* got 'nope'"):
         unregister_sampler("nope")
-    assert samplers() == ("euler", "self_forcing")
+    assert samplers() == ("euler", "self_forcing", "v2v")
 
 
 def test_build_sampler_names_a_bad_option_or_a_class_that_is_no_sampler():

@@ -31,7 +31,8 @@ How many steps run is the schedule's (`pick_steps`), so ``sigmas`` carry it.
 The registry (`register_sampler`, `get_sampler`, `samplers`) is the one place a name
 becomes a sampler: ``euler`` (`EulerSampler`, the default) and ``self_forcing``
 (`SelfForcingSampler`, how a Self-Forcing or CausVid generator checkpoint samples)
-are its entries; no other module branches on a sampler's name. A sampler that wraps
+and ``v2v`` (`VideoToVideoSampler`: a chunk started part way from its input latents,
+either of them finishing it) are its entries; no other module branches on a sampler's name. A sampler that wraps
 another (a mode over a base sampler) builds the base by name through `get_sampler`.
 """
 from __future__ import annotations
@@ -47,9 +48,10 @@ from framekv.specs.checks import check_choice
 from .base import ScheduleSampler, check_steps, pick_steps
 from .euler import EulerSampler
 from .self_forcing import SelfForcingSampler
+from .v2v import VideoToVideoSampler
 
-__all__ = ["DEFAULT_SAMPLER", "GENERATOR_SAMPLER", "EulerSampler", "Sampler",
-           "ScheduleSampler", "SelfForcingSampler", "build_sampler", "check_steps",
+__all__ = ["DEFAULT_SAMPLER", "GENERATOR_SAMPLER", "VIDEO_SAMPLER", "EulerSampler", "Sampler",
+           "ScheduleSampler", "SelfForcingSampler", "VideoToVideoSampler", "build_sampler", "check_steps",
            "get_sampler", "pick_steps", "register_sampler", "sampler_description", "sampler_label",
            "samplers", "unregister_sampler"]
 
@@ -87,7 +89,9 @@ class Sampler(Protocol):
 DEFAULT_SAMPLER = "euler"
 #: The sampler a distilled generator checkpoint (Self-Forcing, CausVid) samples with.
 GENERATOR_SAMPLER = "self_forcing"
-_BUILT_IN = (DEFAULT_SAMPLER, GENERATOR_SAMPLER)
+#: The video-to-video mode over either of them (`VideoToVideoSampler`: base, strength).
+VIDEO_SAMPLER = "v2v"
+_BUILT_IN = (DEFAULT_SAMPLER, GENERATOR_SAMPLER, VIDEO_SAMPLER)
 _REGISTRY: dict[str, type] = {}
 
 
@@ -163,3 +167,4 @@ def sampler_label(name: str, sampler: Sampler) -> str:
 
 register_sampler(DEFAULT_SAMPLER, EulerSampler)
 register_sampler(GENERATOR_SAMPLER, SelfForcingSampler)
+register_sampler(VIDEO_SAMPLER, VideoToVideoSampler)
