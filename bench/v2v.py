@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in parts:
         measure, fmt = PARTS[name]
         out[name] = measure(config=args.config, iters=args.iters, check_chunks=args.check_chunks,
-                            encoders=encoders, progress=stderr_progress("v2v"))
+                            encoders=encoders, progress=stderr_progress("video-to-video"))
         print(fmt(out[name]))
     write_result(args.json_path, v2v=out)
     return 0
