@@ -15,8 +15,9 @@ are checked):
     fp8             bf16 against fp8 K/V, and fp8 K/V with fp8 GEMMs, side by side, speed
                     beside accuracy: one paged attention forward, the reference DiT's
                     held-out forward against fp32, the reference DiT, diffusers' Wan
-    fp8_gemm        a block's linear layers, bf16 GEMMs against fp8 GEMMs (the input's
-                    quantization included), Wan 1.3B and 14B shapes at a chunk's tokens
+    fp8_gemm        a block's linear layers, bf16 GEMMs against fp8 GEMMs, each with the
+                    pass making its input (the norm writing e4m3 itself, the quantizer),
+                    Wan 1.3B and 14B shapes at a chunk's tokens
     cluster         a live stream's move between replicas of `framekv serve --replicas`
                     (bytes, export, transfer, import, the client's gap), sessions
                     placed per second (``--device cpu``: runs on a CPU)

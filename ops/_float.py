@@ -10,8 +10,11 @@ serves both formats (one compiled specialisation each).
 
 ``load_f32x4(ary, idx)`` / ``store_f32x4(ary, idx, values)`` move the four consecutive
 elements ``idx[-1] .. idx[-1] + 3`` of the last dimension as one access (8 bytes of bf16,
-16 of fp32): the caller guarantees that the four are in bounds and that their address
-is a multiple of the access size (`vector_aligned`).
+16 of fp32, 4 of e4m3): the caller guarantees that the four are in bounds and that
+their address is a multiple of the access size (`vector_aligned`). ``load_f32x8`` /
+``store_f32x8`` move eight the same way (16 bytes of bf16, 8 of e4m3; fp32 as two
+16-byte accesses), their address a multiple of the group's size or 16 bytes, the smaller
+(``vector_aligned(t, 8)``).
 
 ``round_f32(ary, value)`` is a float32 rounded to the array's format and widened back:
 what `store_f32` then `load_f32` would give, without the round trip through memory.
@@ -22,7 +25,7 @@ quotient is at least ``1/(2d)`` from an integer, far beyond the rounding), and i
 the dozens of instructions of a 64-bit integer division in a kernel's index math.
 
 fp8 e4m3 (``torch.float8_e4m3fn``, max finite 448) arrives as int8 bits. Stores to an
-int8 array (`store_f32`, `store_f32x4`) write ``e4m3_bits(value)``: the value clamped
+int8 array (`store_f32`, `store_f32x4`, `store_f32x8`) write ``e4m3_bits(value)``: the value clamped
 to [-448, 448] (so inf saturates), then rounded to nearest even, as torch's
 ``x.clamp(-448, 448).to(torch.float8_e4m3fn)`` rounds; every NaN becomes 0x7F (torch
 keeps a NaN's sign, and a negative NaN's bits differ between CPU and GPU arithmetic,
@@ -33,6 +36,9 @@ as an int32: for values >= 0 the integer order is the float order, so an int32 a
 max on the bits keeps a float max (`cuda.atomic.max` on raw-bit arrays).
 
 Under numba's CUDA simulator the same names are numpy bit views.
+
+One file: one set of names, the simulator's and the device's implementations of each
+side by side.
 """
 from __future__ import annotations
 
@@ -45,7 +51,8 @@ import torch
 
 from ._launch import SIMULATOR
 
-__all__ = ["load_f32", "store_f32", "load_f32x4", "store_f32x4", "round_f32", "quotient",
+__all__ = ["load_f32", "store_f32", "load_f32x4", "store_f32x4", "load_f32x8", "store_f32x8",
+           "round_f32", "quotient",
            "reciprocal_bits", "FLOAT_DTYPES", "check_float_dtype", "vector_aligned",
            "FP8_DTYPE", "E4M3_MAX", "E4M3_NAN", "e4m3_bits", "f32_bits", "bits_f32"]
 
@@ -63,14 +70,15 @@ def check_float_dtype(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must have dtype bfloat16 or float32, got {t.dtype}")
 
 
-def vector_aligned(t: torch.Tensor) -> bool:
-    """Whether every group of four elements ``[..., 4k : 4k + 4]`` of ``t`` may be moved
-    by `load_f32x4` / `store_f32x4`: last dimension contiguous and a multiple of 4, every
-    other stride a multiple of 4 elements (0 included), the address 4-element aligned."""
-    if t.dim() == 0 or t.shape[-1] % 4 or (t.shape[-1] > 1 and t.stride(-1) != 1):
+def vector_aligned(t: torch.Tensor, n: int = 4) -> bool:
+    """Whether every group of n (4 or 8) elements ``[..., nk : nk + n]`` of ``t`` may be
+    moved by `load_f32x4` / `store_f32x4` (n = 4) or their eight-wide twins: last
+    dimension contiguous and a multiple of n, every other stride a multiple of n
+    elements (0 included), the address aligned to the group (16 bytes at most)."""
+    if t.dim() == 0 or t.shape[-1] % n or (t.shape[-1] > 1 and t.stride(-1) != 1):
         return False
-    return (all(st % 4 == 0 for st in t.stride()[:-1])
-            and t.data_ptr() % (4 * t.element_size()) == 0)
+    return (all(st % n == 0 for st in t.stride()[:-1])
+            and t.data_ptr() % min(16, n * t.element_size()) == 0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -92,9 +100,18 @@ if SIMULATOR:
         """The four floats ``ary[..., j : j + 4]`` (idx names j) as float32."""
         return tuple(load_f32(ary, _last(idx, k)) for k in range(4))
 
+    def load_f32x8(ary, idx):
+        """The eight floats ``ary[..., j : j + 8]`` (idx names j) as float32."""
+        return tuple(load_f32(ary, _last(idx, k)) for k in range(8))
+
     def store_f32x4(ary, idx, values):
         """Store four float32 to ``ary[..., j : j + 4]``, rounded to the array's format."""
         for k in range(4):
+            store_f32(ary, _last(idx, k), values[k])
+
+    def store_f32x8(ary, idx, values):
+        """Store eight float32 to ``ary[..., j : j + 8]``, rounded to the array's format."""
+        for k in range(8):
             store_f32(ary, _last(idx, k), values[k])
 
     def round_f32(ary, value):
@@ -215,20 +232,43 @@ else:
         nan = builder.fcmp_unordered("uno", value, value)
         return builder.select(nan, ir.Constant(_I16, 0x7FC0), rounded)
 
+    def e4m3_canon_ir(builder, word):
+        """LLVM IR: an integer of e4m3 bytes with every NaN byte made 0x7F (the
+        hardware keeps a NaN's sign). ``satfinite`` never writes 0x7F or 0xFF for a
+        number, so a byte is NaN iff its low seven bits are all ones: adding 1 to
+        them carries into bit 7 exactly there (no carry leaves a byte), and that bit
+        clears the sign. Three instructions per word, however many bytes it holds."""
+        width = word.type.width // 8
+
+        def rep(byte):
+            return ir.Constant(word.type, int.from_bytes(bytes([byte]) * width, "little"))
+
+        low = builder.and_(word, rep(0x7F))
+        nan = builder.and_(builder.add(low, rep(0x01)), rep(0x80))
+        return builder.and_(word, builder.not_(nan))
+
+    def _e4m3x2_raw_ir(builder, lo, hi):
+        cvt = ir.InlineAsm(ir.FunctionType(_I16, [_F32, _F32]),
+                           "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f")
+        return builder.call(cvt, [hi, lo])
+
     def e4m3x2_ir(builder, lo, hi):
         """LLVM IR: two floats as e4m3 bits in an i16, ``lo`` in the low byte (the lower
         address), clamped to +-448 and rounded to nearest even by the hardware's
         ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+; its first source goes to the upper
         byte); a NaN becomes 0x7F."""
-        cvt = ir.InlineAsm(ir.FunctionType(_I16, [_F32, _F32]),
-                           "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f")
-        pair = builder.call(cvt, [hi, lo])
-        for k, v in enumerate((lo, hi)):  # NaN's sign is not the hardware's to keep
-            nan = builder.fcmp_unordered("uno", v, v)
-            keep = ir.Constant(_I16, 0xFF00 if k == 0 else 0x00FF)
-            canon = builder.or_(builder.and_(pair, keep), ir.Constant(_I16, E4M3_NAN << (8 * k)))
-            pair = builder.select(nan, canon, pair)
-        return pair
+        return e4m3_canon_ir(builder, _e4m3x2_raw_ir(builder, lo, hi))
+
+    def e4m3_words_ir(builder, vals):
+        """LLVM IR: 4k floats as k i32 words of e4m3 bytes (value i at byte i % 4 of
+        word i // 4, the lower address first), each as `e4m3x2_ir` writes it: two
+        conversions merged into one register per word, then `e4m3_canon_ir`."""
+        asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32] * 4),
+                           "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+                           "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+                           "=r,f,f,f,f")
+        return [e4m3_canon_ir(builder, builder.call(asm, vals[k:k + 4]))
+                for k in range(0, len(vals), 4)]
 
     def e4m3_to_f32_ir(builder, byte):
         """LLVM IR: an i8 of e4m3 bits as a float (exact: through the hardware's
@@ -256,30 +296,29 @@ else:
             return bf16_to_f32_ir(builder, bits)
         return builder.bitcast(bits, _F32)
 
-    @intrinsic
-    def e4m3_bits(typingctx, value):
-        """float32 ``value`` as e4m3fn bits (an int32 0 .. 255; module doc)."""
-        if not isinstance(value, types.Float):
-            raise TypeError(f"e4m3_bits needs a float, got {value}")
+    def float_intrinsic(name: str, result, emit, doc: str):
+        """An intrinsic of one float argument, cast to float32 ``v``: ``emit(builder, v)``
+        builds its value of numba type ``result`` (``doc`` its docstring)."""
 
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            pair = e4m3x2_ir(builder, v, ir.Constant(_F32, 0.0))
-            return builder.zext(builder.trunc(pair, _I8), _I32)
+        @intrinsic
+        def fn(typingctx, value):
+            if not isinstance(value, types.Float):
+                raise TypeError(f"{name} needs a float, got {value}")
 
-        return types.int32(value), codegen
+            def codegen(context, builder, sig, args):
+                return emit(builder, context.cast(builder, args[0], sig.args[0], types.float32))
 
-    @intrinsic
-    def f32_bits(typingctx, value):
-        """float32 ``value``'s bits as an int32."""
-        if not isinstance(value, types.Float):
-            raise TypeError(f"f32_bits needs a float, got {value}")
+            return result(value), codegen
 
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            return builder.bitcast(v, _I32)
+        fn.__doc__ = doc
+        return fn
 
-        return types.int32(value), codegen
+    e4m3_bits = float_intrinsic(
+        "e4m3_bits", types.int32,
+        lambda b, v: b.zext(b.trunc(e4m3x2_ir(b, v, ir.Constant(_F32, 0.0)), _I8), _I32),
+        "float32 ``value`` as e4m3fn bits (an int32 0 .. 255; module doc).")
+    f32_bits = float_intrinsic("f32_bits", types.int32, lambda b, v: b.bitcast(v, _I32),
+                               "float32 ``value``'s bits as an int32.")
 
     @intrinsic
     def load_f32(typingctx, ary, idx):
@@ -292,56 +331,82 @@ else:
 
         return types.float32(ary, idx), codegen
 
-    _F32X4 = types.UniTuple(types.float32, 4)
-
-    def _vector_pointer(context, builder, sig, args):
-        """Pointer to ary[idx] as a <4 x i8> / <4 x i16> / <4 x i32> vector, and its
-        alignment (the last dimension steps by the element size: `vector_aligned`)."""
+    def _vector_pointer(context, builder, sig, args, n):
+        """Pointer to ary[idx] as an <n x i8 / i16 / i32> vector, and the alignment
+        `vector_aligned` promises (the group's size, at most 16 bytes: a wider group
+        moves as several 16-byte accesses; the last dimension steps by the element
+        size)."""
         ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1],
                        unit_last=True)
         bits = ir.IntType(sig.args[0].dtype.bitwidth)
-        vec = ir.VectorType(bits, 4)
-        return builder.bitcast(ptr, vec.as_pointer()), 4 * (bits.width // 8), bits
+        vec = ir.VectorType(bits, n)
+        return builder.bitcast(ptr, vec.as_pointer()), min(16, n * (bits.width // 8)), bits
 
-    @intrinsic
-    def load_f32x4(typingctx, ary, idx):
-        """The four floats ``ary[..., j : j + 4]`` (idx names j) as float32, one load."""
-        _check(ary, idx)
+    def _vector_load(n):
+        """The intrinsic loading ``ary[..., j : j + n]`` (idx names j) as n float32."""
+        tup = types.UniTuple(types.float32, n)
 
-        def codegen(context, builder, sig, args):
-            ptr, align, _ = _vector_pointer(context, builder, sig, args)
-            word = builder.load(ptr, align=align)
-            out = [_load_ir(builder, sig.args[0],
-                            builder.extract_element(word, ir.Constant(_I32, k)))
-                   for k in range(4)]
-            return context.make_tuple(builder, _F32X4, out)
+        @intrinsic
+        def load(typingctx, ary, idx):
+            _check(ary, idx)
 
-        return _F32X4(ary, idx), codegen
+            def codegen(context, builder, sig, args):
+                ptr, align, bits = _vector_pointer(context, builder, sig, args, n)
+                if bits.width == 16 and n == 8:
+                    # as 32-bit words, each unpacked in place (a <8 x i16> load would
+                    # be two: PTX has no v8.u16)
+                    words = ir.VectorType(_I32, n // 2)
+                    word = builder.load(builder.bitcast(ptr, words.as_pointer()), align=align)
+                    out = []
+                    for k in range(n // 2):
+                        w = builder.extract_element(word, ir.Constant(_I32, k))
+                        out += [builder.bitcast(builder.shl(w, ir.Constant(_I32, 16)), _F32),
+                                builder.bitcast(builder.and_(w, ir.Constant(_I32, 0xFFFF0000)),
+                                                _F32)]
+                    return context.make_tuple(builder, tup, out)
+                word = builder.load(ptr, align=align)
+                out = [_load_ir(builder, sig.args[0],
+                                builder.extract_element(word, ir.Constant(_I32, k)))
+                       for k in range(n)]
+                return context.make_tuple(builder, tup, out)
 
-    @intrinsic
-    def store_f32x4(typingctx, ary, idx, values):
-        """Store four float32 to ``ary[..., j : j + 4]``, rounded, with one store."""
-        _check(ary, idx)
-        if not isinstance(values, types.BaseTuple) or len(values) != 4:
-            raise TypeError(f"store_f32x4 needs a tuple of 4 numbers, got {values}")
+            return tup(ary, idx), codegen
 
-        def codegen(context, builder, sig, args):
-            ptr, align, bits = _vector_pointer(context, builder, sig, args[:2])
-            vals = [context.cast(builder, v, ty, types.float32) for v, ty in
-                    zip(cgutils.unpack_tuple(builder, args[2], 4), sig.args[2])]
-            if bits.width == 8:  # two converted pairs, as one 4-byte word
-                lo, hi = (builder.zext(e4m3x2_ir(builder, vals[k], vals[k + 1]), _I32)
-                          for k in (0, 2))
-                word = builder.or_(lo, builder.shl(hi, ir.Constant(_I32, 16)))
-                builder.store(word, builder.bitcast(ptr, _I32.as_pointer()), align=align)
-                return
-            word = ir.Constant(ir.VectorType(bits, 4), None)
-            for k, v in enumerate(vals):
-                lane = f32_to_bf16_ir(builder, v) if bits is _I16 else builder.bitcast(v, _I32)
-                word = builder.insert_element(word, lane, ir.Constant(_I32, k))
-            builder.store(word, ptr, align=align)
+        return load
 
-        return types.void(ary, idx, values), codegen
+    def _vector_store(n):
+        """The intrinsic storing n float32 to ``ary[..., j : j + n]``, rounded to the
+        array's format: one store (e4m3: the converted pairs as one integer word)."""
+
+        @intrinsic
+        def store(typingctx, ary, idx, values):
+            _check(ary, idx)
+            if not isinstance(values, types.BaseTuple) or len(values) != n:
+                raise TypeError(f"store_f32x{n} needs a tuple of {n} numbers, got {values}")
+
+            def codegen(context, builder, sig, args):
+                ptr, align, bits = _vector_pointer(context, builder, sig, args[:2], n)
+                vals = [context.cast(builder, v, ty, types.float32) for v, ty in
+                        zip(cgutils.unpack_tuple(builder, args[2], n), sig.args[2])]
+                if bits.width == 8:
+                    words = e4m3_words_ir(builder, vals)
+                    vec = ir.Constant(ir.VectorType(_I32, n // 4), None)
+                    for k, w in enumerate(words):
+                        vec = builder.insert_element(vec, w, ir.Constant(_I32, k))
+                    builder.store(vec, builder.bitcast(ptr, vec.type.as_pointer()), align=align)
+                    return
+                word = ir.Constant(ir.VectorType(bits, n), None)
+                for k, v in enumerate(vals):
+                    lane = f32_to_bf16_ir(builder, v) if bits is _I16 else builder.bitcast(v, _I32)
+                    word = builder.insert_element(word, lane, ir.Constant(_I32, k))
+                builder.store(word, ptr, align=align)
+
+            return types.void(ary, idx, values), codegen
+
+        return store
+
+    load_f32x4, load_f32x8 = _vector_load(4), _vector_load(8)
+    store_f32x4, store_f32x8 = _vector_store(4), _vector_store(8)
 
     @intrinsic
     def round_f32(typingctx, ary, value):

@@ -11,7 +11,9 @@ together, the shuffles next to nothing (docs/benchmarks.md).
 
 ``segment_max`` and ``warps_max`` are the same two with the maximum in place of the sum,
 for values that are never NaN (lanes could disagree over one); a maximum is exact, so
-every lane ends with the same bits whatever the order.
+every lane ends with the same bits whatever the order. ``absmax(top, a)`` is a thread's
+own step towards one: the larger of ``top`` (never NaN) and ``|a|``, a NaN ``a`` left
+out (IEEE maxNum: one instruction on the GPU, the absolute value an operand modifier).
 
 Under numba's CUDA simulator, which has no shuffles, the same sum goes through
 ``part`` (a shared array of one float per thread) between two barriers, in a fixed
@@ -34,7 +36,7 @@ from numba import float32 as _f32
 
 from ._launch import SIMULATOR
 
-__all__ = ["segment_total", "warps_total", "segment_max", "warps_max", "WARP"]
+__all__ = ["segment_total", "warps_total", "segment_max", "warps_max", "absmax", "WARP"]
 
 WARP = 32
 
@@ -64,7 +66,19 @@ if SIMULATOR:
         cuda.syncthreads()
         return top
 
+    @cuda.jit(device=True)
+    def absmax(top, a):
+        """max(top, |a|), a NaN a left out (module doc)."""
+        a = abs(a)
+        return a if a > top else top
+
 else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, forceinline=True)
+    def absmax(top, a):
+        """max(top, |a|), a NaN a left out (module doc)."""
+        return libdevice.fmaxf(top, abs(a))
 
     @cuda.jit(device=True, forceinline=True)
     def segment_total(v, part, t, nt, size):

@@ -11,6 +11,11 @@ frame, M = S per token):
   with a residual, ``gated_residual_(x, residual, gate)``; then
   ``out = (LN(x) * weight + bias) * (1 + scale) + shift``, LN over N with fp32 mean and
   biased variance (as ``torch.nn.functional.layer_norm``), any factor None left out.
+- ``adaln_(..., out=q, out_scale=s)`` with a float8_e4m3fn ``q`` (an fp8 GEMM's input):
+  the same output rounded to x's dtype, then each token's row quantized as
+  `framekv.ops.quantize_rows` does (``s = max(max|row| / 448, 2^-126)``, ``q =
+  e4m3(row * (1 / s))``): bit for bit ``quantize_rows`` of the output ``adaln_`` writes
+  in x's dtype, without that bf16 tensor or the pass reading it again.
 
 Rounding points are those of the unfused fp32 glue (diffusers' Wan block, the reference
 model's ``modulate``): the updated x is rounded once to x's dtype and stored, and the
@@ -30,8 +35,12 @@ to x's format and stored in registers (the norm sees the stored values); the mea
 then the sum of squared deviations from it (two passes over registers: fp32 accuracy
 for rows with a large mean) are block sums of one barrier each: warp shuffles, then
 one more butterfly over the warps' sums (bit-identical on every run; `_reduce`); the
-modulated output is written from registers. With
-the norm switched off the same kernel is the gated residual. The grid has one CTA per
+modulated output is written from registers. For an e4m3 out, the eight modulated
+values are rounded to x's format in registers, the row's largest magnitude is a third
+block maximum (`warps_max`, one more barrier), and each thread writes its values as
+e4m3 (a 4-byte store per group) and thread 0 the row's scale: the bf16 path compiles to
+the instructions it had before. With the norm switched off the same kernel is the
+gated residual. The grid has one CTA per
 row and no grid-stride loop: around such a loop the compiler keeps every hoisted
 address live (255 registers and spills; 40 without it, with the row's index math done
 by `_float.quotient`, so eight 192-thread CTAs fit an SM). Nothing in a launch syncs
@@ -48,8 +57,8 @@ constants), so absent factors cost no branch and the loops step by immediates; a
 uses two or three configurations, one compile each.
 
 One file: one op pair, as every op of this package is (kernel, references, validating
-wrappers, custom ops); its length is the checks of eight optional tensors and the
-kernel's three passes.
+wrappers, custom ops); its length is the checks of eight optional tensors and an fp8
+output, and the kernel's three passes.
 """
 from __future__ import annotations
 
@@ -64,13 +73,15 @@ from numba import cuda
 from numba import float32 as _f32
 from numba import uint64 as _u64
 
-from ._float import (bits_f32, check_float_dtype, load_f32, load_f32x4, quotient,
-                     reciprocal_bits, round_f32, store_f32, store_f32x4, vector_aligned)
+from ._float import (E4M3_MAX, FP8_DTYPE, bits_f32, check_float_dtype, load_f32, load_f32x4,
+                     quotient, reciprocal_bits, round_f32, store_f32, store_f32x4,
+                     vector_aligned)
 from ._launch import (HARD_MAX_THREADS, SIMULATOR, Kernel, array_arg, int_arg, threads_holding,
                       use_kernel)
-from ._reduce import WARP, warps_total
+from ._reduce import WARP, absmax, warps_max, warps_total
+from .quant_rows import MIN_SCALE, quantize_rows_reference
 from framekv.specs.checks import (check_disjoint, check_last_dim_contiguous, check_no_overlap,
-                                 check_same_device, check_tensor)
+                                 check_output, check_same_device, check_tensor)
 
 __all__ = ["adaln_", "adaln_reference", "gated_residual_", "gated_residual_reference",
            "MAX_N"]
@@ -78,6 +89,7 @@ __all__ = ["adaln_", "adaln_reference", "gated_residual_", "gated_residual_refer
 # Kernel flags: which optional tensors are real (the others are stand-ins never read).
 _RES, _GATE, _SHIFT, _SCALE, _WEIGHT, _BIAS, _NORM = 1, 2, 4, 8, 16, 32, 64
 _VEC = 128  # every tensor `vector_aligned`: groups of 4 consecutive values, one access each
+_FP8 = 256  # out is e4m3 with a scale per row (qscale)
 _VALUES = 8  # values a thread holds in registers: two groups of four
 MAX_N = _VALUES * HARD_MAX_THREADS  # a CTA holds a whole row
 _WARPS = HARD_MAX_THREADS // WARP  # (a module constant: shared array sizes must be literals)
@@ -192,32 +204,73 @@ def _mod(v, w, bb, c, h, mean, rstd):
 
 
 @_device
-def _out4(outr, mods, j, st, n, vec, xs, mean, rstd, flags):
-    """One group of the output row = the modulated norm; mods: the rows of shift,
-    scale, weight and bias (weight and bias are [B, 1, N] with zero strides: row 0)."""
+def _mod4(mods, j, st, n, vec, xs, mean, rstd, flags):
+    """One group of the output row, the modulated norm, in fp32; mods: the rows of
+    shift, scale, weight and bias (weight and bias are [B, 1, N] with zero strides:
+    row 0)."""
     shift, scale, weight, bias = mods
     one, zero = _f32(1), _f32(0)
     hs = _ld4_or(shift, j, st, n, vec, flags & _SHIFT, zero)
     cs = _ld4_or(scale, j, st, n, vec, flags & _SCALE, zero)
     ws = _ld4_or(weight, j, st, n, vec, flags & _WEIGHT, one)
     bs = _ld4_or(bias, j, st, n, vec, flags & _BIAS, zero)
-    _st4(outr, j, st, n, vec, (_mod(xs[0], ws[0], bs[0], cs[0], hs[0], mean, rstd),
-                               _mod(xs[1], ws[1], bs[1], cs[1], hs[1], mean, rstd),
-                               _mod(xs[2], ws[2], bs[2], cs[2], hs[2], mean, rstd),
-                               _mod(xs[3], ws[3], bs[3], cs[3], hs[3], mean, rstd)))
+    return (_mod(xs[0], ws[0], bs[0], cs[0], hs[0], mean, rstd),
+            _mod(xs[1], ws[1], bs[1], cs[1], hs[1], mean, rstd),
+            _mod(xs[2], ws[2], bs[2], cs[2], hs[2], mean, rstd),
+            _mod(xs[3], ws[3], bs[3], cs[3], hs[3], mean, rstd))
 
 
 @_device
-def _rows(x, out, res, gate, shift, scale, weight, bias, flags, n, nt, eps_bits, inv_s,
-          inv_gate, inv_shift, inv_scale):
+def _rounded4(xr, v):
+    """Four fp32 values rounded to the format of x's row xr (what an out like x holds)."""
+    return (round_f32(xr, v[0]), round_f32(xr, v[1]), round_f32(xr, v[2]),
+            round_f32(xr, v[3]))
+
+
+@_device
+def _absmax4(top, v, j, st, n):
+    """The largest of top and the |values| of one group that are in the row."""
+    for i in range(4):
+        if j + i * st < n:
+            top = absmax(top, v[i])
+    return top
+
+
+@_device
+def _scaled4(v, inv):
+    return (v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv)
+
+
+@_device
+def _out_fp8(outr, qsr, ya, yc, j1, j2, st, n, vec, part, runs, t, nt):
+    """The row's 8-per-thread outputs ya, yc (rounded to x's format) as e4m3 with the
+    row's scale (`framekv.ops.quantize_rows`' formula): its largest |value| is a block
+    maximum (one more barrier), written to qsr[0] by thread 0."""
+    top = _absmax4(_absmax4(_f32(0), ya, j1, st, n), yc, j2, st, n)
+    top = warps_max(top, part, runs, t, nt, 0, (nt + WARP - 1) >> 5)
+    sc = top / _f32(E4M3_MAX)
+    if sc < _f32(MIN_SCALE):
+        sc = _f32(MIN_SCALE)
+    inv = _f32(1) / sc
+    _st4(outr, j1, st, n, vec, _scaled4(ya, inv))
+    _st4(outr, j2, st, n, vec, _scaled4(yc, inv))
+    if t == 0:
+        store_f32(qsr, (_u64(0),), sc)
+
+
+@_device
+def _rows(x, out, res, gate, shift, scale, weight, bias, qscale, flags, n, nt, eps_bits,
+          inv_s, inv_gate, inv_shift, inv_scale):
     # x, out, res: [B, S, N]; gate, shift, scale: [B, M, N] (M may differ per tensor);
     # weight, bias: [B, 1, N] (zero strides); all float bits (int16 = bf16, int32 =
-    # fp32); n = N, nt = the block's threads (compile-time constants, as flags). A
-    # tensor whose flag is off is a stand-in (x) that is never read. The block has at
-    # least N / 8 threads: each holds its 8 values in registers for the row.
+    # fp32; out int8 = e4m3 with _FP8, qscale [B, S, 1] its fp32 row scales); n = N,
+    # nt = the block's threads (compile-time constants, as flags). A tensor whose flag
+    # is off is a stand-in (x) that is never read. The block has at least N / 8
+    # threads: each holds its 8 values in registers for the row.
     part = cuda.shared.array(HARD_MAX_THREADS, _f32)  # used by the simulator's sums only
     runs_mean = cuda.shared.array(_WARPS, _f32)
     runs_var = cuda.shared.array(_WARPS, _f32)
+    runs_max = cuda.shared.array(_WARPS, _f32)
     S = x.shape[1]
     t = cuda.threadIdx.x
     eps = bits_f32(eps_bits)
@@ -248,8 +301,13 @@ def _rows(x, out, res, gate, shift, scale, weight, bias, flags, n, nt, eps_bits,
             mods = (shift[b, _u64(quotient(s, inv_shift))],
                     scale[b, _u64(quotient(s, inv_scale))], weight[b, _u64(0)], bias[b, _u64(0)])
             outr = out[b, s]
-            _out4(outr, mods, j1, st, n, vec, xa, mean, rstd, flags)
-            _out4(outr, mods, j2, st, n, vec, xc, mean, rstd, flags)
+            if flags & _FP8:
+                ya = _rounded4(xr, _mod4(mods, j1, st, n, vec, xa, mean, rstd, flags))
+                yc = _rounded4(xr, _mod4(mods, j2, st, n, vec, xc, mean, rstd, flags))
+                _out_fp8(outr, qscale[b, s], ya, yc, j1, j2, st, n, vec, part, runs_max, t, nt)
+            else:
+                _st4(outr, j1, st, n, vec, _mod4(mods, j1, st, n, vec, xa, mean, rstd, flags))
+                _st4(outr, j2, st, n, vec, _mod4(mods, j2, st, n, vec, xc, mean, rstd, flags))
 
 
 @functools.lru_cache(maxsize=None)
@@ -260,10 +318,10 @@ def _kernel(flags: int, n: int, nt: int) -> Kernel:
     kernel is bound by the instructions it issues). A model has two or three."""
 
     @cuda.jit(**_KOPTS)
-    def _adaln_kernel(x, out, res, gate, shift, scale, weight, bias, eps_bits, inv_s,
+    def _adaln_kernel(x, out, res, gate, shift, scale, weight, bias, qscale, eps_bits, inv_s,
                       inv_gate, inv_shift, inv_scale):
-        _rows(x, out, res, gate, shift, scale, weight, bias, flags, n, nt, eps_bits, inv_s,
-              inv_gate, inv_shift, inv_scale)
+        _rows(x, out, res, gate, shift, scale, weight, bias, qscale, flags, n, nt, eps_bits,
+              inv_s, inv_gate, inv_shift, inv_scale)
 
     return Kernel(_adaln_kernel)
 
@@ -284,8 +342,9 @@ def gated_residual_reference(x, y, gate=None) -> None:
 
 
 def adaln_reference(x, *, shift=None, scale=None, weight=None, bias=None, eps=1e-6,
-                    residual=None, gate=None, out=None) -> torch.Tensor:
-    """Torch reference of :func:`adaln_` (same arguments, same rounding points)."""
+                    residual=None, gate=None, out=None, out_scale=None) -> torch.Tensor:
+    """Torch reference of :func:`adaln_` (same arguments, same rounding points; an e4m3
+    ``out``: the output rounded to x's dtype, then `quantize_rows_reference` by token)."""
     if residual is not None:
         gated_residual_reference(x, residual, gate)
     y = F.layer_norm(x.float(), x.shape[-1:], None if weight is None else weight.float(),
@@ -296,6 +355,11 @@ def adaln_reference(x, *, shift=None, scale=None, weight=None, bias=None, eps=1e
         y = y + _per_token(shift, x.shape[1])
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.dtype == FP8_DTYPE:
+        N = x.shape[-1]
+        quantize_rows_reference(y.to(x.dtype).view(-1, N), out=out.view(-1, N),
+                                scale=out_scale.view(-1, 1))
+        return out
     out.copy_(y)
     return out
 
@@ -367,12 +431,25 @@ def _check_mods(shape, device, device_name, shift, scale, weight, bias, gate, ep
     return float(eps)
 
 
-def _check_call(x, out, residual, gate) -> None:
-    """The row tensors: x, out (may be None) and residual (required with a gate)."""
+def _check_call(x, out, out_scale, residual, gate) -> None:
+    """The row tensors: x, out (may be None; e4m3 with out_scale) and residual
+    (required with a gate)."""
     _check_rows("x", x, "", None, written=residual is not None)
     _check_width(x.shape[2])
-    if out is not None:
+    fp8 = isinstance(out, torch.Tensor) and out.dtype == FP8_DTYPE
+    if fp8:
+        B, S, N = x.shape
+        check_output("out", out, FP8_DTYPE, (B, S, N), "x", x, "[B, S, N]")
+        if out_scale is None:
+            raise ValueError(f"out_scale: expected a float32 tensor of shape [{B}, {S}, 1] "
+                             "(out is float8_e4m3fn: a scale per row), got None")
+        check_output("out_scale", out_scale, torch.float32, (B, S, 1), "x", x, "[B, S, 1]")
+    elif out is not None:
         _check_rows("out", out, "x", x, written=True)
+    if out_scale is not None and not fp8:
+        raise ValueError("out_scale: expected None unless out is float8_e4m3fn (the scales "
+                         f"of an fp8 output), got a tensor with out "
+                         f"{'None' if out is None else out.dtype}")
     if residual is not None:
         _check_rows("residual", residual, "x", x)
     elif gate is not None:
@@ -399,13 +476,17 @@ def _mod_args(B: int, gate, shift, scale, weight, bias) -> list:
             for t in (gate, shift, scale, weight, bias)]
 
 
-def _execute(x, out, residual, mods, eps: float, res_name="residual") -> None:
+def _execute(x, out, residual, mods, eps: float, res_name="residual", out_scale=None) -> None:
     """Check overlaps, then run the kernel (or the reference on CPU). mods: (gate,
-    shift, scale, weight, bias); out None = the gated residual alone."""
+    shift, scale, weight, bias); out None = the gated residual alone; out_scale: the
+    row scales of an e4m3 out."""
     gate, shift, scale, weight, bias = mods
     names = ("gate", "shift", "scale", "weight", "bias")
     if out is not None:
         check_disjoint("out", out, [("x", x), (res_name, residual), *zip(names, mods)])
+    if out_scale is not None:
+        check_disjoint("out_scale", out_scale, [("x", x), ("out", out), (res_name, residual),
+                                                *zip(names, mods)])
     if residual is not None:
         check_disjoint("x", x, [(res_name, residual), *zip(names, mods)])
     if x.numel() == 0:
@@ -415,7 +496,7 @@ def _execute(x, out, residual, mods, eps: float, res_name="residual") -> None:
             gated_residual_reference(x, residual, gate)
         else:
             adaln_reference(x, shift=shift, scale=scale, weight=weight, bias=bias, eps=eps,
-                            residual=residual, gate=gate, out=out)
+                            residual=residual, gate=gate, out=out, out_scale=out_scale)
         return
     xa = array_arg(x)
     S = x.shape[1]
@@ -423,10 +504,12 @@ def _execute(x, out, residual, mods, eps: float, res_name="residual") -> None:
     args = [xa, xa if out is None else array_arg(out),
             xa if residual is None else array_arg(residual),
             *[xa if a is None else a for a in _mod_args(x.shape[0], *mods)],
+            xa if out_scale is None else array_arg(out_scale),
             int_arg(struct.unpack("<i", struct.pack("<f", eps))[0]),
             *[int_arg(reciprocal_bits(S // M)) for M in (1, *(1 if t is None else t.shape[1]
                                                              for t in (gate, shift, scale)))]]
-    flags = _flags(residual, *mods, norm=out is not None) | (_VEC if vec else 0)
+    flags = (_flags(residual, *mods, norm=out is not None) | (_VEC if vec else 0)
+             | (_FP8 if out_scale is not None else 0))
     nt = _threads(x.shape[2])
     _kernel(flags, x.shape[2], nt).launch(x.shape[0] * x.shape[1], nt, args, x.device)
 
@@ -439,16 +522,17 @@ def _threads(N: int) -> int:
 # --------------------------------------------------------------------------- ops
 
 
-@torch.library.custom_op("framekv::adaln_", mutates_args=("x", "out"))
+@torch.library.custom_op("framekv::adaln_", mutates_args=("x", "out", "out_scale"))
 def _adaln_op(x: torch.Tensor, out: torch.Tensor, shift: Optional[torch.Tensor],
               scale: Optional[torch.Tensor], weight: Optional[torch.Tensor],
               bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-              gate: Optional[torch.Tensor], eps: float) -> None:
-    _execute(x, out, residual, (gate, shift, scale, weight, bias), eps)
+              gate: Optional[torch.Tensor], eps: float,
+              out_scale: Optional[torch.Tensor] = None) -> None:
+    _execute(x, out, residual, (gate, shift, scale, weight, bias), eps, out_scale=out_scale)
 
 
 @_adaln_op.register_fake
-def _(x, out, shift, scale, weight, bias, residual, gate, eps) -> None:
+def _(x, out, shift, scale, weight, bias, residual, gate, eps, out_scale=None) -> None:
     return None
 
 
@@ -466,12 +550,16 @@ def adaln_(x: torch.Tensor, *, shift: Optional[torch.Tensor] = None,
            scale: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None,
            bias: Optional[torch.Tensor] = None, eps: float = 1e-6,
            residual: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
-           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+           out: Optional[torch.Tensor] = None,
+           out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Adaptive LayerNorm, optionally after a gated residual; returns ``out``.
 
     With ``residual``: ``x <- x + gate * residual`` (fp32, rounded once to x's dtype,
     in place). Then ``out = (LN(x) * weight + bias) * (1 + scale) + shift`` in fp32
-    (LN over N, fp32 mean and biased variance, ``eps``), rounded once to out's dtype.
+    (LN over N, fp32 mean and biased variance, ``eps``), rounded once to out's dtype;
+    or, for a float8_e4m3fn ``out``, rounded to x's dtype and quantized per token as
+    `framekv.ops.quantize_rows` does (``out_scale`` its scales): the input of an fp8
+    GEMM, bit for bit what ``quantize_rows`` makes of the output in x's dtype.
 
     Args:
         x: [B, S, N] bf16 or fp32, N contiguous, other strides free (no zero strides
@@ -481,7 +569,10 @@ def adaln_(x: torch.Tensor, *, shift: Optional[torch.Tensor] = None,
         weight, bias: None or [N] bf16/fp32, the LayerNorm's affine parameters.
         eps: added to the variance, a finite number >= 0.
         residual: None or [B, S, N] bf16/fp32 (required when a gate is given).
-        out: None (a new contiguous tensor like x) or [B, S, N] bf16/fp32, N contiguous.
+        out: None (a new contiguous tensor like x), [B, S, N] bf16/fp32, N contiguous,
+            or a contiguous float8_e4m3fn [B, S, N].
+        out_scale: with an e4m3 ``out``, a contiguous fp32 [B, S, 1]: each token's scale
+            (its view [B * S, 1] is ``torch._scaled_mm``'s row-wise scale); else None.
 
     ``out`` may not overlap any other argument, nor ``x`` (when written) the others
     (the check compares memory spans, so interleaved but disjoint views of one buffer
@@ -489,11 +580,11 @@ def adaln_(x: torch.Tensor, *, shift: Optional[torch.Tensor] = None,
     written. One kernel on torch's current stream for CUDA tensors; the torch
     reference on CPU.
     """
-    _check_call(x, out, residual, gate)
+    _check_call(x, out, out_scale, residual, gate)
     eps = _check_mods(tuple(x.shape), x.device, "x", shift, scale, weight, bias, gate, eps)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _adaln_op(x, out, shift, scale, weight, bias, residual, gate, eps)
+    _adaln_op(x, out, shift, scale, weight, bias, residual, gate, eps, out_scale)
     return out
 
 

@@ -14,24 +14,37 @@ e4m3's range; the floor on s keeps 1 / s finite for a row of zeros (which quanti
 zeros). A NaN stays a NaN in q; an infinite value makes its row's scale infinite, so the
 row turns to zeros and NaN: a non-finite input is never hidden. ``1 / s`` is rounded
 once and multiplied (kernel and reference alike), so the two agree bit for bit without
-GELU; with it, tanh may differ in the last fp32 bit between the device's math library
-and torch's, and q then by one e4m3 step at a rounding boundary.
+GELU.
 
 GELU in the quantizer: on CUDA a bf16 GEMM adds its bias and applies GELU-tanh in its
 epilogue (``torch._addmm_activation``); an fp8 GEMM (``torch._scaled_mm``) adds the bias
 but has no GELU, so an MLP's first GEMM writes its pre-activation and the second
 GEMM's quantizer applies GELU on the way in: one pass over the hidden activations
-instead of two.
+instead of two. The kernel computes the same function in another form, since
+``0.5 (1 + tanh u) = 1 / (1 + e^(-2u))``::
+
+    gelu_tanh(v) = v / (1 + 2^(v (c1 + c2 v^2)))     c1 = -2 sqrt(2/pi) / ln 2, c2 = 0.044715 c1
+
+with the hardware's approximate exp2 and reciprocal (`_approx`: one special-function
+instruction each, where torch's tanh costs a dozen and more, in a kernel bound by the
+instructions it issues rather than by memory otherwise). It is within about 1e-6 of the
+exact GELU relative to each value, closer than torch's fp32 formula, whose ``1 +
+tanh`` cancels for negative inputs (5e-5 there); so a scale is within a few fp32 ulps
+of the reference's and a value of q within one e4m3 step of it, differing only at a
+rounding boundary (a small fraction of the bytes). The simulator runs the same form
+with exact exp2 and division.
 
 Tensors: x bf16 or fp32 [M, K] with a contiguous last dimension (rows any stride), out
 float8_e4m3fn [M, K] contiguous (``torch._scaled_mm`` reads its first operand
 row-major), scale fp32 [M, 1] contiguous (its row-wise scale layout).
 
-Kernel: one CTA per row holding the row in registers: nt threads (whole warps, at most
-1024), each with k groups of four values (k <= 8, so K <= `MAX_K`), group q of thread t
-at values 4 (t + nt q) .. + 3, one 8- or 16-byte load and one 4-byte store of e4m3 when
-x and out are `vector_aligned` (K a multiple of 4), else four checked scalar accesses.
-The row's maximum is a butterfly of shuffles per warp, then one over the warps' maxima
+Kernel: one CTA per row holding the row in registers: nt threads (whole warps, as few
+as hold it), each with k <= 4 groups of eight values (so K <= `MAX_K`), group q of
+thread t at values 8 (t + nt q) .. + 7: one 16-byte load of bf16 (two of fp32) and one
+8-byte store of e4m3 when x and out are ``vector_aligned(t, 8)`` (K a multiple of 8),
+else eight checked scalar accesses. Every load of a thread is issued before its first
+value is used; groups that every thread has in the row skip the bound check. The row's
+maximum is a butterfly of shuffles per warp, then one over the warps' maxima
 (`warps_max`: exact, so every run gives the same bits). x is read once; nothing syncs
 with the host or allocates: graph-capturable. Compiled once per (K's layout, GELU,
 vector path). One file: one op (kernel, reference, validating wrapper, custom op).
@@ -48,68 +61,80 @@ from numba import cuda
 from numba import float32 as _f32
 from numba import uint64 as _u64
 
-from ._float import (E4M3_MAX, FP8_DTYPE, check_float_dtype, load_f32, load_f32x4, store_f32,
-                     store_f32x4, vector_aligned)
-from ._launch import (HARD_MAX_THREADS, SIMULATOR, THREAD_STEP, Kernel, array_arg,
-                      use_kernel)
-from ._reduce import WARP, warps_max
-from framekv.specs.checks import (check_disjoint, check_last_dim_contiguous, check_no_overlap,
-                                 check_same_device, check_tensor)
+from ._approx import exp2_approx, rcp_approx
+from ._float import (E4M3_MAX, FP8_DTYPE, check_float_dtype, load_f32, load_f32x8, store_f32,
+                     store_f32x8, vector_aligned)
+from ._launch import HARD_MAX_THREADS, SIMULATOR, THREAD_STEP, Kernel, array_arg, use_kernel
+from ._reduce import WARP, absmax, warps_max
+from framekv.specs.checks import (check_disjoint, check_last_dim_contiguous, check_output,
+                                 check_tensor)
 
 __all__ = ["quantize_rows", "quantize_rows_reference", "MAX_K", "MIN_SCALE"]
 
 _GELU, _VEC = 1, 2
-_GROUPS = 4                # groups of four a thread holds once the row needs many threads
-_GROUPS_MAX = 8            # ... and at most: 32 registers of values
-MAX_K = 4 * _GROUPS_MAX * HARD_MAX_THREADS
+_G = 8                     # values in a group: one 16-byte load of bf16, one 8-byte store
+_GROUPS_MAX = 4            # groups a thread holds: 32 registers of values
+MAX_K = _G * _GROUPS_MAX * HARD_MAX_THREADS
 #: The smallest scale: 2^-126, the smallest normal fp32 (1 / s stays finite).
 MIN_SCALE = 2.0 ** -126
-_MAX_THREADS = 8 if SIMULATOR else HARD_MAX_THREADS  # the simulator: small blocks, long loops
 _WARPS = HARD_MAX_THREADS // WARP
 _BETA = math.sqrt(2.0 / math.pi)
 _KAPPA = 0.044715
+# GELU-tanh(v) = v / (1 + 2^(v (_C1 + _C2 v^2))): 0.5 (1 + tanh u) = 1 / (1 + e^(-2u))
+_C1 = -2.0 * _BETA / math.log(2.0)
+_C2 = _C1 * _KAPPA
 
 
 def _layout(K: int) -> tuple[int, int]:
-    """(nt, k): threads of a row's CTA and groups of four per thread for rows of K."""
-    groups = -(-K // 4)
-    want = -(-groups // _GROUPS)
-    nt = min(_MAX_THREADS, max(THREAD_STEP, -(-want // THREAD_STEP) * THREAD_STEP))
+    """(nt, k): threads of a row's CTA (whole warps, as few as hold the row in at most
+    `_GROUPS_MAX` groups each) and groups of eight per thread, for rows of K."""
+    groups = -(-K // _G)
+    least = -(-groups // _GROUPS_MAX)
+    nt = max(THREAD_STEP, -(-least // THREAD_STEP) * THREAD_STEP)
     return nt, -(-groups // nt)
 
 
 @cuda.jit(device=True, **({} if SIMULATOR else {"forceinline": True}))
 def _gelu(v):
-    """GELU-tanh of an fp32 value, torch's formula in torch's order."""
-    cube = v * v * v
-    inner = _f32(_BETA) * (v + _f32(_KAPPA) * cube)
-    return _f32(0.5) * v * (_f32(1) + _f32(math.tanh(inner)))
+    """GELU-tanh of an fp32 value as ``v * sigmoid(2u)`` (module doc): one approximate
+    exp2 and one approximate reciprocal."""
+    e = exp2_approx(v * (_f32(_C1) + _f32(_C2) * (v * v)))
+    return v * rcp_approx(_f32(1) + e)
 
 
 @cuda.jit(device=True, **({} if SIMULATOR else {"forceinline": True}))
-def _load4(row, j, n, vec):
-    """Values j .. j + 3 of a 1-D row as float32, 0 past its end n; ``vec``: one
-    access (n a multiple of 4, the row aligned: all four in or all out)."""
-    if vec:
-        if j < n:
-            return load_f32x4(row, (j,))
-        return (_f32(0), _f32(0), _f32(0), _f32(0))
+def _load8(row, j, n, vec, full):
+    """Values j .. j + 7 of a 1-D row as float32, 0 past its end n; ``vec``: one
+    access (n a multiple of 8, the row aligned: all eight in or all out); ``full``:
+    known to be in the row (no check)."""
+    if vec or full:
+        if full or j < n:
+            return load_f32x8(row, (j,))
+        z = _f32(0)
+        return (z, z, z, z, z, z, z, z)
     return (load_f32(row, (j,)) if j < n else _f32(0),
             load_f32(row, (j + 1,)) if j + 1 < n else _f32(0),
             load_f32(row, (j + 2,)) if j + 2 < n else _f32(0),
-            load_f32(row, (j + 3,)) if j + 3 < n else _f32(0))
+            load_f32(row, (j + 3,)) if j + 3 < n else _f32(0),
+            load_f32(row, (j + 4,)) if j + 4 < n else _f32(0),
+            load_f32(row, (j + 5,)) if j + 5 < n else _f32(0),
+            load_f32(row, (j + 6,)) if j + 6 < n else _f32(0),
+            load_f32(row, (j + 7,)) if j + 7 < n else _f32(0))
 
 
 @cuda.jit(device=True, **({} if SIMULATOR else {"forceinline": True}))
-def _store4(row, j, n, vec, y):
-    """Four floats y to values j .. j + 3 of a 1-D row, rounded to its format, none
-    past its end n (``vec``: one access, as `_load4`)."""
-    if vec and j < n:
-        store_f32x4(row, (j,), y)
-    elif not vec:
-        for i in range(4):
-            if j + i < n:
-                store_f32(row, (j + i,), y[i])
+def _store8(row, j, n, vec, full, v, b, inv):
+    """v[b .. b + 7] * inv to values j .. j + 7 of a 1-D row, rounded to its format,
+    none past its end n (``vec``, ``full``: as `_load8`)."""
+    if vec or full:
+        if full or j < n:
+            store_f32x8(row, (j,), (v[b] * inv, v[b + 1] * inv, v[b + 2] * inv,
+                                    v[b + 3] * inv, v[b + 4] * inv, v[b + 5] * inv,
+                                    v[b + 6] * inv, v[b + 7] * inv))
+        return
+    for i in range(_G):
+        if j + i < n:
+            store_f32(row, (j + i,), v[b + i] * inv)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,7 +142,8 @@ def _kernel(flags: int, n: int, nt: int, k: int) -> Kernel:
     """The kernel for rows of n values over nt threads of k groups, ``flags`` (GELU,
     vector path) compiled in as constants."""
     vec, act = (flags & _VEC) != 0, (flags & _GELU) != 0
-    vals = 4 * k
+    vals = _G * k
+    full = n // (_G * nt)  # groups q < full are in the row for every thread
 
     @cuda.jit
     def _quant_rows_kernel(x, out, scale):
@@ -125,28 +151,26 @@ def _kernel(flags: int, n: int, nt: int, k: int) -> Kernel:
         # bits); one CTA per row (blockIdx.x), nt threads.
         part = cuda.shared.array(HARD_MAX_THREADS, _f32)  # the simulator's maxima only
         runs = cuda.shared.array(_WARPS, _f32)
-        v = cuda.local.array(vals, _f32)
+        v = cuda.local.array(vals, _f32)  # constant indices once unrolled: registers
         t = cuda.threadIdx.x
         m = _u64(cuda.blockIdx.x)
         xr, outr = x[m], out[m]
+        for q in range(k):  # every load issued before the first value is used
+            y = _load8(xr, _G * (t + nt * q), n, vec, q < full)
+            for i in range(_G):
+                v[_G * q + i] = y[i]
         top = _f32(0)
-        for q in range(k):
-            y = _load4(xr, 4 * (t + nt * q), n, vec)
-            for i in range(4):
-                a = _gelu(y[i]) if act else y[i]
-                v[4 * q + i] = a
-                a = abs(a)
-                if a > top:  # a NaN compares false: left out of the maximum
-                    top = a
+        for i in range(vals):
+            a = _gelu(v[i]) if act else v[i]
+            v[i] = a
+            top = absmax(top, a)  # a NaN left out of the maximum
         top = warps_max(top, part, runs, t, nt, 0, (nt + WARP - 1) >> 5)
         s = top / _f32(E4M3_MAX)
         if s < _f32(MIN_SCALE):
             s = _f32(MIN_SCALE)
         inv = _f32(1) / s
         for q in range(k):
-            j = 4 * (t + nt * q)
-            _store4(outr, j, n, vec, (v[4 * q] * inv, v[4 * q + 1] * inv, v[4 * q + 2] * inv,
-                                      v[4 * q + 3] * inv))
+            _store8(outr, _G * (t + nt * q), n, vec, q < full, v, _G * q, inv)
         if t == 0:
             store_f32(scale, (m, _u64(0)), s)
 
@@ -186,7 +210,7 @@ def _execute(x, out, scale, gelu: bool) -> None:
         return
     M, K = x.shape
     nt, k = _layout(K)
-    vec = vector_aligned(x) and vector_aligned(out)
+    vec = vector_aligned(x, _G) and vector_aligned(out, _G)
     flags = (_GELU if gelu else 0) | (_VEC if vec else 0)
     args = [array_arg(x), array_arg(out), array_arg(scale)]
     _kernel(flags, K, nt, k).launch(M, nt, args, x.device)
@@ -213,17 +237,8 @@ def _check(x, out, scale, gelu) -> None:
                          f"each of at most 1024 threads), got K = {K}")
     if not isinstance(gelu, bool):
         raise ValueError(f"gelu: expected True or False, got {gelu!r}")
-    for name, t, dtype, shape in (("out", out, FP8_DTYPE, (M, K)),
-                                  ("scale", scale, torch.float32, (M, 1))):
-        check_tensor(name, t, ndims=(2,), layout=f"[{shape[0]}, {shape[1]}]")
-        if t.dtype != dtype or tuple(t.shape) != shape:
-            raise ValueError(f"{name}: expected a {dtype} tensor of shape {list(shape)}, got "
-                             f"{t.dtype} of shape {list(t.shape)}")
-        check_same_device(name, t, "x", x)
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor, got strides "
-                             f"{tuple(t.stride())}")
-        check_no_overlap(name, t)
+    check_output("out", out, FP8_DTYPE, (M, K), "x", x)
+    check_output("scale", scale, torch.float32, (M, 1), "x", x)
     check_disjoint("out", out, [("x", x), ("scale", scale)])
     check_disjoint("scale", scale, [("x", x)])
 

@@ -184,6 +184,21 @@ def check_no_overlap(name: str, value) -> None:
                              f"strides {tuple(value.stride())}")
 
 
+def check_output(name: str, value, dtype, shape: tuple[int, ...], ref_name: str, ref,
+                 layout: str = "") -> None:
+    """Raise unless ``value`` is a contiguous ``dtype`` tensor of ``shape`` on ``ref``'s
+    device (an output a kernel writes row-major, e.g. an fp8 GEMM's operand); a
+    contiguous tensor repeats no memory."""
+    check_tensor(name, value, ndims=(len(shape),), layout=layout or str(list(shape)))
+    if value.dtype != dtype or tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected a {dtype} tensor of shape {list(shape)}, got "
+                         f"{value.dtype} of shape {list(value.shape)}")
+    check_same_device(name, value, ref_name, ref)
+    if not value.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides "
+                         f"{tuple(value.stride())}")
+
+
 def check_index_list(name: str, value, ref_name: str, ref,
                      length: int | None = None, length_name: str = ""):
     """Raise unless ``value`` is a 1-D int64 tensor on ``ref``'s device, of ``length``."""

@@ -6,7 +6,7 @@ import torch
 
 from attention_harness import make, onehot_visible_sets, rollout_vs_reference
 from framekv.engine import CachedAttention
-from framekv.engine.attention.backend import TorchSDPABackend, attend_fp32
+from framekv.engine.attention.backend import AttentionBackend, TorchSDPABackend, attend_fp32
 from framekv.specs import Geometry as G
 
 
@@ -103,6 +103,24 @@ def test_refusals(call, match):
     cache, mod, x = _setup()
     with pytest.raises(ValueError, match=match):
         call(cache, mod, x)
+
+
+def test_fp32_off_the_cpu_is_the_reference_backends_alone():
+    """fp32 q, k, v on a device other than the CPU (meta standing in for CUDA): the
+    reference backend attends in fp32 anywhere (an fp32 model's oracle on a GPU); a
+    backend of the fused kernels' formats refuses them by name."""
+    q = torch.randn(1, 12, 8, 16).to("meta")                       # packed [1, S, 4 + 2 * 2, D]
+    out = CachedAttention(4, 2, 16, backend="reference")(q)
+    assert out.shape == (1, 12, 4, 16) and out.dtype == torch.float32
+
+    class Half(TorchSDPABackend):
+        name = "half"
+        dtypes = AttentionBackend.dtypes                           # the default rule
+
+    with pytest.raises(ValueError, match=r"q must have dtype in \(torch.bfloat16, "
+                       r"torch.float16\) on meta \(backend 'half'\), got torch.float32"):
+        CachedAttention(4, 2, 16, backend=Half())(q)
+    assert CachedAttention(4, 2, 16, backend=Half())(q.bfloat16()).dtype == torch.bfloat16
 
 
 def test_backend_without_cache_support_refuses_a_cache():

@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from framekv.bench import fp8
 from framekv.bench.fp8 import check_options, format_fp8, measure_fp8, summary_rows
@@ -56,6 +57,19 @@ def test_dit_checks_both_gemms_against_fp32_on_a_held_out_chunk(result):
     assert bf16["max_abs"] < 1e-4 and 1e-3 < f8["mean_abs"] <= f8["max_abs"] < 0.1 * d["max_abs_want"]
     assert set(d["us"]) == {"bf16", "fp8-gemm"} and all(u["n"] == 3 for u in d["us"].values())
     assert d["fp8_gemm_speedup"] > 0 and d["fp8_gemm_over_bf16"] > 0
+
+
+def test_dit_fp32_twin_runs_off_the_cpu():
+    """The dit part's fp32 twin on a device that is not the CPU (meta, shapes only,
+    standing in for CUDA, where cuDNN takes no fp32): its attention is the reference
+    backend's, which takes fp32 anywhere."""
+    from framekv.bench import fp8_dit
+    from framekv.engine.rollout import resolve_specs
+
+    _, mspec, rspec = resolve_specs("tiny")
+    inputs = fp8_dit._held_out(mspec, rspec.frames_per_chunk, "meta")
+    v = fp8_dit._fp32_velocity(mspec, rspec.prompt_tokens, inputs, "meta")
+    assert v.device.type == "meta" and v.dtype == torch.float32 and v.shape == inputs[0].shape
 
 
 def test_forward_both_pools_timed_and_checked_against_fp32(result):

@@ -85,6 +85,9 @@ def test_a_shared_model_is_left_as_it_was():
     copies = fp8.chunk_model.fp8
     assert [sorted(c) for c in copies] == [["fc1", "fc2", "proj", "qkv"]] * 2
     assert copies[1]["fc2"].name == "blocks.1.fc2" and copies[0]["qkv"].weight.dtype == FP8
+    # fast accumulation but for fc2, whose sum runs over the MLP's width
+    assert [{n: v.fast_accum for n, v in c.items()} for c in copies] == [
+        {"qkv": True, "proj": True, "fc1": True, "fc2": False}] * 2
     fresh = Rollout("tiny", "cpu")
     assert all(torch.equal(x, y) for x, y in zip(full.run(2), fresh.run(2)))
     for r in (full, fp8, fresh):
@@ -140,7 +143,7 @@ def test_a_wan_fp8_gemm_rollout_against_the_models_own_fp32_math(glue, fused_qkv
 
 
 def test_wan_fp8_linears_are_the_blocks_projections_and_mlp():
-    from framekv.engine.wan.blocks import fp8_linears
+    from framekv.engine.wan.blocks import FP8_FAST_ACCUM, fp8_linears
 
     m = build_model(TINY16, seed=1)
     r = WanRollout(m, gemm_dtype="fp8", use_graphs=False, **WAN_KW)
@@ -151,6 +154,9 @@ def test_wan_fp8_linears_are_the_blocks_projections_and_mlp():
     assert (f["qkv"].out_features, f["qkv"].in_features) == (96, 32)     # q, k, v stacked
     assert (f["ffn_in"].out_features, f["ffn_out"].in_features) == (64, 64)
     assert f["ffn_out"].name == "blocks.0.ffn.net.2" and f["cross_q"].name == "blocks.0.attn2.to_q"
+    # fast accumulation where the sum runs over the model's width, not the MLP's output
+    assert {n: v.fast_accum for n, v in f.items()} == FP8_FAST_ACCUM
+    assert [n for n, fast in FP8_FAST_ACCUM.items() if not fast] == ["ffn_out"]
     # the stacked q, k, v is the three projections' GEMMs side by side
     blk = m.blocks[0]
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))

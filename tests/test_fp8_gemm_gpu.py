@@ -1,10 +1,11 @@
 """fp8 GEMMs on a CUDA GPU (Hopper): `Fp8Linear` at the Wan 1.3B shapes against its fp32
 formula and within e4m3's rounding of the fp32 product (rows and channels spread over
 24 binades, so a scale in the wrong place fails), a captured CUDA graph replayed with
-new inputs equal to eager calls bit for bit, whole rollouts with fp8 GEMMs replayed
-bit for bit against eager (the reference DiT, over a bf16 and an fp8 pool; Wan), and
-WanRollout 1.3B with random weights at its full latent size within a relative L2
-bound of the bf16 rollout."""
+new inputs equal to eager calls bit for bit, an input the norm wrote as e4m3 equal to
+the layer on the norm's bf16 output, fast accumulation's error beside e4m3's, whole
+rollouts with fp8 GEMMs replayed bit for bit against eager (the reference DiT, over a
+bf16 and an fp8 pool; Wan), and WanRollout 1.3B with random weights at its full latent
+size within a relative L2 bound of the bf16 rollout."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from framekv.engine import WanRollout
-from framekv.engine.fp8_linear import FP8, Fp8Linear, fp8_linear_reference
+from framekv.engine.fp8_linear import FP8, Fp8Linear, adaln_for, fp8_linear_reference
 from framekv.engine.rollout import Rollout
 from framekv.engine.wan import build_model
 from framekv.ops import quantize_rows_reference
@@ -88,6 +89,42 @@ def test_a_graph_replay_equals_eager_calls_bit_for_bit():
     x.copy_(operands(4680, 8960, 1536, seed=7)[0])
     graph.replay()
     assert torch.equal(out, layer(x, gelu=True))
+
+
+@pytest.mark.parametrize("K,N", [(1536, 4608), (1536, 8960), (5120, 5120)])
+def test_an_input_the_norm_quantized_is_the_layer_on_the_norms_output_bit_for_bit(K, N):
+    """What a fused block runs (`adaln_for`: the norm writes e4m3 and its scales) is
+    what the layer makes of the norm's bf16 output, to the bit."""
+    gen = torch.Generator().manual_seed(K + N)
+    x = (torch.randn(2, 2340, K, generator=gen) * 2 + 1).to("cuda", torch.bfloat16)
+    mods = {k: (0.5 * torch.randn(2, 1, K, generator=gen)).cuda() for k in ("shift", "scale")}
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to("cuda", torch.bfloat16)
+    layer = Fp8Linear(w, torch.zeros(N, device="cuda").bfloat16(), name="t", fast_accum=True)
+    rows = adaln_for(layer, x, **mods, eps=1e-6)
+    assert torch.equal(layer(rows), layer(adaln_for(None, x, **mods, eps=1e-6)))
+
+
+@pytest.mark.parametrize("K,N,gelu", SHAPES + [(5120, 15360, False), (13824, 5120, True)])
+def test_fast_accumulation_adds_little_to_e4m3s_error(K, N, gelu):
+    """Fast accumulation (no promotion of partial sums to fp32) against the promoted
+    GEMM of the same operands: within a bound of the tensor cores' accumulator (13
+    bits kept at each of the K / 32 steps, of the products' magnitudes) and, over the
+    output, a small part of the e4m3 rounding's own error (printed: the evidence for
+    each layer's choice, as the fp8_gemm bench's "fast vs promoted" column)."""
+    x, w = operands(4680, K, N, seed=9)
+    slow = Fp8Linear(w, name="t")
+    fast = Fp8Linear(w, name="t", fast_accum=True)
+    a, b = fast(x, gelu=gelu).float(), slow(x, gelu=gelu).float()
+    want = fp8_linear_reference(slow, x, gelu=gelu)
+    q, s = quantize_rows_reference(x, gelu=gelu)
+    mags = (q.float().abs() * s) @ (slow.weight.float().abs() * slow.scale.view(-1, 1)).t()
+    assert bool(((a - want).abs() <= want.abs() * 2 ** -7 + mags * (K / 32) * 2 ** -13).all())
+    xin = F.gelu(x.float(), approximate="tanh") if gelu else x.float()
+    exact = xin @ w.float().t()
+    accum = float((a - b).norm() / exact.norm())
+    e4m3 = float((b - exact).norm() / exact.norm())
+    print(f"K {K} N {N}: fast vs promoted {accum:.2e}, promoted vs fp32 {e4m3:.2e}")
+    assert accum < 0.3 * e4m3, (accum, e4m3)
 
 
 def test_a_cuda_layer_must_be_bf16():

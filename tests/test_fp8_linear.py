@@ -3,15 +3,17 @@ the input and output channels of the weight spread over 24 binades, so that a sc
 shared between rows, laid along the wrong dimension or applied to the wrong row fails
 the same bounds that the per-row layout meets (the wrong layouts are emulated and
 checked to fail them); the layer equal to its fp32 formula; GELU before the
-quantizer; ``gemm_dtype`` names; shapes refused by naming the layer."""
+quantizer; ``gemm_dtype`` names; shapes refused by naming the layer; an input the norm
+wrote as e4m3 (`adaln_for`) giving the layer's output on the norm's own; fast
+accumulation a checked per-layer choice."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from framekv.engine.fp8_linear import (FP8, Fp8Linear, fp8_linear_reference,
-                                       resolve_gemm_dtype)
+from framekv.engine.fp8_linear import (FP8, Fp8Linear, Fp8Rows, adaln_for,
+                                       fp8_linear_reference, resolve_gemm_dtype)
 from framekv.ops import quantize_rows_reference
 from test_quant_rows import spread_rows
 
@@ -152,3 +154,34 @@ def test_other_bad_arguments_name_the_layer():
         Fp8Linear(w, torch.zeros(16), name="blocks.0.qkv")
     with pytest.raises(ValueError, match=r"proj: expected inputs of 16 features, got shape \[2, 32\]"):
         Fp8Linear(w, name="proj")(torch.zeros(2, 32))
+
+
+# ----------------------------------------------------------------- inputs quantized by the norm
+def test_a_norm_writing_the_fp8_input_is_the_layer_on_the_norms_output():
+    """`adaln_for` hands an fp8 layer its input as e4m3 rows written by the norm itself:
+    the layer's output is the one it gives the norm's output in the model's dtype."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 10, 64, generator=g) * 3 + 1                       # [B, S, K]
+    mods = dict(shift=torch.randn(2, 1, 64, generator=g), scale=torch.randn(2, 1, 64, generator=g))
+    layer = Fp8Linear(torch.randn(48, 64, generator=g) / 8, torch.randn(48, generator=g),
+                      name="t")
+    rows = adaln_for(layer, x, **mods, eps=1e-6)
+    assert isinstance(rows, Fp8Rows) and rows.q.dtype == FP8 and rows.scale.shape == (2, 10, 1)
+    assert rows.dtype == x.dtype and rows.shape == x.shape
+    h = adaln_for(None, x, **mods, eps=1e-6)                               # the model's dtype
+    assert isinstance(h, torch.Tensor) and h.dtype == x.dtype
+    assert torch.equal(layer(rows), layer(h))
+    torch.testing.assert_close(fp8_linear_reference(layer, rows), fp8_linear_reference(layer, h),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="t: an input quantized already cannot take GELU"):
+        layer(rows, gelu=True)
+    with pytest.raises(ValueError, match=r"t: expected inputs of 64 features, got shape \[2, 10"):
+        layer(Fp8Rows(rows.q[..., :32], rows.scale, x.dtype))
+
+
+def test_fast_accumulation_is_a_checked_choice_of_each_layer():
+    w = torch.randn(32, 16)
+    assert not Fp8Linear(w, name="t").fast_accum
+    assert Fp8Linear(w, name="t", fast_accum=True).fast_accum
+    with pytest.raises(ValueError, match="blocks.0.fc2: fast_accum must be True or False, got 1"):
+        Fp8Linear(w, name="blocks.0.fc2", fast_accum=1)

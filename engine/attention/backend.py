@@ -84,11 +84,19 @@ class AttentionPlan(abc.ABC):
         K/V of these tokens are already staged."""
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 class AttentionBackend(abc.ABC):
     """What `CachedAttention` calls. Shapes: q [1, S, H, D], k/v [1, S, H_kv, D]."""
 
     name: str = "abstract"
     supports_kv_cache: bool = False
+
+    def dtypes(self, device: torch.device) -> tuple[torch.dtype, ...]:
+        """The q, k, v dtypes this backend attends in on ``device`` (`CachedAttention`
+        refuses others by name): bf16 and fp16, and fp32 on a CPU."""
+        return _HALF + ((torch.float32,) if device.type == "cpu" else ())
 
     @abc.abstractmethod
     def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -160,6 +168,11 @@ class ReferenceBackend(AttentionBackend):
 
     name = "reference"
     supports_kv_cache = True
+
+    def dtypes(self, device):
+        """bf16, fp16 and fp32 on any device: fp32 math (an fp32 model's oracle on CUDA
+        too)."""
+        return _HALF + (torch.float32,)
 
     def dense(self, q, k, v, scale):
         return attend_fp32(q[0], k[0], v[0], scale).to(q.dtype)[None]

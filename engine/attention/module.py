@@ -27,8 +27,6 @@ from ..cache.sequences import flat_rows
 from .backend import AttentionBackend, AttentionPlan
 from .registry import get_backend
 
-_GPU_DTYPES = (torch.bfloat16, torch.float16)
-
 
 class CachedAttention(torch.nn.Module):
     """Attention of one layer, optionally over a `CausalKVCache`.
@@ -185,9 +183,10 @@ class CachedAttention(torch.nn.Module):
                                  f"got {t.dtype}, {t.device}")
             if t.stride(-1) != 1:
                 raise ValueError(f"{name} must have a contiguous head dim, got strides {t.stride()}")
-        allowed = _GPU_DTYPES + ((torch.float32,) if q.device.type == "cpu" else ())
+        allowed = self.backend.dtypes(q.device)
         if q.dtype not in allowed:
-            raise ValueError(f"q must have dtype in {allowed} on {q.device.type}, got {q.dtype}")
+            raise ValueError(f"q must have dtype in {allowed} on {q.device.type} (backend "
+                             f"{self.backend.name!r}), got {q.dtype}")
         return q, k, v
 
     def _check_cached(self, q, cache, seq_len, b):

@@ -25,7 +25,7 @@ from framekv import ops
 from framekv.specs import ModelSpec
 
 from ..attention import CachedAttention
-from ..fp8_linear import Fp8Linear
+from ..fp8_linear import Fp8Linear, adaln_for
 from ..kv import ForwardContext
 
 #: Wan feeds the sampler's t in [0, 1] to the sinusoid as t * 1000.
@@ -187,6 +187,9 @@ class DiTBlock(torch.nn.Module):
 
     #: The linears that run as fp8 GEMMs with ``gemm_dtype="fp8"`` (`fp8_linears`).
     FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")
+    #: Each one's accumulation (`framekv.engine.fp8_linear`, "Accumulation"): fast over
+    #: the model's width, fc2's sum over the MLP's width promoted to fp32.
+    FP8_FAST_ACCUM = {"qkv": True, "proj": True, "fc1": True, "fc2": False}
 
     def __init__(self, spec: ModelSpec, layer_idx: int, backend):
         super().__init__()
@@ -204,7 +207,8 @@ class DiTBlock(torch.nn.Module):
     def fp8_linears(self, prefix: str) -> dict[str, Fp8Linear]:
         """The block's `FP8_LINEARS` as fp8 GEMMs, by name (their weights quantized
         now); ``prefix`` names the block in errors ("blocks.3")."""
-        return {n: Fp8Linear.of(getattr(self, n), f"{prefix}.{n}") for n in self.FP8_LINEARS}
+        return {n: Fp8Linear.of(getattr(self, n), f"{prefix}.{n}", self.FP8_FAST_ACCUM[n])
+                for n in self.FP8_LINEARS}
 
     def qkv_packed(self, h: torch.Tensor, rope: tuple | None,
                    fp8: dict | None = None) -> torch.Tensor:
@@ -234,9 +238,9 @@ class DiTBlock(torch.nn.Module):
         f = fp8 or {}
         proj = linear(self.proj, out.flatten(2), f.get("proj"))           # [B, S, hidden]
         ffn = (f["fc1"], f["fc2"]) if f else None
-        if fused:
-            h = ops.adaln_(x, residual=proj, gate=gate1, shift=shift2, scale=scale2,
-                           eps=1e-6)                                       # x += gate1 * proj
+        if fused:  # x += gate1 * proj; h for fc1 (e4m3 with its scales for an fp8 fc1)
+            h = adaln_for(ffn[0] if ffn else None, x, residual=proj, gate=gate1, shift=shift2,
+                          scale=scale2, eps=1e-6)
             ops.gated_residual_(x, mlp(self.fc1, self.fc2, h, ffn), gate2)
             return x
         x = x + gate1 * proj
@@ -256,9 +260,9 @@ class DiTBlock(torch.nn.Module):
         H, Hkv, D = self.heads
         if not fused:
             return self.qkv_packed(modulate(x, mods[0], mods[1]), rope, fp8), None
-        h = ops.adaln_(x, shift=mods[0], scale=mods[1], eps=1e-6)         # [B, S, hidden]
-        qkv = linear(self.qkv, h, (fp8 or {}).get("qkv")).unflatten(
-            -1, (H + 2 * Hkv, D))                                          # [B, S, H+2Hkv, D]
+        layer = (fp8 or {}).get("qkv")
+        h = adaln_for(layer, x, shift=mods[0], scale=mods[1], eps=1e-6)   # [B, S, hidden]
+        qkv = linear(self.qkv, h, layer).unflatten(-1, (H + 2 * Hkv, D))   # [B, S, H+2Hkv, D]
         prologue = functools.partial(
             ops.qk_norm_rope_stage_, q_weight=self.q_norm.weight, k_weight=self.k_norm.weight,
             num_heads=H, num_kv_heads=Hkv, norm="head", eps=self.q_norm.eps, rope=rope)

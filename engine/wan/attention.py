@@ -87,20 +87,20 @@ def pack_projections(attn) -> None:
     setattr(attn, _PACKED, (weight, bias))
 
 
-def fp8_qkv(attn, name: str) -> Fp8Linear:
+def fp8_qkv(attn, name: str, fast_accum: bool = False) -> Fp8Linear:
     """The q, k, v projections of a self-attention module as one fp8 GEMM over their
     weights stacked by rows ([3*H*D, dim], as `pack_projections` stores them; the
     per-channel scales make it the three GEMMs' result side by side). ``name`` names
-    the module in errors."""
+    the module in errors; ``fast_accum``: `Fp8Linear`'s."""
     if getattr(attn, "fused_projections", False):
-        return Fp8Linear.of(attn.to_qkv, f"{name}.to_qkv")
+        return Fp8Linear.of(attn.to_qkv, f"{name}.to_qkv", fast_accum)
     parts = _packed_parts(attn)
     if parts is None:
         mods = (attn.to_q, attn.to_k, attn.to_v)
         biased = all(m.bias is not None for m in mods)
         parts = (torch.cat([m.weight for m in mods]),
                  torch.cat([m.bias for m in mods]) if biased else None)
-    return Fp8Linear(*parts, name=f"{name}.to_q/to_k/to_v")
+    return Fp8Linear(*parts, name=f"{name}.to_q/to_k/to_v", fast_accum=fast_accum)
 
 
 def packed_qkv(attn, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -116,10 +116,11 @@ def packed_qkv(attn, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def self_attention(attn, hidden_states: torch.Tensor, rope, ctx: ForwardContext, cached, *,
                    fused: bool, last: bool, fp8: dict | None = None) -> torch.Tensor | None:
-    """``attn1`` of a block over the forward's store: hidden_states [B, S, dim] -> [B, S, dim];
-    ``cached`` the layer's `CachedAttention`; rope: cos/sin tables (torch glue) or a
-    `RopeGrid` (fused); ``last``: the model's last layer (None back once its K/V are
-    staged in a forward kept for them); ``fp8``: the block's fp8 GEMMs, or None."""
+    """``attn1`` of a block over the forward's store: hidden_states [B, S, dim] (an
+    `Fp8Rows` where the fused norm wrote the fp8 GEMM's input) -> [B, S, dim]; ``cached``
+    the layer's `CachedAttention`; rope: cos/sin tables (torch glue) or a `RopeGrid`
+    (fused); ``last``: the model's last layer (None back once its K/V are staged in a
+    forward kept for them); ``fp8``: the block's fp8 GEMMs, or None."""
     fp8 = fp8 or {}
     if fused:
         qkv = (fp8["qkv"](hidden_states) if fp8 else packed_qkv(attn, hidden_states))
@@ -138,7 +139,7 @@ def self_attention(attn, hidden_states: torch.Tensor, rope, ctx: ForwardContext,
     out = ctx.attention(cached, qkv, prologue, last=last)                  # [B, S, H, D]
     if out is None:
         return None
-    return attn.to_out[1](linear(attn.to_out[0], out.flatten(2, 3).type_as(hidden_states),
+    return attn.to_out[1](linear(attn.to_out[0], out.flatten(2, 3).to(hidden_states.dtype),
                                  fp8.get("out")))
 
 
@@ -202,8 +203,9 @@ class PromptKV:
 
     def __call__(self, attn, hidden_states: torch.Tensor, rows: torch.Tensor | None,
                  fp8: dict | None = None) -> torch.Tensor:
-        """``attn2`` over hidden_states [B, S, dim] and the prompts of the forward's rows;
-        ``fp8``: the block's fp8 GEMMs ("cross_q", "cross_out"), or None."""
+        """``attn2`` over hidden_states [B, S, dim] (or an `Fp8Rows` for an fp8 "cross_q")
+        and the prompts of the forward's rows; ``fp8``: the block's fp8 GEMMs
+        ("cross_q", "cross_out"), or None."""
         fp8 = fp8 or {}
         q = attn.norm_q(linear(attn.to_q, hidden_states, fp8.get("cross_q")))
         q = q.unflatten(2, (attn.heads, -1))

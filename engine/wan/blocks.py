@@ -27,7 +27,7 @@ import torch
 
 from framekv import ops
 
-from ..fp8_linear import Fp8Linear
+from ..fp8_linear import Fp8Linear, adaln_for
 from ..kv import ForwardContext
 from ..model.blocks import linear_gelu
 from .attention import PromptKV, fp8_qkv, self_attention
@@ -49,6 +49,13 @@ def _out_projection(net) -> int:
     return found[0]
 
 
+#: Each fp8 GEMM's accumulation (`framekv.engine.fp8_linear`, "Accumulation"): fast
+#: where the sum runs over the model's width, promoted to fp32 for the MLP's output
+#: projection (its sum over the MLP's width, the longest).
+FP8_FAST_ACCUM = {"qkv": True, "out": True, "cross_q": True, "cross_out": True,
+                  "ffn_in": True, "ffn_out": False}
+
+
 def fp8_linears(block, name: str) -> dict[str, Fp8Linear]:
     """A Wan block's fp8 GEMMs by name (module doc), quantized now: "qkv" (attn1's q,
     k, v: `attention.fp8_qkv`), "out", "cross_q", "cross_out", "ffn_in", "ffn_out".
@@ -59,12 +66,14 @@ def fp8_linears(block, name: str) -> dict[str, Fp8Linear]:
                          f"'gelu-approximate'), got {type(block.ffn.net[0]).__name__}")
     a1, a2, net = block.attn1, block.attn2, block.ffn.net
     out = _out_projection(net)
-    return {"qkv": fp8_qkv(a1, f"{name}.attn1"),
-            "out": Fp8Linear.of(a1.to_out[0], f"{name}.attn1.to_out.0"),
-            "cross_q": Fp8Linear.of(a2.to_q, f"{name}.attn2.to_q"),
-            "cross_out": Fp8Linear.of(a2.to_out[0], f"{name}.attn2.to_out.0"),
-            "ffn_in": Fp8Linear.of(net[0].proj, f"{name}.ffn.net.0.proj"),
-            "ffn_out": Fp8Linear.of(net[out], f"{name}.ffn.net.{out}")}
+    fast = FP8_FAST_ACCUM
+    return {"qkv": fp8_qkv(a1, f"{name}.attn1", fast["qkv"]),
+            "out": Fp8Linear.of(a1.to_out[0], f"{name}.attn1.to_out.0", fast["out"]),
+            "cross_q": Fp8Linear.of(a2.to_q, f"{name}.attn2.to_q", fast["cross_q"]),
+            "cross_out": Fp8Linear.of(a2.to_out[0], f"{name}.attn2.to_out.0",
+                                      fast["cross_out"]),
+            "ffn_in": Fp8Linear.of(net[0].proj, f"{name}.ffn.net.0.proj", fast["ffn_in"]),
+            "ffn_out": Fp8Linear.of(net[out], f"{name}.ffn.net.{out}", fast["ffn_out"])}
 
 
 def feed_forward(ffn, h: torch.Tensor, fp8: dict | None = None) -> torch.Tensor:
@@ -91,9 +100,10 @@ def block_forward(block, x: torch.Tensor, temb: torch.Tensor, rope, ctx: Forward
     ``fp8``: its `fp8_linears`, or None (the model's dtype)."""
     shift, scale, gate, c_shift, c_scale, c_gate = (block.scale_shift_table
                                                     + temb.float()).chunk(6, dim=1)
+    f = fp8 or {}  # a norm before an fp8 layer writes its e4m3 input (`adaln_for`)
     if fused:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        h = ops.adaln_(x, shift=shift, scale=scale, eps=block.norm1.eps)    # [B, S, dim]
+        h = adaln_for(f.get("qkv"), x, shift=shift, scale=scale, eps=block.norm1.eps)
     else:
         h = (block.norm1(x.float()) * (1 + scale) + shift).type_as(x)
     a = self_attention(block.attn1, h, rope, ctx, cached, fused=fused, last=last, fp8=fp8)
@@ -110,9 +120,10 @@ def block_forward(block, x: torch.Tensor, temb: torch.Tensor, rope, ctx: Forward
         ops.gated_residual_(x, a, gate)
         h = x
     else:
-        h = ops.adaln_(x, residual=a, gate=gate, weight=block.norm2.weight,
-                       bias=block.norm2.bias, eps=block.norm2.eps)
+        h = adaln_for(f.get("cross_q"), x, residual=a, gate=gate, weight=block.norm2.weight,
+                      bias=block.norm2.bias, eps=block.norm2.eps)
     a = prompt(block.attn2, h, ctx.rows, fp8)
-    h = ops.adaln_(x, residual=a, shift=c_shift, scale=c_scale, eps=block.norm3.eps)
+    h = adaln_for(f.get("ffn_in"), x, residual=a, shift=c_shift, scale=c_scale,
+                  eps=block.norm3.eps)
     ops.gated_residual_(x, feed_forward(block.ffn, h, fp8), c_gate)
     return x
