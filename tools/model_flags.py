@@ -80,8 +80,10 @@ _OPTIONAL = {"checkpoint": _add_checkpoint, "sampler": _add_sampler, "shift": _a
 
 def model_parent(default: str = DEFAULT_MODEL, *, skip=()) -> argparse.ArgumentParser:
     """The argparse parent of the model flags (module doc), ``--model`` defaulting to
-    ``default``; ``skip``: the options (`FLAGS` keys) of `_OPTIONAL` a command has no
-    use for. A new parent each call: a command's defaults stay its own."""
+    ``default``; ``skip``: flags a command has no use for, by option name (checkpoint,
+    sampler, shift, steps, decoder, kv_dtype, gemm_dtype; ``--model``, ``--config`` and
+    ``--weights`` are always there). A new parent each call: a command's defaults stay
+    its own (argparse shares a parent's actions with every child)."""
     unknown = set(skip) - set(_OPTIONAL)
     if unknown:
         raise ValueError(f"skip must name flags of {sorted(_OPTIONAL)}, got {sorted(unknown)}")
