@@ -3,9 +3,9 @@
     python -m framekv.bench.serve_load [--preset small-stream] [--sessions 8]
         [--seconds 60] [--scrape S] [--device D] [--json FILE]
 
-A preset ``wan-diffusers:CONFIG[:PRESET]`` serves diffusers' Wan transformer instead
-(``framekv serve --model wan-diffusers --config CONFIG [--preset PRESET] --output
-latents``, random weights).
+A preset ``MODEL:CONFIG[:PRESET]`` serves a config of another model family instead
+(``framekv serve --model MODEL --config CONFIG [--preset PRESET] --output latents``,
+random weights): ``wan-diffusers:1.3b`` is diffusers' Wan transformer.
 
 Starts ``framekv serve PRESET --output latents`` (the stream, not its preview pictures)
 as its own process on 127.0.0.1 (every graph captured before
@@ -52,9 +52,9 @@ def _percentile(xs: list[float], q: float) -> float:
 def server_command(preset: str, sessions: int, port: int, device=None) -> list[str]:
     """The ``framekv serve`` command line of a load run (module doc)."""
     cmd = [sys.executable, "-m", "framekv.tools.cli", "serve"]
-    if preset.startswith("wan-diffusers:"):
-        _, config, *sizes = preset.split(":")
-        cmd += ["--model", "wan-diffusers", "--config", config, "--output", "latents"]
+    if ":" in preset:                               # MODEL:CONFIG[:PRESET]
+        model, config, *sizes = preset.split(":")
+        cmd += ["--model", model, "--config", config, "--output", "latents"]
         cmd += ["--preset", sizes[0]] if sizes else []
     else:
         cmd += [preset, "--output", "latents"]      # the stream, not its preview pictures

@@ -3,7 +3,8 @@ the chunk runner.
 
 Wings (docs/DESIGN.md, "Map"): ``cache/`` (the paged cache, its layout plan and host
 model, the fp32 reference), ``attention/`` (the layer module, backends, cuDNN,
-split-KV, Ulysses), ``model/`` (the reference DiT), ``wan/`` (diffusers' Wan); ``kv.py``
+split-KV, Ulysses), ``model/`` (the reference DiT), ``wan/`` (diffusers' Wan),
+``models/`` (model families by name: what a command builds its model from); ``kv.py``
 is the seam between a model and the K/V it attends (`KVStore`, `ForwardContext`);
 ``runner.py`` is the one chunk cycle (`ChunkRunner`), which `Rollout` (``rollout.py``)
 and `WanRollout` adapt to their models, running a sampler of ``samplers/`` (the

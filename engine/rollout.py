@@ -266,7 +266,8 @@ class WarmupResult(NamedTuple):
     """What `warm_up` returns.
 
     Attributes:
-        rollout: the `Rollout` whose graphs were captured, at position 0, no prompt.
+        rollout: the `Rollout` (or another `ChunkRunner`, `captured`) whose graphs were
+            captured, at position 0, no prompt.
         report: the capture report (per graph: seconds, memory).
         builds: `framekv.engine.cache_dir.build_counts` after the captures (numba
             kernels compiled / loaded, cuDNN plans built / loaded in this process).
@@ -298,13 +299,20 @@ def warm_up(preset="tiny", *, device=None, backend=None,
         preset = load_preset(preset)
     if cache_dir is None and isinstance(preset, Preset):
         cache_dir = preset.warmup.cache_dir
-    rollout = Rollout(preset, device, backend=backend, debug=debug, cache_dir=cache_dir)
+    return captured(Rollout(preset, device, backend=backend, debug=debug, cache_dir=cache_dir),
+                    progress=progress, stream=stream)
+
+
+def captured(runner: ChunkRunner, *, progress: bool = True, stream=None) -> WarmupResult:
+    """``runner`` (any `ChunkRunner`) with every graph it replays captured
+    (`ChunkRunner.capture`; ``progress``, ``stream`` as `warm_up`'s), as a
+    `WarmupResult`; the runner is closed when a capture fails."""
     try:
-        report = rollout.capture(progress=progress, stream=stream)
+        report = runner.capture(progress=progress, stream=stream)
     except BaseException:
-        rollout.close()
+        runner.close()
         raise
-    return WarmupResult(rollout, report, build_counts(rollout.model.blocks[0].attn.backend))
+    return WarmupResult(runner, report, build_counts(runner.chunk_model.attention.backend))
 
 
 def _default_name(backend, device: torch.device, head_dim: int) -> str:

@@ -2,24 +2,23 @@
 
     python examples/streaming.py [--device cpu|cuda] [--model reference|wan-diffusers]
 
-Three clients stream at once; one GPU loop steps them together as one batch. Both models
-hand out chunks in one layout: latents [C, F, H, W].
+Three clients stream at once; one GPU loop steps them together as one batch. Every model
+family (`framekv.engine.models`) hands out chunks in one layout: latents [C, F, H, W].
 """
 import argparse
 import threading
 
+from framekv.engine.models import ModelOptions, get_model, models
 from framekv.engine.serving import StreamScheduler
 
 p = argparse.ArgumentParser(allow_abbrev=False)
 p.add_argument("--device", default=None)
-p.add_argument("--model", choices=("reference", "wan-diffusers"), default="reference")
+p.add_argument("--model", choices=models(), default="reference")
 args = p.parse_args()
-factory = None
-if args.model == "wan-diffusers":  # diffusers' Wan transformer: tiny config, random weights
-    from framekv.engine import WanRollout
-
-    factory = lambda **kw: WanRollout.from_config("tiny", device=args.device, **kw)  # noqa: E731
-sched = StreamScheduler("tiny", max_sessions=4, device=args.device, runner_factory=factory)
+# the family's model at its defaults (diffusers' Wan: the tiny config, random weights)
+model = get_model(args.model).load(ModelOptions(), device=args.device, text_encoder=False,
+                                  decode=False)
+sched = StreamScheduler(max_sessions=4, device=args.device, **model.scheduler_args())
 stop = threading.Event()
 loop = threading.Thread(target=sched.run, args=(stop,))
 loop.start()                                                 # the GPU loop

@@ -67,6 +67,17 @@ def tolerance(text: str) -> float:
     return value
 
 
+def positive_number(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def seconds(text: str) -> float:
     """A finite number of seconds > 0."""
     try:

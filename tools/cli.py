@@ -4,9 +4,13 @@ command does, when it runs.
 
 Every command that runs a preset takes it as its positional argument or as ``--preset``
 (`framekv.tools.conventions`): ``framekv demo wan-1.3b`` is ``framekv demo --preset
-wan-1.3b``. ``framekv --version`` prints ``framekv X.Y.Z``.
+wan-1.3b``. ``framekv --version`` prints ``framekv X.Y.Z``. Every command that runs a
+model (demo, warmup, generate, serve) takes the model flags of
+`framekv.tools.model_flags` (``--model``, a family of `framekv.engine.models`, and its
+options), checked before any model is built.
 
-``framekv warmup PRESET`` captures every graph a preset's rollout replays, up front, and
+``framekv warmup PRESET`` captures every graph the rollout of ``--model``'s model at a
+preset replays (default the reference DiT's), up front, and
 reports time and memory: a server runs it (or `framekv.engine.warm_up`) at start so that
 no request pays a capture. PRESET (required) is a shipped preset's name or a
 ``.toml``/``.json`` preset file; ``--json FILE`` writes the report
@@ -18,15 +22,18 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from . import bench, generate, serve
 from .cluster import command as cluster
-from .args import (add_fp8_gemm_argument, add_kv_dtype_argument, gemm_dtype_of,
-                   nonnegative_int, positive_int, tolerance, writable_file)
+from .args import (add_kv_dtype_argument, nonnegative_int, positive_int, tolerance,
+                   writable_file)
 from .conventions import (CommandParser, PresetError, add_backend_argument,
-                          add_preset_arguments, load_preset_arg, preset_help, version_line)
+                          add_preset_arguments, fail, load_preset_arg, preset_help,
+                          version_line)
+from .model_flags import checked_model, model_parent
 
 CPU_NOTE = "cpu: graphs run eagerly; nothing is captured"
 
@@ -39,32 +46,29 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _fail(command: str, exc: Exception, status: int = 2) -> int:
-    """Print ``exc`` (and its notes) as the command's error; returns ``status``."""
-    notes = "".join(f"\n  {note}" for note in getattr(exc, "__notes__", ()))
-    print(f"framekv {command}: error: {exc}{notes}", file=sys.stderr)
-    return status
-
-
 def _cmd_demo(args) -> int:
+    """The demo of ``--model``'s family: the reference DiT's own (`framekv.tools.demo`:
+    a preset's `Rollout`, Ulysses under torchrun), or any other's
+    (`framekv.tools.model_demo`)."""
     try:
-        if args.model == "wan-diffusers":
-            from .wan_demo import run_wan_demo
+        family, options, _ = checked_model(args)
+        from framekv.engine.models import ReferenceModel
 
-            report = run_wan_demo(args.config, preset=args.preset, weights=args.weights,
-                                  chunks=args.chunks,
-                                  device=args.device, backend=args.backend,
-                                  check_chunks=args.check_chunks, cache_dir=args.cache_dir,
-                                  kv_dtype=args.kv_dtype, gemm_dtype=gemm_dtype_of(args))
-        else:
+        model = family.load(options, device=args.device, text_encoder=False, decode=False)
+        if isinstance(model, ReferenceModel):
             from .demo import run_demo
 
-            report = run_demo(args.preset or "tiny", chunks=args.chunks, device=args.device,
+            report = run_demo(model.preset, chunks=args.chunks, device=args.device,
                               backend=args.backend, check_chunks=args.check_chunks,
                               progress=not args.no_progress, cache_dir=args.cache_dir,
-                              kv_dtype=args.kv_dtype, gemm_dtype=gemm_dtype_of(args))
+                              kv_dtype=options.kv_dtype, gemm_dtype=options.gemm_dtype)
+        else:
+            from .model_demo import run_model_demo
+
+            report = run_model_demo(model, chunks=args.chunks, backend=args.backend,
+                                    check_chunks=args.check_chunks, cache_dir=args.cache_dir)
     except (ValueError, FileNotFoundError) as exc:
-        return _fail("demo", exc)
+        return fail("demo", exc)
     if args.json and report.get("rank", 0) == 0:  # under torchrun, rank 0 writes it
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
@@ -79,7 +83,7 @@ def _cmd_verify(args) -> int:
                             backend=args.backend, tolerance=args.tolerance, glue=args.glue,
                             kv_dtype=args.kv_dtype)
     except (ValueError, FileNotFoundError) as exc:
-        return _fail("verify", exc)
+        return fail("verify", exc)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_dict(), f, indent=2)
@@ -92,12 +96,12 @@ def _rollout_args(p: argparse.ArgumentParser, note: str) -> None:
                    help="chunks to generate (default: the preset's)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     add_backend_argument(p, "cudnn on CUDA, reference on CPU")
-    add_kv_dtype_argument(p)
 
 
 def _cmd_warmup(args: argparse.Namespace) -> int:
-    """The command: warm up, print the table, write the JSON. Returns the exit status
-    (2 for a bad PRESET or device, 1 for a failed capture)."""
+    """The command: warm up ``--model``'s runner at PRESET, print the table, write the
+    JSON. Returns the exit status (2 for a bad PRESET, device or model flag, 1 for a
+    failed capture)."""
     from framekv.graphs import GraphCaptureError, encode_report, format_report
 
     try:
@@ -106,18 +110,21 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
                               "got none")
         preset = load_preset_arg(args.preset)
         device = pick_device(args.device)
+        family, options, _ = checked_model(args)
+        model = family.load(dataclasses.replace(options, preset=preset), device=device,
+                            text_encoder=False, decode=False)
     except ValueError as exc:  # PresetError included
-        return _fail("warmup", exc)
-    from framekv.engine import warm_up
+        return fail("warmup", exc)
+    from framekv.engine.rollout import captured
 
     cache_dir = args.cache_dir or preset.warmup.cache_dir
     try:
-        result = warm_up(preset, device=device, backend=args.backend, cache_dir=cache_dir,
-                         progress=not args.no_progress, stream=sys.stderr)
+        result = captured(model.rollout(backend=args.backend, cache_dir=cache_dir),
+                          progress=not args.no_progress, stream=sys.stderr)
     except GraphCaptureError as exc:  # its note names the graph
-        return _fail("warmup", exc, 1)
+        return fail("warmup", exc, 1)
     except ValueError as exc:
-        return _fail("warmup", exc)
+        return fail("warmup", exc)
     try:
         print(_header(args.preset, result, cache_dir))
         print(format_report(result.report))
@@ -143,18 +150,19 @@ def pick_device(name: str | None):
 def _header(name: str, result, cache_dir) -> str:
     """What was warmed up, where, and what was built or loaded."""
     r = result.rollout
-    m, s = r.model_spec, r.spec
+    a = r.chunk_model.attention                    # every layer plans alike
     lines = [f"warm-up of {name}: {len(result.report.records)} chunk graph(s) of "
-             f"{s.denoising_steps} denoising forwards + clean pass + commit; "
-             f"{m.num_layers} layers, {m.num_heads}/{m.num_kv_heads} heads of {m.head_dim}, "
-             f"{str(r.dtype).removeprefix('torch.')} on {r.device}, backend {r.backend}"]
-    if result.rollout.graphs.eager:
+             f"{len(r.sampling.timesteps)} denoising forwards + clean pass + commit; "
+             f"{r.cache.num_layers} layers, {a.num_heads}/{a.num_kv_heads} heads of "
+             f"{a.head_dim}, {str(r.dtype).removeprefix('torch.')} on {r.device}, "
+             f"backend {a.backend.name}"]
+    if r.graphs.eager:
         lines.append(CPU_NOTE)
     if cache_dir:
         lines.append(f"cache dir: {cache_dir}" + (" (unused on cpu: nothing is compiled)"
-                                                  if result.rollout.graphs.eager else ""))
+                                                  if r.graphs.eager else ""))
     b = result.builds
-    if not result.rollout.graphs.eager:
+    if not r.graphs.eager:
         line = f"numba kernels: {b['numba_compiled']} compiled, {b['numba_loaded']} loaded from disk"
         if "cudnn_plans_built" in b:
             line += (f"; cuDNN plans: {b['cudnn_plans_built']} built, "
@@ -178,21 +186,13 @@ def _warmup_args(p: argparse.ArgumentParser) -> None:
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    _rollout_args(p, "default tiny; with --model wan-diffusers the config's: tiny or "
-                     "wan-1.3b")
-    add_fp8_gemm_argument(p)
+    _rollout_args(p, "default the model family's: tiny; with --model wan-diffusers the "
+                     "config's: tiny or wan-1.3b")
     p.add_argument("--json", metavar="FILE", type=writable_file, default=None,
                    help="also write the report as JSON to FILE")
     p.add_argument("--check-chunks", type=nonnegative_int, default=2,
                    help="chunks re-run eagerly and with the reference backend (default 2)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--model", choices=("reference", "wan-diffusers"), default="reference",
-                   help="the reference DiT of PRESET (default), or diffusers' Wan "
-                        "transformer (needs the wan extra)")
-    p.add_argument("--config", default="tiny",
-                   help="with --model wan-diffusers: tiny or 1.3b (random weights)")
-    p.add_argument("--weights", metavar="DIR", default=None,
-                   help="with --model wan-diffusers: a local diffusers folder")
     p.add_argument("--cache-dir", metavar="DIR", default=None,
                    help="load and keep compiled kernels and cuDNN plans in DIR "
                         "(framekv warmup --cache-dir fills it)")
@@ -209,9 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(func=_cmd_info)
     _demo_args(sub.add_parser("demo", help="the main job: a timed, checked rollout of the "
-                              "reference model"))
+                              "reference model (or of --model's)",
+                              parents=[model_parent(skip=("steps", "decoder"))]))
     verify = sub.add_parser("verify", help="replay-correctness harness: eager vs graphs vs the fp32 reference")
     _rollout_args(verify, "default tiny")
+    add_kv_dtype_argument(verify)
     verify.add_argument("--tolerance", type=tolerance, default=None,
                         help="max abs error allowed (default: 1e-4 in fp32, 2e-2 in bf16, "
                              "2.5e-1 over an fp8 pool)")
@@ -222,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "pool's saturation counts)")
     verify.set_defaults(func=_cmd_verify)
     _warmup_args(sub.add_parser("warmup", help="capture every graph a preset's rollout "
-                                "replays, up front"))
+                                "replays, up front", parents=[model_parent(skip=("decoder",))]))
     bench.add_parser(sub)
     cluster.add_arguments(serve.add_parser(sub))
     cluster.add_parser(sub)

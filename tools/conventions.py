@@ -9,14 +9,16 @@ Help names what a registry holds, read from the registry, so that a new preset, 
 or bench section shows up in every help without an edit here: the shipped presets
 (`framekv.specs.list_presets`), the attention backends
 (`framekv.engine.attention.BACKENDS`) and the samplers
-(`framekv.engine.samplers.samplers`, a sampler registered at run time included), both
-read only when a help is printed or a value checked (importing the engine imports
-torch), and the bench sections (`framekv.tools.bench.SECTIONS`). ``--steps N`` means
+(`framekv.engine.samplers.samplers`, a sampler registered at run time included), the
+model families and their configs (`framekv.engine.models.models`, likewise), each read
+only when a help is printed or a value checked (importing the engine imports torch),
+and the bench sections (`framekv.tools.bench.SECTIONS`). ``--steps N`` means
 the same to every command that takes it (`STEPS_HELP`).
 
 A command whose options are all checked before it builds anything (serve, generate)
 reports a bad one in one line, ``framekv COMMAND: error: ...``, with exit status 2
-(`one_line_errors`).
+(`one_line_errors`); every command reports an error it meets as it runs the same way
+(`fail`).
 
 Options are taken only as spelled: no parser takes an abbreviation (``--chunk`` is not
 ``--chunks``), and a command's unknown argument is its own usage error, not the top
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Sequence
 
 #: The namespace attribute that remembers which of PRESET / --preset set the preset.
@@ -111,6 +114,15 @@ class _SubcommandParser(CommandParser):
         return namespace, extras
 
 
+def fail(command: str, exc: BaseException, status: int = 2) -> int:
+    """Print ``exc`` as ``framekv COMMAND: error: MESSAGE`` on stderr (its white space
+    runs as single spaces: one line), each of its notes on a line of its own after it;
+    returns ``status``."""
+    notes = "".join(f"\n  {note}" for note in getattr(exc, "__notes__", ()))
+    print(f"framekv {command}: error: {' '.join(str(exc).split())}{notes}", file=sys.stderr)
+    return status
+
+
 def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``p`` with its usage errors as one line on stderr, ``PROG: error: MESSAGE`` (the
     option, what it takes, what it got), exit status 2: no usage block, so a script or
@@ -158,6 +170,25 @@ def _sampler_registry() -> Sequence[str]:
 
 #: The samplers `framekv.engine.samplers.get_sampler` takes (``--sampler``).
 SAMPLER_NAMES = RegistryNames(_sampler_registry)
+
+
+def _model_registry() -> Sequence[str]:
+    from framekv.engine.models import models
+
+    return models()
+
+
+def _config_registry() -> Sequence[str]:
+    from framekv.engine.models import model_configs
+
+    return model_configs()
+
+
+#: The model families `framekv.engine.models.get_model` takes (``--model``).
+MODEL_NAMES = RegistryNames(_model_registry)
+#: Every registered family's shipped configs (``--config``; which family takes which is
+#: `framekv.engine.models.check_model`'s to say).
+CONFIG_NAMES = RegistryNames(_config_registry)
 #: ``--steps N``: which N of a preset's S denoising steps run
 #: (`framekv.engine.samplers.pick_steps`).
 STEPS_HELP = ("run N of the preset's S denoising steps, N in 1..S: those at indices "

@@ -27,11 +27,13 @@ from ``--weights``, or random from ``--config``), sampled as Self-Forcing sample
 `framekv.engine.samplers`) and ``--shift`` override. ``--steps N`` runs N of the
 preset's S steps: those at indices floor(i S / N), i = 0 .. N - 1 (evenly spaced, the
 first always; `framekv.engine.samplers.pick_steps`), N in [1, S]. Nothing is
-downloaded. The parts load as the server's do (`framekv.engine.wan.pipeline.WanPipeline`).
+downloaded. The parts load as the server's do: ``--model`` (default wan-diffusers) is
+the model family (`framekv.engine.models`, `framekv.tools.model_flags`), any with a
+text encoder; diffusers' Wan loads through `framekv.engine.wan.pipeline.WanPipeline`.
 
 ``--fp8-gemm`` runs the transformer blocks' linear layers as fp8 GEMMs
 (`framekv.engine.fp8_linear`; the config's in and out features must be multiples of
-16: 1.3b's are, tiny's are not).
+16: 1.3b's are, tiny's are not); ``--kv-dtype fp8`` keeps the K/V pool in float8 e4m3.
 
 The sizes are those of PRESET (or ``--preset``; default: the config's,
 `framekv.engine.wan.PRESETS`; with ``--weights``, the shipped config the transformer
@@ -58,16 +60,13 @@ import time
 
 from framekv.specs.checks import check_text
 
-from .args import (add_fp8_gemm_argument, gemm_dtype_of, nonnegative_int, positive_int,
-                   prompt_text, writable_file)
-from .conventions import SAMPLER_NAMES, STEPS_HELP, add_preset_arguments, one_line_errors
+from .args import nonnegative_int, positive_int, positive_number, prompt_text, writable_file
+from .conventions import add_preset_arguments, fail, one_line_errors
+from .model_flags import SELF_FORCING_SHIFT, TEXT_MODEL, checked_model, model_parent
 from .video import DEFAULT_CRF, check_mp4_path
 
-CONFIGS = ("tiny", "1.3b")
-# The parser's copy of `framekv.engine.wan.pipeline.SELF_FORCING_SHIFT`: building it
-# imports no engine.
-#: Self-Forcing's schedule: its denoising steps warped by the flow-matching shift.
-SELF_FORCING_SHIFT = 5.0
+__all__ = ["SELF_FORCING_SHIFT", "GenerateResult", "add_parser", "format_result", "generate",
+           "mp4_file", "positive_number", "run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,49 +89,52 @@ class GenerateResult:
         return self.frames / self.seconds if self.seconds > 0 else float("inf")
 
 
-def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=None,
-             checkpoint=None, preset=None, negative_prompt: str | None = None,
+def generate(prompt: str, *, chunks: int, out, model: str = TEXT_MODEL, config=None,
+             weights=None, checkpoint=None, preset=None, negative_prompt: str | None = None,
              guidance_scale: float | None = None, sampler: str | None = None,
              shift: float | None = None, fps: int = 16, seed: int = 0, device=None,
              use_graphs: bool | None = None, crf: int = DEFAULT_CRF, stream=None,
-             progress: bool = True, on_frames=None, decoder: str = "wan",
+             progress: bool = True, on_frames=None, decoder: str | None = None,
              overlap: bool | None = None, steps: int | None = None,
-             sampler_options=None, gemm_dtype=None) -> GenerateResult:
+             sampler_options=None, gemm_dtype=None, kv_dtype=None) -> GenerateResult:
     """Generate ``chunks`` chunks for ``prompt`` and write them to the MP4 ``out``.
 
-    Args as for the command (module doc); ``use_graphs`` None: graphs on CUDA;
+    Args as for the command (module doc); ``model``: a model family with a text
+    encoder (`framekv.engine.models`; default diffusers' Wan), ``config``/``weights``/
+    ``checkpoint``/``preset``/``decoder``: its options (None: the family's defaults;
+    the decoder "wan", "tiny" or "tiny:PATH"); ``use_graphs`` None: graphs on CUDA;
     ``negative_prompt`` (default "") is the unconditional branch's prompt and needs
     ``guidance_scale``; ``sampler`` and ``shift`` default to Self-Forcing's with a
     checkpoint, else Euler at the preset's timesteps (shift 1); ``sampler_options``:
     the sampler's options; ``steps``: N of the preset's steps (module doc; None: all);
-    ``decoder``: "wan",
-    "tiny" or "tiny:PATH" (module doc); ``overlap``: each chunk decoded on a stream of
-    its own beside the next chunk's transformer (`DecodeLane`; None: on CUDA, False:
-    one after the other); ``gemm_dtype``: the blocks' GEMMs (`WanRollout`'s: None, or
-    "fp8"); ``stream``: where the header and progress go (default stderr);
+    ``overlap``: each chunk decoded on a stream of its own beside the next chunk's
+    transformer (`DecodeLane`; None: on CUDA, False: one after the other);
+    ``kv_dtype``, ``gemm_dtype``: the K/V pool and the blocks' GEMMs (None, or "fp8");
+    ``stream``: where the header and progress go (default stderr);
     ``on_frames(index, frames)``: called with each chunk's uint8 frames [F', H, W, 3]
     as they are written.
 
     Raises ValueError (naming the argument) for a bad argument, before anything loads.
     """
-    path = _check_args(prompt, chunks, out, config, weights, negative_prompt, guidance_scale,
-                       fps, seed)
+    path = _check_args(prompt, chunks, out, negative_prompt, guidance_scale, fps, seed)
+    from framekv.engine.models import ModelOptions, check_model
     from framekv.engine.rollout import resolve_device
-    from framekv.engine.wan.pipeline import WanPipeline
 
+    options = ModelOptions(preset=preset, config=config, weights=weights,
+                           checkpoint=checkpoint, sampler=sampler,
+                           sampler_options=sampler_options, shift=shift, steps=steps,
+                           decoder=decoder, kv_dtype=kv_dtype, gemm_dtype=gemm_dtype)
+    family = check_model(model, options)
     dev = resolve_device(device)
     stream = stream or sys.stderr
     t0 = time.perf_counter()
-    # The pipeline checks the weights, the checkpoint and the sampling before it loads.
-    pipe = WanPipeline.load(None if weights is not None else config, weights=weights,
-                            checkpoint=checkpoint, preset=preset, sampler=sampler, shift=shift,
-                            device=dev, decoder=decoder, steps=steps,
-                            sampler_options=sampler_options)
+    # The family checks the weights, the checkpoint and the sampling before it loads.
+    loaded = family.load(options, device=dev, text_encoder=True)
     with contextlib.ExitStack() as stack:
-        r, decoder = _start(stack, pipe, prompt, negative_prompt, guidance_scale, dev,
-                            use_graphs, gemm_dtype)
+        r, decoder = _start(stack, loaded, prompt, negative_prompt, guidance_scale, dev,
+                            use_graphs)
         setup = time.perf_counter() - t0
-        print(_header(pipe, weights, checkpoint, r, chunks), file=stream)
+        print(_header(loaded, r, chunks), file=stream)
         t1 = time.perf_counter()
         frames, width, height = _roll(stack, r, decoder, chunks, seed, path, fps, crf,
                                       stream if progress else None, on_frames, overlap)
@@ -141,17 +143,14 @@ def generate(prompt: str, *, chunks: int, out, config: str = "tiny", weights=Non
                           path=path, size=os.path.getsize(path), setup_seconds=setup)
 
 
-def _check_args(prompt, chunks, out, config, weights, negative_prompt, guidance_scale, fps,
-                seed) -> str:
-    """ValueError naming the first bad argument (the weights, the checkpoint and the
-    sampling are `WanPipeline.load`'s to check); the absolute path of ``out``."""
+def _check_args(prompt, chunks, out, negative_prompt, guidance_scale, fps, seed) -> str:
+    """ValueError naming the first bad argument (the model's options are its family's
+    to check); the absolute path of ``out``."""
     check_text("prompt", prompt)
     for arg, value, low in (("chunks", chunks, 1), ("fps", fps, 1), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
     path = check_mp4_path(out)
-    if weights is None and config not in CONFIGS:
-        raise ValueError(f"config must be one of {list(CONFIGS)}, got {config!r}")
     if guidance_scale is not None and not (isinstance(guidance_scale, (int, float))
                                            and guidance_scale > 0):
         raise ValueError(f"guidance_scale must be a number > 0, got {guidance_scale!r}")
@@ -161,16 +160,14 @@ def _check_args(prompt, chunks, out, config, weights, negative_prompt, guidance_
     return path
 
 
-def _start(stack, pipe, prompt, negative_prompt, guidance_scale, device, use_graphs,
-           gemm_dtype=None):
-    """The rollout under the prompt (encoded by the pipeline's text encoder), and the
+def _start(stack, loaded, prompt, negative_prompt, guidance_scale, device, use_graphs):
+    """The model's rollout under the prompt (encoded by its text encoder), and its
     streaming decoder; both closed by ``stack``."""
     graphs = use_graphs if use_graphs is not None else device.type == "cuda"
-    r = pipe.rollout(device=device, use_graphs=graphs, guidance_scale=guidance_scale,
-                     gemm_dtype=gemm_dtype)
+    r = loaded.rollout(use_graphs=graphs, guidance_scale=guidance_scale)
     stack.callback(r.close)
     r.set_prompt(prompt, negative_prompt)
-    decoder = pipe.decoder(use_graphs=use_graphs)
+    decoder = loaded.decoder(use_graphs=graphs)
     stack.callback(decoder.close)
     return r, decoder
 
@@ -226,25 +223,14 @@ class _Output:
         self.chunks += 1
 
 
-def _header(pipe, weights, checkpoint, r, chunks) -> str:
-    s = r.shape
-    name = pipe.config_name or os.path.basename(os.path.normpath(weights))
-    source = (f"weights {weights}" if weights is not None else "random weights")
-    if checkpoint is not None:
-        source += f", checkpoint {checkpoint}"
-    return (f"framekv generate: Wan {name} ({source}), device {r.device}, "
+def _header(loaded, r, chunks) -> str:
+    _, F, H, W = r.chunk_shape
+    return (f"framekv generate: {loaded.title}, device {r.device}, "
             f"{str(r.dtype).removeprefix('torch.')}"
-            f"{'' if r.gemm_dtype == r.dtype else ', fp8 GEMMs'}; latent {s.latent_size[0]}x"
-            f"{s.latent_size[1]}, {s.frames_per_chunk}-frame chunks, {chunks} chunk(s); "
+            f"{'' if r.gemm_dtype == r.dtype else ', fp8 GEMMs'}; latent {H}x{W}, "
+            f"{F}-frame chunks, {chunks} chunk(s); "
             f"{r.sampler} at t = {', '.join(f'{t:.1f}' for t in r.sampling.timesteps)}; "
-            f"{_decoder_name(pipe)}")
-
-
-def _decoder_name(pipe) -> str:
-    kind, path = pipe.decoder_choice
-    if kind == "wan":
-        return "Wan VAE decoder"
-    return f"tiny decoder ({'random weights' if path is None else path})"
+            f"{loaded.decoder_title}")
 
 
 def format_result(result: GenerateResult, fps: int) -> str:
@@ -262,31 +248,11 @@ def mp4_file(text: str) -> str:
     return writable_file(text)
 
 
-def positive_number(text: str) -> float:
-    """A finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = one_line_errors(subparsers.add_parser("generate",
                                               help="a text prompt in, an H.264 MP4 out",
-                                              description=__doc__.split("\n\n")[0]))
-    source = p.add_mutually_exclusive_group()
-    # default None: argparse sees a value equal to the default as absent, so "--config
-    # tiny --weights DIR" would pass the exclusive group.
-    source.add_argument("--config", choices=CONFIGS, default=None,
-                        help="random weights of a shipped config (default tiny)")
-    source.add_argument("--weights", metavar="DIR", default=None,
-                        help="a local diffusers folder (transformer, vae, text_encoder, tokenizer)")
-    p.add_argument("--checkpoint", metavar="FILE", default=None,
-                   help="a Self-Forcing generator checkpoint (.pt/.safetensors) replacing the "
-                        "transformer's weights")
+                                              description=__doc__.split("\n\n")[0],
+                                              parents=[model_parent(TEXT_MODEL)]))
     add_preset_arguments(p, default=None, note="the sizes; default the config's")
     p.add_argument("--prompt", type=prompt_text, required=True,
                    help="the text prompt (at least one word)")
@@ -294,17 +260,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the unconditional branch's prompt (needs --guidance-scale)")
     p.add_argument("--guidance-scale", type=positive_number, default=None,
                    help="classifier-free guidance scale (default: none, as Self-Forcing runs)")
-    p.add_argument("--sampler", choices=SAMPLER_NAMES, metavar="NAME", default=None,
-                   help="the sampler, one of %(choices)s (euler: Euler steps, the default; "
-                        "self_forcing: x0, then fresh noise, the default with --checkpoint)")
-    p.add_argument("--shift", type=positive_number, default=None,
-                   help=f"timestep shift of the preset's steps (default {SELF_FORCING_SHIFT} "
-                        "with --checkpoint, as Self-Forcing samples; else 1)")
-    p.add_argument("--steps", type=positive_int, default=None, metavar="N", help=STEPS_HELP)
-    p.add_argument("--decoder", metavar="wan|tiny[:PATH]", default="wan",
-                   help="frames by the Wan VAE (default), or by the tiny TAEHV decoder of "
-                        "PATH (taew2_1.pth/.safetensors; default the one in --weights, "
-                        "random weights with --config)")
     p.add_argument("--chunks", type=positive_int, required=True, help="chunks to generate")
     p.add_argument("--out", type=mp4_file, required=True, metavar="FILE.mp4",
                    help="the MP4 to write")
@@ -315,36 +270,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true",
                    help="decode each chunk after its transformer, not beside the next one's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    add_fp8_gemm_argument(p)
     p.set_defaults(func=run)
     return p
-
-
-def _fail(exc: BaseException, status: int) -> int:
-    notes = "".join(f"\n  {note}" for note in getattr(exc, "__notes__", ()))
-    print(f"framekv generate: error: {exc}{notes}", file=sys.stderr)
-    return status
 
 
 def run(args) -> int:
     """The command; its exit status (2: bad arguments or weights, 1: the run failed)."""
     try:
-        from framekv.engine.wan.decoders import check_decoder
-
-        check_decoder(args.decoder, args.weights, name="--decoder")
-        result = generate(args.prompt, chunks=args.chunks, out=args.out,
-                          config=args.config or "tiny",
-                          weights=args.weights, checkpoint=args.checkpoint, preset=args.preset,
+        _, options, _ = checked_model(args)     # the flags named as flags, before any load
+        result = generate(args.prompt, chunks=args.chunks, out=args.out, model=args.model,
+                          **{k: v for k, v in vars(options).items() if v is not None},
                           negative_prompt=args.negative_prompt,
-                          guidance_scale=args.guidance_scale, sampler=args.sampler,
-                          shift=args.shift, steps=args.steps, fps=args.fps, seed=args.seed,
+                          guidance_scale=args.guidance_scale, fps=args.fps, seed=args.seed,
                           device=args.device, use_graphs=False if args.no_graphs else None,
-                          progress=not args.no_progress, decoder=args.decoder,
-                          overlap=False if args.no_overlap else None,
-                          gemm_dtype=gemm_dtype_of(args))
+                          progress=not args.no_progress,
+                          overlap=False if args.no_overlap else None)
     except (ValueError, FileNotFoundError, ImportError) as exc:
-        return _fail(exc, 2)
+        return fail("generate", exc, 2)
     except (OSError, RuntimeError) as exc:
-        return _fail(exc, 1)
+        return fail("generate", exc, 1)
     print(format_result(result, args.fps))
     return 0

@@ -27,10 +27,11 @@ either, and ``steps`` runs N of the preset's steps (`pick_steps`).
 ``text_encoder`` and ``vae`` say which parts load: True (a source without one is an
 error), None (where the source has one) or False (never). ``decoder`` picks the
 streaming decoder `decoder` builds (`framekv.engine.wan.decoders`): "wan", the VAE; or
-"tiny" / "tiny:PATH", a `TinyStreamingDecoder`, and then no Wan VAE loads. Every argument, and what
-the folder holds, is checked before any weights are read or built (only configs are
-read): a ValueError naming the argument, the value expected and the value given. A
-checkpoint's contents are checked as it loads (`load_model`). Nothing is downloaded.
+"tiny" / "tiny:PATH", a `TinyStreamingDecoder`, and then no Wan VAE loads; `encoder`
+builds the encoder that follows the choice. Every argument, and what the folder holds,
+is checked before any weights are read or built (only configs are read): a ValueError
+naming the argument, the value expected and the value given. A checkpoint's contents
+are checked as it loads (`load_model`). Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ import torch
 
 from ..samplers import (DEFAULT_SAMPLER, GENERATOR_SAMPLER, build_sampler, pick_steps,
                         samplers)
-from .decoders import build_decoder, check_decoder, read_tiny
+from .decoders import build_decoder, build_encoder, check_decoder, read_tiny
 from .model import WanChunks
 from .rollout import WanRollout
 from .setup import CONFIGS, PRESETS, build_model, preset_sizes
@@ -154,19 +155,33 @@ class WanPipeline:
         return WanRollout(self.transformer, **{"text_encoder": self.text_encoder,
                                                **self.rollout_kwargs(), **kwargs})
 
-    def decoder(self, sequences: int | None = None, *, use_graphs: bool | None = None):
-        """The streaming decoder of `decoder_choice` on the transformer's device,
-        ``sequences`` rows (default one): a `StreamingVAEDecoder` of the VAE or a
-        `TinyStreamingDecoder`; ``use_graphs`` None: graphs on CUDA. ValueError for the
-        Wan VAE's decoder without a VAE."""
-        kind, path = self.decoder_choice
+    def decoder(self, sequences: int | None = None, *, use_graphs: bool | None = None,
+                choice: tuple[str, str | None] | None = None):
+        """The streaming decoder of `decoder_choice` (or of ``choice``, a checked
+        ``(kind, path)``) on the transformer's device, ``sequences`` rows (default one):
+        a `StreamingVAEDecoder` of the VAE or a `TinyStreamingDecoder`; ``use_graphs``
+        None: graphs on CUDA. ValueError for the Wan VAE's decoder without a VAE."""
+        return self._coder(build_decoder, "decoder", choice, sequences, use_graphs)
+
+    def encoder(self, sequences: int | None = None, *, use_graphs: bool | None = None,
+                choice: tuple[str, str | None] | None = None):
+        """The streaming encoder that follows `decoder_choice` (or ``choice``), frames in
+        through the latent space the decoder's frames come out of (`build_encoder`): a
+        `StreamingVAEEncoder` of the VAE or the `TinyStreamingEncoder` of the same tiny
+        checkpoint; arguments as `decoder`'s."""
+        return self._coder(build_encoder, "encoder", choice, sequences, use_graphs)
+
+    def _coder(self, build, part: str, choice, sequences, use_graphs):
+        kind, path = choice or self.decoder_choice
         if kind == "wan" and self.vae is None:
-            raise ValueError("decoder() needs the VAE: load the pipeline with vae=True (or "
+            raise ValueError(f"{part}() needs the VAE: load the pipeline with vae=True (or "
                              "None, from weights that hold one), got a pipeline without one")
-        return build_decoder(kind, path, vae=self.vae, sequences=sequences,
-                             use_graphs=use_graphs, device=self.device, dtype=self.dtype,
-                             latent_channels=self.transformer.config.out_channels,
-                             net=self.decoder_net)
+        # the tiny decoder's net `load` read: its decoder half, of its own choice only
+        same = part == "decoder" and (kind, path) == tuple(self.decoder_choice)
+        return build(kind, path, vae=self.vae, sequences=sequences, use_graphs=use_graphs,
+                     device=self.device, dtype=self.dtype,
+                     latent_channels=self.transformer.config.out_channels,
+                     net=self.decoder_net if same else None)
 
 
 def sampling(timesteps, *, checkpoint: bool = False, sampler: str | None = None,

@@ -3,7 +3,6 @@ contract: ``command.py``).
 
     command.py    the command line (options checked before anything is built), the
                   server's start and drain
-    wan.py        the Wan parts (--model wan-diffusers) as the scheduler's factories
     app.py        the FastAPI app: its lifespan (the GPU loop, the idle reaper), /health,
                   /metrics, /v1/info, the docs
     errors.py     the error shape: every error {"error"}, 404, 405 and 500 included
@@ -16,10 +15,11 @@ contract: ``command.py``).
     metrics.py    /metrics (prometheus_client)
     page/         the page at / and at /docs
 """
-from .command import (MAX_BODY_BYTES, WAN_CONFIGS, WanParts, add_parser, build_app, chunk_frame,
-                      frames_message, kv_dtype_of, model_name, page_html, parse_prompt, run,
-                      token_of, wan_factory)
+from ..args import kv_dtype_of
+from ..model_flags import wan_factory
+from .command import (MAX_BODY_BYTES, add_parser, build_app, chunk_frame, frames_message,
+                      model_name, page_html, parse_prompt, run, token_of)
 
-__all__ = ["MAX_BODY_BYTES", "WAN_CONFIGS", "WanParts", "add_parser", "build_app", "chunk_frame",
-           "frames_message", "kv_dtype_of", "model_name", "page_html", "parse_prompt", "run",
-           "token_of", "wan_factory"]
+__all__ = ["MAX_BODY_BYTES", "add_parser", "build_app", "chunk_frame", "frames_message",
+           "kv_dtype_of", "model_name", "page_html", "parse_prompt", "run", "token_of",
+           "wan_factory"]

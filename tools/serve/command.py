@@ -64,12 +64,15 @@ WebSocket and /docs also ``?token=T``)::
                                          the reason names the last one); 1008 too for
                                          a page of another origin
 
-``--model wan-diffusers`` serves diffusers' Wan transformer (``--config``, random weights,
-or ``--weights DIR``, a diffusers folder with its VAE and text encoder; ``--checkpoint
-FILE``, a Self-Forcing / CausVid generator checkpoint in the original Wan layout,
-replaces the transformer's weights and is sampled as Self-Forcing samples unless
-``--sampler`` (a registered sampler, `framekv.engine.samplers`) and ``--shift`` say
-otherwise, as ``framekv generate --checkpoint`` is;
+``--model NAME`` is the model family served (`framekv.engine.models`: its model loaded
+as every command loads it, the model flags checked against it first,
+`framekv.tools.model_flags`; a family registered in the process is served with no
+other change). ``--model wan-diffusers`` serves diffusers' Wan transformer
+(``--config``, random weights, or ``--weights DIR``, a diffusers folder with its VAE and
+text encoder; ``--checkpoint FILE``, a Self-Forcing / CausVid generator checkpoint in the
+original Wan layout, replaces the transformer's weights and is sampled as Self-Forcing
+samples unless ``--sampler`` (a registered sampler, `framekv.engine.samplers`) and
+``--shift`` say otherwise, as ``framekv generate --checkpoint`` is;
 `framekv.engine.wan.pipeline.WanPipeline` loads them) at the sizes of ``--preset``
 (default the config's, `framekv.engine.wan.PRESETS`); a prompt is then
 text (the config's text encoder, random, or the folder's) or [L, text_dim] text
@@ -78,7 +81,8 @@ Either model's output is by default ``frames``, sent as ``--frame-format`` image
 Wan's chunks decoded by its VAE in the GPU loop (one `StreamingVAEDecoder` row per pool
 slot); the reference model's (``--model reference``, default), which has no VAE, drawn
 as a picture of their latents, one image per latent frame at 8 times its size
-(`framekv.engine.serving.LatentPreview`), so the page shows a stream of either.
+(`framekv.engine.serving.LatentPreview`, as for any family without a video decoder), so
+the page shows a stream of either.
 ``--output latents`` streams the latents themselves.
 ``--kv-dtype fp8`` keeps either model's K/V pool in float8 e4m3 (half a bf16 pool's
 bytes; `framekv.engine.rollout.resolve_kv_dtype`); ``--fp8-gemm`` runs either model's
@@ -131,25 +135,18 @@ Python clients: `framekv.client.sessions` (``framekv.client``).
 
 import argparse
 import signal
-import sys
 
-from ..args import (add_fp8_gemm_argument, add_kv_dtype_argument, bearer_token, gemm_dtype_of,
-                    int_in, kv_dtype_of, origins,
-                    positive_int, seconds)
-from ..conventions import (SAMPLER_NAMES, STEPS_HELP, add_preset_arguments, load_preset_arg,
-                           one_line_errors)
-from ..generate import SELF_FORCING_SHIFT, positive_number
+from ..args import bearer_token, int_in, origins, positive_int, seconds
+from ..conventions import add_preset_arguments, fail as _fail, one_line_errors
+from ..model_flags import checked_model, loaded_model, model_options, model_parent
 from .app import FRAME_FORMATS, MAX_FPS, OUTPUTS, build_app, page_html, state_dir_path
 from .preflight import check_address, check_extra
 from .tokens import token_of, warn_unguarded
-from .wan import WanParts, wan_factory
 from .wire import MAX_BODY_BYTES, chunk_frame, frames_message, parse_prompt
 
-__all__ = ["MAX_BODY_BYTES", "WAN_CONFIGS", "WanParts", "add_parser", "build_app", "chunk_frame",
-           "frames_message", "page_html", "parse_prompt", "run", "wan_factory"]
+__all__ = ["MAX_BODY_BYTES", "add_parser", "build_app", "chunk_frame", "frames_message",
+           "page_html", "parse_prompt", "run"]
 
-#: --model wan-diffusers --config names (each rolls out at its preset's sizes by default)
-WAN_CONFIGS = ("tiny", "1.3b")
 #: the parser's copy of `framekv.engine.serving.sizes.MAX_SESSIONS` (building the
 #: parser imports no engine): --max-sessions beyond it is refused at parse time
 MAX_SESSIONS = 4096
@@ -158,24 +155,13 @@ MAX_SESSIONS = 4096
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = one_line_errors(subparsers.add_parser(
         "serve", help="streaming sessions over HTTP/WebSockets",
-        description=__doc__.split("\n\n")[0]))
-    add_preset_arguments(p, default=None, note="the rollout's: the reference model's, "
-                         "default tiny; or the sizes diffusers' Wan runs at, default the "
-                         "config's: tiny or wan-1.3b")
-    p.add_argument("--model", choices=("reference", "wan-diffusers"), default="reference",
-                   help="the reference DiT of --preset (default), or diffusers' Wan "
-                        "transformer (needs the wan extra)")
-    p.add_argument("--config", choices=WAN_CONFIGS, default="tiny",
-                   help="with --model wan-diffusers: the shipped config (random weights "
-                        "unless --weights)")
-    p.add_argument("--weights", metavar="DIR", default=None,
-                   help="with --model wan-diffusers: a local diffusers folder (transformer, "
-                        "VAE, text encoder)")
-    _checkpoint_options(p)
+        description=__doc__.split("\n\n")[0], parents=[model_parent()]))
+    add_preset_arguments(p, default=None, note="the rollout's: default the model family's "
+                         "(the reference DiT: tiny; Wan: its config's, tiny or wan-1.3b)")
     p.add_argument("--output", choices=OUTPUTS, default=None,
                    help="what a chunk message carries: video frames (default: Wan's decoded "
-                        "by its VAE, the reference model's a picture of its latents) or "
-                        "latents")
+                        "by its VAE, a model's without a decoder a picture of its latents) "
+                        "or latents")
     p.add_argument("--frame-format", choices=FRAME_FORMATS, default="jpeg",
                    help="with --output frames: the images' format (default jpeg)")
     p.add_argument("--no-overlap", action="store_true",
@@ -184,36 +170,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fps", type=int_in(1, MAX_FPS), default=16,
                    help=f"the video's frame rate the page plays at, 1 to {MAX_FPS} "
                         "(default 16)")
-    add_kv_dtype_argument(p)
-    p.add_argument("--steps", type=positive_int, default=None, metavar="N", help=STEPS_HELP)
-    add_fp8_gemm_argument(p)
     _session_options(p)
     p.add_argument("--cache-dir", default=None, help="kernels and cuDNN plans kept on disk")
     p.add_argument("--device", default=None,
                    help="cpu or cuda[:N] (default: cuda if available)")
     p.set_defaults(func=run)
     return p
-
-
-def _checkpoint_options(p: argparse.ArgumentParser) -> None:
-    """``--checkpoint``, ``--sampler`` and ``--shift``, as ``framekv generate`` has them."""
-    p.add_argument("--checkpoint", metavar="FILE", default=None,
-                   help="with --model wan-diffusers: a Self-Forcing generator checkpoint "
-                        "(.pt/.pth/.safetensors, the original Wan layout) replacing the "
-                        "transformer's weights; its shape, VAE and text encoder from "
-                        "--weights, else random ones of --config")
-    p.add_argument("--sampler", choices=SAMPLER_NAMES, metavar="NAME", default=None,
-                   help="with --model wan-diffusers: the sampler, one of %(choices)s (euler: "
-                        "Euler steps, the default; self_forcing: x0, then fresh noise, the "
-                        "default with --checkpoint)")
-    p.add_argument("--shift", type=positive_number, default=None,
-                   help=f"with --model wan-diffusers: timestep shift of the preset's steps "
-                        f"(default {SELF_FORCING_SHIFT} with --checkpoint, as Self-Forcing "
-                        "samples; else 1)")
-    p.add_argument("--decoder", metavar="wan|tiny[:PATH]", default=None,
-                   help="with --model wan-diffusers: frames by the Wan VAE (default), or by "
-                        "the tiny TAEHV decoder of PATH (taew2_1.pth/.safetensors; default "
-                        "the one in --weights, random weights with --config)")
 
 
 def _session_options(p: argparse.ArgumentParser) -> None:
@@ -265,32 +227,13 @@ def output_of(args) -> str:
     return args.output or "frames"
 
 
-def check_wan_options(args) -> None:
-    """ValueError for a Wan-only option (``--checkpoint``, ``--sampler``, ``--shift``,
-    ``--decoder``) beside the reference model, which would ignore it, or for a
-    ``--decoder`` that is none (`check_decoder`)."""
-    given = [f"--{name}" for name in ("checkpoint", "sampler", "shift", "decoder")
-             if getattr(args, name, None) is not None]
-    if given and args.model != "wan-diffusers":
-        raise ValueError(f"{', '.join(given)}: only with --model wan-diffusers (the "
-                         f"reference model has no checkpoint, sampler or decoder to set), "
-                         f"got --model {args.model}")
-    if getattr(args, "decoder", None) is not None:
-        from framekv.engine.wan.decoders import check_decoder
-
-        check_decoder(args.decoder, getattr(args, "weights", None), name="--decoder")
-
-
 def model_name(args) -> str:
-    """The model's name in /v1/info: "reference:PRESET" or "wan-diffusers:CONFIG" (or
-    ":" + the weights folder's name), then "+" + the checkpoint's file name if any."""
-    if args.model != "wan-diffusers":
-        return f"reference:{args.preset or 'tiny'}"
-    import pathlib
+    """The model's name in /v1/info: its family's label (`ModelFamily.label`), e.g.
+    "reference:PRESET", or "wan-diffusers:CONFIG" (or ":" + the weights folder's name)
+    then "+" + the checkpoint's file name if any."""
+    from framekv.engine.models import get_model
 
-    name = pathlib.Path(args.weights).name if args.weights else args.config
-    checkpoint = getattr(args, "checkpoint", None)
-    return f"wan-diffusers:{name}" + (f"+{pathlib.Path(checkpoint).name}" if checkpoint else "")
+    return get_model(args.model).label(model_options(args))
 
 
 def check_checkpoint_every(args) -> None:
@@ -303,57 +246,43 @@ def check_checkpoint_every(args) -> None:
 
 def fail(exc: Exception) -> int:
     """``exc`` as the command's one-line error; exit status 2."""
-    print(f"framekv serve: error: {' '.join(str(exc).split())}", file=sys.stderr)
-    return 2
+    return _fail("serve", exc)
 
 
 def checked_options(args) -> dict:
     """What ``args`` ask for, each option checked before anything is built: the token,
-    the output, the device, the reference model's preset (None for Wan), the state
-    folder (made). ValueError naming the option for a bad value or combination."""
+    the output, the model (`checked_model`: its family and options, and the preset of a
+    family that has a default one, None for another), the device, the state folder
+    (made). ValueError naming the option for a bad value or combination."""
     from framekv.ops.device import resolve_device
 
     token = token_of(args)
     output = output_of(args)
-    check_wan_options(args)
+    family, model, preset = checked_model(args)
     device = resolve_device(args.device, name="--device")
-    # the reference model's preset, loaded once here: a bad one is refused before
-    # the model is built (Wan's sizes and --steps are `WanPipeline.load`'s to check)
-    preset = None if args.model == "wan-diffusers" else load_preset_arg(args.preset or "tiny")
-    if preset is not None:
-        from framekv.engine.samplers import check_steps
-
-        check_steps(getattr(args, "steps", None), preset.rollout.denoising_steps,
-                    name="--steps")
     if args.slots is not None and args.slots > args.max_sessions:
         raise ValueError(f"--slots must be at most --max-sessions ({args.max_sessions}), "
                          f"got {args.slots}")
     check_checkpoint_every(args)
     state_dir = None if args.state_dir is None else state_dir_path(args.state_dir)
     return {"token": token, "output": output, "device": device, "preset": preset,
-            "state_dir": state_dir}
+            "family": family, "model": model, "state_dir": state_dir}
 
 
 def build_scheduler(args, options: dict):
-    """The `StreamScheduler` of ``args`` (``options``: `checked_options`'): the reference
-    model of its preset, or Wan's parts (`wan_factory`); ValueError for one that
-    cannot be built (a bad Wan preset, a pool too large for the device)."""
-    from framekv.engine.serving import LatentPreview, StreamScheduler
+    """The `StreamScheduler` of ``args`` (``options``: `checked_options`'): the model its
+    family loads (`loaded_model`), whose runner the scheduler runs and whose decoder
+    (with ``--output frames``) makes its frames; ValueError for one that cannot be
+    built (a bad preset for the weights, a pool too large for the device)."""
+    from framekv.engine.serving import StreamScheduler
 
-    output = options["output"]
-    parts = (wan_factory(args, decode=output == "frames") if args.model == "wan-diffusers"
-             else None)
-    # frames of a model without a VAE: a picture of its latents
-    decoder = None if output != "frames" else LatentPreview if parts is None else parts.decoder
-    return StreamScheduler(options["preset"] if parts is None else args.preset or "tiny",
-                           max_sessions=args.max_sessions, slots=args.slots,
-                           swap_quantum=args.swap_quantum, device=options["device"],
-                           cache_dir=args.cache_dir, progress=True,
-                           queue_chunks=args.queue_chunks, runner_factory=parts,
-                           kv_dtype=kv_dtype_of(args) if parts is None else None,
-                           steps=getattr(args, "steps", None) if parts is None else None,
-                           gemm_dtype=gemm_dtype_of(args) if parts is None else None,
-                           decoder_factory=decoder,
+    frames = options["output"] == "frames"
+    model = loaded_model(args, decode=frames, device=options["device"])
+    return StreamScheduler(**model.scheduler_args(), max_sessions=args.max_sessions,
+                           slots=args.slots, swap_quantum=args.swap_quantum,
+                           device=options["device"], cache_dir=args.cache_dir, progress=True,
+                           queue_chunks=args.queue_chunks,
+                           decoder_factory=model.decoder if frames else None,
                            overlap=False if getattr(args, "no_overlap", False) else None)
 
 
