@@ -296,7 +296,7 @@ def format_fp8_gemm(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.fp8_gemm",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.fp8_gemm",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", type=subset_of(tuple(SHAPES)), default=tuple(SHAPES),
                    help=f"comma-separated: {','.join(SHAPES)} (default all)")

@@ -225,7 +225,7 @@ def format_model(res: dict, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.swap_model",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.swap_model",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--slots", type=int, default=8)

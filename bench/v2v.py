@@ -167,7 +167,7 @@ def _names(p, flag: str, value: str, allowed) -> tuple[str, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m framekv.bench.v2v",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.v2v",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default=",".join(PARTS),
                    help=f"comma-separated, of {', '.join(PARTS)} (default all)")

@@ -13,6 +13,7 @@ failed saying so (the ingress's follower goes on).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -141,7 +142,7 @@ def test_the_admin_token_is_refused_without_a_cluster_or_equal_to_the_session_to
     args = build_parser().parse_args(["serve", "--device", "cpu", "--replicas", "2",
                                       "--state-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="must differ from the session token"):
-        cluster_command._cluster_args(args)
+        cluster_command._cluster_args(args, contextlib.ExitStack())
 
 
 def test_a_dead_replicas_session_whose_file_is_corrupt_ends_failed_saying_so(cluster, tmp_path):
