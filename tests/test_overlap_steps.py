@@ -91,8 +91,8 @@ def test_a_client_that_reads_nothing_gets_queue_chunks_made(wan):
         s = sched.open_session(seed=5)
         for _ in range(8):
             sched.step()
-            assert len(s.queue) + s.inflight <= 2
-        assert s.chunks == 2 and len(s.queue) == 2 and s.inflight == 0
+            assert len(s.delivery.queue) + s.inflight <= 2
+        assert s.chunks == 2 and len(s.delivery.queue) == 2 and s.inflight == 0
     finally:
         sched.close()
 
@@ -105,7 +105,7 @@ def test_an_export_hold_and_close_deliver_the_step_in_flight(wan, tmp_path):
         s = a.open_session(seed=60, chunks=4, prompt="a red fox")
         a.step()
         a.step()                                  # chunk 0 queued, chunk 1 in flight
-        assert s.inflight == 1 and len(s.queue) == 1
+        assert s.inflight == 1 and len(s.delivery.queue) == 1
         state = a.export_session(s.id)            # a request: the step in flight first
         assert s.inflight == 0 and state.chunks == 2
         sid = b.import_session(state)
@@ -120,7 +120,7 @@ def test_an_export_hold_and_close_deliver_the_step_in_flight(wan, tmp_path):
         t = a.open_session(seed=7, chunks=3)
         a.step()
         a.hold()                                   # a server's drain: nothing in flight
-        assert t.inflight == 0 and len(t.queue) == 1 and a.step() == 0
+        assert t.inflight == 0 and len(t.delivery.queue) == 1 and a.step() == 0
     finally:
         for x in (a, b, ref):
             x.close()

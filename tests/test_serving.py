@@ -108,14 +108,14 @@ def test_a_client_that_stops_acknowledging_stops_its_stream(pair):
         a.step()
         while a.next_chunk(s.id, 0) is not None:     # handed out, never acknowledged
             pass
-    assert s.chunks == a.queue_chunks and s.sent == len(s.queue) == a.queue_chunks
-    assert a.ack(s.id, 1) == 2 and s.delivered == 2
+    assert s.chunks == a.queue_chunks and s.delivery.sent == len(s.delivery.queue) == a.queue_chunks
+    assert a.ack(s.id, 1) == 2 and s.delivery.delivered == 2
     a.step()
     assert s.chunks == a.queue_chunks + 1
     a.rewind(s.id)                                   # a reconnect: all of them again
     assert a.next_chunk(s.id, 0).index == 2
     a.rewind(s.id, after=3)                          # it has up to 3
-    assert a.next_chunk(s.id, 0).index == 4 and s.delivered == 4
+    assert a.next_chunk(s.id, 0).index == 4 and s.delivery.delivered == 4
     with pytest.raises(ValueError, match="index must be an integer, got '3'"):
         a.ack(s.id, "3")
 
@@ -184,10 +184,10 @@ def test_an_after_or_ack_beyond_the_chunks_made_makes_nothing_for_nobody(pair):
     with pytest.raises(ValueError, match=f"the last chunk made is {made - 1}, got 1000000"):
         a.rewind(s.id, after=1_000_000)
     a.ack(s.id, 10**30)
-    assert s.acked == made - 1 and a.session_info(s.id)["delivered"] == made
+    assert s.delivery.acked == made - 1 and a.session_info(s.id)["delivered"] == made
     for _ in range(3 * a.queue_chunks):
         a.step()
-    assert s.chunks == made + a.queue_chunks and len(s.queue) == a.queue_chunks
+    assert s.chunks == made + a.queue_chunks and len(s.delivery.queue) == a.queue_chunks
     with pytest.raises(ValueError, match="no chunk is made yet, got 0"):
         a.rewind(a.open_session(seed=4, paused=True).id, after=0)
 

@@ -1,6 +1,8 @@
 """framekv.engine.serving: streams served from one pool.
 
-``stream.py`` the record of one stream (`Stream`); ``scheduler.py`` the scheduler that
+``stream.py`` the record of one stream (`Stream`, its `Phase`); ``delivery.py`` its
+chunks on their way to its client, whatever carries them (`Delivery`, `Handout`,
+`end_message`); ``scheduler.py`` the scheduler that
 steps them (`StreamScheduler`), ``steps.py`` its plan, run and commit; ``slots.py`` the
 slots and which stream gives one up; ``sizes.py`` how many streams, slots, batch sizes
 and scratch rows; ``state_files.py`` a stream as one `StreamState`
@@ -11,6 +13,7 @@ model without a VAE. The step contract between the scheduler
 and the runner is `framekv.engine.step`; the chunk message `framekv.specs.wire`.
 """
 from .checkpoint import Checkpoints
+from .delivery import Delivery, Handout, check_after, end_message
 from .frames import to_uint8
 from .preview import LatentPreview
 from .records import (LATENCY_BUCKETS, EndedSessions, Histogram, PromptChange, PromptTooLate,
@@ -18,9 +21,10 @@ from .records import (LATENCY_BUCKETS, EndedSessions, Histogram, PromptChange, P
 from .scheduler import LoopStopped, SchedulerFull, StreamScheduler
 from .sizes import default_batch_sizes
 from .slots import SlotPool, pick_victim
-from .stream import Stream
+from .stream import Phase, Stream
 
-__all__ = ["Checkpoints", "EndedSessions", "Histogram", "LATENCY_BUCKETS", "LatentPreview",
-           "LoopStopped", "PromptChange", "PromptTooLate", "SchedulerFull", "SessionChunk",
-           "SlotPool", "Stream", "StreamScheduler", "default_batch_sizes", "pick_victim",
-           "to_uint8"]
+__all__ = ["Checkpoints", "Delivery", "EndedSessions", "Handout", "Histogram",
+           "LATENCY_BUCKETS", "LatentPreview", "LoopStopped", "Phase", "PromptChange",
+           "PromptTooLate", "SchedulerFull", "SessionChunk", "SlotPool", "Stream",
+           "StreamScheduler", "check_after", "default_batch_sizes", "end_message",
+           "pick_victim", "to_uint8"]

@@ -79,7 +79,7 @@ class Overlap:
             advanced = []
             for r, e in enumerate(batch):
                 s = e.stream
-                if self.sessions.get(s.id) is s and s.state == "active" and s.id not in res.failed:
+                if self.sessions.get(s.id) is s and not s.finished and s.id not in res.failed:
                     self._advance(s, self.frames_per_chunk)
                     s.inflight += 1
                     advanced.append((r, s.prompt_version))
@@ -127,7 +127,7 @@ class Overlap:
                 e = f.batch[r]
                 s = e.stream
                 s.inflight -= 1
-                if self.sessions.get(s.id) is not s or s.state != "active":
+                if self.sessions.get(s.id) is not s or s.finished:
                     continue
                 if error is not None:
                     self._fail(s, error)

@@ -55,7 +55,7 @@ from .moves import Moves
 from .sizes import check_args, default_batch_sizes, scratch_rows
 from .slots import SlotPool
 from .steps import Steps
-from .stream import Stream
+from .stream import Phase, Stream
 
 __all__ = ["LoopStopped", "SchedulerFull", "StreamScheduler"]
 log = logging.getLogger("framekv.scheduler")
@@ -208,10 +208,10 @@ class StreamScheduler(Steps, Moves, GpuLoop):
             s = self.sessions.pop(session_id)
             if s.slot is not None:
                 self.pool.give(s.slot)
-            if s.state == "active":
-                s.state = "closed"
+            if s.state == Phase.ACTIVE:
+                s.state = Phase.CLOSED
             s.end_reason, s.waiting_since, s.parked, s.decoder = reason, None, None, None
-            s.queue.clear()
+            s.delivery.clear()
             for c in s.pending:
                 c.settle(error=KeyError(session_id))
             self.ended.add(s.info())

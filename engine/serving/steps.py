@@ -43,7 +43,7 @@ from .frames import to_uint8
 from .overlap import Overlap
 from .records import SessionChunk
 from .slots import pick_victim
-from .stream import Stream
+from .stream import Phase, Stream
 
 log = logging.getLogger("framekv.scheduler")
 
@@ -71,8 +71,8 @@ class Steps(Overlap):
 
     def _is_ready(self, s: Stream) -> bool:
         # chunks in flight (an overlapped step's) count as queued and as made
-        return (s.state == "active" and not s.paused
-                and len(s.queue) + s.inflight < self.queue_chunks
+        return (s.state == Phase.ACTIVE and not s.paused
+                and len(s.delivery.queue) + s.inflight < self.queue_chunks
                 and (s.budget is None or s.chunks < s.budget))
 
     def _ready(self) -> list[Stream]:
@@ -247,7 +247,7 @@ class Steps(Overlap):
         now, made = time.monotonic(), 0
         for r, e in enumerate(batch):
             s = e.stream
-            if self.sessions.get(s.id) is not s or s.state != "active" or s.id in res.failed:
+            if self.sessions.get(s.id) is not s or s.finished or s.id in res.failed:
                 continue
             # the version in force once this step's prompt changes are settled: a change
             # it took was re-cached before its chunk
@@ -330,13 +330,12 @@ class Steps(Overlap):
         """``s``'s chunk queued for its client (unless it acknowledged it already: a
         chunk counted made while it decoded may be), and what follows from it: frames
         counted, the budget spent, a checkpoint due."""
-        if chunk.index > s.acked:
-            s.queue.append(chunk)
+        s.delivery.put(chunk)
         if chunk.video is not None:
             s.video_frames += chunk.video.shape[0]
             self._counts["video_frames"] += chunk.video.shape[0]
         if s.budget is not None and chunk.index + 1 >= s.budget:
-            s.state = "done"
+            s.state = Phase.DONE
         self._chunk_seconds.observe(chunk.queued - chunk.requested)
         s.waiting_since = None
         self._mark_waiting(s)
@@ -346,7 +345,7 @@ class Steps(Overlap):
     def _fail(self, s: Stream, message: str) -> None:
         """``s`` failed: its record keeps why, its slot is free (its next user starts it
         over), what it held off the pool is dropped."""
-        s.state, s.error, s.waiting_since = "failed", message, None
+        s.state, s.error, s.waiting_since = Phase.FAILED, message, None
         s.parked = s.decoder = None
         if s.slot is not None:
             self.pool.give(s.slot)
@@ -358,7 +357,7 @@ class Steps(Overlap):
         the scratch rows are started over next (`_restart_rows`)."""
         self._counts["failed_steps"] += 1
         for e in batch:
-            if self.sessions.get(e.stream.id) is e.stream and e.stream.state == "active":
+            if self.sessions.get(e.stream.id) is e.stream and not e.stream.finished:
                 self._fail(e.stream, message)
 
     def _restart_rows(self, plan: StepPlan) -> None:
