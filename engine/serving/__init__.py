@@ -8,13 +8,16 @@ slots and which stream gives one up; ``sizes.py`` how many streams, slots, batch
 and scratch rows; ``state_files.py`` a stream as one `StreamState`
 and folders of them; ``checkpoint.py`` streams written as they go; ``records.py`` the
 chunks, prompt changes and counters handed out; ``moves.py`` chunks and streams in and
-out; ``frames.py`` decoded frames as pixels; ``preview.py`` a picture of latents for a
-model without a VAE. The step contract between the scheduler
+out; ``turns.py`` which streams a step runs; ``step_record.py`` a step as it passes
+plan, run and commit; ``overlap.py`` a step's decode beside the next step's transformer;
+``preview.py`` a picture of latents for a model without a VAE. Decoding itself, the
+uint8 frames included, is the engine's (`framekv.engine.decode_stage`,
+`framekv.engine.decode_lane`). The step contract between the scheduler
 and the runner is `framekv.engine.step`; the chunk message `framekv.specs.wire`.
 """
+from ..decode_lane import to_uint8
 from .checkpoint import Checkpoints
 from .delivery import Delivery, Handout, check_after, end_message
-from .frames import to_uint8
 from .preview import LatentPreview
 from .records import (LATENCY_BUCKETS, EndedSessions, Histogram, PromptChange, PromptTooLate,
                       SessionChunk)

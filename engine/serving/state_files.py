@@ -62,7 +62,8 @@ def stream_state(s: Stream, stream: StreamState | None, decoder: dict | None, mo
                  decoding: bool) -> StreamState:
     """``s`` as one `StreamState` (module doc): ``stream`` its runner state (None: it
     has none, "start" or "none"), ``decoder`` its decoder row, ``model`` the runner's
-    `ChunkRunner.describe`. Host tensors only; nothing is copied."""
+    `ChunkRunner.describe`. Host tensors only: nothing is copied but the latents of
+    chunks that keep theirs on a device."""
     tensors: dict = {}
     queue = [_chunk_record(j, c, tensors) for j, c in enumerate(s.delivery.queue)]
     kind = "none" if s.finished else "live" if stream is not None else "start"
@@ -88,8 +89,9 @@ def stream_state(s: Stream, stream: StreamState | None, decoder: dict | None, mo
 
 
 def _chunk_record(j: int, c: SessionChunk, tensors: dict) -> dict:
-    """An unacknowledged chunk's fields; its latents and video go to ``tensors``."""
-    tensors[f"chunk{j}.latents"] = c.latents
+    """An unacknowledged chunk's fields; its latents (copied to the host where they are
+    on a device) and video go to ``tensors``."""
+    tensors[f"chunk{j}.latents"] = c.latents.to("cpu")
     if c.video is not None:
         tensors[f"chunk{j}.video"] = c.video
     return {"index": c.index, "frame0": c.frame0, "frames": c.frames, "seconds": c.seconds,

@@ -103,7 +103,7 @@ class Stream:
         else None."""
         if not self.finished:
             return None
-        if self.state == "done":
+        if self.state == Phase.DONE:
             return PromptTooLate(f"session {self.id[:64]!r} has made all {self.chunks} of "
                                  f"its chunks: a prompt change would apply from chunk "
                                  f"{self.chunks}, which will not come")

@@ -103,6 +103,10 @@ def _check_options(sched, output, frame_format, fps, quality, token, idle_timeou
     if output == "frames" and not sched.decoding:
         raise ValueError("output='frames' needs a scheduler with a decoder "
                          "(decoder_factory), got one without")
+    if output == "latents" and not getattr(sched, "host_latents", True):
+        raise ValueError("output='latents' needs a scheduler whose chunks carry their latents "
+                         "to the host (host_latents=True), got one whose decoder keeps them "
+                         "on the device")
     if frame_format not in FRAME_FORMATS:
         raise ValueError(f"frame_format must be one of {FRAME_FORMATS}, got {frame_format!r}")
     for name, v, hi in (("fps", fps, MAX_FPS), ("quality", quality, 100)):
