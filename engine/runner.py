@@ -170,6 +170,9 @@ class ChunkRunner:
         self.sigmas = list(self.sampling.sigmas)           # of the steps a chunk runs, then 0
         self._t = [torch.full((1,), t, device=self.device) for t in self.sampling.timesteps]
         self._check_sampler_inputs()
+        #: the sampler's static inputs of a chunk row, name -> shape (read once: a step
+        #: with none draws none)
+        self.input_shapes = dict(self.sampling.input_shapes(self.chunk_shape))
         self._t0 = torch.zeros(1, device=self.device)
         if use_graphs and not kv.graph_safe:
             raise ValueError(f"kv={type(kv).__name__} cannot be captured in graphs: "
@@ -619,10 +622,22 @@ class ChunkRunner:
             if plan.restarts:
                 self.prefill_rows(plan.restarts)
             if plan.rows:
-                res.latents = self.step_rows(plan.rows, plan.noise, plan.frame0, plan.inputs)
+                res.latents = self._step_plan(plan)
         except Exception as exc:            # the swaps above stand: the caller keeps them
             res.error = exc
         return res
+
+    def _step_plan(self, plan: StepPlan) -> torch.Tensor:
+        """`step_rows` of a plan: its rows are pool slots, its noise `chunk_noise`, its
+        inputs the runner's own sampler's and its frames positions, all of the caller's
+        making (`StepPlan.draw_noise`), so only the batch size and the rows' prompts
+        are checked here."""
+        rows = tuple(plan.rows)
+        if len(rows) not in self.batch_sizes:
+            raise ValueError(f"plan.rows must name as many sequences as one of the batch "
+                             f"sizes {self.batch_sizes}, got {len(rows)}")
+        self._require_prompt(self._pool_rows(rows))
+        return self._run(rows, plan.noise, list(plan.frame0), plan.inputs)
 
     def _swap_in(self, sw, res: StepResult) -> None:
         """One swap in of `execute`: restored or started, then its pending rewrite."""

@@ -1,5 +1,5 @@
 """`StreamScheduler(overlap=True)` on the CPU: a step's chunks queued by the next step
-(`framekv.engine.serving.overlap`), as on a GPU where the decode runs beside the next
+(`framekv.engine.serving.step_record.Overlap`), as on a GPU where the decode runs beside the next
 step's transformer. Against the same sessions stepped plainly: every chunk equal
 (latents, frames, frame numbers, prompt versions), over swaps and a prompt change; a
 client that reads nothing gets no more than ``queue_chunks`` made; an export, a hold

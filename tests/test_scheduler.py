@@ -102,13 +102,13 @@ def test_a_failing_step_fails_its_sessions_and_the_others_go_on(sched, monkeypat
     _clear(sched)
     a, b = sched.open_session(seed=5), sched.open_session(seed=6)
     sched.step()
-    real = sched.runner.step_rows
+    real = sched.runner._step_plan
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected device fault")
-    monkeypatch.setattr(sched.runner, "step_rows", boom)
+    monkeypatch.setattr(sched.runner, "_step_plan", boom)
     assert sched.step() == 0
-    monkeypatch.setattr(sched.runner, "step_rows", real)
+    monkeypatch.setattr(sched.runner, "_step_plan", real)
     for s in (a, b):
         assert s.state == "failed" and "injected device fault" in s.error
     c = sched.open_session(seed=7, chunks=3)

@@ -223,14 +223,14 @@ def test_a_failing_step_ends_its_sessions_with_the_error_and_the_others_go_on(se
     sched.pause(waiting, True)                       # not in the failing step:
     sched.hold(True)                                 # a step planned before the pause
     sched.hold(False)                                # has ended once hold returns
-    real, fired = sched.runner.step_rows, []
+    real, fired = sched.runner._step_plan, []
 
     def once(*args, **kwargs):
         if not fired:
             fired.append(True)
             raise RuntimeError("injected device fault")
         return real(*args, **kwargs)
-    monkeypatch.setattr(sched.runner, "step_rows", once)
+    monkeypatch.setattr(sched.runner, "_step_plan", once)
     victim = create(http, seed=12, chunks=3)
     chunks, end = stream(ws, victim)
     assert end["state"] == "failed" and "injected device fault" in end["error"] and not chunks

@@ -30,7 +30,7 @@ from framekv.engine.step import chunk_noise  # noqa: E402
 from framekv.engine.serving import SessionChunk, StreamScheduler  # noqa: E402
 from framekv.tools.serve import build_app, frames_message, wan_factory  # noqa: E402
 from framekv.specs.wire import decode as parse_message  # noqa: E402
-from framekv.tools.video import encode_image  # noqa: E402
+from framekv.tools.serve.wire import encode_image  # noqa: E402
 
 TOKEN = "frames-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

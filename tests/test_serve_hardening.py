@@ -119,7 +119,7 @@ def test_a_failing_start_over_after_a_failed_step_keeps_the_loop(server, monkeyp
     http, port, sched = server
     no_sessions(sched)
     runner, armed, calls = sched.runner, [], []
-    step_rows, prefill_rows = runner.step_rows, runner.prefill_rows
+    step_rows, prefill_rows = runner._step_plan, runner.prefill_rows
 
     def failing_step(*args, **kwargs):
         if not armed:
@@ -135,7 +135,7 @@ def test_a_failing_start_over_after_a_failed_step_keeps_the_loop(server, monkeyp
         return prefill_rows(rows, *args, **kwargs)
     failed0 = sched.metrics()["failed_resets"]
     monkeypatch.setattr(runner, "prefill_rows", failing_prefill)
-    monkeypatch.setattr(runner, "step_rows", failing_step)
+    monkeypatch.setattr(runner, "_step_plan", failing_step)
     victim = create(http, seed=21, chunks=2)
     with ws_client.connect(ws_url(port, victim), max_size=None) as ws:
         indices, texts = read_stream(ws)

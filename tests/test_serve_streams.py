@@ -47,12 +47,12 @@ def _percentile(xs, q):
 def test_no_route_waits_on_a_slow_step(monkeypatch):
     sched = StreamScheduler("tiny", max_sessions=4, device="cpu", use_graphs=False,
                             queue_chunks=2)
-    real = sched.runner.step_rows
+    real = sched.runner._step_plan
 
     def slow(*args, **kw):                 # a GPU step of 0.5 s, the GIL free meanwhile
         time.sleep(0.5)
         return real(*args, **kw)
-    monkeypatch.setattr(sched.runner, "step_rows", slow)
+    monkeypatch.setattr(sched.runner, "_step_plan", slow)
     with serving(sched) as (_, port):
         url = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=url, timeout=30) as http:

@@ -201,12 +201,12 @@ def test_no_reader_waits_on_a_step(pair, monkeypatch):
     _clear(a)
     s = a.open_session(seed=5)
     take(a, s, 1, {})
-    real = a.runner.step_rows
+    real = a.runner._step_plan
 
     def slow(*args, **kw):
         time.sleep(0.5)
         return real(*args, **kw)
-    monkeypatch.setattr(a.runner, "step_rows", slow)
+    monkeypatch.setattr(a.runner, "_step_plan", slow)
     stepper = threading.Thread(target=a.step)
     stepper.start()
     time.sleep(0.1)                                  # the step is under way
@@ -358,11 +358,11 @@ def _made(sched, n: int) -> list:
     """The chunks of two streams (seeds 7 and 8) stepped together, ``n`` each, in turn."""
     ss = [sched.open_session(seed=seed, chunks=n) for seed in (7, 8)]
     for _ in range(4 * n):                    # an overlapped step's chunks come a step late
-        if all(s.finished and len(s.queue) == n for s in ss):
+        if all(s.finished and len(s.delivery.queue) == n for s in ss):
             break
         sched.step()
-    assert [(s.state, len(s.queue)) for s in ss] == [("done", n)] * 2
-    return [c for s in ss for c in s.queue]
+    assert [(s.state, len(s.delivery.queue)) for s in ss] == [("done", n)] * 2
+    return [c for s in ss for c in s.delivery.queue]
 
 
 def test_a_frames_only_scheduler_keeps_each_chunks_latents_apart_where_they_were_made():
@@ -441,7 +441,7 @@ def test_a_decoder_row_that_fails_to_swap_out_fails_its_stream_alone(monkeypatch
         failed = [s for s in ss if s.state == "failed"]
         assert len(failed) == 1 and failed[0].error == (
             "swapping the session out failed: its decoder row: RuntimeError('no host memory')")
-        assert all(s.state == "done" and len(s.queue) == 4 for s in ss if s not in failed)
+        assert all(s.state == "done" and len(s.delivery.queue) == 4 for s in ss if s not in failed)
         assert sched.metrics()["failed_swaps"] == 1 and len(calls) == 1
     finally:
         sched.close()

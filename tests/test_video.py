@@ -14,7 +14,8 @@ av = pytest.importorskip("av")
 Image = pytest.importorskip("PIL.Image")
 
 from framekv.engine.serving import to_uint8  # noqa: E402
-from framekv.tools.video import MP4Writer, encode_image  # noqa: E402
+from framekv.tools.serve.wire import encode_image  # noqa: E402
+from framekv.tools.video import MP4Writer  # noqa: E402
 
 
 def smooth_frames(n: int, h: int, w: int, start: int = 0) -> np.ndarray:

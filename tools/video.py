@@ -1,5 +1,6 @@
-"""Frames to bytes: H.264 MP4 files written chunk by chunk, single frames as JPEG or
-WebP (their uint8 pixels: `framekv.engine.decode_lane.to_uint8`).
+"""Frames to a video file: H.264 MP4 written chunk by chunk (their uint8 pixels:
+`framekv.engine.decode_lane.to_uint8`; a single frame as JPEG or WebP is the served
+wire's, `framekv.tools.serve.wire.encode_image`).
 
 - `MP4Writer`: an H.264 (libx264, yuv420p) MP4 written as frames arrive. The file is
   built under a temporary name in the destination's folder and renamed onto the path
@@ -7,13 +8,10 @@ WebP (their uint8 pixels: `framekv.engine.decode_lane.to_uint8`).
   leaves nothing at the path. yuv420p stores chroma at half resolution, so width and
   height must be even: an odd size is a ValueError (no silent padding: the video has
   exactly the frames' size).
-- `encode_image`: one frame as JPEG or WebP bytes (Pillow).
-
-PyAV and Pillow are imported when first used (the ``video`` extra).
+PyAV is imported when first used (the ``video`` extra).
 """
 from __future__ import annotations
 
-import io
 import os
 import secrets
 import weakref
@@ -24,7 +22,6 @@ from .args import creation_refused
 #: x264's constant rate factor by default: 0 is lossless, 51 the worst; 18 is close to
 #: visually lossless.
 DEFAULT_CRF = 18
-IMAGE_FORMATS = {"jpeg": "JPEG", "webp": "WEBP"}
 
 
 def check_mp4_path(path) -> str:
@@ -173,23 +170,3 @@ class MP4Writer:
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError(f"MP4Writer for {self.path} is closed")
-
-
-def encode_image(frame, fmt: str = "jpeg", quality: int = 85) -> bytes:
-    """One frame, uint8 RGB [H, W, 3] (a CPU tensor or a numpy array), as ``fmt``
-    ("jpeg" or "webp") bytes at ``quality`` (1 to 100)."""
-    from PIL import Image
-
-    if fmt not in IMAGE_FORMATS:
-        raise ValueError(f"fmt must be one of {sorted(IMAGE_FORMATS)}, got {fmt!r}")
-    if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
-        raise ValueError(f"quality must be an integer in [1, 100], got {quality!r}")
-    if hasattr(frame, "detach"):
-        frame = frame.detach().cpu().numpy()
-    shape = tuple(getattr(frame, "shape", ()))
-    if len(shape) != 3 or shape[2] != 3 or str(getattr(frame, "dtype", "")) != "uint8":
-        raise ValueError(f"frame must be uint8 [H, W, 3], got {shape} "
-                         f"{getattr(frame, 'dtype', type(frame).__name__)}")
-    buf = io.BytesIO()
-    Image.fromarray(frame, "RGB").save(buf, format=IMAGE_FORMATS[fmt], quality=quality)
-    return buf.getvalue()

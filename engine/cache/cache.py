@@ -242,8 +242,8 @@ class CausalKVCache:
         self._arena.close()
 
     def _require_open(self) -> PoolState:
-        self._check_alive()
-        if self._open is None:
+        if self._open is None:           # shut down (it closes first) or never opened
+            self._check_alive()
             raise ValueError("no geometry is open; call open(geometry) first")
         return self._open
 

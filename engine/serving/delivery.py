@@ -1,6 +1,13 @@
 """`Delivery`: one stream's chunks on their way to its client, whatever carries them (a
 WebSocket, a long poll); `Handout`, what one reader of them gets next; `end_message`,
-the last thing every transport sends.
+the last thing every transport sends; `Deliveries`, the scheduler's calls every
+transport reads through:
+
+    handout          what a reader gets next: a chunk (it stays until acknowledged),
+                     the end, or word that another reader took the stream (`Handout`)
+    next_chunk       the oldest chunk not yet handed out, alone
+    ack, rewind      the client has chunks up to an index (never past the last one
+                     made); sends them all again, to a new reader
 
 A `Delivery` keeps::
 
@@ -26,11 +33,13 @@ acknowledgements; a transport carries both, neither knows the other's fields.
 from __future__ import annotations
 
 import collections
+import contextlib
+import time
 from dataclasses import dataclass
 
 from .records import SessionChunk
 
-__all__ = ["Delivery", "Handout", "check_after", "end_message"]
+__all__ = ["Deliveries", "Delivery", "Handout", "check_after", "end_message"]
 
 
 class Delivery:
@@ -147,3 +156,80 @@ def check_after(after, chunks: int) -> None:
         last = (f"the last chunk made is {chunks - 1}" if chunks > 0 else "no chunk is made yet")
         raise ValueError(f"after must be -1 or the index of a chunk made: {last}, got "
                          f"{str(after)[:40]}")
+
+
+class Deliveries:
+    """The scheduler's side of its streams' deliveries (module doc); its attributes are
+    the scheduler's, every `Delivery` guarded by its lock."""
+
+    def next_chunk(self, session_id: str, timeout: float | None = None, *,
+                   reader: int | None = None) -> SessionChunk | None:
+        """The stream's oldest chunk not yet handed out (it stays queued until `ack`),
+        waiting up to ``timeout`` seconds for one; None when none came (then see the
+        stream's state), the stream is gone or finished, or ``reader`` (what `rewind`
+        returned) is no longer its reader: a socket that was replaced takes nothing, so
+        no chunk goes to a dead socket while its successor skips it."""
+        return self._next(session_id, timeout, reader, settle=False).chunk
+
+    def handout(self, session_id: str, timeout: float | None = None, *,
+                reader: int | None = None) -> Handout:
+        """What ``reader`` (what `rewind` returned; None: whoever reads) gets next,
+        waiting up to ``timeout`` seconds: the stream's oldest chunk not yet handed out;
+        the end once the stream is finished and its client acknowledged every chunk
+        (the stream is then closed, its end reason its state), or once it is not open
+        (``gone``: ended under the reader, or exported); ``superseded`` once another
+        reader took it; else nothing (`Handout`). Every transport reads through it."""
+        h = self._next(session_id, timeout, reader, settle=True)
+        if h.end is not None and not h.gone:
+            with contextlib.suppress(KeyError):       # closed meanwhile: ended all the same
+                self.close_session(session_id, h.end["state"])
+        return h
+
+    def _next(self, session_id: str, timeout, reader, settle: bool) -> Handout:
+        """`handout`'s wait (``settle``: a finished stream whose chunks wait for their
+        acknowledgement is waited on, else answered at once), the stream left open."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.ready:
+            s = self.sessions.get(session_id)
+            while True:
+                if s is None or self.sessions.get(session_id) is not s:
+                    return Handout(end=end_message(self.session_info(session_id)), gone=True)
+                d = s.delivery
+                if not d.current(reader):
+                    return Handout(superseded=True)
+                chunk = d.take()
+                if chunk is not None:
+                    return Handout(chunk=chunk)
+                if s.finished and not d.queue:
+                    return Handout(end=end_message(s.info()))
+                left = None if deadline is None else deadline - time.monotonic()
+                if (s.finished and not settle) or (left is not None and left <= 0):
+                    return Handout()
+                self.ready.wait(left)
+
+    def ack(self, session_id: str, index: int) -> int:
+        """The client has every chunk up to ``index``: they leave the queue (a place
+        freed: the stream may be ready again); its acknowledged index goes no further
+        than the last chunk made (`Delivery.ack`). Returns how many left. KeyError for
+        an id that is not open, ValueError for an index that is not an integer."""
+        with self.lock:
+            s = self.sessions[session_id]
+            n = s.delivery.ack(index, s.chunks)
+            self._mark_waiting(s)
+            self.ready.notify_all()
+            return n
+
+    def rewind(self, session_id: str, after: int | None = None) -> int:
+        """A client (re)connects: every unacknowledged chunk is sent again, after those
+        up to ``after`` (the last index it has) are acknowledged. ``after`` must lie
+        within the chunks made (`check_after`: a stream resumed from a checkpoint older
+        than what its client got is behind it; the client reconnects at the stream's
+        last chunk and takes the chunks made again). Returns the new reader's number for
+        `next_chunk` and `handout` (any reader before it takes no more). KeyError for an
+        id that is not open, ValueError for an ``after`` that is not a chunk made."""
+        with self.lock:
+            s = self.sessions[session_id]
+            reader = s.delivery.rewind(after, s.chunks)
+            self._mark_waiting(s)
+            self.ready.notify_all()
+            return reader

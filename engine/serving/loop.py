@@ -1,4 +1,5 @@
-"""The GPU loop of `StreamScheduler`: one thread steps the streams (`run`), and work
+"""The GPU loop of `StreamScheduler`: one thread steps the streams (`run`, each `step`
+planned under the lock, run without it, committed under it again), and work
 that must run where GPU work runs is handed to it and runs between steps (`_on_gpu`).
 
 A request (an export, a save) is queued with a future; the loop serves the queue at the
@@ -20,6 +21,21 @@ from .stream import Phase
 
 class GpuLoop:
     """The loop and its requests (module doc); its attributes are the scheduler's."""
+
+    def step(self) -> int:
+        """One step: requests handed to the loop, then one batched chunk of every ready
+        stream (`steps`); returns how many chunks it queued (an overlapped step's are
+        queued by the next step, or by this call once there is nothing to plan)."""
+        with self._gpu:
+            self._serve_requests()
+            with self.lock:
+                step = self._plan()
+            if step is None:
+                return self._flush()
+            if self._overlapping():
+                return self._step_overlapped(step)
+            made = self._flush()          # checkpoints came on: a plain step from here
+            return made + self._step_plain(step)
 
     def _on_gpu(self, fn, *args):
         """``fn(*args)`` where GPU work may run: handed to the loop thread between

@@ -49,11 +49,12 @@ from ..decode_stage import DecodeStage
 from ..rollout import Rollout
 from ..runner import ChunkRunner
 from .records import EndedSessions, Histogram, LoopStopped, PromptChange, SchedulerFull
+from .delivery import Deliveries
 from .loop import GpuLoop
 from .moves import Moves
-from .overlap import Overlap
 from .sizes import check_args, check_host_latents, default_batch_sizes, scratch_rows
 from .slots import SlotPool
+from .step_record import Overlap
 from .steps import Steps
 from .stream import Phase, Stream
 from .turns import Turns
@@ -62,7 +63,7 @@ __all__ = ["LoopStopped", "SchedulerFull", "StreamScheduler"]
 log = logging.getLogger("framekv.scheduler")
 
 
-class StreamScheduler(Steps, Turns, Moves, GpuLoop):
+class StreamScheduler(Steps, Turns, Deliveries, Moves, GpuLoop):
     """Streams on one batched pool (module doc).
 
     Args:
@@ -278,21 +279,6 @@ class StreamScheduler(Steps, Turns, Moves, GpuLoop):
             self._flush()
 
     # ------------------------------------------------------------------ steps
-    def step(self) -> int:
-        """One step: requests handed to the loop, then one batched chunk of every ready
-        stream (`steps`); returns how many chunks it queued (an overlapped step's are
-        queued by the next step, or by this call once there is nothing to plan)."""
-        with self._gpu:
-            self._serve_requests()
-            with self.lock:
-                step = self._plan()
-            if step is None:
-                return self._flush()
-            if self._overlapping():
-                return self._step_overlapped(step)
-            made = self._flush()          # checkpoints came on: a plain step from here
-            return made + self._step_plain(step)
-
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
         """A snapshot for a server's metrics (host work only): streams open and allowed,

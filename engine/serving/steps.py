@@ -164,7 +164,8 @@ class Steps:
         lock)."""
         step.started = time.perf_counter()
         if step.plan.rows:
-            step.plan.draw_noise(self.chunk_shape, self.runner.sampling)
+            step.plan.draw_noise(self.chunk_shape,
+                                 self.runner.sampling if self.runner.input_shapes else None)
         step.res = self.runner.execute(step.plan)
 
     def _swap_rows(self, step: Step) -> None:
@@ -182,7 +183,8 @@ class Steps:
             made = 0 if step.made is None else self._deliver_step(step)
             due, self._due = self._due, []
             self.ready.notify_all()
-        self._checkpoint(due)
+        if due:
+            self._checkpoint(due)
         return made
 
     def _flush(self) -> int:

@@ -50,6 +50,7 @@ class CoderRows:
         self._frames = None if self.sequences is None else [0] * self.sequences
         self._cache: CacheArena | None = None
         self._programs: dict = {}
+        self._keys: dict = {}
         self._graphs = GraphCache(self.device) if self.use_graphs else None
         self.closed = False
 
@@ -237,8 +238,13 @@ class CoderRows:
     def _key(self, stage: str, inputs: dict) -> GraphKey:
         """The key of a chunk graph: stage and frames in the program, batch in ``batch``."""
         x = inputs[self.INPUT]
-        return GraphKey.build(owner=owner_token(self), inputs=inputs, batch=x.shape[0],
-                              program=f"{self.PROGRAM}:{stage}:{x.shape[2]}f")
+        # built once per stage and input shape: a replayed chunk builds no key
+        key = self._keys.get((stage, x.shape))
+        if key is None:
+            key = self._keys[(stage, x.shape)] = GraphKey.build(
+                owner=owner_token(self), inputs=inputs, batch=x.shape[0],
+                program=f"{self.PROGRAM}:{stage}:{x.shape[2]}f")
+        return key
 
     def _check_video(self, x, channels: int, what: str) -> tuple[int, int, int, int]:
         """``x`` a floating [B, channels, F, H, W] tensor on the device -> B, F, H, W."""

@@ -37,6 +37,7 @@ parses without the ``serve`` extra.)
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import pathlib
@@ -281,7 +282,7 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
                              f"checkpoint_every={checkpoint_every!r} and no state_dir")
         sched.checkpoints = Checkpoints(state_dir, checkpoint_every)
     encode = (chunk_frame if output == "latents"
-              else lambda c: frames_message(c, frame_format, quality))
+              else functools.partial(frames_message, fmt=frame_format, quality=quality))
     srv = _Server(sched, BearerAuth(token), body_timeout=body_timeout, output=output,
                   encode=encode, fps=fps, frame_format=frame_format,
                   idle_timeout=idle_timeout, model=model or type(sched.runner).__name__,

@@ -28,7 +28,7 @@ the end of its last request. The token and the error shape are every route's; ev
 answer carries ``Cache-Control: no-store``.
 
 ``POST .../control`` takes one of the socket's control messages as its JSON body
-(`framekv.tools.serve.control`; read as ``POST /v1/sessions``' body is): an ack, a
+(`framekv.tools.serve.reader.apply_control`; read as ``POST /v1/sessions``' body is): an ack, a
 pause or a resume is answered 204; a prompt as ``PUT .../prompt`` answers (200
 ``prompt_ack`` once it took, 202 ``prompt_pending``, 500 if its re-cache failed).
 A browser page of another origin is refused 403 on both routes.
@@ -41,9 +41,8 @@ import time
 from fastapi import Body, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from .control import apply_control
 from .models import ErrorBody, PromptAck, errors
-from .reader import Reader, Superseded
+from .reader import Reader, Superseded, apply_control
 from .routes import json_body_route, not_open, prompt_answer, socket_gone
 from .wire import RequestError
 

@@ -17,6 +17,19 @@ before it takes nothing), then asks for the next message (`Reader.next`):
 and raises `Superseded` once another reader took the session. It reads through the
 scheduler's transport-neutral calls only (`StreamScheduler.handout`, `rewind`, `ack`,
 `session_info`), which the cluster's ingress answers alike (`ClusterSessions`).
+
+What a client sends back is as transport-neutral (`apply_control`): the socket's text
+messages and the long poll's ``POST /v1/sessions/{id}/control`` bodies are the same
+JSON control messages::
+
+    {"type": "ack", "index": i}                every chunk up to i is the client's
+    {"type": "prompt", "text" | "prompt_seed" | "prompt": ...}
+                                               a new prompt from the next chunk on
+    {"type": "pause"}, {"type": "resume"}      no chunk is made until resumed
+
+Exactly those keys: anything else is a 422 naming it (`RequestError`). A prompt change
+is accepted at once and taken at the session's next step boundary; how each transport
+answers it is its own (the socket once it took, the POST as ``PUT .../prompt`` does).
 """
 from __future__ import annotations
 
@@ -24,6 +37,8 @@ import asyncio
 import time
 
 from framekv.engine.serving import end_message
+
+from .wire import PROMPT_KEYS, RequestError, parse_prompt
 
 #: the longest one wait on the scheduler lasts: a drain is seen within it
 POLL_S = 0.25
@@ -70,3 +85,37 @@ class Reader:
                 return end_message(info, "shutdown", self.kept)
             if deadline is not None and time.monotonic() >= deadline:
                 return None
+
+
+#: the control messages' types
+CONTROL_TYPES = ("ack", "prompt", "pause", "resume")
+
+
+async def apply_control(sched, sid: str, msg: dict):
+    """Apply one control message (module doc) to session ``sid`` of ``sched``: the
+    `PromptChange` of a prompt message, else None. `RequestError` (422) for a message
+    that is not one; KeyError once the session is not open."""
+    kind = msg.get("type")
+    if kind not in CONTROL_TYPES:
+        raise RequestError(422, f"type must be ack, prompt, pause or resume, got {kind!r}")
+    keys = ({"type", *PROMPT_KEYS} if kind == "prompt"
+            else {"type", "index"} if kind == "ack" else {"type"})
+    if set(msg) - keys:
+        raise RequestError(422, f"a {kind} message takes {sorted(keys)}, got unknown "
+                                f"{sorted(set(msg) - keys)}")
+    if kind == "ack":
+        index = msg.get("index")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise RequestError(422, f"an ack message's index must be an integer, got {index!r}")
+        await asyncio.to_thread(sched.ack, sid, index)
+        return None
+    if kind != "prompt":
+        await asyncio.to_thread(sched.pause, sid, kind == "pause")
+        return None
+    prompt = parse_prompt(msg, sched.prompt_shape)
+    if prompt is None:
+        raise RequestError(422, "a prompt message needs text, prompt_seed or prompt")
+    try:
+        return await asyncio.to_thread(sched.set_prompt, sid, prompt)
+    except ValueError as exc:
+        raise RequestError(422, str(exc)) from None

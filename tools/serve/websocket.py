@@ -28,8 +28,7 @@ import asyncio
 import contextlib
 import json
 
-from .control import apply_control
-from .reader import Superseded
+from .reader import Superseded, apply_control
 from .wire import RequestError, json_body
 
 #: the socket's close code once the server drains (going away)

@@ -23,10 +23,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import io
 import time
 
 from framekv.specs import wire
 from framekv.specs.checks import check_text
+
+#: the image formats of a frames message: its name -> Pillow's
+IMAGE_FORMATS = {"jpeg": "JPEG", "webp": "WEBP"}
 
 MAX_BODY_BYTES = 1 << 20   # a request body or control message: JSON, at most 1 MiB
 BODY_TIMEOUT_S = 10.0      # seconds a client may take to send its body
@@ -228,8 +232,6 @@ def chunk_frame(chunk) -> bytes:
 def frames_message(chunk, fmt: str = "jpeg", quality: int = 85) -> bytes:
     """A chunk's decoded frames (``chunk.video`` uint8 [F', H, W, 3]) as one binary
     WebSocket message of ``fmt`` images (module doc). Encodes on the calling thread."""
-    from ..video import encode_image
-
     video = chunk.video
     if video is None:
         raise ValueError("frames_message needs a chunk with decoded frames (a scheduler "
@@ -241,3 +243,23 @@ def frames_message(chunk, fmt: str = "jpeg", quality: int = 85) -> bytes:
                      "sizes": [len(b) for b in images], "seconds": chunk.seconds,
                      "latency": time.monotonic() - chunk.requested, "batch": chunk.batch,
                      "prompt_version": chunk.prompt_version}, b"".join(images))
+
+
+def encode_image(frame, fmt: str = "jpeg", quality: int = 85) -> bytes:
+    """One frame (a frames message's image), uint8 RGB [H, W, 3] (a CPU tensor or a numpy array), as ``fmt``
+    ("jpeg" or "webp") bytes at ``quality`` (1 to 100)."""
+    from PIL import Image
+
+    if fmt not in IMAGE_FORMATS:
+        raise ValueError(f"fmt must be one of {sorted(IMAGE_FORMATS)}, got {fmt!r}")
+    if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
+        raise ValueError(f"quality must be an integer in [1, 100], got {quality!r}")
+    if hasattr(frame, "detach"):
+        frame = frame.detach().cpu().numpy()
+    shape = tuple(getattr(frame, "shape", ()))
+    if len(shape) != 3 or shape[2] != 3 or str(getattr(frame, "dtype", "")) != "uint8":
+        raise ValueError(f"frame must be uint8 [H, W, 3], got {shape} "
+                         f"{getattr(frame, 'dtype', type(frame).__name__)}")
+    buf = io.BytesIO()
+    Image.fromarray(frame, "RGB").save(buf, format=IMAGE_FORMATS[fmt], quality=quality)
+    return buf.getvalue()
