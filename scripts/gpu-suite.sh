@@ -15,13 +15,16 @@ status=0
 
 # GPU test files by section; tests-rest runs every other test marked gpu (the ones in
 # CPU test files included), so the sections together are the whole GPU suite.
-OPS_TESTS="tests/test_ops_gpu.py tests/test_qk_norm_rope_gpu.py tests/test_qk_norm_rope_fp8_gpu.py
- tests/test_merge_split_kv_gpu.py tests/test_adaln_gpu.py tests/test_causal_layout_gpu.py
- tests/test_fused_glue_gpu.py tests/test_rms_silu_gpu.py"
-ENGINE_TESTS="tests/test_attention_gpu.py tests/test_attention_fp8_gpu.py tests/test_cache_gpu.py
- tests/test_kv_fp8_gpu.py tests/test_packing_gpu.py tests/test_split_kv_gpu.py
- tests/test_snapshot_gpu.py tests/test_sequences_gpu.py tests/test_arena_gpu.py
- tests/test_graphs_gpu.py tests/test_warmup_gpu.py tests/test_clocks_gpu.py"
+OPS_TESTS="tests/ops/test_ops_gpu.py tests/ops/test_qk_norm_rope_gpu.py
+ tests/ops/test_qk_norm_rope_fp8_gpu.py tests/ops/test_merge_split_kv_gpu.py
+ tests/ops/test_adaln_gpu.py tests/ops/test_causal_layout_gpu.py
+ tests/engine/test_fused_glue_gpu.py tests/ops/test_rms_silu_gpu.py"
+ENGINE_TESTS="tests/engine/attention/test_attention_gpu.py
+ tests/engine/attention/test_attention_fp8_gpu.py tests/engine/attention/test_packing_gpu.py
+ tests/engine/attention/test_split_kv_gpu.py tests/engine/cache/test_cache_gpu.py
+ tests/engine/cache/test_kv_fp8_gpu.py tests/engine/cache/test_snapshot_gpu.py
+ tests/engine/cache/test_sequences_gpu.py tests/engine/test_arena_gpu.py
+ tests/graphs/test_graphs_gpu.py tests/engine/test_warmup_gpu.py tests/bench/test_clocks_gpu.py"
 
 sections() {
   cat <<'EOF'

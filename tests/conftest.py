@@ -1,5 +1,13 @@
 """Test suite layout.
 
+tests/ mirrors the package: a module's tests sit under the folder of its subpackage
+(tests/ops/, tests/engine/cache/, tests/engine/serving/, tests/engine/wan/,
+tests/graphs/, tests/specs/, tests/bench/, tests/client/, tests/tools/), the two
+servers' under tests/serve/ and tests/cluster/; what tests share (``*_harness.py``,
+`cudnn_fake`, `wan_oracle`) and the package-wide checks (test_floors.py) stay at the
+top. Test files import what they share by module name, so every test folder is on
+``sys.path`` (below) and every test file's name is unique.
+
 - plain tests: CPU, run by CI (`pytest -m "not gpu"`).
 - ``gpu``: need a CUDA GPU; skipped where there is none.
 - ``sim``: run numba kernels under the CUDA simulator. numba reads
@@ -9,8 +17,17 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 import pytest
+
+_TESTS = pathlib.Path(__file__).resolve().parent
+for _folder in sorted(p for p in _TESTS.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+if str(_TESTS) not in sys.path:
+    sys.path.append(str(_TESTS))
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 

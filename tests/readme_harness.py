@@ -1,11 +1,11 @@
-"""README.md as steps to run (tests/test_readme.py, tests/test_quickstart.py): its fenced
+"""README.md as steps to run (tests/tools/test_readme.py, tests/tools/test_quickstart.py): its fenced
 ```bash and ```python blocks by section, each bash block's commands, why a block or a
 command is not run here, and the servers the README starts.
 
 A block is skipped where the paragraph right above it says what it needs in a sentence
 starting "Needs" (a CUDA GPU, a model's weights on disk): that sentence is the reason. A
 "Needs a CUDA GPU" block runs where torch sees one. `bash scripts/install.sh ...`
-commands and the test suite (`bash scripts/test.sh`) are run by tests/test_quickstart.py
+commands and the test suite (`bash scripts/test.sh`) are run by tests/tools/test_quickstart.py
 in a fresh venv of a clean clone, not in the environment that runs the tests.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ README = ROOT / "README.md"
 README_PORT = 8000
 #: why an install or the test suite is not run by the README test
 IN_A_FRESH_VENV = ("installs into an environment and runs the test suite: "
-                   "tests/test_quickstart.py runs it in a fresh venv of a clean clone")
+                   "tests/tools/test_quickstart.py runs it in a fresh venv of a clean clone")
 
 
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
 """A real `framekv serve` in a thread and raw clients, for the server's hardening suite
-(tests/test_serve_hardening.py): `serving` runs a `DrainingServer` over a scheduler
+(tests/serve/test_serve_hardening.py): `serving` runs a `DrainingServer` over a scheduler
 (`served_http`: with an HTTP client on it);
 `read_stream`, `ack`, `index_of` read a session's socket; `trickle` sends a request a byte at
 a time; `raw_request` sends bytes no HTTP client would."""

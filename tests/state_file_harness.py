@@ -1,5 +1,5 @@
 """Session files taken apart and put together again, and one of each bad file, for the
-state-folder tests (tests/test_state_files.py, tests/test_state_dir_start.py).
+state-folder tests (tests/engine/serving/test_state_files.py, tests/serve/test_state_dir_start.py).
 
 `split` parses a file `framekv.engine.cache.tensorfile` wrote into its tensor entries,
 its framekv header and its data bytes; `pack` writes any header (an object, or raw

@@ -24,7 +24,7 @@ from framekv.engine.attention import registry
 from framekv.graphs import GraphCache, GraphKey
 from framekv.tools.cli import main as cli
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 M = GEOMETRY.max_staged_tokens
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 

@@ -30,7 +30,7 @@ ws_client = pytest.importorskip("websockets.sync.client")
 
 from serve_harness import ack, serving  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SECTION = "### One served Wan chunk"
 TOKEN = "walk-token"
 #: the most files the walk may name

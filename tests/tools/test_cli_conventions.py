@@ -22,7 +22,7 @@ from framekv.specs import list_presets
 from framekv.tools.bench import SECTIONS
 from framekv.tools.cli import build_parser, main
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH_DIR = pathlib.Path(framekv.bench.__path__[0])
 #: Arguments each command needs besides its preset (generate's --out is checked writable).
 PRESET_COMMANDS = {"demo": [], "verify": [], "warmup": [], "bench": [], "serve": [],

@@ -10,7 +10,7 @@ written, section by section (`readme_harness`), so a README that stops working f
   after exit.
 - A block whose paragraph says what it needs ("Needs a CUDA GPU", "Needs the weights
   ...") is skipped with that sentence as the reason (a GPU block runs where a GPU is);
-  installs and the test suite are tests/test_quickstart.py's, skipped here saying so.
+  installs and the test suite are tests/tools/test_quickstart.py's, skipped here saying so.
 - The presets the README lists are the shipped ones.
 """
 from __future__ import annotations

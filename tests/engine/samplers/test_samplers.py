@@ -28,7 +28,7 @@ from framekv.engine.serving import StreamScheduler
 from framekv.engine.step import StepPlan, chunk_noise, chunk_renoise, noise_seed, sampler_inputs
 from framekv.specs import load_preset
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 TINY = load_preset("tiny")
 #: The toy's jitter streams in `noise_seed`'s ``sequence``: apart from every other stream.
 JITTER = 3 << 32

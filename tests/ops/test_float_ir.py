@@ -1,7 +1,7 @@
 """The integer half of the kernels' e4m3 stores, compiled by LLVM for this CPU:
 `e4m3_canon_ir` makes every NaN byte 0x7F and leaves every other byte as it is, over
 all 2^16 pairs and random 4- and 8-byte words (the conversion itself is the GPU's
-instruction: tests/test_qk_norm_rope_fp8_gpu.py and tests/test_quant_rows_gpu.py)."""
+instruction: tests/ops/test_qk_norm_rope_fp8_gpu.py and tests/ops/test_quant_rows_gpu.py)."""
 from __future__ import annotations
 
 import ctypes

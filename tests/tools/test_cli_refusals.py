@@ -21,7 +21,7 @@ import pytest
 from framekv.bench.serve_load import free_port, stop_server, wait_serving
 from framekv.tools.cli import build_parser, main
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def parsers(p: argparse.ArgumentParser):

@@ -1,5 +1,5 @@
 """The cluster's admin routes as careful as the rest, over the replicas of
-tests/test_cluster_sessions.py (real schedulers in this process, no Ray cluster).
+tests/cluster/test_cluster_sessions.py (real schedulers in this process, no Ray cluster).
 
 A move's body is read as ``POST /v1/sessions``' is: a body that is no JSON object is
 the same 400 naming the JSON fault, one over 1 MiB a 413 before it is read, and no

@@ -29,7 +29,7 @@ from framekv.tools.serve.wire import chunk_frame, frames_message  # noqa: E402
 from serve_harness import no_sessions, serving  # noqa: E402
 from test_scheduler import alone_chunks  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOKEN = "client-token"
 
 

@@ -1,5 +1,5 @@
 """Samplers inside the captured chunk on the GPU: a `WanRollout` sampled by self_forcing
-(its fresh noise a static input) or by the toy sampler of tests/test_samplers.py
+(its fresh noise a static input) or by the toy sampler of tests/engine/samplers/test_samplers.py
 (registered here: a suffix of its schedule, a start of its own, its own static input)
 replays its whole-chunk graph like eager bit for bit, and the two are different
 chunks (the sampler's work is in the graph)."""

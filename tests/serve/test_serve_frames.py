@@ -252,7 +252,7 @@ def test_latents_are_served_only_from_a_scheduler_that_copies_them_to_the_host()
 
 def test_the_reference_model_streams_frames_unless_latents_are_asked_for():
     """It has no VAE: its frames are pictures of its latents (`LatentPreview`; served in
-    tests/test_serve_defects.py)."""
+    tests/serve/test_serve_defects.py)."""
     from framekv.tools.cli import build_parser
     from framekv.tools.serve.command import output_of
 

@@ -2,7 +2,7 @@
 makes each one's input, every variant's error against fp32 and its host time at a small
 stand-in shape, the block's totals (bf16, fp8 with each layer's accumulation as the
 model runs it, the inputs), the table, and its arguments refused before anything runs.
-(Without CUDA the module's command says so in one line: tests/test_cli_conventions.py.)"""
+(Without CUDA the module's command says so in one line: tests/tools/test_cli_conventions.py.)"""
 from __future__ import annotations
 
 import json

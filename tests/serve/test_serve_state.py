@@ -32,7 +32,7 @@ from test_scheduler import alone_chunks  # noqa: E402
 
 TOKEN = "state-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-TINY = pathlib.Path(__file__).resolve().parent.parent / "specs" / "presets" / "tiny.toml"
+TINY = pathlib.Path(__file__).resolve().parents[2] / "specs" / "presets" / "tiny.toml"
 
 
 def scheduler(preset="tiny", sessions=4, slots=2) -> StreamScheduler:
