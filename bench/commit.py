@@ -18,12 +18,12 @@ layout tensor and the pool equal after each of 20 chunks.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from framekv.bench.report import dump_json
 from framekv.bench.timing import require_cuda
 from framekv.engine import CausalKVCache
 from framekv.specs import Geometry
@@ -179,9 +179,7 @@ def main(argv=None) -> None:
     require_cuda("framekv.bench.commit")
     out = measure(args.repeats)
     report(out)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    dump_json(args.json, out)
 
 
 if __name__ == "__main__":

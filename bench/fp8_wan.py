@@ -45,6 +45,7 @@ from .fp8_common import (
     run_speedups,
     saturation_line,
 )
+from .report import CHUNK_HEAD, chunk_cells, wan_shape
 
 #: `WanRollout` sizes (`framekv.bench.wan`'s).
 SIZES = {"latent_size": (60, 104), "frames_per_chunk": 3, "sink_frames": 1, "window_frames": 21}
@@ -243,17 +244,13 @@ def _sizes(s) -> dict:
 def format_wan_pools(res: dict) -> str:
     """One config's table."""
     lines = [f"fp8 wan {res['config']} ({res['layers']} layers, {res['heads']} heads of "
-             f"{res['head_dim']}, {res['model_dtype']}), latent {res['latent_size'][0]}x"
-             f"{res['latent_size'][1]} ({res['tokens_per_frame']} tokens/frame), sink "
-             f"{res['sink_frames']} + window {res['window_frames']} frames ({res['keys']} keys "
-             f"per forward), {res['frames_per_chunk']}-frame chunks, {res['rounds']} rounds "
-             f"{res['order']} ({res['timer']}), {res['device']}",
-             f"  {'run':<9}{'K/V dtype':<15}{'ms/chunk':>10}{'p10':>9}{'p90':>9}{'frames/s':>10}"
+             f"{res['head_dim']}, {res['model_dtype']}), {wan_shape(res)}, {res['rounds']} "
+             f"rounds {res['order']} ({res['timer']}), {res['device']}",
+             f"  {'run':<9}{'K/V dtype':<15}{CHUNK_HEAD}"
              f"{'pool GiB':>10}{'peak GiB':>10}{'device GiB':>12}  path"]
     for name, r in res["pools"].items():
-        c = r["chunk_ms"]
-        lines.append(f"  {name:<9}{r['dtype']:<15}{c['median']:>10.2f}{c['p10']:>9.2f}"
-                     f"{c['p90']:>9.2f}{r['frames_per_second']:>10.2f}"
+        cells = chunk_cells(r["chunk_ms"], r["frames_per_second"], 2)
+        lines.append(f"  {name:<9}{r['dtype']:<15}{cells}"
                      f"{r['pool_bytes'] / 2**30:>10.2f}{r['peak_bytes'] / 2**30:>10.2f}"
                      f"{r['device_used_bytes'] / 2**30:>12.2f}  {r['path']}")
     paired = "per round" if res["order"] == "rotated" else "round by round, timed apart"

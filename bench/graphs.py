@@ -17,12 +17,12 @@ launch cost of each of them, which this measures in isolation.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from framekv.bench.report import dump_json
 from framekv.bench.timing import require_cuda
 from framekv.graphs import GraphCache, GraphKey
 
@@ -108,10 +108,8 @@ def main(argv=None) -> None:
     print(" ".join(f"{title:>9}" for _, title, _ in cols))
     for r in rows:
         print(" ".join(fmt.format(r[name]) for name, _, fmt in cols))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rows": rows}, f, indent=2)
+    dump_json(args.json, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                          "rows": rows})
 
 
 if __name__ == "__main__":

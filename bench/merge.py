@@ -22,11 +22,11 @@ left out). Every merge is checked against the reference before it is timed.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 
+from framekv.bench.report import dump_json, kernel_results
 from framekv.bench.timing import captured_graph, check_bf16_close, require_cuda
 from framekv.ops import merge_split_kv_, merge_split_kv_reference
 
@@ -148,16 +148,10 @@ def main(argv=None) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     shapes = [bench_shape(S, nb, args.iters, flush, gen) for S, nb in SHAPES]
-    import numba_cuda
-
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "numba_cuda": getattr(numba_cuda, "__version__", "?"),
-               "geometry": {"tokens": T, "heads": H, "head_dim": D, "dtype": "bfloat16"},
-               "iters": args.iters, "shapes": shapes}
+    results = kernel_results(geometry={"tokens": T, "heads": H, "head_dim": D,
+                                       "dtype": "bfloat16"}, iters=args.iters, shapes=shapes)
     report(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    dump_json(args.json, results)
     return results
 
 

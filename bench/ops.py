@@ -23,12 +23,12 @@ Every op is first checked bit for bit against its torch reference.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from framekv.bench.report import dump_json, kernel_results
 from framekv.bench.timing import captured_graph, require_cuda
 from framekv.ops import (bind_scatter_kv_slots, copy_kv_slots_, copy_kv_slots_reference,
                          rotate_rows_, rotate_rows_reference, scatter_kv_slots_,
@@ -204,17 +204,12 @@ def main(argv=None) -> dict:
                      "gb_per_s": {k: nbytes / us / 1e3 for k, us in table.items()}}
     s = ops["scatter_kv_slots_"]
     s["fraction_of_copy"] = s["kernel_us"]["torch copy_ (same bytes)"] / s["kernel_us"]["kernel"]
-    import numba_cuda
-
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "numba_cuda": getattr(numba_cuda, "__version__", "?"),
-               "geometry": {"tokens": T, "kv_heads": H, "head_dim": D, "dtype": "bfloat16",
-                            "layers": LAYERS, "pairs": PAIRS, "row": ROW},
-               "launches_per_graph": args.launches, "repeats": args.repeats, "ops": ops}
+    results = kernel_results(geometry={"tokens": T, "kv_heads": H, "head_dim": D,
+                                       "dtype": "bfloat16", "layers": LAYERS, "pairs": PAIRS,
+                                       "row": ROW},
+                             launches_per_graph=args.launches, repeats=args.repeats, ops=ops)
     report(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    dump_json(args.json, results)
     return results
 
 

@@ -37,14 +37,13 @@ video's first chunk decodes 4F - 3).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
 
-from .timing import (interleaved_device_times, require_cuda, stderr_progress, summary,
-                     write_result)
+from .report import print_report, section_parser
+from .timing import interleaved_device_times, require_cuda, stderr_progress, summary
 
 MODES = ("sequential", "overlapped")
 DECODERS = ("wan", "wan-modules", "tiny")
@@ -338,18 +337,15 @@ def format_pixels(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.pixels",
-                                description=__doc__.split("\n\n")[0])
+    p = section_parser("pixels", __doc__)
     p.add_argument("--decoders", default=",".join(DECODERS),
                    help="comma-separated, of wan, wan-modules and tiny (default all)")
     p.add_argument("--kv-dtype", choices=("fp8",), default=None,
                    help="the transformer's K/V pool (default its dtype)")
     p.add_argument("--fp8-gemm", action="store_true",
                    help="the transformer blocks' GEMMs in fp8 (default its dtype)")
-    p.add_argument("--window", type=int, default=21, help="window frames (default 21)")
     p.add_argument("--chunks", type=int, default=6, help="chunks timed once the window is full")
     p.add_argument("--decode-iters", type=int, default=10, help="decode chunks timed per variant")
-    p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     if args.chunks < 2:
         p.error(f"--chunks must be at least 2 (steady chunks timed), got {args.chunks}")
@@ -362,9 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                          decode_iters=args.decode_iters, kv_dtype=args.kv_dtype,
                          gemm_dtype="fp8" if args.fp8_gemm else None,
                          progress=stderr_progress("pixels"))
-    print(format_pixels(res))
-    write_result(args.json_path, pixels=res)
-    return 0
+    return print_report(format_pixels(res), args.json_path, pixels=res)
 
 
 if __name__ == "__main__":

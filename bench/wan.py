@@ -21,13 +21,13 @@ torch's peak allocation plus the K/V arena.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
 
-from .timing import require_cuda, stderr_progress, summary, write_result
+from .report import CHUNK_HEAD, chunk_cells, print_report, section_parser, wan_shape
+from .timing import require_cuda, stderr_progress, summary
 
 VARIANTS = ("stock-recompute", "framekv-graphs", "framekv-fused-graphs", "framekv-eager",
             "dense-eager", "dense-graphs")
@@ -169,16 +169,11 @@ def _compare(results: dict, latents: dict) -> None:
 
 
 def format_wan(res: dict) -> str:
-    lines = [f"end to end: Wan {res['config']} ({res['layers']} layers), latent "
-             f"{res['latent_size'][0]}x{res['latent_size'][1]} ({res['tokens_per_frame']} "
-             f"tokens/frame), sink {res['sink_frames']} + window {res['window_frames']} frames "
-             f"({res['keys']} keys per forward), {res['frames_per_chunk']}-frame chunks",
-             f"  {'variant':<17}{'ms/chunk':>10}{'p10':>9}{'p90':>9}{'frames/s':>10}"
-             f"{'peak GiB':>10}{'vs eager diff':>15}  path"]
+    lines = [f"end to end: Wan {res['config']} ({res['layers']} layers), {wan_shape(res)}",
+             f"  {'variant':<17}{CHUNK_HEAD}{'peak GiB':>10}{'vs eager diff':>15}  path"]
     for name, r in res["variants"].items():
-        c = r["chunk_us"]
-        lines.append(f"  {name:<17}{c['median'] / 1e3:>10.1f}{c['p10'] / 1e3:>9.1f}"
-                     f"{c['p90'] / 1e3:>9.1f}{r['frames_per_second']:>10.2f}"
+        ms = {k: v / 1e3 for k, v in r["chunk_us"].items()}
+        lines.append(f"  {name:<17}{chunk_cells(ms, r['frames_per_second'], 1)}"
                      f"{r['peak_bytes'] / 2**30:>10.2f}"
                      f"{r.get('max_abs_diff_vs_framekv_eager', float('nan')):>15.2e}  {r['path']}")
     v = res["variants"]
@@ -194,19 +189,14 @@ def format_wan(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.wan",
-                                description=__doc__.split("\n\n")[0])
+    p = section_parser("wan", __doc__)
     p.add_argument("--config", default="1.3b", help="tiny or 1.3b (default 1.3b)")
-    p.add_argument("--window", type=int, default=21, help="window frames (default 21)")
     p.add_argument("--chunks", type=int, default=5, help="timed chunks per variant")
-    p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     require_cuda("framekv.bench.wan")
     res = measure_wan(args.config, window_frames=args.window, chunks=args.chunks,
                       progress=stderr_progress("wan"))
-    print(format_wan(res))
-    write_result(args.json_path, wan=res)
-    return 0
+    return print_report(format_wan(res), args.json_path, wan=res)
 
 
 if __name__ == "__main__":

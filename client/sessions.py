@@ -31,14 +31,26 @@ session made its last one) raises `ServerError` with the server's reason. ``crea
 session paused, uploads the prompt, and resumes it once its socket opens, so every
 chunk is made under that prompt. One task or thread uses a session at a time. Needs
 httpx and websockets >= 13 (the ``serve`` extra).
+
+Transports (``Client(url, transport=...)``): "auto" (the default) opens a WebSocket
+and, where one cannot be opened (a proxy or load balancer refusing the upgrade), reads
+the session by long poll from then on (`framekv.client.poll`: ``GET
+/v1/sessions/{id}/chunks``, control messages by ``POST /v1/sessions/{id}/control``);
+"websocket" only (a refused socket is a `ServerError` with its HTTP status); "poll"
+only. The chunks, their order, the acknowledgements, reconnects and the end are the
+same on both; a refusal on the long poll is its HTTP status (401, 404, 409, 422), a
+prompt change not taken within the server's wait answers ``{"type":
+"prompt_pending"}``.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 
+from .poll import AsyncPollLink, PollLink
 from .wire import (Chunk, ServerError, SessionState, auth_headers, check_response,
-                          create_body, decode_chunk, env_token, prompt_message, prompt_upload)
+                   check_transport, create_body, decode_chunk, env_token, prompt_message,
+                   prompt_upload)
 
 __all__ = ["AsyncClient", "AsyncSession", "Chunk", "Client", "ServerError", "Session",
            "decode_chunk"]
@@ -57,19 +69,23 @@ class Session(SessionState):
         return check_response(self.client.http.get(f"/v1/sessions/{self.id}")).json()
 
     def connect(self) -> None:
-        """Open the session's socket (once); resume a session created for an upload."""
-        from websockets.exceptions import InvalidStatus
+        """Open the session's socket (once), or its long poll (module doc); resume a
+        session created for an upload."""
+        from websockets.exceptions import InvalidHandshake
         from websockets.sync.client import connect
 
         if self._ws is not None:
             return
         info = None if self.last is None else self._info_or_none()
-        try:
-            self._ws = self._exit.enter_context(connect(
-                self._ws_url(info), additional_headers=auth_headers(self.client.token),
-                open_timeout=self.client.timeout, max_size=None))
-        except InvalidStatus as exc:
-            raise ServerError(exc.response.status_code, "the socket was refused") from None
+        if self._transport != "poll":
+            try:
+                self._ws = self._exit.enter_context(connect(
+                    self._ws_url(info), additional_headers=auth_headers(self.client.token),
+                    open_timeout=self.client.timeout, max_size=None))
+            except InvalidHandshake as exc:
+                self._refused(exc)
+        if self._ws is None:
+            self._ws = PollLink(self.client.http, self.id, self._after(info), self.client.timeout)
         if self._resume:
             self._resume = False
             self.resume()
@@ -151,12 +167,15 @@ class Session(SessionState):
 
 class Client:
     """A blocking client of the server at ``url``; ``token`` default ``FRAMEKV_TOKEN``;
-    ``timeout``: seconds for an HTTP request or a socket to open."""
+    ``timeout``: seconds for an HTTP request or a socket to open; ``transport``: how
+    its sessions read their chunks, "auto" (a WebSocket, else the long poll),
+    "websocket" or "poll" (module doc)."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", *, token: str | None = None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, transport: str = "auto"):
         import httpx
 
+        self.transport = check_transport(transport)
         self.url, self.token, self.timeout = url.rstrip("/"), env_token(token), timeout
         self.http = httpx.Client(base_url=self.url, headers=auth_headers(self.token),
                                  timeout=timeout)
@@ -199,7 +218,7 @@ class AsyncSession(SessionState):
 
     async def connect(self) -> None:
         from websockets.asyncio.client import connect
-        from websockets.exceptions import InvalidStatus
+        from websockets.exceptions import InvalidHandshake
 
         if self._ws is not None:
             return
@@ -207,12 +226,16 @@ class AsyncSession(SessionState):
         if self.last is not None:
             r = await self.client.http.get(f"/v1/sessions/{self.id}")
             info = r.json() if r.status_code == 200 else None
-        try:
-            self._ws = await connect(self._ws_url(info), max_size=None,
-                                     additional_headers=auth_headers(self.client.token),
-                                     open_timeout=self.client.timeout)
-        except InvalidStatus as exc:
-            raise ServerError(exc.response.status_code, "the socket was refused") from None
+        if self._transport != "poll":
+            try:
+                self._ws = await connect(self._ws_url(info), max_size=None,
+                                         additional_headers=auth_headers(self.client.token),
+                                         open_timeout=self.client.timeout)
+            except InvalidHandshake as exc:
+                self._refused(exc)
+        if self._ws is None:
+            self._ws = AsyncPollLink(self.client.http, self.id, self._after(info),
+                                     self.client.timeout)
         if self._resume:
             self._resume = False
             await self.resume()
@@ -286,9 +309,10 @@ class AsyncClient:
     session.stream()``; ``async with AsyncClient(url) as client``."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", *, token: str | None = None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, transport: str = "auto"):
         import httpx
 
+        self.transport = check_transport(transport)
         self.url, self.token, self.timeout = url.rstrip("/"), env_token(token), timeout
         self.http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(self.token),
                                       timeout=timeout)

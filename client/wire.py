@@ -1,7 +1,7 @@
 """What `framekv.client.sessions` sends and reads: `ServerError`, chunk messages (`Chunk`,
 `decode_chunk`), request bodies and headers, and `SessionState`, what a session's
-socket said (chunks not yet streamed, the end message, errors, prompt acks), which the
-blocking and the asyncio sessions share.
+socket (or long poll) said (chunks not yet streamed, the end message, errors, prompt
+acks), which the blocking and the asyncio sessions share.
 """
 from __future__ import annotations
 
@@ -137,6 +137,18 @@ def prompt_message(text, prompt_seed) -> str:
     return json.dumps({"type": "prompt", **given})
 
 
+#: how a client's sessions read their chunks: a WebSocket, else (one that cannot be
+#: opened) the long poll; a WebSocket only; the long poll only
+TRANSPORTS = ("auto", "websocket", "poll")
+
+
+def check_transport(transport) -> str:
+    """``transport`` if it is one of `TRANSPORTS`, else a ValueError naming it."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    return transport
+
+
 class SessionState:
     """What a session's socket said: chunks not yet streamed, the end, errors, acks."""
 
@@ -144,6 +156,7 @@ class SessionState:
         if after is not None and (isinstance(after, bool) or not isinstance(after, int)):
             raise ValueError(f"after must be None or a chunk index (an int), got {after!r}")
         self.client, self.id, self._resume = client, sid, resume
+        self._transport = client.transport     # "auto" turns "poll" once a socket fails
         #: the index of the last chunk handed out by ``stream`` (None: none yet)
         self.last: int | None = after
         self.pending: collections.deque = collections.deque()
@@ -153,17 +166,33 @@ class SessionState:
         self._outbox: collections.deque = collections.deque()   # acks of chunks skipped
         self._ws = None
 
-    def _ws_url(self, info: dict | None = None) -> str:
-        """The socket's URL: ``?after=`` the last chunk handed out, or the session's last
-        chunk made where ``info`` (its GET) says it made fewer (a server resumed from an
-        older checkpoint: the server refuses an ``after`` beyond them, and the chunks
-        made again are skipped as they come)."""
-        base = self.client.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+    def _after(self, info: dict | None = None) -> int | None:
+        """Where a (re)connect goes on: after the last chunk handed out, or the
+        session's last chunk made where ``info`` (its GET) says it made fewer (a server
+        resumed from an older checkpoint: the server refuses an ``after`` beyond them,
+        and the chunks made again are skipped as they come); None: from the first chunk
+        not acknowledged."""
         after = self.last
         if after is not None and isinstance(info, dict) and isinstance(info.get("chunks"), int):
             after = min(after, info["chunks"] - 1)
-        tail = "" if after is None or after < 0 else f"?after={after}"
+        return None if after is None or after < 0 else after
+
+    def _ws_url(self, info: dict | None = None) -> str:
+        """The socket's URL: ``?after=`` where `_after` says."""
+        base = self.client.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+        after = self._after(info)
+        tail = "" if after is None else f"?after={after}"
         return f"{base}/v1/sessions/{self.id}/stream{tail}"
+
+    def _refused(self, exc) -> None:
+        """The socket could not be opened (``exc``: websockets' InvalidHandshake: a
+        proxy that refuses the upgrade, say): `ServerError` with its HTTP status where
+        the transport is "websocket", else the long poll from here on."""
+        if self._transport == "websocket":
+            response = getattr(exc, "response", None)
+            status = getattr(response, "status_code", 400)
+            raise ServerError(status, f"the socket was refused: {exc}") from None
+        self._transport = "poll"
 
     def _handed(self, chunk) -> str:
         """Note ``chunk`` handed out; the ack message to send for it."""
@@ -187,7 +216,7 @@ class SessionState:
         m = json.loads(msg)
         if m["type"] == "end":
             self.end = m
-        elif m["type"] == "prompt_ack":
+        elif m["type"] in ("prompt_ack", "prompt_pending"):
             self._acks.append(m)
         elif m["type"] == "error":
             self.errors.append(m)

@@ -1,4 +1,6 @@
-"""`DecodeLane`: a streaming decoder's chunks decoded beside the transformer's next one.
+"""`DecodeLane`: a streaming decoder's chunks decoded beside the transformer's next one;
+`to_uint8`: the one conversion of decoded video in [-1, 1] to uint8 RGB (a served
+chunk's frames, a generated MP4's), made where the frames are decoded.
 
 On CUDA (``overlap`` not False), `submit` queues a chunk's decode on a stream of the
 lane's own, after the work already queued on the caller's stream (the transformer that
@@ -31,9 +33,36 @@ import collections
 
 import torch
 
-from .serving.frames import to_uint8
+__all__ = ["DecodeLane", "to_uint8"]
 
-__all__ = ["DecodeLane"]
+
+def to_uint8(frames: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+    """Frames in [-1, 1] as uint8 RGB, channels last, on the frames' device (so that
+    only the pixels cross to the host).
+
+    Args:
+        frames: a float tensor [3, F, H, W] (one video) or [B, 3, F, H, W] (B videos).
+
+    Returns:
+        uint8 [F, H, W, 3] for one video, [B, F, H, W, 3] for B (``out[b]`` is video
+        b): round((x + 1) * 127.5), ties to even, clamped to [0, 255].
+
+    ``check=False`` skips the NaN / inf check, which waits for the frames on the host:
+    a caller that must not wait checks them itself (`DecodeLane`).
+
+    Raises:
+        ValueError: not such a tensor, not floating point, or NaN or inf in it.
+    """
+    if not isinstance(frames, torch.Tensor) or frames.dim() not in (4, 5) or frames.shape[-4] != 3:
+        got = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
+        raise ValueError(f"frames must be a tensor [3, F, H, W] or [B, 3, F, H, W], got {got}")
+    if not frames.is_floating_point():
+        raise ValueError(f"frames must be floating point in [-1, 1], got {frames.dtype}")
+    x = frames.detach().float()
+    if check and not bool(torch.isfinite(x).all()):
+        raise ValueError("frames must be finite, got NaN or inf values")
+    x = ((x + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
+    return x.movedim(-4, -1).contiguous()  # [..., F, H, W, 3]
 
 
 class DecodeLane:
@@ -97,3 +126,12 @@ class DecodeLane:
     def drain(self) -> list[torch.Tensor]:
         """Every chunk in flight, oldest first (`take` each)."""
         return [self.take() for _ in range(len(self._pending))]
+
+    def discard(self) -> None:
+        """Drop every chunk in flight once its work is done, whatever it raises (what a
+        failed decode leaves behind); the decoder is free after."""
+        while self._pending:
+            try:
+                self.take()
+            except Exception:   # the chunk is dropped either way
+                pass

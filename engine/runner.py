@@ -26,7 +26,9 @@ Graphs: `capture_requests` lists one whole-chunk graph per chunk length and batc
 size, keyed by `framekv.graphs.GraphKey`; `capture` runs them through the warm-up path
 (`framekv.graphs.run_warmup`, as ``framekv warmup`` does), then resets. `step` and
 `step_rows` replay them (a chunk runs eagerly on CPU, before a capture, or while the
-store cannot replay); the store's host half advances in the replay hook.
+store cannot replay); after a replay the runner advances the store's host half itself
+(`KVStore.after_replay`: the replay ran no Python), so a replayed chunk's data flows one
+way, the graph never calling back into the store.
 
 Sequences: the pool holds ``sequences`` of them (one by default), twice as many with
 guidance (sequence s and its unconditional branch S + s, rows of one batch: v = v_u +
@@ -58,7 +60,6 @@ modules beside it.
 """
 from __future__ import annotations
 
-import functools
 import time
 from typing import Protocol
 
@@ -462,7 +463,8 @@ class ChunkRunner:
     def capture_request(self, tokens: int, batch: int | None = None) -> CaptureRequest:
         """What to capture for chunks of ``tokens`` real tokens over ``batch`` sequences
         (one of ``batch_sizes``; default all): the whole chunk over the first ``batch``
-        as one graph, the store's host half as its replay hook."""
+        as one graph (no replay hook: `step_rows` advances the store's host half after
+        each replay)."""
         batch = self.sequences if batch is None else batch
         if batch not in self.batch_sizes and batch != self.sequences:
             raise ValueError(f"batch must be one of the batch sizes {self.batch_sizes}, "
@@ -484,8 +486,7 @@ class ChunkRunner:
         key = chunk_key(owner_token(self), self.geometry, tokens, denoise_steps=len(self._t),
                         clean_block=clean, inputs=inputs, splits=splits, batch=len(rows),
                         packed=packed, sampler=sampler_label(self.sampler, self.sampling))
-        return CaptureRequest(key, self.chunk, inputs,
-                              functools.partial(self.kv.after_replay, tokens))
+        return CaptureRequest(key, self.chunk, inputs)
 
     def _chunk_tokens(self) -> tuple[int, ...]:
         frames = [self.frames_per_chunk] + ([self.last_chunk[1]] if self.last_chunk else [])
@@ -689,10 +690,14 @@ class ChunkRunner:
         inputs = {"noise": noise.to(self.device, torch.float32),
                   "frame0": torch.tensor(frames, dtype=torch.int64, device=self.device)}
         inputs.update((k, x.to(self.device, torch.float32)) for k, x in extra.items())
-        key = self._keys.get((noise.shape[2] * self.tokens_per_frame, len(pool)))
+        tokens = noise.shape[2] * self.tokens_per_frame
+        key = self._keys.get((tokens, len(pool)))
         if self.use_graphs and key is not None and self.kv.replayable:
             # Replay only: a capture here would run warm-up calls on the live store.
-            out, self.path = self.graphs.replay(key, inputs).clone(), "graphs"
+            out = self.graphs.replay(key, inputs)
+            if not self.graphs.eager:           # a replay ran no Python: the host half
+                self.kv.after_replay(tokens)
+            out, self.path = out.clone(), "graphs"
         else:
             out, self.path = self.chunk(**inputs).clone(), "eager"
         self.paths[self.path] += 1

@@ -101,14 +101,13 @@ class Swap:
     ``stream``: its id; ``slot``: the pool sequence; ``state``: a swap in's
     `StreamState` (None: the stream starts at position 0); ``prompt``: a start's prompt
     [L, text_dim], or a rewrite's new prompt (None: the runner's default for a start,
-    nothing for a swap in); ``decoder``: a swap in's decoder row state (the runner
-    ignores it: decoding is the caller's result stage)."""
+    nothing for a swap in). A decoding caller names its decoder rows' swaps apart
+    (`framekv.engine.decode_stage.DecodePlan`)."""
 
     stream: str
     slot: int
     state: object = None
     prompt: torch.Tensor | None = None
-    decoder: dict | None = None
 
 
 @dataclass(eq=False)

@@ -1,9 +1,10 @@
 """`framekv.client` (`framekv.client.sessions`) against a real `framekv serve` on 127.0.0.1
 (CPU, the tiny reference model): the blocking and the asyncio client create, stream,
-change prompts (text messages and tensor uploads), pause, resume and close sessions;
-their chunks equal each seed run alone; refusals are `ServerError` with the server's
-status and message; chunk messages of both outputs decode; ``framekv.client`` is the
-same module's names; the client example runs.
+change prompts (text messages and tensor uploads), pause, resume and close sessions,
+over a WebSocket and over the long poll alike; their chunks equal each seed run
+alone; a socket the way refuses falls back to the long poll; refusals are
+`ServerError` with the server's status and message; chunk messages of both outputs
+decode; ``framekv.client`` is the same module's names; the client example runs.
 """
 from __future__ import annotations
 
@@ -44,11 +45,16 @@ def err(chunks, want) -> float:
     return max(float((c.latents - w).abs().max()) for c, w in zip(chunks, want))
 
 
-def test_the_blocking_client_streams_changes_prompts_and_closes(server, monkeypatch):
+TRANSPORTS = ["auto", "poll"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_blocking_client_streams_changes_prompts_and_closes(server, monkeypatch,
+                                                                 transport):
     url, sched = server
     L, D = sched.prompt_shape
     monkeypatch.setenv("FRAMEKV_TOKEN", TOKEN)                # the default token
-    with fc.Client(url) as client:
+    with fc.Client(url, transport=transport) as client:
         assert client.info()["latents"]["shape"] == list(sched.chunk_shape)
         s = client.create(seed=31, chunks=12, prompt_seed=1)     # past the change
         chunks, acks = [], []
@@ -92,11 +98,12 @@ def test_a_prompt_change_after_the_last_chunk_is_refused_with_the_reason(server,
     no_sessions(sched)
 
 
-def test_a_tensor_prompt_applies_from_chunk_0_and_uploads_keep_their_dtype(server):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_tensor_prompt_applies_from_chunk_0_and_uploads_keep_their_dtype(server, transport):
     url, sched = server
     L, D = sched.prompt_shape
     emb = torch.randn(L, D, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    with fc.Client(url, token=TOKEN) as client:
+    with fc.Client(url, token=TOKEN, transport=transport) as client:
         s = client.create(seed=33, chunks=3, prompt=emb[None])      # [1, L, D] too
         chunks = list(s.stream(timeout=30))
         assert [c.prompt_version for c in chunks] == [1, 1, 1]
@@ -108,9 +115,10 @@ def test_a_tensor_prompt_applies_from_chunk_0_and_uploads_keep_their_dtype(serve
         s2.close()
 
 
-def test_pause_resume_and_refusals(server):
+@pytest.mark.parametrize("transport, no_session", [("auto", 4404), ("poll", 404)])
+def test_pause_resume_and_refusals(server, transport, no_session):
     url, sched = server
-    with fc.Client(url, token=TOKEN) as client:
+    with fc.Client(url, token=TOKEN, transport=transport) as client:
         s = client.create(seed=35)                                 # open-ended
         it = s.stream(timeout=30)
         next(it)
@@ -133,7 +141,7 @@ def test_pause_resume_and_refusals(server):
         assert s.close() is True
         with pytest.raises(fc.ServerError) as exc:
             list(client.session("nope").stream(timeout=10))
-        assert exc.value.status == 4404 and "no such session open" in exc.value.message
+        assert exc.value.status == no_session and "no such session open" in exc.value.message
         with pytest.raises(ValueError, match="give one of text, prompt_seed or prompt"):
             s.change_prompt(text="a", prompt_seed=1)
         with pytest.raises(ValueError, match="at most one of text, prompt_seed or prompt"):
@@ -145,11 +153,12 @@ def test_pause_resume_and_refusals(server):
     no_sessions(sched)
 
 
-def test_the_asyncio_client_does_the_same(server):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_asyncio_client_does_the_same(server, transport):
     url, sched = server
 
     async def main():
-        async with fc.AsyncClient(url, token=TOKEN) as client:
+        async with fc.AsyncClient(url, token=TOKEN, transport=transport) as client:
             assert (await client.info())["max_sessions"] == 3
             s = await client.create(seed=36, chunks=4)
             chunks, acks = [], []
@@ -171,6 +180,36 @@ def test_the_asyncio_client_does_the_same(server):
     want = alone_chunks(sched, 36, 4, rewrite_at=first, new_prompt=seeded)
     assert err(chunks, want) <= 1e-5 and refused is False and closed is False
     assert err(tensor_chunks, alone_chunks(sched, 37, 2, prompt=emb)) <= 1e-5
+    no_sessions(sched)
+
+
+def test_a_refused_socket_falls_back_to_the_long_poll(server, monkeypatch):
+    """A proxy that does not upgrade (426): "auto" streams by long poll from then on,
+    "websocket" says so; a transport that is none is a ValueError."""
+    import websockets.sync.client as sync_client
+    from websockets.datastructures import Headers
+    from websockets.exceptions import InvalidStatus
+    from websockets.http11 import Response
+
+    def refused(*args, **kw):
+        raise InvalidStatus(Response(426, "Upgrade Required", Headers()))
+
+    monkeypatch.setattr(sync_client, "connect", refused)
+    url, sched = server
+    with fc.Client(url, token=TOKEN) as client:
+        s = client.create(seed=38, chunks=3)
+        got = list(s.stream(timeout=30))
+        assert [c.index for c in got] == [0, 1, 2] and s.end["state"] == "done"
+        assert s.reconnect() is None and s._transport == "poll"     # stays on the poll
+    assert err(got, alone_chunks(sched, 38, 3)) <= 1e-5
+    with fc.Client(url, token=TOKEN, transport="websocket") as client:
+        s = client.create(seed=39, chunks=1)
+        with pytest.raises(fc.ServerError) as exc:
+            s.connect()
+        assert exc.value.status == 426 and "the socket was refused" in exc.value.message
+        assert s.close() is True
+    with pytest.raises(ValueError, match="transport must be one of .*, got 'grpc'"):
+        fc.Client(url, transport="grpc")
     no_sessions(sched)
 
 
@@ -223,7 +262,7 @@ def test_chunks_sent_again_after_a_reconnect_come_once():
     from framekv.client.wire import SessionState
 
     msg = lambda i: chunk_frame(SessionChunk(i, 2 * i, torch.zeros(1, 2, 2, 2), 0.1, 2, 0, 2))  # noqa: E731
-    st = SessionState(None, "s", resume=False, after=0)
+    st = SessionState(fc.Client("http://127.0.0.1:1"), "s", resume=False, after=0)
     for i in (1, 2):
         st._take(msg(i))
     for i in (1, 2, 3):                                    # the new socket's resend

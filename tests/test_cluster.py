@@ -2,9 +2,10 @@
 real HTTP and WebSocket clients on 127.0.0.1: four sessions spread over the replicas;
 one moved mid-stream, then a replica drained (``framekv cluster drain``), then the
 replica holding every session killed (SIGKILL) while they stream (the drained one, the
-only other, takes them). Autoscaling up and down on the sessions open. Every session's
-chunks 0..N arrive once each, equal byte for byte to the same seed's on one
-single-process server of the same flags (one slot: every step a batch of one).
+only other, takes them); one of them read by long poll, the others over their sockets.
+Autoscaling up and down on the sessions open. Every session's chunks 0..N arrive once
+each, equal byte for byte to the same seed's on one single-process server of the same
+flags (one slot: every step a batch of one).
 And the command's refusals: a replica that cannot start, bad cluster options.
 """
 from __future__ import annotations
@@ -58,10 +59,11 @@ def replicas(url) -> dict:
     return {r["id"]: r for r in httpx.get(f"{url}/v1/cluster/replicas", timeout=30).json()}
 
 
-def reader(url, sid, got, errors):
-    """Stream session ``sid`` to its end, each chunk's (index, payload) into ``got``."""
+def reader(url, sid, got, errors, transport="websocket"):
+    """Stream session ``sid`` to its end over ``transport``, each chunk's (index,
+    payload) into ``got``."""
     try:
-        with fc.Client(url, timeout=60) as client:
+        with fc.Client(url, timeout=60, transport=transport) as client:
             s = client.session(sid)
             for chunk in s.stream(timeout=180):
                 got.append((chunk.index, bytes(chunk.payload)))
@@ -83,8 +85,8 @@ def test_sessions_move_drain_and_survive_a_killed_replica(tmp_path):
             sids = [client.create(seed=300 + i, chunks=CHUNKS).id for i in range(4)]
         assert sorted(r["sessions"] for r in replicas(url).values()) == [2, 2]
         got, errors = {sid: [] for sid in sids}, []
-        threads = [threading.Thread(target=reader, args=(url, sid, got[sid], errors))
-                   for sid in sids]
+        threads = [threading.Thread(target=reader, args=(url, sid, got[sid], errors, transport))
+                   for sid, transport in zip(sids, ["websocket"] * 3 + ["poll"])]
         for t in threads:
             t.start()
         wait_until(lambda: len(got[sids[0]]) >= 3)

@@ -3,8 +3,9 @@
 process, behind a stand-in for Ray Serve's handle that sends each call to the replica
 its ``multiplexed_model_id`` names (as `ReplicaRouter` does) and fails a call to one
 that is gone. Placement, moves, drains, adoption after a replica's death, held
-acknowledgements, the move route's errors and a cluster with no replica: every chunk
-index once, each chunk equal to its seed run alone. The same over Ray: test_cluster.py.
+acknowledgements, the move route's errors, the long poll across a move and a cluster
+with no replica: every chunk index once, each chunk equal to its seed run alone; a
+session whose every chunk is acknowledged ends. The same over Ray: test_cluster.py.
 """
 from __future__ import annotations
 
@@ -156,7 +157,10 @@ def test_sessions_spread_and_a_move_keeps_every_index_once(cluster, reference):
     assert sid not in reps[src].sched.sessions and sid in reps[report["to"]].sched.sessions
     read(cs, sid, 5, reader, got)
     assert_alone(reference, 70, got)
-    assert cs.sessions[sid].finished
+    assert cs.session_info(sid)["state"] == "done"
+    end = cs.handout(sid, 5.0, reader=reader)      # every chunk acknowledged: it ends
+    assert end.end == {"type": "end", "state": "done", "error": None} and not end.gone
+    assert sid not in cs.sessions and cs.session_info(sid)["end_reason"] == "done"
 
 
 def test_a_move_is_refused_for_an_unknown_session_replica_or_one_moving(cluster):
@@ -269,7 +273,8 @@ def test_a_dead_replicas_session_without_a_checkpoint_ends_failed(monkeypatch):
         info = cs.session_info(sid)
         assert sid not in cs.sessions and info["state"] == "failed"
         assert "no checkpoint of it was kept" in info["error"]
-        assert cs.next_chunk(sid, 0.0) is None and cs.sessions.get(sid) is None
+        assert cs.next_chunk(sid, 0.0) is None and sid not in cs.sessions
+        assert cs.handout(sid, 0.0).end["state"] == "failed"
         victim.close()
 
 
@@ -312,7 +317,7 @@ def test_calls_made_while_serving_a_request_leave_its_context(cluster):
     try:
         reader = cs.rewind(sid)
         read(cs, sid, 1, reader, [])
-        cs.view(sid)
+        cs.handout(sid, 0.0, reader=reader)
         cs.move(sid)
     finally:
         serve_context._serve_request_context.reset(token)
@@ -350,7 +355,7 @@ def test_a_prompt_change_settles_through_its_replica(cluster):
         cs.set_prompt(sid, torch.randn(P + 1, D))
 
 
-def test_the_routes_answer_moves_replicas_metrics_and_no_replica(cluster):
+def test_the_routes_answer_moves_replicas_metrics_and_no_replica(cluster, reference):
     from fastapi.testclient import TestClient
 
     from framekv.tools.cluster.ingress import cluster_app
@@ -358,6 +363,7 @@ def test_the_routes_answer_moves_replicas_metrics_and_no_replica(cluster):
     cs, reps = cluster
     app = cluster_app(cs, {"output": "latents", "model": "reference:tiny"})
     with TestClient(app) as http:
+        long_poll_across_a_move(http, cs, reference)
         sid = http.post("/v1/sessions", json={"seed": 4}).json()["id"]
         info = http.get("/v1/info").json()
         assert sorted(r["id"] for r in info["replicas"]) == sorted(reps)
@@ -381,3 +387,25 @@ def test_the_routes_answer_moves_replicas_metrics_and_no_replica(cluster):
         assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
         health = http.get("/health")
         assert health.status_code == 503 and "no replica is up" in health.json()["error"]
+
+
+def long_poll_across_a_move(http, cs, reference) -> None:
+    """``GET .../chunks`` through the ingress (``http``): each index once across a move,
+    equal to the seed run alone, then the end message and a 404; an after beyond the
+    chunks made is the 422 of one server."""
+    from framekv.client.wire import decode_chunk
+
+    sid = http.post("/v1/sessions", json={"seed": 72, "chunks": 5}).json()["id"]
+    r = http.get(f"/v1/sessions/{sid}/chunks", params={"after": 7})
+    assert r.status_code == 422 and "after must be -1 or the index of a chunk made" in r.text
+    got, params = [], {"wait": 10}
+    while (r := http.get(f"/v1/sessions/{sid}/chunks", params=params)).headers[
+            "content-type"] == "application/octet-stream":
+        got.append(decode_chunk(r.content))
+        params["after"] = got[-1].index
+        if len(got) == 2:
+            assert http.post(f"/v1/sessions/{sid}/move", json={}).status_code == 200
+    assert r.json() == {"type": "end", "state": "done", "error": None}
+    assert sid not in cs.sessions and cs.session_info(sid)["end_reason"] == "done"
+    assert http.get(f"/v1/sessions/{sid}/chunks", params=params).status_code == 404
+    assert_alone(reference, 72, got)

@@ -243,7 +243,7 @@ def test_an_unwritable_folder_exits_2(tmp_path, capsys, monkeypatch):
     (dict(chunks=1, out="x.avi"), r"out must be a file ending in \.mp4, got 'x.avi'"),
     (dict(chunks=1, config="huge"), r"config must be one of \['tiny', '1.3b'\], got 'huge'"),
     (dict(chunks=1, guidance_scale=0.0), "guidance_scale must be a number > 0, got 0.0"),
-    (dict(chunks=1, sampler="ddim"), r"sampler must be one of \['euler', 'self_forcing'\]"),
+    (dict(chunks=1, sampler="ddim"), r"sampler must be one of \['euler', 'self_forcing', 'v2v'\]"),
     (dict(chunks=1, shift=-1.0), "shift must be a number > 0, got -1.0"),
 ])
 def test_generate_refuses_arguments(tmp_path, kwargs, match):

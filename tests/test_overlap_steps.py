@@ -39,6 +39,11 @@ def scheduler(wan, overlap, slots=2, queue_chunks=8):
                            decoder_factory=lambda n: StreamingVAEDecoder(vae, sequences=n))
 
 
+def in_flight(sched) -> bool:
+    """Whether a step's chunks are still being decoded."""
+    return sched.overlap is not None and len(sched.overlap) > 0
+
+
 def run(sched, budgets, change_at=2):
     """Sessions of ``budgets`` over the scheduler's slots (swaps when more), a prompt
     change once session 0 has ``change_at`` chunks (None: none), clients reading as
@@ -55,7 +60,7 @@ def run(sched, budgets, change_at=2):
             while (c := sched.next_chunk(s.id, 0)) is not None:
                 got[s.id].append(c)
                 sched.ack(s.id, c.index)
-        if made == 0 and all(s.finished for s in ss) and sched._inflight is None:
+        if made == 0 and all(s.finished for s in ss) and not in_flight(sched):
             break
     return [got[s.id] for s in ss]
 
@@ -63,7 +68,8 @@ def run(sched, budgets, change_at=2):
 def test_overlapped_steps_give_every_chunk_a_plain_step_gives(wan):
     plain, lapped = scheduler(wan, False), scheduler(wan, True)
     try:
-        assert plain.lane is None and lapped.lane is not None and not lapped.lane.overlap
+        assert plain.overlap is None and lapped.overlap is not None
+        assert not lapped.decode_stage.lane.overlap              # a CPU: it decodes at once
         s = lapped.open_session(seed=1, chunks=1)
         assert lapped.step() == 0 and s.inflight == 1 and s.chunks == 1   # made, in flight
         assert lapped.next_chunk(s.id, 0) is None
@@ -91,8 +97,8 @@ def test_a_client_that_reads_nothing_gets_queue_chunks_made(wan):
         s = sched.open_session(seed=5)
         for _ in range(8):
             sched.step()
-            assert len(s.queue) + s.inflight <= 2
-        assert s.chunks == 2 and len(s.queue) == 2 and s.inflight == 0
+            assert len(s.delivery.queue) + s.inflight <= 2
+        assert s.chunks == 2 and len(s.delivery.queue) == 2 and s.inflight == 0
     finally:
         sched.close()
 
@@ -105,12 +111,12 @@ def test_an_export_hold_and_close_deliver_the_step_in_flight(wan, tmp_path):
         s = a.open_session(seed=60, chunks=4, prompt="a red fox")
         a.step()
         a.step()                                  # chunk 0 queued, chunk 1 in flight
-        assert s.inflight == 1 and len(s.queue) == 1
+        assert s.inflight == 1 and len(s.delivery.queue) == 1
         state = a.export_session(s.id)            # a request: the step in flight first
         assert s.inflight == 0 and state.chunks == 2
         sid = b.import_session(state)
         got = []
-        while not b.sessions[sid].finished or b._inflight is not None:
+        while not b.sessions[sid].finished or in_flight(b):
             b.step()
             while (c := b.next_chunk(sid, 0)) is not None:
                 got.append(c)
@@ -120,7 +126,7 @@ def test_an_export_hold_and_close_deliver_the_step_in_flight(wan, tmp_path):
         t = a.open_session(seed=7, chunks=3)
         a.step()
         a.hold()                                   # a server's drain: nothing in flight
-        assert t.inflight == 0 and len(t.queue) == 1 and a.step() == 0
+        assert t.inflight == 0 and len(t.delivery.queue) == 1 and a.step() == 0
     finally:
         for x in (a, b, ref):
             x.close()
@@ -137,9 +143,9 @@ def test_a_failing_decode_fails_its_streams_only(wan, monkeypatch):
                             lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
         sched.step()
         monkeypatch.setattr(sched.decoder, "decode", real)
-        assert a.state == "failed" and "injected" in a.error and sched._inflight is None
+        assert a.state == "failed" and "injected" in a.error and not in_flight(sched)
         sched.pause(b.id, False)
-        while not b.finished or sched._inflight is not None:
+        while not b.finished or in_flight(sched):
             sched.step()
         assert b.state == "done" and b.chunks == 3 and sched.metrics()["failed_steps"] == 1
     finally:
@@ -177,7 +183,7 @@ def test_a_request_to_a_running_loop_sees_the_step_in_flight_delivered(wan):
         assert s.inflight == 0 and len(state.extra["queue"]) == state.chunks >= 2
         sid = b.import_session(state)
         got = []
-        while not b.sessions[sid].finished or b._inflight is not None:
+        while not b.sessions[sid].finished or in_flight(b):
             b.step()
             while (c := b.next_chunk(sid, 0)) is not None:
                 got.append(c.index)
@@ -210,7 +216,7 @@ def test_on_cuda_a_step_decodes_beside_the_next_and_gives_the_same_chunks():
 
     plain, lapped = make(False), make(None)
     try:
-        assert lapped.lane is not None and lapped.lane.overlap and plain.lane is None
+        assert lapped.decode_stage.lane.overlap and plain.overlap is None
         want, got = run(plain, [4, 5, 3]), run(lapped, [4, 5, 3])
         for w, g in zip(want, got):
             assert [c.index for c in g] == [c.index for c in w]

@@ -157,6 +157,34 @@ def test_a_store_given_to_the_rollout_is_the_one_seam():
     assert isinstance(r.kv, KVStore) and ReferenceRollout("tiny").cache is None
 
 
+def _noting_replays(device: str) -> tuple[Rollout, list]:
+    """The tiny rollout on ``device``, graphs on, and the tokens of each call of its
+    store's host half after a replay (`KVStore.after_replay`), as they come."""
+    r, calls = Rollout("tiny", device), []
+    real = r.kv.after_replay
+    r.kv.after_replay = lambda tokens: (calls.append(tokens), real(tokens))
+    return r, calls
+
+
+def test_the_runners_graphs_carry_no_replay_hook_and_an_eager_call_commits_itself():
+    r, calls = _noting_replays("cpu")
+    assert [q.after_replay for q in r.capture_requests()] == [None]
+    out = r.run(3)                   # a CPU's graph cache calls the chunk eagerly
+    assert r.paths == {"graphs": 3, "eager": 0} and calls == []
+    eager = Rollout("tiny", use_graphs=False, model=r.model)
+    assert _max_err(out, eager.run(3)) == 0.0
+    assert r.cache.committed_tokens == eager.cache.committed_tokens
+
+
+@pytest.mark.gpu
+def test_after_each_replay_the_runner_advances_the_stores_host_half_once():
+    r, calls = _noting_replays("cuda")
+    r.run(3)
+    assert r.paths["graphs"] == 3 and calls == [r.capture_requests()[0].key.tokens] * 3
+    torch.cuda.synchronize()
+    assert int(r.cache._open.seqs[0].counters[0]) == r.cache.committed_tokens
+
+
 def test_lifecycle_errors():
     r = Rollout("tiny")
     with pytest.raises(ValueError, match="prefill"):

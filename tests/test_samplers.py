@@ -303,7 +303,7 @@ def test_the_command_line_takes_a_registered_sampler(toy, capsys, monkeypatch):
         main(["serve", "--help"])
     help_line = next(ln for ln in capsys.readouterr().out.splitlines()
                      if ln.lstrip().startswith("--sampler"))
-    assert "one of euler, self_forcing, toy (" in help_line
+    assert "one of euler, self_forcing, v2v, toy (" in help_line
     unregister_sampler(toy)
     try:
         with pytest.raises(SystemExit) as exc:

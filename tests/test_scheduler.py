@@ -78,7 +78,7 @@ def test_a_slow_consumer_pauses_only_its_own_session(sched):
     for _ in range(8):
         sched.step()
         drain(sched, [fast], got)
-    assert len(slow.queue) == sched.queue_chunks and slow.chunks == sched.queue_chunks
+    assert len(slow.delivery.queue) == sched.queue_chunks and slow.chunks == sched.queue_chunks
     assert len(got[fast.id]) == 8
     first = sched.next_chunk(slow.id, timeout=0)
     assert first.index == 0
@@ -138,7 +138,8 @@ def test_a_closed_session_leaves_a_bounded_record_of_how_it_ended(sched):
         "id": s.id, "state": "closed", "paused": False, "seed": 5, "chunks": 2, "delivered": 1,
         "waiting": 0, "budget": 3, "prompt_version": 1, "error": None, "resident": True,
         "ended": True, "end_reason": "idle"}
-    assert not s.queue and sched.metrics()["ended"]["idle"] >= 1 and sched.session_info("x") is None
+    assert not s.delivery.queue and sched.metrics()["ended"]["idle"] >= 1
+    assert sched.session_info("x") is None
     kept = EndedSessions(2)
     for i in range(3):
         kept.add({"id": str(i), "end_reason": "deleted"})
@@ -417,7 +418,7 @@ def test_wan_decoding_on_the_gpu_replays_graphs_captured_up_front():
             s.step()
         assert s.decoder.graph_count == graphs
         for sess in (a, b):
-            chunks = list(sess.queue)
+            chunks = list(sess.delivery.queue)
             for c, want in zip(chunks, fresh_decode(parts.vae, chunks)):
                 diff = (c.video.int() - want.int()).abs().float()
                 assert float(diff.mean()) < 1.0, float(diff.mean())

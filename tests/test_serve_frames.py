@@ -244,6 +244,12 @@ def test_bad_app_options_are_named(kwargs, match):
         build_app(latents_only, **kwargs)
 
 
+def test_latents_are_served_only_from_a_scheduler_that_copies_them_to_the_host():
+    frames_only = type("Sched", (), {"decoding": True, "host_latents": False})()
+    with pytest.raises(ValueError, match="carry their latents to the host"):
+        build_app(frames_only, output="latents")
+
+
 def test_the_reference_model_streams_frames_unless_latents_are_asked_for():
     """It has no VAE: its frames are pictures of its latents (`LatentPreview`; served in
     tests/test_serve_defects.py)."""

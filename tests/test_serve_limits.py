@@ -72,11 +72,12 @@ def wait_for(http, sid, what, limit=60.0) -> dict:
     return info
 
 
-def test_the_client_reconnects_to_a_stream_resumed_behind_it(server):
+@pytest.mark.parametrize("transport", ["auto", "poll"])
+def test_the_client_reconnects_to_a_stream_resumed_behind_it(server, transport):
     """The client has chunks 0..2; the server's stream goes back to its state after
     chunk 0 (a restart from an older checkpoint). ``client.session(id, after=2)`` goes
     on: chunks 1 and 2, made again, skipped and acknowledged; 3..5 each once, equal to
-    the seed run alone."""
+    the seed run alone. Over the socket and the long poll alike."""
     http, port, sched = server
     sid = create(http, seed=9, chunks=6)
     with ws_client.connect(ws_url(port, sid), max_size=None) as ws:
@@ -87,7 +88,7 @@ def test_the_client_reconnects_to_a_stream_resumed_behind_it(server):
         assert read(ws, 2) == [1, 2]
     sched.close_session(sid, "test")                    # the crash
     sched.import_session(old)
-    with fc.Client(f"http://127.0.0.1:{port}", token=TOKEN) as client:
+    with fc.Client(f"http://127.0.0.1:{port}", token=TOKEN, transport=transport) as client:
         s = client.session(sid, after=2)
         got = list(s.stream(timeout=60))
     assert [c.index for c in got] == [3, 4, 5] and s.end["state"] == "done", s.end

@@ -5,8 +5,9 @@
 - A client that drops reconnects by id (``after``: the last index it has) and gets the
   next chunks; so after a drop and a SIGTERM restart over ``--state-dir``, and after a
   SIGKILL with ``--checkpoint-every 1``: chunks 0..N arrive once each and equal, byte
-  for byte, the same seed run uninterrupted. Both samplers: euler (the reference
-  model) and self_forcing (the tiny Wan), whose fresh noise is the stream's own.
+  for byte, the same seed run uninterrupted, over a WebSocket and over the long poll.
+  Both samplers: euler (the reference model) and self_forcing (the tiny Wan), whose
+  fresh noise is the stream's own.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ MODELS = {"euler": ["tiny"],
           "self_forcing": ["--model", "wan-diffusers", "--config", "tiny",
                            "--sampler", "self_forcing"]}
 CHUNKS = 6
+#: the restarted servers' flags: a checkpoint every chunk, one slot
+KEPT = ("--checkpoint-every", "1", "--slots", "1")
 
 
 def _percentile(xs, q):
@@ -138,29 +141,36 @@ def uninterrupted(args, tmp_path) -> list[bytes]:
 
 @pytest.mark.parametrize("sampler", sorted(MODELS))
 def test_a_stream_survives_drops_a_sigterm_restart_and_a_sigkill(sampler, tmp_path):
+    """Two sessions of one seed, one read over its socket, one by long poll, on one
+    slot (a step of both would be a batch of two: the Wan model's CPU sums follow the
+    batch size)."""
     if sampler == "self_forcing":
         pytest.importorskip("diffusers")
     args, state = MODELS[sampler], tmp_path / "state"
     want = uninterrupted(args, tmp_path)
-    got = []
-    with server(args, state, tmp_path, "--checkpoint-every", "1") as (url, proc):
-        with fc.Client(url) as client:
-            s = client.create(seed=5, chunks=CHUNKS)
-            sid = s.id
-            got += take(s, 1)
-            s.reconnect()                                  # a drop: the same socket again
-            got += take(s, 1)
+    got, ids = {"websocket": [], "poll": []}, {}
+    with server(args, state, tmp_path, *KEPT) as (url, proc):
+        for transport, chunks in got.items():
+            with fc.Client(url, transport=transport) as client:
+                s = client.create(seed=5, chunks=CHUNKS)
+                ids[transport] = s.id
+                chunks += take(s, 1)
+                s.reconnect()                              # a drop: the same session again
+                chunks += take(s, 1)
         os.kill(proc.pid, signal.SIGTERM)                  # drained and saved
         assert proc.wait(timeout=60) == 0
-    with server(args, state, tmp_path, "--checkpoint-every", "1") as (url, proc):
-        with fc.Client(url) as client:
-            got += take(client.session(sid, after=got[-1].index), 2)
+    with server(args, state, tmp_path, *KEPT) as (url, proc):
+        for transport, chunks in got.items():
+            with fc.Client(url, transport=transport) as client:
+                chunks += take(client.session(ids[transport], after=chunks[-1].index), 2)
         proc.kill()                                        # SIGKILL: no drain, no save
         proc.wait(timeout=60)
-    with server(args, state, tmp_path, "--checkpoint-every", "1") as (url, _):
-        with fc.Client(url) as client:
-            s = client.session(sid, after=got[-1].index)
-            got += list(s.stream(timeout=120))
-            assert s.end["state"] == "done", s.end
-    assert [c.index for c in got] == list(range(CHUNKS)), "lost, repeated, reordered"
-    assert [c.payload for c in got] == want
+    with server(args, state, tmp_path, *KEPT) as (url, _):
+        for transport, chunks in got.items():
+            with fc.Client(url, transport=transport) as client:
+                s = client.session(ids[transport], after=chunks[-1].index)
+                chunks += list(s.stream(timeout=120))
+                assert s.end["state"] == "done", (transport, s.end)
+    for transport, chunks in got.items():
+        assert [c.index for c in chunks] == list(range(CHUNKS)), (transport, "lost, repeated")
+        assert [c.payload for c in chunks] == want, transport

@@ -3,7 +3,9 @@
 swapped or not, decoded or not, euler and self_forcing (whose fresh noise is the
 stream's own); acknowledgements bound the work; checkpoints are written off the GPU
 thread, atomically; the step contract (`StepPlan`, `ChunkRunner.execute`) on its own;
-and no reader waits on a step."""
+no reader waits on a step; a frames-only scheduler keeps its chunks' latents where they
+were made (to the host for an export only); a decoder row that fails to swap fails its
+stream alone, stepped plainly or overlapped."""
 from __future__ import annotations
 
 import functools
@@ -108,14 +110,14 @@ def test_a_client_that_stops_acknowledging_stops_its_stream(pair):
         a.step()
         while a.next_chunk(s.id, 0) is not None:     # handed out, never acknowledged
             pass
-    assert s.chunks == a.queue_chunks and s.sent == len(s.queue) == a.queue_chunks
-    assert a.ack(s.id, 1) == 2 and s.delivered == 2
+    assert s.chunks == a.queue_chunks and s.delivery.sent == len(s.delivery.queue) == a.queue_chunks
+    assert a.ack(s.id, 1) == 2 and s.delivery.delivered == 2
     a.step()
     assert s.chunks == a.queue_chunks + 1
     a.rewind(s.id)                                   # a reconnect: all of them again
     assert a.next_chunk(s.id, 0).index == 2
     a.rewind(s.id, after=3)                          # it has up to 3
-    assert a.next_chunk(s.id, 0).index == 4 and s.delivered == 4
+    assert a.next_chunk(s.id, 0).index == 4 and s.delivery.delivered == 4
     with pytest.raises(ValueError, match="index must be an integer, got '3'"):
         a.ack(s.id, "3")
 
@@ -184,10 +186,10 @@ def test_an_after_or_ack_beyond_the_chunks_made_makes_nothing_for_nobody(pair):
     with pytest.raises(ValueError, match=f"the last chunk made is {made - 1}, got 1000000"):
         a.rewind(s.id, after=1_000_000)
     a.ack(s.id, 10**30)
-    assert s.acked == made - 1 and a.session_info(s.id)["delivered"] == made
+    assert s.delivery.acked == made - 1 and a.session_info(s.id)["delivered"] == made
     for _ in range(3 * a.queue_chunks):
         a.step()
-    assert s.chunks == made + a.queue_chunks and len(s.queue) == a.queue_chunks
+    assert s.chunks == made + a.queue_chunks and len(s.delivery.queue) == a.queue_chunks
     with pytest.raises(ValueError, match="no chunk is made yet, got 0"):
         a.rewind(a.open_session(seed=4, paused=True).id, after=0)
 
@@ -341,3 +343,105 @@ def test_a_latent_preview_is_one_image_per_latent_frame_in_range():
         p.decode(z, rows=[0, 3])
     with pytest.raises(ValueError, match="scale must be an integer >= 1, got 0"):
         LatentPreview(1, scale=0)
+
+
+def _previewed(host_latents=None, device="cpu"):
+    """The tiny reference model's scheduler whose decoder is the latents' preview."""
+    from framekv.engine.serving import LatentPreview
+
+    return StreamScheduler("tiny", max_sessions=2, device=device, queue_chunks=4,
+                           use_graphs=device != "cpu", decoder_factory=LatentPreview,
+                           host_latents=host_latents)
+
+
+def _made(sched, n: int) -> list:
+    """The chunks of two streams (seeds 7 and 8) stepped together, ``n`` each, in turn."""
+    ss = [sched.open_session(seed=seed, chunks=n) for seed in (7, 8)]
+    for _ in range(4 * n):                    # an overlapped step's chunks come a step late
+        if all(s.finished and len(s.queue) == n for s in ss):
+            break
+        sched.step()
+    assert [(s.state, len(s.queue)) for s in ss] == [("done", n)] * 2
+    return [c for s in ss for c in s.queue]
+
+
+def test_a_frames_only_scheduler_keeps_each_chunks_latents_apart_where_they_were_made():
+    """A decoder's chunks keep their latents where the runner made them (copied out for
+    an export only), each chunk its own memory; the same latents and frames as a
+    scheduler that copies every chunk's to the host. A pickled chunk leaves device
+    latents behind."""
+    import pickle
+
+    from framekv.engine.serving import SessionChunk
+
+    frames_only, host = _previewed(), _previewed(host_latents=True)
+    try:
+        assert (frames_only.host_latents, host.host_latents) == (False, True)
+        for a, b in zip(_made(frames_only, 3), _made(host, 3), strict=True):
+            assert torch.equal(a.latents, b.latents) and torch.equal(a.video, b.video)
+            assert a.latents.untyped_storage().nbytes() == a.latents.numel() * 4
+            assert b.latents.untyped_storage().nbytes() > b.latents.numel() * 4   # a view
+    finally:
+        frames_only.close()
+        host.close()
+    chunk = SessionChunk(0, 0, torch.ones(2, 3), 0.1, 1, video=torch.zeros(1, 8, 8, 3))
+    back = pickle.loads(pickle.dumps(chunk))
+    assert torch.equal(back.latents, chunk.latents) and torch.equal(back.video, chunk.video)
+    chunk.latents = torch.empty(2, 3, device="meta")
+    back = pickle.loads(pickle.dumps(chunk))
+    assert back.latents is None and torch.equal(back.video, chunk.video)
+    assert chunk.latents.device.type == "meta"            # the chunk itself keeps them
+
+
+def test_host_latents_is_checked_before_anything_is_built():
+    with pytest.raises(ValueError, match="host_latents must be None, True or False, got 'yes'"):
+        StreamScheduler("tiny", device="cpu", host_latents="yes")
+    with pytest.raises(ValueError, match="host_latents=False needs a decoder_factory"):
+        StreamScheduler("tiny", device="cpu", host_latents=False)
+
+
+@pytest.mark.gpu
+def test_on_cuda_frames_only_latents_stay_on_the_gpu_and_leave_it_for_an_export():
+    frames_only, host = _previewed(device="cuda"), _previewed(host_latents=True, device="cuda")
+    try:
+        got, want = _made(frames_only, 3), _made(host, 3)
+        assert all(c.latents.is_cuda for c in got) and not any(c.latents.is_cuda for c in want)
+        assert all(torch.equal(a.latents.cpu(), b.latents) and torch.equal(a.video, b.video)
+                   for a, b in zip(got, want))
+        sid = next(iter(frames_only.sessions))
+        state = frames_only.export_session(sid)
+        for j, w in enumerate(want[:3]):
+            t = state.extra_tensors[f"chunk{j}.latents"]
+            assert t.device.type == "cpu" and torch.equal(t, w.latents)
+    finally:
+        frames_only.close()
+        host.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_decoder_row_that_fails_to_swap_out_fails_its_stream_alone(monkeypatch, overlap):
+    from framekv.engine.serving import LatentPreview
+
+    sched = StreamScheduler("tiny", max_sessions=3, slots=2, device="cpu", use_graphs=False,
+                            swap_quantum=1, queue_chunks=8, decoder_factory=LatentPreview,
+                            overlap=overlap)
+    try:
+        ss = [sched.open_session(seed=seed, chunks=4) for seed in (1, 2, 3)]
+        real, calls = sched.decoder.snapshot, []
+
+        def once(row):
+            calls.append(row)
+            if len(calls) == 1:
+                raise RuntimeError("no host memory")
+            return real(row)
+        monkeypatch.setattr(sched.decoder, "snapshot", once)
+        for _ in range(60):
+            if sched.step() == 0 and all(s.finished for s in ss):
+                break
+        failed = [s for s in ss if s.state == "failed"]
+        assert len(failed) == 1 and failed[0].error == (
+            "swapping the session out failed: its decoder row: RuntimeError('no host memory')")
+        assert all(s.state == "done" and len(s.queue) == 4 for s in ss if s not in failed)
+        assert sched.metrics()["failed_swaps"] == 1 and len(calls) == 1
+    finally:
+        sched.close()

@@ -138,7 +138,7 @@ def test_save_load_round_trip_and_a_safetensors_reader_opens_it(tmp_path):
     snap = cache.export_sequence(0)
     path = tmp_path / "s.safetensors"
     size = snap.save(path)
-    assert size == os.path.getsize(path) and not os.path.exists(f"{path}.tmp")
+    assert size == os.path.getsize(path) and sorted(tmp_path.iterdir()) == [path]
     back = SequenceSnapshot.load(path)
     assert back.describe() == snap.describe() and back.committed == snap.committed
     assert torch.equal(back.k, snap.k) and torch.equal(back.v, snap.v)
@@ -209,7 +209,7 @@ def test_a_fault_mid_save_leaves_the_old_file(tmp_path, monkeypatch):
     monkeypatch.setitem(snapshot_mod.write_tensors.__globals__, "_bytes", failing)
     with pytest.raises(OSError, match="disk full"):
         snap.save(path)
-    assert path.read_bytes() == raw and not os.path.exists(f"{path}.tmp")
+    assert path.read_bytes() == raw and sorted(path.parent.iterdir()) == [path]
 
 
 @pytest.mark.parametrize("under_way", [True, False])

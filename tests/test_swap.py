@@ -197,7 +197,7 @@ def test_sessions_saved_and_restored_go_on_in_another_scheduler(sched, tmp_path,
     fresh = sched.open_session(seed=105, chunks=2, paused=True)     # parked, never started
     got = run_all(sched, [a, b, c, done], {}, steps=3)
     sched.step()                                          # undelivered chunks stay queued
-    assert done.state == "done" and any(x.queue for x in (a, b, c))
+    assert done.state == "done" and any(x.delivery.queue for x in (a, b, c))
     parked = next(x for x in (a, b, c) if x.slot is None)
     sched.set_prompt(parked.id, p2)                      # applies as it swaps back in
     change_at, failed = parked.chunks, sched.open_session(seed=106)

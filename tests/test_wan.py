@@ -166,7 +166,7 @@ def test_graphs_on_cpu_run_the_same_chunks_and_reset_replays():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"sampler": "ddim"}, "sampler must be one of 'euler', 'self_forcing', got 'ddim'"),
+    ({"sampler": "ddim"}, "sampler must be one of 'euler', 'self_forcing', 'v2v', got 'ddim'"),
     ({"clean_block": "row"}, "clean_block must be one of 'chunk', 'frame'"),
     ({"timesteps": (250, 500)}, "timesteps must be a decreasing sequence in (0, 1000]"),
     ({"latent_size": (5, 4)}, "must be a multiple of the model's patch"),

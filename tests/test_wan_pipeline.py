@@ -217,7 +217,7 @@ def nothing_built(monkeypatch):
     (dict(checkpoint="{tmp}/missing.pt"), r"checkpoint must be a generator checkpoint file "
                                           r"\(.pt, .pth, .safetensors\), got .* \(no such file\)"),
     (dict(checkpoint="{tmp}/x.bin"), r"checkpoint must be .*x.bin' \(not one of those\)"),
-    (dict(sampler="ddim"), r"sampler must be one of \['euler', 'self_forcing'\], got 'ddim'"),
+    (dict(sampler="ddim"), r"sampler must be one of \['euler', 'self_forcing', 'v2v'\], got 'ddim'"),
     (dict(shift=-1.0), "shift must be a number > 0, got -1.0"),
     (dict(shift=math.inf), "shift must be a number > 0, got inf"),
     (dict(shift=True), "shift must be a number > 0, got True"),

@@ -154,12 +154,12 @@ def test_scheduler_sessions_over_wan_equal_each_seed_alone_with_a_prompt_change(
         default = sched.runner.default_prompt()[None]
         cases = [(a, default, None, None), (b, text(3), 3, text(4)), (c, default, None, None)]
         for s, prompt, at, new in cases:
-            chunks = list(s.queue)
+            chunks = list(s.delivery.queue)
             assert [k.index for k in chunks] == list(range(s.budget))
             want = alone(model, s.seed, s.budget, prompt, change_at=at, new_prompt=new)
             err = max(float((k.latents - w).abs().max()) for k, w in zip(chunks, want))
             assert err <= 1e-5, (s.seed, err)
-        assert [k.prompt_version for k in b.queue] == [0, 0, 0, 1, 1]
+        assert [k.prompt_version for k in b.delivery.queue] == [0, 0, 0, 1, 1]
     finally:
         sched.close()
 

@@ -67,6 +67,21 @@ def test_the_original_layout_and_back(model, tmp_path):
     assert not any(p.requires_grad for p in loaded.parameters()) and not loaded.training
 
 
+def test_a_checkpoint_that_fails_mid_write_leaves_the_old_one(model, tmp_path, monkeypatch):
+    path = tmp_path / "gen.pt"
+    save_original_checkpoint(model, path)
+    raw = path.read_bytes()
+
+    def half(obj, f):
+        with open(f, "wb") as out:
+            out.write(b"half a checkpoint")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", half)
+    with pytest.raises(OSError, match="disk full"):
+        save_original_checkpoint(build_model("tiny", seed=8, device="cpu"), path)
+    assert path.read_bytes() == raw and sorted(tmp_path.iterdir()) == [path]
+
+
 def test_the_loaded_model_computes_the_same(model, tmp_path):
     save_original_checkpoint(model, tmp_path / "gen.pt")
     loaded = load_model(tmp_path / "gen.pt", config="tiny", device="cpu")

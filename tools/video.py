@@ -1,5 +1,5 @@
 """Frames to bytes: H.264 MP4 files written chunk by chunk, single frames as JPEG or
-WebP (their uint8 pixels: `framekv.engine.serving.to_uint8`).
+WebP (their uint8 pixels: `framekv.engine.decode_lane.to_uint8`).
 
 - `MP4Writer`: an H.264 (libx264, yuv420p) MP4 written as frames arrive. The file is
   built under a temporary name in the destination's folder and renamed onto the path

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import warnings
 
 import msgspec
 import torch
+
+from ..files import written_whole
 
 
 class PagedGraphKey(msgspec.Struct, frozen=True):
@@ -220,18 +221,9 @@ class PlanFiles:
             return None
 
     def save(self, key: PagedGraphKey, graph) -> None:
-        """Write ``graph`` as ``key``'s file (readers see all of it or nothing)."""
-        write_atomic(self.path(key), bytes(graph.serialize(as_bytes=True)))
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file: readers see all or nothing."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        """Write ``graph`` as ``key``'s file, the folder made if missing (readers see
+        all of it or nothing: `framekv.engine.files.written_whole`)."""
+        path = self.path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with written_whole(path) as tmp, open(tmp, "wb") as f:
+            f.write(bytes(graph.serialize(as_bytes=True)))

@@ -7,8 +7,8 @@
 
 Any safetensors reader opens these files (`safetensors.safe_open`); this module writes
 and reads them without that dependency, streaming each tensor's bytes (a K/V snapshot
-is gigabytes: no second copy in memory). Writing goes to ``PATH.tmp`` and is renamed
-over ``PATH`` once flushed and synced, so a failure leaves the old file (or none) as it
+is gigabytes: no second copy in memory). A file is written whole or not at all
+(`framekv.engine.files.written_whole`): a failure leaves the old file (or none) as it
 was. Reading checks everything a truncated or corrupt file breaks and raises `CorruptFile`
 naming the first fault, before any tensor is allocated: a path that is not a regular
 file (a FIFO, a device, a folder: never opened for reading), the header's length
@@ -27,6 +27,8 @@ import struct
 import zlib
 
 import torch
+
+from ..files import written_whole
 
 __all__ = ["CorruptFile", "MAX_DEPTH", "MAX_HEADER", "read_tensors", "write_tensors"]
 
@@ -72,22 +74,13 @@ def write_tensors(path, tensors: dict[str, torch.Tensor], header: dict) -> int:
     entries["__metadata__"] = {"framekv": json.dumps(header), "crc32": f"{crc:08x}"}
     raw = json.dumps(entries).encode()
     raw += b" " * (-len(raw) % 8)          # tensor data 8-byte aligned, as safetensors pads
-    tmp = f"{os.fspath(path)}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for t in host.values():
-                view = _bytes(t)
-                for i in range(0, len(view), _BLOCK):
-                    f.write(view[i:i + _BLOCK])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with written_whole(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in host.values():
+            view = _bytes(t)
+            for i in range(0, len(view), _BLOCK):
+                f.write(view[i:i + _BLOCK])
     return 8 + len(raw) + offset
 
 

@@ -1,26 +1,33 @@
 """framekv.engine.serving: streams served from one pool.
 
-``stream.py`` the record of one stream (`Stream`); ``scheduler.py`` the scheduler that
+``stream.py`` the record of one stream (`Stream`, its `Phase`); ``delivery.py`` its
+chunks on their way to its client, whatever carries them (`Delivery`, `Handout`,
+`end_message`); ``scheduler.py`` the scheduler that
 steps them (`StreamScheduler`), ``steps.py`` its plan, run and commit; ``slots.py`` the
 slots and which stream gives one up; ``sizes.py`` how many streams, slots, batch sizes
 and scratch rows; ``state_files.py`` a stream as one `StreamState`
 and folders of them; ``checkpoint.py`` streams written as they go; ``records.py`` the
 chunks, prompt changes and counters handed out; ``moves.py`` chunks and streams in and
-out; ``frames.py`` decoded frames as pixels; ``preview.py`` a picture of latents for a
-model without a VAE. The step contract between the scheduler
+out; ``turns.py`` which streams a step runs; ``step_record.py`` a step as it passes
+plan, run and commit; ``overlap.py`` a step's decode beside the next step's transformer;
+``preview.py`` a picture of latents for a model without a VAE. Decoding itself, the
+uint8 frames included, is the engine's (`framekv.engine.decode_stage`,
+`framekv.engine.decode_lane`). The step contract between the scheduler
 and the runner is `framekv.engine.step`; the chunk message `framekv.specs.wire`.
 """
+from ..decode_lane import to_uint8
 from .checkpoint import Checkpoints
-from .frames import to_uint8
+from .delivery import Delivery, Handout, check_after, end_message
 from .preview import LatentPreview
 from .records import (LATENCY_BUCKETS, EndedSessions, Histogram, PromptChange, PromptTooLate,
                       SessionChunk)
 from .scheduler import LoopStopped, SchedulerFull, StreamScheduler
 from .sizes import default_batch_sizes
 from .slots import SlotPool, pick_victim
-from .stream import Stream
+from .stream import Phase, Stream
 
-__all__ = ["Checkpoints", "EndedSessions", "Histogram", "LATENCY_BUCKETS", "LatentPreview",
-           "LoopStopped", "PromptChange", "PromptTooLate", "SchedulerFull", "SessionChunk",
-           "SlotPool", "Stream", "StreamScheduler", "default_batch_sizes", "pick_victim",
-           "to_uint8"]
+__all__ = ["Checkpoints", "Delivery", "EndedSessions", "Handout", "Histogram",
+           "LATENCY_BUCKETS", "LatentPreview", "LoopStopped", "Phase", "PromptChange",
+           "PromptTooLate", "SchedulerFull", "SessionChunk", "SlotPool", "Stream",
+           "StreamScheduler", "check_after", "default_batch_sizes", "end_message",
+           "pick_victim", "to_uint8"]

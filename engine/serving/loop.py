@@ -15,6 +15,7 @@ import queue
 import threading
 
 from .records import LoopStopped
+from .stream import Phase
 
 
 class GpuLoop:
@@ -83,7 +84,7 @@ class GpuLoop:
             self.loop_error = reason
             for s in self.sessions.values():
                 if not s.finished:
-                    s.state, s.waiting_since = "failed", None
+                    s.state, s.waiting_since = Phase.FAILED, None
                     s.error = f"the GPU loop stopped: {reason}"
             self.ready.notify_all()
 

@@ -1,9 +1,11 @@
 """What leaves and enters a `StreamScheduler`: chunks out to their client, and whole
 streams, one `StreamState` each way.
 
-    next_chunk       the oldest chunk not yet handed out (it stays until acknowledged)
+    handout          what a reader gets next: a chunk (it stays until acknowledged),
+                     the end, or word that another reader took the stream (`Handout`)
+    next_chunk       the oldest chunk not yet handed out, alone
     ack, rewind      the client has chunks up to an index (never past the last one
-                     made); sends them all again
+                     made); sends them all again, to a new reader (`Delivery`)
 
     export_session   the stream out, its slot freed (a move, a drain)
     import_session   a stream in under its id, off the pool until its turn
@@ -18,6 +20,7 @@ its decoder row go into the same state (`state_files`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -27,8 +30,9 @@ import torch
 from ..memory import host_room
 from ..stream_state import StreamState
 from . import state_files
+from .delivery import Handout, end_message
 from .records import SchedulerFull, SessionChunk
-from .stream import Stream
+from .stream import Phase, Stream
 
 log = logging.getLogger("framekv.scheduler")
 
@@ -67,7 +71,7 @@ class Moves:
         """``s`` as a `StreamState`, it left where it is (GPU work for one on the pool:
         its K/V copy may still run)."""
         with self.lock:
-            record = dataclasses.replace(s, queue=type(s.queue)(s.queue), pending=list(s.pending))
+            record = dataclasses.replace(s, delivery=s.delivery.copy(), pending=list(s.pending))
         stream, decoder = record.parked, record.decoder
         if record.slot is not None and not record.finished:
             stream = self.runner.snapshot(record.slot)
@@ -106,7 +110,7 @@ class Moves:
         with self.lock:
             streams = list(self.sessions.values())
         for s in streams:
-            if s.state == "failed":
+            if s.state == Phase.FAILED:
                 log.warning("session %s is not saved: it failed (%s)", s.id, s.error)
                 continue
             try:
@@ -149,7 +153,7 @@ class Moves:
         for sid in due:
             with self.lock:
                 s = self.sessions.get(sid)
-            if s is None or s.state == "failed":
+            if s is None or s.state == Phase.FAILED:
                 continue
             try:
                 self.checkpoints.put(sid, self._state_of(s))
@@ -160,44 +164,55 @@ class Moves:
                    reader: int | None = None) -> SessionChunk | None:
         """The stream's oldest chunk not yet handed out (it stays queued until `ack`),
         waiting up to ``timeout`` seconds for one; None when none came (then see the
-        stream's state), the stream is gone, or ``reader`` (what `rewind` returned) is
-        no longer its reader: a socket that was replaced takes nothing, so no chunk
-        goes to a dead socket while its successor skips it."""
+        stream's state), the stream is gone or finished, or ``reader`` (what `rewind`
+        returned) is no longer its reader: a socket that was replaced takes nothing, so
+        no chunk goes to a dead socket while its successor skips it."""
+        return self._next(session_id, timeout, reader, settle=False).chunk
+
+    def handout(self, session_id: str, timeout: float | None = None, *,
+                reader: int | None = None) -> Handout:
+        """What ``reader`` (what `rewind` returned; None: whoever reads) gets next,
+        waiting up to ``timeout`` seconds: the stream's oldest chunk not yet handed out;
+        the end once the stream is finished and its client acknowledged every chunk
+        (the stream is then closed, its end reason its state), or once it is not open
+        (``gone``: ended under the reader, or exported); ``superseded`` once another
+        reader took it; else nothing (`Handout`). Every transport reads through it."""
+        h = self._next(session_id, timeout, reader, settle=True)
+        if h.end is not None and not h.gone:
+            with contextlib.suppress(KeyError):       # closed meanwhile: ended all the same
+                self.close_session(session_id, h.end["state"])
+        return h
+
+    def _next(self, session_id: str, timeout, reader, settle: bool) -> Handout:
+        """`handout`'s wait (``settle``: a finished stream whose chunks wait for their
+        acknowledgement is waited on, else answered at once), the stream left open."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.ready:
             s = self.sessions.get(session_id)
-            if s is None:
-                return None
-
-            def gone() -> bool:
-                return self.sessions.get(session_id) is not s or (
-                    reader is not None and reader != s.reader)
-
-            while s.sent >= len(s.queue) and not s.finished and not gone():
+            while True:
+                if s is None or self.sessions.get(session_id) is not s:
+                    return Handout(end=end_message(self.session_info(session_id)), gone=True)
+                d = s.delivery
+                if not d.current(reader):
+                    return Handout(superseded=True)
+                chunk = d.take()
+                if chunk is not None:
+                    return Handout(chunk=chunk)
+                if s.finished and not d.queue:
+                    return Handout(end=end_message(s.info()))
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
+                if (s.finished and not settle) or (left is not None and left <= 0):
+                    return Handout()
                 self.ready.wait(left)
-            if s.sent >= len(s.queue) or gone():
-                return None
-            s.sent += 1
-            return s.queue[s.sent - 1]
 
     def ack(self, session_id: str, index: int) -> int:
         """The client has every chunk up to ``index``: they leave the queue (a place
-        freed: the stream may be ready again); ``acked`` goes no further than the last
-        chunk made. Returns how many left. KeyError for an id that is not open,
-        ValueError for an index that is not an integer."""
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise ValueError(f"index must be an integer, got {index!r}")
+        freed: the stream may be ready again); its acknowledged index goes no further
+        than the last chunk made (`Delivery.ack`). Returns how many left. KeyError for
+        an id that is not open, ValueError for an index that is not an integer."""
         with self.lock:
             s = self.sessions[session_id]
-            n = 0
-            while s.queue and s.queue[0].index <= index:
-                s.queue.popleft()
-                n += 1
-            s.sent = max(0, s.sent - n)
-            s.acked = max(s.acked, min(index, s.chunks - 1))
+            n = s.delivery.ack(index, s.chunks)
             self._mark_waiting(s)
             self.ready.notify_all()
             return n
@@ -208,24 +223,11 @@ class Moves:
         within the chunks made (`check_after`: a stream resumed from a checkpoint older
         than what its client got is behind it; the client reconnects at the stream's
         last chunk and takes the chunks made again). Returns the new reader's number for
-        `next_chunk` (any reader before it takes no more). KeyError for an id that is
-        not open, ValueError for an ``after`` that is not a chunk made."""
+        `next_chunk` and `handout` (any reader before it takes no more). KeyError for an
+        id that is not open, ValueError for an ``after`` that is not a chunk made."""
         with self.lock:
             s = self.sessions[session_id]
-            if after is not None:
-                check_after(after, s.chunks)
-                self.ack(session_id, after)
-            s.sent = 0
-            s.reader += 1
+            reader = s.delivery.rewind(after, s.chunks)
+            self._mark_waiting(s)
             self.ready.notify_all()
-            return s.reader
-
-
-def check_after(after, chunks: int) -> None:
-    """ValueError unless ``after`` (the last index a client has) is -1 (none) or the
-    index of one of the ``chunks`` chunks a stream made: one beyond would have it make
-    chunks that are never sent, for nobody. The message names the last index made."""
-    if isinstance(after, bool) or not isinstance(after, int) or not -1 <= after < max(chunks, 0):
-        last = (f"the last chunk made is {chunks - 1}" if chunks > 0 else "no chunk is made yet")
-        raise ValueError(f"after must be -1 or the index of a chunk made: {last}, got "
-                         f"{str(after)[:40]}")
+            return reader

@@ -37,10 +37,15 @@ class PromptTooLate(ValueError):
 @dataclass
 class SessionChunk:
     """One finished chunk of a stream: index, first latent frame, latents fp32
-    [C, F, H, W] (host), seconds of the batched step that made it (decode included), its
+    [C, F, H, W], seconds of the batched step that made it (decode included), its
     batch size, the stream's prompt version it was made under, its latent frames; with
     a decoder ``video`` uint8 [F', H, W, 3] (host) from video frame ``video_frame0`` on;
-    ``requested``/``queued``: `time.monotonic` when the stream was ready for it / got it."""
+    ``requested``/``queued``: `time.monotonic` when the stream was ready for it / got it.
+
+    The latents are on the host, or on the runner's device where its frames are what a
+    client gets (`StreamScheduler`'s ``host_latents``): those are copied to the host
+    for an export or a checkpoint only, and a pickled chunk (a replica's, on its way to
+    an ingress) leaves them out (None): device memory never leaves its process."""
 
     index: int
     frame0: int
@@ -53,6 +58,13 @@ class SessionChunk:
     video_frame0: int = 0
     requested: float = 0.0
     queued: float = 0.0
+
+    def __getstate__(self) -> dict:
+        """Its fields for pickling, latents on a device left out (None)."""
+        state = dict(self.__dict__)
+        if isinstance(self.latents, torch.Tensor) and self.latents.device.type != "cpu":
+            state["latents"] = None
+        return state
 
 
 class PromptChange:

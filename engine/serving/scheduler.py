@@ -13,7 +13,7 @@ loop steps the ready streams together (`steps`: plan, run, commit)::
             or rotated (`steps`: turns); one without a slot takes a free one or a victim's
     one `ChunkRunner.execute` of the `StepPlan` (swaps, prompt rewrites, one chunk of
             the batch padded with scratch rows to a captured batch size)
-    with a decoder: the decode of the step's chunks and the uint8 frames
+    with a decoder: the decode of the step's chunks into uint8 frames (`DecodeStage`)
 
 Every record of a stream is its `Stream` (position, seed, prompt, what it holds off the
 pool, its chunks); the runner and the decoder hold its device state while it has a
@@ -40,28 +40,29 @@ import logging
 import queue
 import secrets
 import threading
-import time
 
 import torch
 
 from framekv.specs.checks import check_prompt, check_text
 
+from ..decode_stage import DecodeStage
 from ..rollout import Rollout
-from ..decode_lane import DecodeLane
 from ..runner import ChunkRunner
 from .records import EndedSessions, Histogram, LoopStopped, PromptChange, SchedulerFull
 from .loop import GpuLoop
 from .moves import Moves
-from .sizes import check_args, default_batch_sizes, scratch_rows
+from .overlap import Overlap
+from .sizes import check_args, check_host_latents, default_batch_sizes, scratch_rows
 from .slots import SlotPool
 from .steps import Steps
-from .stream import Stream
+from .stream import Phase, Stream
+from .turns import Turns
 
 __all__ = ["LoopStopped", "SchedulerFull", "StreamScheduler"]
 log = logging.getLogger("framekv.scheduler")
 
 
-class StreamScheduler(Steps, Moves, GpuLoop):
+class StreamScheduler(Steps, Turns, Moves, GpuLoop):
     """Streams on one batched pool (module doc).
 
     Args:
@@ -86,6 +87,10 @@ class StreamScheduler(Steps, Moves, GpuLoop):
         overlap: a step's decode beside the next step's transformer (`Overlap`): None: on
             CUDA; True: also on a CPU (chunks queued a step late); False: never. Steps
             run plainly while checkpoints are kept.
+        host_latents: whether each chunk's latents are copied to the host as it is made
+            (`SessionChunk.latents`): None: where there is no decoder; False (a decoder
+            only): they stay on the runner's device, its frames are what a client gets
+            (copied to the host for an export or a checkpoint); True: always.
     """
 
     def __init__(self, preset="tiny", *, max_sessions: int = 8, slots: int | None = None,
@@ -93,10 +98,12 @@ class StreamScheduler(Steps, Moves, GpuLoop):
                  queue_chunks: int = 4, batch_sizes=None, progress: bool = False,
                  runner_factory=None, decoder_factory=None, ended_records: int = 1024,
                  swap_quantum: int = 16, kv_dtype=None, checkpoints=None,
-                 overlap: bool | None = None, steps: int | None = None, gemm_dtype=None):
+                 overlap: bool | None = None, steps: int | None = None, gemm_dtype=None,
+                 host_latents: bool | None = None):
         S = check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum, {
             "kv_dtype": kv_dtype, "steps": steps, "gemm_dtype": gemm_dtype}, runner_factory,
             decoder_factory)
+        self.host_latents = check_host_latents(host_latents, decoder_factory is not None)
         sizes = tuple(sorted(set(batch_sizes or default_batch_sizes(S))))
         if sizes[-1] < S or sizes[0] < 1:
             raise ValueError(f"batch_sizes must reach slots={S}, got {sizes}")
@@ -139,8 +146,9 @@ class StreamScheduler(Steps, Moves, GpuLoop):
         self.decoding = self.decoder is not None
         # the decode of a step beside the next step's transformer (`Overlap`)
         on = self.decoding and (overlap or (overlap is None and self.runner.device.type == "cuda"))
-        self.lane = DecodeLane(self.decoder, device=self.runner.device) if on else None
-        self._inflight = None
+        self.decode_stage = None if not self.decoding else DecodeStage(
+            self.decoder, device=self.runner.device, overlap=None if on else False)
+        self.overlap = Overlap(self.decode_stage) if on else None
         self.text_prompts = getattr(self.runner, "text_encoder", None) is not None
         self.model = self.runner.describe()
 
@@ -208,10 +216,10 @@ class StreamScheduler(Steps, Moves, GpuLoop):
             s = self.sessions.pop(session_id)
             if s.slot is not None:
                 self.pool.give(s.slot)
-            if s.state == "active":
-                s.state = "closed"
+            if s.state == Phase.ACTIVE:
+                s.state = Phase.CLOSED
             s.end_reason, s.waiting_since, s.parked, s.decoder = reason, None, None, None
-            s.queue.clear()
+            s.delivery.clear()
             for c in s.pending:
                 c.settle(error=KeyError(session_id))
             self.ended.add(s.info())
@@ -277,24 +285,13 @@ class StreamScheduler(Steps, Moves, GpuLoop):
         with self._gpu:
             self._serve_requests()
             with self.lock:
-                planned = self._plan()
-            if planned is None:
+                step = self._plan()
+            if step is None:
                 return self._flush()
-            plan, batch, taken = planned
             if self._overlapping():
-                return self._step_overlapped(plan, batch, taken)
+                return self._step_overlapped(step)
             made = self._flush()          # checkpoints came on: a plain step from here
-            t0 = time.perf_counter()
-            res, rows_out, video, latents = self._run_plan(plan, batch)
-            if res.error is not None and plan.rows:
-                self._restart_rows(plan)    # before its streams are seen failed
-            with self.lock:
-                made += self._commit(plan, batch, taken, res, rows_out, video, latents,
-                                     time.perf_counter() - t0)
-                due, self._due = self._due, []
-                self.ready.notify_all()
-            self._checkpoint(due)
-            return made
+            return made + self._step_plain(step)
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
@@ -326,5 +323,5 @@ class StreamScheduler(Steps, Moves, GpuLoop):
         with self._gpu:
             self._flush()
             self.runner.close()
-            if self.decoder is not None:
-                self.decoder.close()
+            if self.decode_stage is not None:
+                self.decode_stage.close()

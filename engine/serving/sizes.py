@@ -1,9 +1,10 @@
-"""How big a scheduler is: `check_args` (its arguments, each refused by name),
-`default_batch_sizes` (the batch sizes captured), `scratch_rows` (the rows a batch is
-padded with up to a captured size) and `MAX_SESSIONS`."""
+"""How big a scheduler is: `check_args` and `check_host_latents` (its arguments, each
+refused by name), `default_batch_sizes` (the batch sizes captured), `scratch_rows` (the
+rows a batch is padded with up to a captured size) and `MAX_SESSIONS`."""
 from __future__ import annotations
 
-__all__ = ["MAX_SESSIONS", "check_args", "default_batch_sizes", "scratch_rows"]
+__all__ = ["MAX_SESSIONS", "check_args", "check_host_latents", "default_batch_sizes",
+           "scratch_rows"]
 
 #: streams one scheduler holds at most: its records, slots and batch sizes stay small
 #: host state (`framekv serve --max-sessions` refuses more at parse time)
@@ -48,6 +49,18 @@ def check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum,
         raise ValueError(f"slots must be None or an integer in [1, max_sessions="
                          f"{max_sessions}], got {slots!r}")
     return slots
+
+
+def check_host_latents(host_latents, decoding: bool) -> bool:
+    """Whether chunks carry their latents to the host (`StreamScheduler`'s
+    ``host_latents``: None, True or False, False with a decoder only); else a
+    ValueError naming it."""
+    if host_latents not in (None, True, False):
+        raise ValueError(f"host_latents must be None, True or False, got {host_latents!r}")
+    if host_latents is False and not decoding:
+        raise ValueError("host_latents=False needs a decoder_factory (frames for a client to "
+                         "get), got none: a chunk carries its latents alone")
+    return not decoding if host_latents is None else host_latents
 
 
 def default_batch_sizes(max_sessions: int) -> tuple[int, ...]:

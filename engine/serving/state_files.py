@@ -40,6 +40,7 @@ import time
 
 from ..cache import CorruptFile
 from ..stream_state import StreamState
+from .delivery import Delivery
 from .records import PromptChange, SessionChunk
 from .stream import Stream
 
@@ -50,7 +51,8 @@ log = logging.getLogger("framekv.scheduler")
 SUFFIX = ".session"
 FORMAT, VERSION = "framekv.session", 2
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-#: the record's fields besides its id, as `Stream` names them (seed, budget first)
+#: the record's fields besides its id, as `Stream` names them (seed, budget first; acked
+#: last, its `Delivery`'s)
 _RECORD = ("seed", "budget", "state", "chunks", "frames", "prompt_version", "paused",
            "video_frames", "acked")
 _COUNTS = ("seed", "chunks", "frames", "prompt_version", "video_frames")
@@ -60,9 +62,10 @@ def stream_state(s: Stream, stream: StreamState | None, decoder: dict | None, mo
                  decoding: bool) -> StreamState:
     """``s`` as one `StreamState` (module doc): ``stream`` its runner state (None: it
     has none, "start" or "none"), ``decoder`` its decoder row, ``model`` the runner's
-    `ChunkRunner.describe`. Host tensors only; nothing is copied."""
+    `ChunkRunner.describe`. Host tensors only: nothing is copied but the latents of
+    chunks that keep theirs on a device."""
     tensors: dict = {}
-    queue = [_chunk_record(j, c, tensors) for j, c in enumerate(s.queue)]
+    queue = [_chunk_record(j, c, tensors) for j, c in enumerate(s.delivery.queue)]
     kind = "none" if s.finished else "live" if stream is not None else "start"
     if decoder is not None and kind == "live":
         tensors.update({f"decoder.{j}": t for j, t in enumerate(decoder["cache"])})
@@ -75,7 +78,7 @@ def stream_state(s: Stream, stream: StreamState | None, decoder: dict | None, mo
         if t is not None:
             tensors[name] = t.detach().cpu()
     record = {"format": FORMAT, "version": VERSION, "id": s.id,
-              **{k: getattr(s, k) for k in _RECORD}}
+              **{k: getattr(s, k) for k in _RECORD[:-1]}, "acked": s.delivery.acked}
     record["state"] = "done" if kind == "none" else "active"
     extra = {"session": record, "stream": kind, "decoding": bool(decoding), "queue": queue,
              "decoder": decoder, "pending": s.pending[-1].version if s.pending else None}
@@ -86,8 +89,9 @@ def stream_state(s: Stream, stream: StreamState | None, decoder: dict | None, mo
 
 
 def _chunk_record(j: int, c: SessionChunk, tensors: dict) -> dict:
-    """An unacknowledged chunk's fields; its latents and video go to ``tensors``."""
-    tensors[f"chunk{j}.latents"] = c.latents
+    """An unacknowledged chunk's fields; its latents (copied to the host where they are
+    on a device) and video go to ``tensors``."""
+    tensors[f"chunk{j}.latents"] = c.latents.to("cpu")
     if c.video is not None:
         tensors[f"chunk{j}.video"] = c.video
     return {"index": c.index, "frame0": c.frame0, "frames": c.frames, "seconds": c.seconds,
@@ -115,8 +119,8 @@ def stream_of(state: StreamState, model: dict, decoding: bool, where: str = "sta
 def _stream_of(where, state: StreamState, decoding: bool) -> Stream:
     extra, rec = state.extra, state.extra["session"]
     kind = _check_record(where, rec, extra, decoding)
-    s = Stream(rec["id"], rec["seed"], rec["budget"], **{k: rec[k] for k in _RECORD[2:]})
-    s.queue.extend(_chunks(state, extra["queue"]))
+    s = Stream(rec["id"], rec["seed"], rec["budget"], **{k: rec[k] for k in _RECORD[2:-1]},
+               delivery=Delivery(_chunks(state, extra["queue"]), rec["acked"]))
     tensors = state.extra_tensors
     s.prompt = tensors.get("prompt")
     if extra["pending"] is not None:

@@ -1,29 +1,31 @@
 """How `StreamScheduler` steps: plan under the lock, run on the GPU without it, commit
-under it again.
+under it again. One `Step` record (`step_record`) carries a step from stage to stage.
 
-    plan     (lock; host work only) the streams of the step (turns, below); each one
+    plan     (lock; host work only) the streams of the step (`turns`); each one
              without a slot takes a free one or a victim's (`slots.pick_victim`), a
-             swap out then a swap in; prompt changes of resident streams; rows padded
-             with scratch rows to a captured batch size. Records move at once (the
-             victim leaves its slot, the newcomer takes it).
+             swap out then a swap in, in the runner's `StepPlan` and, with a decoder,
+             its rows' in the `DecodePlan`; prompt changes of resident streams; rows
+             padded with scratch rows to a captured batch size. Records move at once
+             (the victim leaves its slot, the newcomer takes it).
     run      (GPU thread, no lock) noise and the sampler's inputs drawn,
-             `ChunkRunner.execute`, then the result stage: the decoder rows of the
-             swaps, the decode (first chunks and later ones apart), the uint8 frames,
-             the latents to the host.
-    commit   (lock) parked states stored, failed swaps and rewrites settled, prompt
-             changes settled, each stream's chunk queued (a chunk made again at or
-             below its acknowledged index is dropped), counters, checkpoints due.
+             `ChunkRunner.execute`, then the `DecodeStage`: the decoder rows' swaps,
+             the decode into uint8 frames; each chunk's latents kept (to the host, or
+             on the device where the decoder makes the frames: ``host_latents``)
+    commit   (lock) `_settle`: parked states stored, failed swaps and rewrites settled,
+             prompt changes settled, each stream's next index and rope frame moved on,
+             counters; `_deliver_step`: each stream's chunk queued (a chunk made again
+             at or below its acknowledged index is dropped), checkpoints due.
 
-Turns: a step runs every ready stream on the pool, and ready streams off it (the
-longest waiting first) in the slots that are free or held by streams not ready, so no
-row runs scratch while a ready stream waits for a slot. A ready stream on the pool
-gives its slot up only at a turn boundary, ``swap_quantum`` steps or more after the
-last rotation, and only once it held the slot ``swap_quantum`` steps: at a boundary as
-many of those as there are streams waiting (at most S) leave, the first in first, in
-one step (its swaps in one plan); the rest stay until a later boundary. So N > S ready
-streams rotate in groups, a full batch every step, and share the chunks alike (round
-robin: the first to leave comes back first; over any window each stream's count is
-within a quantum's worth of the others').
+A plain step runs the three in turn. An overlapped one (`Overlap`: the decode of step n
+on the decode lane's stream beside the transformer of step n + 1) settles as soon as
+its decode is queued and is delivered once its frames are on the host: by the next
+step, or as soon as there is nothing to plan (`_flush`). A chunk in flight counts as
+queued and as made (`_is_ready`), so a stream makes no more than ``queue_chunks``
+ahead of its client and none past its budget. Before anything else touches the decoder
+or the records' chunks (a request on the GPU thread: an export, an import; `hold`;
+`close`) the step in flight is delivered. A step that fails, and every step while
+checkpoints are kept (a checkpoint must hold the chunks made up to the state it
+saves), runs plainly, after delivering the one in flight.
 
 Readers of the records (a server's routes, metrics) take the lock only around host
 work, so none of them waits on a step. A chunk whose stream was closed or exported
@@ -32,91 +34,38 @@ while it ran is dropped at the commit.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
 
 import torch
 
+from ..decode_stage import DecodePlan, RowSwap
 from ..step import StepPlan, Swap
-from .frames import to_uint8
-from .overlap import Overlap
 from .records import SessionChunk
 from .slots import pick_victim
-from .stream import Stream
+from .step_record import Entry, Step
+from .stream import Phase, Stream
 
 log = logging.getLogger("framekv.scheduler")
 
 
-@dataclass
-class Entry:
-    """One batch row's stream as planned: its record, chunk index, rope frame, whether
-    it is its first chunk, and when it became ready."""
-
-    stream: Stream
-    index: int
-    frame0: int
-    first: bool
-    requested: float
+def _why(exc: BaseException) -> str:
+    """What a failed step's streams keep as their error."""
+    return f"{type(exc).__name__}: {exc}"
 
 
-def _waited(s: Stream) -> tuple:
-    """How long ``s`` has waited for its next chunk, as a sort key: longest first (of
-    those that left the pool together, the first to leave)."""
-    return (math.inf if s.waiting_since is None else s.waiting_since, s.entered)
-
-
-class Steps(Overlap):
-    """The step of `StreamScheduler` (module doc); its attributes are the scheduler's."""
-
-    def _is_ready(self, s: Stream) -> bool:
-        # chunks in flight (an overlapped step's) count as queued and as made
-        return (s.state == "active" and not s.paused
-                and len(s.queue) + s.inflight < self.queue_chunks
-                and (s.budget is None or s.chunks < s.budget))
-
-    def _ready(self) -> list[Stream]:
-        """The streams of the next step (at most S; none while held): the ready ones on
-        the pool, and ready ones off it (longest waiting first) as many as there are
-        slots free, slots of streams not ready, and at a turn boundary slots of streams
-        whose quantum ran (`_rotating`), less those the rotation takes."""
-        if self._held:
-            return []
-        ready = [s for s in self.sessions.values() if self._is_ready(s)]
-        on = sorted((s for s in ready if s.slot is not None), key=lambda s: s.entered)
-        off = sorted((s for s in ready if s.slot is None), key=_waited)
-        idle = self.slots - len(on)        # slots free or held by streams not ready
-        if len(off) <= idle:
-            return on + off
-        leaving = {s.id for s in self._rotating(on)[:len(off) - idle]}
-        staying = [s for s in on if s.id not in leaving]
-        return staying + off[:self.slots - len(staying)]
-
-    def _rotating(self, on: list[Stream]) -> list[Stream]:
-        """The ready streams on the pool that give their slots up to waiting ones, in
-        that order: at a turn boundary (``swap_quantum`` steps since the last rotation),
-        those whose own quantum ran, longest on the pool first; else none."""
-        steps = self._counts["steps"]
-        if steps - self.pool.turn < self.swap_quantum:
-            return []
-        ran = [s for s in on if steps - s.slot_since >= self.swap_quantum]
-        return sorted(ran, key=lambda s: s.entered)
-
-    def _mark_waiting(self, s: Stream) -> None:
-        """Start (or stop) the clock of a stream's next chunk as it turns ready (or not)."""
-        if not self._is_ready(s):
-            s.waiting_since = None
-        elif s.waiting_since is None:
-            s.waiting_since = time.monotonic()
+class Steps:
+    """The step of `StreamScheduler` (module doc); its attributes are the scheduler's,
+    its streams those `Turns` gives."""
 
     # ------------------------------------------------------------------ plan
-    def _plan(self) -> tuple[StepPlan, list[Entry], dict] | None:
-        """The next step (lock held): the plan, its batch, the prompt changes it takes."""
-        plan, batch, steps = StepPlan(), [], self._counts["steps"]
-        ready = self._ready()
+    def _plan(self) -> Step | None:
+        """The next step (lock held): its plans, its batch, the prompt changes it takes."""
+        plan, steps = StepPlan(), self._counts["steps"]
+        rows = DecodePlan() if self.decoding else None
+        ready, batch = self._ready(), []
         keep = {s.id for s in ready}
         for s in ready:
-            if s.slot is None and not self._place(s, plan, keep, steps):
+            if s.slot is None and not self._place(s, plan, rows, keep, steps):
                 continue
             batch.append(s)
         taken = self._rewrites(plan)
@@ -133,10 +82,14 @@ class Steps(Overlap):
             plan.keys = [(s.seed, s.chunks) for s in batch]
             plan.frame0 = [s.frames for s in batch] + [0] * (B - len(batch))
             plan.restarts = [r for r in stale if r in plan.rows]
-        return plan, entries, taken
+        if rows is not None:
+            rows.rows, rows.first = [s.slot for s in batch], [e.first for e in entries]
+        return Step(plan, rows, entries, taken)
 
-    def _place(self, s: Stream, plan: StepPlan, keep: set, steps: int) -> bool:
-        """Give ``s`` a slot in ``plan``: a free one, else a victim's (swapped out)."""
+    def _place(self, s: Stream, plan: StepPlan, rows: DecodePlan | None, keep: set,
+               steps: int) -> bool:
+        """Give ``s`` a slot in ``plan`` (and its decoder row in ``rows``): a free one,
+        else a victim's (swapped out)."""
         slot = self.pool.take()
         if slot is None:
             victim = pick_victim(self.sessions.values(), keep, self._is_ready)
@@ -147,12 +100,16 @@ class Steps(Overlap):
                 self.pool.rotated(steps)
             if not victim.finished:       # a finished one keeps nothing: no copy out
                 plan.swap_outs.append(Swap(victim.id, slot))
+                if rows is not None:
+                    rows.swap_outs.append(RowSwap(victim.id, slot))
         if s.parked is None:              # no stream yet: it starts under its prompt
             plan.swap_ins.append(Swap(s.id, slot, None, s.prompt))
         else:
             rewrite = s.pending_prompt if s.pending else None
-            plan.swap_ins.append(Swap(s.id, slot, s.parked, rewrite, s.decoder))
-            s.parked, s.decoder = None, None
+            plan.swap_ins.append(Swap(s.id, slot, s.parked, rewrite))
+        if rows is not None:              # no row state: its row starts over
+            rows.swap_ins.append(RowSwap(s.id, slot, s.decoder))
+        s.parked, s.decoder = None, None
         self.pool.entries += 1
         s.slot, s.last_stepped, s.slot_since, s.entered = slot, steps, steps, self.pool.entries
         return True
@@ -175,90 +132,122 @@ class Steps(Overlap):
         return taken
 
     # ------------------------------------------------------------------ run
-    def _run_plan(self, plan: StepPlan, batch: list[Entry]):
-        """GPU work of a plan (no lock): (result, decoder rows out, videos, host latents)."""
-        res = self._execute(plan)
-        rows_out, video, latents = {}, [None] * len(batch), None
-        if self.decoder is not None:
-            rows_out = self._decoder_swaps(plan, res)
-        if res.error is None and res.latents is not None:
-            try:
-                if self.decoder is not None:
-                    video = self._decode(batch, plan, res.latents[:len(batch)])
-                latents = res.latents.cpu()
-            except Exception as exc:   # a decode that fails fails the step's streams
-                res.error = exc
-        return res, rows_out, video, latents
+    def _overlapping(self) -> bool:
+        return self.overlap is not None and self.checkpoints is None
 
-    def _execute(self, plan: StepPlan):
-        """The plan's noise and sampler inputs drawn, then `ChunkRunner.execute` (no
+    def _step_plain(self, step: Step) -> int:
+        """One step run, then committed (module doc); the chunks it queued."""
+        self._execute(step)
+        self._swap_rows(step)
+        if step.decodes():
+            self.decode_stage.decode(step.decode, step.res.latents, step.decoded)
+        step.keep_latents(self.host_latents)
+        if step.copied is not None:
+            step.copied.synchronize()
+        return self._finish(step)
+
+    def _step_overlapped(self, step: Step) -> int:
+        """One step whose decode runs beside the next step's transformer (module doc);
+        the chunks the step before it delivered."""
+        self._execute(step)
+        made = self._flush()              # its decode ran beside this step's transformer
+        self._swap_rows(step)
+        if not (step.decodes() and self.overlap.submit(step)):
+            return made + self._finish(step)     # a failure, or nothing to decode
+        step.keep_latents(self.host_latents)
+        with self.lock:
+            step.made = self._settle(step)
+        return made
+
+    def _execute(self, step: Step) -> None:
+        """The step's noise and sampler inputs drawn, then `ChunkRunner.execute` (no
         lock)."""
-        if plan.rows:
-            plan.draw_noise(self.chunk_shape, self.runner.sampling)
-        return self.runner.execute(plan)
+        step.started = time.perf_counter()
+        if step.plan.rows:
+            step.plan.draw_noise(self.chunk_shape, self.runner.sampling)
+        step.res = self.runner.execute(step.plan)
 
-    def _decoder_swaps(self, plan: StepPlan, res) -> dict:
-        """The decoder rows of the swaps: each swapped-out stream's copied out, then each
-        swapped-in one's restored (or reset: a new stream)."""
-        out = {}
-        for sw in plan.swap_outs:
-            if sw.stream not in res.failed:
-                try:
-                    out[sw.stream] = self.decoder.snapshot(sw.slot)
-                except Exception as exc:
-                    res.failed[sw.stream] = f"swapping the session out failed: its decoder row: {exc!r}"
-        for sw in plan.swap_ins:
-            try:
-                if sw.state is None or sw.stream in res.failed:
-                    self.decoder.reset(rows=[sw.slot])
-                else:
-                    self.decoder.restore(sw.slot, sw.decoder)
-            except Exception as exc:
-                res.failed[sw.stream] = f"swapping the session in failed: its decoder row: {exc!r}"
-        return out
+    def _swap_rows(self, step: Step) -> None:
+        """The step's decoder rows swapped after the runner's rows (no lock)."""
+        if step.decode is not None:
+            step.decoded = self.decode_stage.swap(step.decode, step.res.failed)
 
-    def _decode(self, batch: list[Entry], plan: StepPlan, latents: torch.Tensor) -> list:
-        """Each stream's frames (host uint8 [F', H, W, 3]): one batched decode per stage,
-        first chunks and later ones (the decoder takes one stage per call)."""
-        video = [None] * len(batch)
-        for first in (True, False):
-            idx = [i for i, e in enumerate(batch) if e.first == first]
-            if idx:
-                frames = self.decoder.decode(latents[idx], rows=[plan.rows[i] for i in idx])
-                frames = to_uint8(frames).cpu()                       # [b, F', H, W, 3]
-                for j, i in enumerate(idx):
-                    video[i] = frames[j]
-        return video
+    def _finish(self, step: Step) -> int:
+        """Commit a step whose GPU work is done (its rows started over first after a
+        failure); the chunks queued."""
+        if step.error is not None and step.plan.rows:
+            self._restart_rows(step.plan)    # before its streams are seen failed
+        with self.lock:
+            step.made = self._settle(step)
+            made = 0 if step.made is None else self._deliver_step(step)
+            due, self._due = self._due, []
+            self.ready.notify_all()
+        self._checkpoint(due)
+        return made
+
+    def _flush(self) -> int:
+        """Deliver the step in flight, if any (module doc); the chunks queued."""
+        step = None if self.overlap is None else self.overlap.take()
+        if step is None:
+            return 0
+        with self.lock:
+            made = self._deliver_step(step)
+            self.ready.notify_all()
+        return made
 
     # ------------------------------------------------------------------ commit
-    def _commit(self, plan: StepPlan, batch: list[Entry], taken: dict, res, rows_out: dict,
-                video: list, latents, seconds: float) -> int:
-        """Apply a run's outcome to the records (lock held); the streams that got a chunk."""
+    def _settle(self, step: Step) -> list | None:
+        """A step's outcome on the records (lock held): its swaps and prompt changes
+        settled; after a failure its streams failed (None); else each of its streams
+        still going advanced, its chunk counted in flight: (batch row, prompt version)
+        each."""
         if self.runner.device.type == "cuda":
             # read on the GPU thread, for `metrics`: a route that called into CUDA itself
             # would contend with this thread for the driver and the allocator
             self._device["gpu_allocated_bytes"] = torch.cuda.memory_allocated(self.runner.device)
-        self._commit_swaps(plan, res, rows_out)
-        self._settle_prompts(taken, res)
-        if res.error is not None:
-            self._fail_batch(batch, plan, f"{type(res.error).__name__}: {res.error}")
-            return 0
-        self._stale.difference_update(plan.restarts)
-        now, made = time.monotonic(), 0
-        for r, e in enumerate(batch):
+        failed = step.failed
+        self._commit_swaps(step, failed)
+        self._settle_prompts(step.taken, step.res, failed)
+        if step.error is not None:
+            self._fail_batch(step.batch, _why(step.error))
+            return None
+        self._stale.difference_update(step.plan.restarts)
+        made = []
+        for r, e in enumerate(step.batch):
             s = e.stream
-            if self.sessions.get(s.id) is not s or s.state != "active" or s.id in res.failed:
+            if self.sessions.get(s.id) is s and not s.finished and s.id not in failed:
+                s.chunks += 1
+                s.frames += self.frames_per_chunk
+                s.inflight += 1           # until `_deliver_step` queues its chunk
+                # the version in force once this step's prompt changes are settled: a
+                # change it took was re-cached before its chunk
+                made.append((r, s.prompt_version))
+        self._stepped(step.plan, step.batch)
+        return made
+
+    def _deliver_step(self, step: Step) -> int:
+        """The chunks `_settle` counted made, queued for their clients (lock held), or
+        their streams failed where the decode raised; the chunks queued."""
+        seconds, now, made = step.seconds(), time.monotonic(), 0
+        error = None if step.decoded is None or step.decoded.error is None else _why(
+            step.decoded.error)
+        frames = [None] * len(step.batch) if step.decoded is None else step.decoded.frames
+        for r, version in step.made:
+            e = step.batch[r]
+            s = e.stream
+            s.inflight -= 1
+            if self.sessions.get(s.id) is not s or s.finished:
                 continue
-            # the version in force once this step's prompt changes are settled: a change
-            # it took was re-cached before its chunk
-            chunk = SessionChunk(e.index, e.frame0, latents[r], seconds, len(plan.rows),
-                                 s.prompt_version, self.frames_per_chunk, video[r],
-                                 s.video_frames, e.requested, now)
-            self._queue(s, chunk)
+            if error is not None:
+                self._fail(s, error)
+                continue
+            self._deliver(s, SessionChunk(e.index, e.frame0, step.latents[r], seconds,
+                                          len(step.plan.rows), version, self.frames_per_chunk,
+                                          frames[r], s.video_frames, e.requested, now))
             made += 1
         self._counts["chunks"] += made
-        self._stepped(plan, batch)
-        if batch:
+        self._counts["failed_steps"] += error is not None
+        if step.batch:
             self._step_seconds.observe(seconds)
         return made
 
@@ -274,40 +263,49 @@ class Steps(Overlap):
         for e in batch:
             e.stream.last_stepped = self._counts["steps"]
 
-    def _commit_swaps(self, plan: StepPlan, res, rows_out: dict) -> None:
+    def _commit_swaps(self, step: Step, failed: dict) -> None:
+        """A step's swaps settled: a swap out's states parked with its stream, a swap in
+        counted; a failed one fails its stream and a swap in's slot is free again (as
+        is one whose stream closed while it came in)."""
+        res, plan = step.res, step.plan
+        rows = {} if step.decoded is None else step.decoded.parked
         for sw in plan.swap_outs:
-            s = self.sessions.get(sw.stream)
-            if sw.stream in res.failed:
-                self.pool.counts["failed_swaps"] += 1
-                if s is not None:
-                    self._fail(s, res.failed[sw.stream])
+            if self._swap_failed(sw.stream, failed):
                 continue
             state = res.parked[sw.stream]
-            self.pool.count("swap_outs", state.nbytes)
-            self.pool.seconds.observe(res.swap_seconds.get(sw.stream, 0.0))
-            if s is not None and s.slot is None:
-                s.parked, s.decoder = state, rows_out.get(sw.stream)
-        for sw in plan.swap_ins:
+            self._swapped("swap_outs", sw.stream, state, res)
             s = self.sessions.get(sw.stream)
-            if sw.stream in res.failed:
-                self.pool.counts["failed_swaps"] += 1
-                if s is not None:
-                    self._fail(s, res.failed[sw.stream])
-                    s.slot = None
-                self.pool.give(sw.slot)
-            elif sw.state is not None:
-                self.pool.count("swap_ins", sw.state.nbytes)
-                self.pool.seconds.observe(res.swap_seconds.get(sw.stream, 0.0))
-            if s is None and sw.stream not in res.failed:  # closed while it came in
+            if s is not None and s.slot is None:
+                s.parked, s.decoder = state, rows.get(sw.stream)
+        for sw in plan.swap_ins:
+            ok = not self._swap_failed(sw.stream, failed)
+            if ok and sw.state is not None:
+                self._swapped("swap_ins", sw.stream, sw.state, res)
+            if not ok or sw.stream not in self.sessions:   # failed, or closed meanwhile
                 self.pool.give(sw.slot)
 
-    def _settle_prompts(self, taken: dict, res) -> None:
+    def _swap_failed(self, sid: str, failed: dict) -> bool:
+        """Whether stream ``sid``'s swap failed; one that did is counted and its stream
+        (if still open) fails with the reason."""
+        if sid not in failed:
+            return False
+        self.pool.counts["failed_swaps"] += 1
+        if (s := self.sessions.get(sid)) is not None:
+            self._fail(s, failed[sid])
+        return True
+
+    def _swapped(self, kind: str, sid: str, state, res) -> None:
+        """One swap of ``kind`` of ``state`` counted, its seconds observed."""
+        self.pool.count(kind, state.nbytes)
+        self.pool.seconds.observe(res.swap_seconds.get(sid, 0.0))
+
+    def _settle_prompts(self, taken: dict, res, failed: dict) -> None:
         """The prompt changes the plan took: taken (the stream's prompt and version
         move) or failed (its old prompt stays; each change says why)."""
         for sid, (changes, prompt) in taken.items():
             s = self.sessions.get(sid)
-            err = res.rewrite_errors.get(sid) or (RuntimeError(res.failed[sid])
-                                                  if sid in res.failed else None)
+            err = res.rewrite_errors.get(sid) or (RuntimeError(failed[sid])
+                                                  if sid in failed else None)
             if s is not None:
                 s.pending = [c for c in s.pending if c not in changes]
                 if err is None:
@@ -317,26 +315,16 @@ class Steps(Overlap):
             for c in changes:
                 c.settle(None if s is None else s.chunks, err)
 
-    def _queue(self, s: Stream, chunk: SessionChunk) -> None:
-        self._advance(s, chunk.frames)
-        self._deliver(s, chunk)
-
-    def _advance(self, s: Stream, frames: int) -> None:
-        """``s`` made a chunk: its next index and rope frame move on."""
-        s.chunks += 1
-        s.frames += frames
-
     def _deliver(self, s: Stream, chunk: SessionChunk) -> None:
         """``s``'s chunk queued for its client (unless it acknowledged it already: a
         chunk counted made while it decoded may be), and what follows from it: frames
         counted, the budget spent, a checkpoint due."""
-        if chunk.index > s.acked:
-            s.queue.append(chunk)
+        s.delivery.put(chunk)
         if chunk.video is not None:
             s.video_frames += chunk.video.shape[0]
             self._counts["video_frames"] += chunk.video.shape[0]
         if s.budget is not None and chunk.index + 1 >= s.budget:
-            s.state = "done"
+            s.state = Phase.DONE
         self._chunk_seconds.observe(chunk.queued - chunk.requested)
         s.waiting_since = None
         self._mark_waiting(s)
@@ -346,19 +334,19 @@ class Steps(Overlap):
     def _fail(self, s: Stream, message: str) -> None:
         """``s`` failed: its record keeps why, its slot is free (its next user starts it
         over), what it held off the pool is dropped."""
-        s.state, s.error, s.waiting_since = "failed", message, None
+        s.state, s.error, s.waiting_since = Phase.FAILED, message, None
         s.parked = s.decoder = None
         if s.slot is not None:
             self.pool.give(s.slot)
             s.slot = None
         log.warning("stream %s failed: %s", s.id, message)
 
-    def _fail_batch(self, batch: list[Entry], plan: StepPlan, message: str) -> None:
+    def _fail_batch(self, batch: list[Entry], message: str) -> None:
         """Fail the streams of a step that raised (each keeps ``message``); their rows and
         the scratch rows are started over next (`_restart_rows`)."""
         self._counts["failed_steps"] += 1
         for e in batch:
-            if self.sessions.get(e.stream.id) is e.stream and e.stream.state == "active":
+            if self.sessions.get(e.stream.id) is e.stream and not e.stream.finished:
                 self._fail(e.stream, message)
 
     def _restart_rows(self, plan: StepPlan) -> None:

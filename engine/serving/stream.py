@@ -14,37 +14,45 @@ decoder row's snapshot), or not started (neither: it starts at position 0 under
     prompt             the prompt in force (host; None: the runner's default) and its
                        ``prompt_version``; ``pending``: changes not yet taken, the last
                        one's prompt in ``pending_prompt``
-    queue              chunks made and not yet acknowledged by its client, oldest first;
-                       the first ``sent`` of them are on their way (handed to a socket);
-                       ``acked`` the last index acknowledged
+    delivery           its chunks on their way to its client, whatever carries them
+                       (`Delivery`: the unacknowledged ones, the reader, the last index
+                       acknowledged)
     video_frames       decoded frames so far
-    state, paused, budget, error, end_reason, the scheduler's clocks
+    state (a `Phase`), paused, budget, error, end_reason, the scheduler's clocks
 
 So a stream leaves a process as one `StreamState` (`state_files.stream_state`) and
 comes back from one, anywhere a runner of the same model and pool takes it.
 """
 from __future__ import annotations
 
-import collections
+import enum
 from dataclasses import dataclass, field
 
 import torch
 
 from ..stream_state import StreamState
 from .records import PromptTooLate
+from .delivery import Delivery
 
-__all__ = ["Stream"]
+__all__ = ["Phase", "Stream"]
+
+
+class Phase(enum.StrEnum):
+    """Where a stream is in its life: ACTIVE (chunks come), DONE (its chunk budget is
+    spent), FAILED (its ``error`` says why) or CLOSED (ended before either). A string
+    enum: each member equals, prints and serializes as its lower-case name."""
+
+    ACTIVE = "active"
+    DONE = "done"
+    FAILED = "failed"
+    CLOSED = "closed"
 
 
 @dataclass(eq=False)
 class Stream:
-    """One stream (module doc). ``state``: "active", "done" (its chunk budget is spent),
-    "failed" (``error`` says why) or "closed". ``waiting_since``: when it last became
-    ready for a chunk (None while it is not). ``acked``: the last chunk index its client
-    acknowledged (-1: none), every one before it acknowledged too; never past the last
-    chunk made (a client's ``after`` beyond it is refused: `check_after`). ``sent``: how
-    many queued chunks the current reader took; ``reader``: which connection reads its
-    chunks (`rewind` makes a new one; those before it take none). ``last_stepped``: the
+    """One stream (module doc). ``state``: its `Phase` (a string of one given is taken
+    as its member). ``waiting_since``: when it last became ready for a chunk (None
+    while it is not). ``delivery``: its `Delivery`. ``last_stepped``: the
     scheduler's step count when it last made a chunk or took its slot (which resident
     stream gives its slot up first: the least recent); ``slot_since``: the step count
     when it took its slot (its swap quantum runs from it); ``entered``: the scheduler's
@@ -65,12 +73,9 @@ class Stream:
     pending_prompt: torch.Tensor | None = None
     parked: StreamState | None = None
     decoder: dict | None = None
-    queue: collections.deque = field(default_factory=collections.deque)
-    sent: int = 0
-    reader: int = 0
-    acked: int = -1
+    delivery: Delivery = field(default_factory=Delivery)
     paused: bool = False
-    state: str = "active"
+    state: Phase = Phase.ACTIVE
     error: str | None = None
     end_reason: str | None = None
     waiting_since: float | None = None
@@ -79,10 +84,13 @@ class Stream:
     entered: int = 0
     inflight: int = 0
 
+    def __post_init__(self):
+        self.state = Phase(self.state)
+
     @property
     def finished(self) -> bool:
         """No chunk will come any more (done, failed or closed)."""
-        return self.state != "active"
+        return self.state != Phase.ACTIVE
 
     @property
     def started(self) -> bool:
@@ -95,17 +103,12 @@ class Stream:
         else None."""
         if not self.finished:
             return None
-        if self.state == "done":
+        if self.state == Phase.DONE:
             return PromptTooLate(f"session {self.id[:64]!r} has made all {self.chunks} of "
                                  f"its chunks: a prompt change would apply from chunk "
                                  f"{self.chunks}, which will not come")
         return PromptTooLate(f"session {self.id[:64]!r} is {self.state}: no chunk will come "
                              "under a new prompt")
-
-    @property
-    def delivered(self) -> int:
-        """Chunks its client acknowledged."""
-        return self.acked + 1
 
     @property
     def held_bytes(self) -> int:
@@ -119,8 +122,9 @@ class Stream:
         """A JSON-able snapshot: id, state, paused, seed, chunks (made), delivered,
         waiting (made, not acknowledged), budget, prompt_version, error, resident
         (on the pool), ended (whether it left the scheduler) and end_reason."""
-        return {"id": self.id, "state": self.state, "paused": self.paused, "seed": self.seed,
-                "chunks": self.chunks, "delivered": self.delivered, "waiting": len(self.queue),
+        return {"id": self.id, "state": self.state.value, "paused": self.paused,
+                "seed": self.seed, "chunks": self.chunks,
+                "delivered": self.delivery.delivered, "waiting": len(self.delivery.queue),
                 "budget": self.budget, "prompt_version": self.prompt_version,
                 "error": self.error, "resident": self.slot is not None,
                 "ended": self.end_reason is not None, "end_reason": self.end_reason}

@@ -22,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import uuid
 
 import torch
 
+from ..files import written_whole
 from .setup import CONFIGS, _cast, check_model
 
 __all__ = ["WanWeights", "load_folder", "load_model", "original_names", "read_checkpoint",
@@ -240,7 +240,7 @@ def save_original_checkpoint(model, path, *, key: str | None = "generator_ema",
     Self-Forcing layout to ``path``: a ``.pt`` / ``.pth`` file holding ``{key: state}``
     (``key`` None: the bare state dict), or a ``.safetensors`` file (always the bare
     state dict: it holds no nesting), every key ``prefix`` + its original name. The file
-    appears whole or not at all (written to a temporary file, then renamed)."""
+    appears whole or not at all (`framekv.engine.files.written_whole`)."""
     check_model(model)
     path = os.fspath(path)
     ext = os.path.splitext(path)[1].lower()
@@ -248,19 +248,13 @@ def save_original_checkpoint(model, path, *, key: str | None = "generator_ema",
         raise ValueError(f"path must end in .pt, .pth or .safetensors, got {path!r}")
     names, state = original_names(model), model.state_dict()
     out = {prefix + orig: _owned(state[k]) for k, orig in names.items()}
-    tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"  # beside it: the rename stays on one disk
-    try:
+    with written_whole(path) as tmp:
         if ext == ".safetensors":
             from safetensors.torch import save_file
 
             save_file(out, tmp)
         else:
             torch.save(out if key is None else {key: out}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

@@ -208,7 +208,7 @@ class Moves:
     def _bring_back(self, sid: str, src: str, exported) -> None:
         """A move whose import failed: the session back on its replica (if it left)."""
         try:
-            if self._call(src, "view", sid, timeout=10.0) is not None:
+            if self._call(src, "is_open", sid, timeout=10.0):
                 return                                      # the export failed: it stayed
             self._send(src, "import_session", exported).result(timeout_s=self.call_timeout)
         except Exception as exc:

@@ -118,15 +118,9 @@ class Replica:
     def session_info(self, sid: str) -> dict | None:
         return self.sched.session_info(sid)
 
-    def view(self, sid: str) -> dict | None:
-        """What a socket's sender looks at: its reader, state, whether it is finished,
-        chunks handed out and queued; None once it is not open here."""
-        with self.sched.lock:
-            s = self.sched.sessions.get(sid)
-            if s is None:
-                return None
-            return {"reader": s.reader, "state": s.state, "finished": s.finished,
-                    "sent": s.sent, "queued": len(s.queue)}
+    def is_open(self, sid: str) -> bool:
+        """Whether session ``sid`` is open here."""
+        return sid in self.sched.sessions
 
     async def close_session(self, sid: str, reason: str) -> None:
         await self._wait(self.sched.close_session, sid, reason)
@@ -148,8 +142,9 @@ class Replica:
         made = self.sched.sessions[sid].chunks         # only grows: a rewind takes it
         return self.sched.rewind(sid, min(handed, made - 1))
 
-    async def next_chunk(self, sid: str, timeout: float, reader=None):
-        return await self._wait(self.sched.next_chunk, sid, timeout, reader=reader)
+    async def handout(self, sid: str, timeout: float, reader=None):
+        """`StreamScheduler.handout` (a session it ends is closed here)."""
+        return await self._wait(self.sched.handout, sid, timeout, reader=reader)
 
     def set_prompt(self, sid: str, prompt) -> tuple[int, int]:
         """The change's version and its first chunk (so far); `prompt_result` waits."""

@@ -26,15 +26,14 @@ import logging
 import threading
 import time
 
-from framekv.engine.serving import SchedulerFull
+from framekv.engine.serving import Handout, SchedulerFull, end_message
 
 from .moves import Moves, ReplicaGone
-from .views import (OpenSessions, Opened, PartsShim, ReplicaPromptChange, StreamView,
-                    named_error)
+from .views import OpenSessions, Opened, PartsShim, ReplicaPromptChange, named_error
 
 log = logging.getLogger("framekv.cluster")
 CALL_TIMEOUT_S = 60.0     # a call about a session, its replica gone: it waits this long
-#: a socket's calls (read, rewind, view, ack): one sent to a replica as it died may
+#: a reader's calls (read, rewind, ack): one sent to a replica as it died may
 #: hang rather than fail, and the socket tries again once the session is adopted
 SOCKET_CALL_S = 5.0
 
@@ -170,22 +169,6 @@ class ClusterSessions(Moves):
             self.budgets[sid] = (seed, chunks)
         return Opened(sid)
 
-    def view(self, sid: str) -> StreamView | None:
-        """`StreamView` of an open session (nothing to send while it moves); None
-        once it is not open."""
-        with self.lock:
-            rid, r, busy = self.where.get(sid), self.readers.get(sid), sid in self.moving
-        if rid is None:
-            return None
-        number = 0 if r is None else r.number
-        try:
-            v = None if busy else self._call(rid, "view", sid, timeout=SOCKET_CALL_S)
-        except ReplicaGone:
-            v = None
-        if v is None:                    # moving, adopted or gone under the call
-            return None if sid not in self.where else StreamView(number)
-        return StreamView(number, v["state"], v["finished"], v["sent"], range(v["queued"]))
-
     def session_info(self, sid: str) -> dict | None:
         """Its replica's `StreamScheduler.session_info` and ``"replica"``, that
         replica's id; for an ended session the replica it ended on says, or this object
@@ -213,6 +196,11 @@ class ClusterSessions(Moves):
         with self.lock:
             rid = self.where.get(sid)
         self._on_session(sid, "close_session", reason)
+        self._forget(sid, rid)
+
+    def _forget(self, sid: str, rid: str | None) -> None:
+        """Session ``sid`` ended on its replica (``rid``, where it was last seen): not
+        open here any more; its replica answers how it ended."""
         with self.lock:
             rid = self.where.pop(sid, rid)
             self.budgets.pop(sid, None)
@@ -284,45 +272,71 @@ class ClusterSessions(Moves):
             return r.number
 
     def next_chunk(self, sid: str, timeout: float | None = None, *, reader=None):
-        """The session's next chunk for ``reader`` (`StreamScheduler.next_chunk`),
-        across moves: a reader made before one rewinds on the new replica and skips
-        what it handed out already."""
+        """The chunk `handout` hands ``reader``, or None."""
+        return self.handout(sid, timeout, reader=reader).chunk
+
+    def handout(self, sid: str, timeout: float | None = None, *, reader=None) -> Handout:
+        """What ``reader`` gets next (`StreamScheduler.handout`), across moves: a reader
+        made before one rewinds on the new replica and skips what it handed out
+        already; a session its replica ended (every chunk acknowledged) is forgotten
+        here too; one not open here (any more) is ``gone``, its end message what
+        `session_info` says."""
         deadline = time.monotonic() + (0.0 if timeout is None else timeout)
         while True:
             with self.lock:
                 r, rid = self.readers.get(sid), self.where.get(sid)
-                if rid is None or r is None or (reader is not None and r.number != reader):
-                    return None
                 busy, epoch, held = sid in self.moving, self.epoch[sid], sid in self.acks
+            if rid is None:
+                return Handout(end=end_message(self.session_info(sid)), gone=True)
+            if r is None or (reader is not None and r.number != reader):
+                return Handout(superseded=r is not None)
             if held and not busy:
                 self._release_acks(sid)
-            left = deadline - time.monotonic()
-            chunk = None
-            try:
-                if busy:
-                    time.sleep(min(0.05, max(left, 0.0)))
-                elif r.epoch != epoch:        # moved: read on from its new replica
-                    theirs = self._call(rid, "reread", sid, r.handed, timeout=SOCKET_CALL_S)
-                    with self.lock:
-                        r.replica_reader, r.epoch = theirs, epoch
+            left = max(deadline - time.monotonic(), 0.0)
+            if not busy and r.epoch != epoch:      # moved: read on from its new replica
+                if self._reread(sid, rid, r, epoch):
                     continue
-                else:
-                    chunk = self._call(rid, "next_chunk", sid, max(left, 0.0),
-                                       reader=r.replica_reader,
-                                       timeout=max(left, 0.0) + SOCKET_CALL_S)
-            except (KeyError, ReplicaGone):
-                # a chunk the replica handed out may be lost with the call: read again
-                # from after the last one this reader has (a rewind at the next read)
-                with self.lock:
-                    r.epoch = -1
-                time.sleep(min(0.05, max(left, 0.0)))
-            if chunk is not None and chunk.index > r.handed:
-                r.handed = chunk.index
-                return chunk
-            if chunk is not None:             # made again (an adoption): its client has it
-                self._skip(sid, rid, chunk.index)
-            if chunk is None and (not busy or time.monotonic() >= deadline):
-                return None                   # the replica waited its part already
+                h = None
+            else:
+                h = None if busy else self._replica_handout(sid, rid, r, left)
+            if h is not None and h.chunk is not None:
+                if h.chunk.index > r.handed:
+                    r.handed = h.chunk.index
+                    return h
+                self._skip(sid, rid, h.chunk.index)   # made again (an adoption): its client
+                continue                              # has it
+            if h is not None and h.end is not None and not h.gone:
+                self._forget(sid, rid)                # ended there, every chunk acknowledged
+                return h
+            if h is not None and not (h.gone or h.superseded):
+                return h                              # the replica waited its part already
+            # moving, or not (or no longer) this reader's there: wait a moment, again
+            time.sleep(min(0.05, left))
+            if time.monotonic() >= deadline:
+                return Handout()
+
+    def _reread(self, sid: str, rid: str, r: _Reader, epoch: int) -> bool:
+        """``r`` reads on from replica ``rid`` after what it handed out (`Replica.reread`);
+        False when that replica does not answer or no longer has the session."""
+        try:
+            theirs = self._call(rid, "reread", sid, r.handed, timeout=SOCKET_CALL_S)
+        except (KeyError, ReplicaGone):
+            return False
+        with self.lock:
+            r.replica_reader, r.epoch = theirs, epoch
+        return True
+
+    def _replica_handout(self, sid: str, rid: str, r: _Reader, left: float) -> Handout | None:
+        """`Replica.handout` for ``r``; None when the call failed (a chunk the replica
+        handed out may be lost with it: ``r`` rewinds at its next read, after the last
+        chunk it has)."""
+        try:
+            return self._call(rid, "handout", sid, left, reader=r.replica_reader,
+                              timeout=left + SOCKET_CALL_S)
+        except (KeyError, ReplicaGone):
+            with self.lock:
+                r.epoch = -1
+            return None
 
     def _skip(self, sid: str, rid: str, index: int) -> None:
         """Acknowledge chunk ``index``, made again on replica ``rid`` and skipped: its

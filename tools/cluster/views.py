@@ -1,7 +1,9 @@
 """What `build_app` reads of the cluster's sessions (`ClusterSessions`) where it reads a
-`StreamScheduler`'s: a session's `StreamView`, the open sessions as a mapping, the
-runner's and decoder's few attributes, a prompt change's future, a replica's error
-as an exception of its type's name.
+`StreamScheduler`'s, besides the calls both answer alike: the open sessions' ids as a
+set, the runner's and decoder's few attributes, a prompt change's future, a replica's
+error as an exception of its type's name. A session's chunks are read through the
+transport-neutral calls (`ClusterSessions.handout`, `rewind`, `ack`), never through a
+stand-in of its record.
 """
 from __future__ import annotations
 
@@ -10,30 +12,12 @@ import concurrent.futures
 import dataclasses
 
 
-@dataclasses.dataclass
-class StreamView:
-    """What a socket's sender reads of a session (`serve_socket`): its reader, state,
-    whether finished, chunks handed out and queued (``queue``: a range as long)."""
-
-    reader: int
-    state: str = "active"
-    finished: bool = False
-    sent: int = 0
-    queue: range = range(0)
-
-
-class OpenSessions(collections.abc.Mapping):
-    """Session id -> `StreamView` of each open session (`ClusterSessions.sessions`):
-    membership and size from the placement, a view fetched from its replica."""
+class OpenSessions(collections.abc.Set):
+    """The ids of the open sessions (`ClusterSessions.sessions`), from the placement:
+    membership, size and iteration, no record."""
 
     def __init__(self, owner):          # the ClusterSessions
         self.owner = owner
-
-    def __getitem__(self, sid):
-        view = self.owner.view(sid)
-        if view is None:
-            raise KeyError(sid)
-        return view
 
     def __contains__(self, sid):
         return sid in self.owner.where

@@ -7,7 +7,10 @@ contract: ``command.py``).
                   /metrics, /v1/info, the docs
     errors.py     the error shape: every error {"error"}, 404, 405 and 500 included
     routes.py     the session routes and the socket's gate
-    websocket.py  one session's socket: chunks out, acknowledgements and control in
+    reader.py     one reader of a session's chunks, whatever carries them
+    websocket.py  one session's socket: its framing, acknowledgements and control in
+    poll.py       the long poll: chunks out by GET, control messages in by POST
+    control.py    the control messages, whatever carries them
     models.py     the request and response bodies (pydantic)
     auth.py       bearer tokens, and which pages' origins may open a socket
     wire.py       request bodies, prompts, uploads, chunk messages

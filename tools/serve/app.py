@@ -2,7 +2,8 @@
 GPU loop thread, the idle-session reaper), the routes outside a session (the page at
 ``/``, /health, /metrics, /v1/info, the docs) and the error shape. The routes and
 messages are those of `framekv.tools.serve`'s module doc; the session routes and the
-WebSocket are `framekv.tools.serve.routes`', the chunk messages
+WebSocket are `framekv.tools.serve.routes`', the long poll
+`framekv.tools.serve.poll`'s, the chunk messages
 `framekv.tools.serve.wire`'s, the models `framekv.tools.serve.models`'.
 
 The GPU loop (`StreamScheduler.run`) runs in a thread the app's lifespan starts and
@@ -12,16 +13,16 @@ validation error (422), an unknown route (404), a wrong method (405, ``Allow`` n
 the right ones) and an internal error (500 "internal error: <type>: <message>", its
 traceback logged) included; an error answered to a request whose body was not read (a
 401 before an upload, say) closes the connection (`closes_unread`). A WebSocket from a
-browser page of another origin than the server's is closed 1008 unless
-``allowed_origins`` lists it (`OriginCheck`). With a token, every route but / and
+browser page of another origin than the server's is closed 1008 (a long poll answered
+403) unless ``allowed_origins`` lists it (`OriginCheck`). With a token, every route but / and
 /health needs it (`BearerAuth`), the docs (/docs, /openapi.json) included. /docs is a
 local page (``page/docs.html``) that renders /openapi.json and loads nothing from
-elsewhere. A session with no socket
-for ``idle_timeout`` seconds (created and never connected, or its socket gone) is ended
-with reason "idle"; a socket that ends leaves its session open for its client to
-reconnect. ``app.state.drain`` ends every stream cleanly on shutdown
-(`DrainingServer`): the scheduler is held (`StreamScheduler.hold`: no chunk is made any
-more), every socket sends its queued chunks and an end message with reason "shutdown".
+elsewhere. A session with no socket and no long poll for ``idle_timeout`` seconds
+(created and never connected, or its socket or last poll gone) is ended with reason
+"idle"; a socket that ends leaves its session open for its client to reconnect.
+``app.state.drain`` ends every stream cleanly on shutdown (`DrainingServer`): the
+scheduler is held (`StreamScheduler.hold`: no chunk is made any more), every socket
+(and long poll) sends its queued chunks and an end message with reason "shutdown".
 With a ``state_dir`` the sessions then stay open: once the loop has stopped they are
 written there (`StreamScheduler.save_sessions`), and the next app over the same folder
 opens them again at startup (`StreamScheduler.restore_sessions`), each waiting
@@ -34,6 +35,7 @@ FastAPI, pydantic and uvicorn are imported when an app is built, so the command 
 parses without the ``serve`` extra.)
 """
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -60,7 +62,10 @@ API_DOC = ("Streaming sessions of an autoregressive video model. Create a sessio
            "\"applies_from\"} once it took, a last {\"type\": \"end\"}. A session "
            "outlives its socket: reconnect with ?after=<last index>. The socket takes "
            "?token= where the server has a token; it closes 1008 for a bad token, 4404 "
-           "for an unknown session, 4409 for a second socket.")
+           "for an unknown session, 4409 for a second socket. Without WebSockets: GET "
+           "/v1/sessions/{id}/chunks?after=<last index>&wait=<s>, a long poll answering "
+           "the next chunk (the same binary message), 204 when none came, the end "
+           "message as JSON.")
 log = logging.getLogger("framekv.serve")
 
 
@@ -98,6 +103,10 @@ def _check_options(sched, output, frame_format, fps, quality, token, idle_timeou
     if output == "frames" and not sched.decoding:
         raise ValueError("output='frames' needs a scheduler with a decoder "
                          "(decoder_factory), got one without")
+    if output == "latents" and not getattr(sched, "host_latents", True):
+        raise ValueError("output='latents' needs a scheduler whose chunks carry their latents "
+                         "to the host (host_latents=True), got one whose decoder keeps them "
+                         "on the device")
     if frame_format not in FRAME_FORMATS:
         raise ValueError(f"frame_format must be one of {FRAME_FORMATS}, got {frame_format!r}")
     for name, v, hi in (("fps", fps, MAX_FPS), ("quality", quality, 100)):
@@ -119,8 +128,9 @@ def _check_options(sched, output, frame_format, fps, quality, token, idle_timeou
 
 class _Server:
     """What the routes share: the scheduler, the options, the sockets open (session
-    ids), the sessions created and not yet connected (id -> when), whether the server
-    drains, the folder sessions are kept in over a restart (None: they end)."""
+    ids), the long polls waiting (session id -> how many), the sessions created and
+    not yet connected or polled (id -> since when), whether the server drains, the
+    folder sessions are kept in over a restart (None: they end)."""
 
     def __init__(self, sched, auth, *, body_timeout, output, encode, fps, frame_format,
                  idle_timeout, model, state_dir=None, origins=None):
@@ -129,6 +139,7 @@ class _Server:
         self.encode, self.fps, self.frame_format = encode, fps, frame_format
         self.idle_timeout, self.model, self.state_dir = float(idle_timeout), model, state_dir
         self.streams: set[str] = set()
+        self.polling: collections.Counter = collections.Counter()
         self.unattached: dict[str, float] = {}
         self.draining = threading.Event()
 
@@ -139,18 +150,18 @@ class _Server:
 
     async def drain(self, timeout: float) -> None:
         """Hold the scheduler (no chunk is made from here on), end every open stream
-        (`serve_socket`: queued chunks, then an end message with reason "shutdown") and
-        wait for their sockets, at most ``timeout`` s."""
+        (`Reader`: queued chunks, then an end message with reason "shutdown") and wait
+        for their sockets and long polls, at most ``timeout`` s."""
         await asyncio.to_thread(self.sched.hold)
         self.draining.set()
         deadline = time.monotonic() + timeout
-        while self.streams and time.monotonic() < deadline:
+        while (self.streams or self.polling) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
     async def reap_idle(self) -> None:
-        """Forever: end (reason "idle") each session without a socket for
-        ``idle_timeout`` s (never connected, or its socket gone); forget those that
-        ended otherwise."""
+        """Forever: end (reason "idle") each session without a socket or a long poll
+        for ``idle_timeout`` s (never connected, or its socket or last poll gone);
+        forget those that ended otherwise."""
         while True:
             await asyncio.sleep(min(1.0, self.idle_timeout / 4))
             now, idle = time.monotonic(), []
@@ -180,12 +191,13 @@ class _Server:
                  self.state_dir)
 
     def _close_all(self, ids, reason: str, skip=(), keep_files: bool = False) -> None:
-        """Close the sessions ``ids`` not in ``skip`` (a socket took them meanwhile) and
-        still open; ``keep_files``: their saved files stay (a shutdown that kept them)."""
+        """Close the sessions ``ids`` not in ``skip`` (a socket took them meanwhile) nor
+        polled now, and still open; ``keep_files``: their saved files stay (a shutdown
+        that kept them)."""
         if keep_files:
             self.sched.checkpoints = None   # closed: a close must not remove the files
         for sid in ids:
-            if sid not in skip:
+            if sid not in skip and not self.polling.get(sid):
                 with contextlib.suppress(KeyError):       # ended meanwhile
                     self.sched.close_session(sid, reason)
 
@@ -255,6 +267,7 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
 
     from .auth import BearerAuth, OriginCheck
     from .net import redact_tokens
+    from .poll import poll_routes
     from .routes import session_routes, stream_route
 
     output = _check_options(sched, output, frame_format, fps, quality, token, idle_timeout)
@@ -281,6 +294,7 @@ def build_app(sched, *, token: str | None = None, body_timeout: float = BODY_TIM
     _http_routes(app, srv, page_html())
     session_routes(app, srv)
     stream_route(app, srv)
+    poll_routes(app, srv)
     _docs_routes(app, srv, page_html("docs.html"))
     return app
 

@@ -63,6 +63,13 @@ WebSocket and /docs also ``?token=T``)::
                                          4422 (an ``after`` beyond the chunks made:
                                          the reason names the last one); 1008 too for
                                          a page of another origin
+    GET    /v1/sessions/{id}/chunks      the long poll (?after=i&wait=s): the next chunk
+                                         after i, the socket's binary message as one
+                                         body; 204: none within s (10, at most 60); the
+                                         end message (JSON) once every chunk is
+                                         acknowledged (`framekv.tools.serve.poll`)
+    POST   /v1/sessions/{id}/control     one of the socket's control messages (JSON):
+                                         204, or a prompt's answer as PUT .../prompt's
 
 ``--model NAME`` is the model family served (`framekv.engine.models`: its model loaded
 as every command loads it, the model flags checked against it first,

@@ -169,9 +169,10 @@ class Health(BaseModel):
                                                  "only).")
 
 
-_EXPECTED = {"int_type": "an integer", "string_type": "a string", "bool_type": "a boolean",
-             "list_type": "a list", "dict_type": "an object", "model_type": "an object",
-             "model_attributes_type": "an object", "float_type": "a number"}
+_EXPECTED = {"int_type": "an integer", "int_parsing": "an integer", "string_type": "a string",
+             "bool_type": "a boolean", "list_type": "a list", "dict_type": "an object",
+             "model_type": "an object", "model_attributes_type": "an object",
+             "float_type": "a number", "float_parsing": "a number"}
 _BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
            "less_than": ("<", "lt"), "less_than_equal": ("<=", "le")}
 

@@ -27,6 +27,7 @@ from fastapi.routing import APIRoute
 
 from .auth import WS_AUTH_CLOSE
 from .models import CreateSession, PromptAck, SessionCreated, SessionInfo, errors
+from .reader import Reader
 from .websocket import BAD_AFTER, serve_socket
 from .wire import RequestError, json_body, parse_prompt, read_body, upload_prompt, upload_spec
 
@@ -79,11 +80,20 @@ def _replay(raw: bytes, receive):
     return replay
 
 
-def _not_open(srv, sid: str) -> RequestError:
+def not_open(srv, sid: str) -> RequestError:
     """404 for a session that is not open, saying how it ended if the server knows."""
     info = srv.sched.session_info(sid)
     how = f": it ended ({info['end_reason']})" if info else ""
     return RequestError(404, f"no such session open: {sid[:64]!r}{how}")
+
+
+async def socket_gone(srv, sid: str) -> bool:
+    """Whether session ``sid`` has no socket, its socket given `TAKEN_WAIT_S` to end: a
+    reconnect can come before the server has seen its old socket go."""
+    deadline = time.monotonic() + TAKEN_WAIT_S
+    while sid in srv.streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return sid not in srv.streams
 
 
 def session_routes(app, srv) -> None:
@@ -114,7 +124,7 @@ def session_routes(app, srv) -> None:
         try:
             await asyncio.to_thread(srv.sched.close_session, sid, "deleted")
         except KeyError:                  # never open, or ended first (its socket closed)
-            raise await asyncio.to_thread(_not_open, srv, sid) from None
+            raise await asyncio.to_thread(not_open, srv, sid) from None
         return Response(status_code=204)
 
     @app.put("/v1/sessions/{sid}/prompt", response_model=PromptAck, dependencies=auth,
@@ -156,18 +166,25 @@ async def _upload(srv, sid: str, request, shape: str, dtype: str) -> PromptAck:
 
     s = await asyncio.to_thread(srv.sched.sessions.get, sid)
     if s is None:
-        raise await asyncio.to_thread(_not_open, srv, sid)
+        raise await asyncio.to_thread(not_open, srv, sid)
     dtype, nbytes = upload_spec(shape, dtype, srv.sched.prompt_shape)
     raw = await read_body(request, srv.body_timeout, cap=nbytes)
     prompt = upload_prompt(raw, dtype, srv.sched.prompt_shape)
     try:
         change = await asyncio.to_thread(srv.sched.set_prompt, sid, prompt)
     except KeyError:
-        raise await asyncio.to_thread(_not_open, srv, sid) from None
+        raise await asyncio.to_thread(not_open, srv, sid) from None
     except PromptTooLate as exc:                  # its last chunk is made: none would come
         raise RequestError(409, str(exc)) from None
     except ValueError as exc:
         raise RequestError(422, str(exc)) from None
+    return await prompt_answer(srv, sid, change)
+
+
+async def prompt_answer(srv, sid: str, change):
+    """An HTTP answer to a prompt change of session ``sid``: its `PromptAck` once it
+    took; 202 ``prompt_pending`` after `PROMPT_WAIT_S`; 404 when the session ended
+    first; 500 when its re-cache failed (the session goes on under its old prompt)."""
     try:  # it takes at the session's next step boundary (off the pool: as it comes back)
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(change.future)),
                                PROMPT_WAIT_S)
@@ -175,7 +192,7 @@ async def _upload(srv, sid: str, request, shape: str, dtype: str) -> PromptAck:
         return JSONResponse({"type": "prompt_pending", "prompt_version": change.version,
                              "applies_from": change.applies_from}, 202)
     except KeyError:
-        raise await asyncio.to_thread(_not_open, srv, sid) from None
+        raise await asyncio.to_thread(not_open, srv, sid) from None
     except PromptTooLate as exc:
         raise RequestError(409, str(exc)) from None
     except Exception as exc:
@@ -198,15 +215,10 @@ def stream_route(app, srv) -> None:
         except RequestError as exc:
             return await ws.close(code=WS_AUTH_CLOSE, reason=exc.message)
         if sid not in srv.sched.sessions:
-            why = (await asyncio.to_thread(_not_open, srv, sid)).message
+            why = (await asyncio.to_thread(not_open, srv, sid)).message
             reason = why.encode()[:123].decode(errors="ignore")     # at most 123 bytes
             return await ws.close(code=NO_SESSION, reason=reason)
-        # A reconnect can come before the server has seen its old socket go: the
-        # old one gets TAKEN_WAIT_S to end before this one is refused.
-        deadline = time.monotonic() + TAKEN_WAIT_S
-        while sid in srv.streams and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if sid in srv.streams:              # checked and taken with no await between
+        if not await socket_gone(srv, sid):   # checked, then taken with no await between
             return await ws.close(code=SESSION_TAKEN, reason="session already has a stream: "
                                                              "one socket per session")
         after = ws.query_params.get("after")
@@ -219,8 +231,8 @@ def stream_route(app, srv) -> None:
         srv.streams.add(sid)
         srv.unattached.pop(sid, None)
         try:
-            await serve_socket(ws, srv.sched, sid, srv.encode, srv.draining, after=after,
-                               keep_on_drain=srv.state_dir is not None)
+            await serve_socket(ws, Reader(srv.sched, sid, srv.encode, srv.draining,
+                                          srv.state_dir is not None), after=after)
         finally:
             srv.streams.discard(sid)
             if sid in srv.sched.sessions:   # it waits for its client: the idle clock runs
