@@ -57,8 +57,9 @@ chunk's own noise to the first step at or below S x 1000, then the remaining ste
 steers the restyle. ``--chunks N`` is then at most N (default every whole chunk of the
 input), the video has a text-to-video run's frame count for that many chunks, and
 ``--fps`` defaults to the input's rate. A missing, unreadable or too short file, a
-strength outside (0, 1] or one that runs none of the steps exit 2 before any model is
-built.
+strength outside (0, 1] or one that runs none of the steps, ``--strength`` without
+``--video-in``, and ``--sampler v2v`` by hand (``--video-in`` picks it; ``--sampler``
+names its base) exit 2 before any model is built.
 
 Progress goes to stderr, the summary line to stdout. A bad argument, missing weights
 or an ``--out`` whose folder takes no new file exit 2 before any work, with one line
@@ -140,7 +141,7 @@ def generate(prompt: str, *, chunks: int | None = None, out, model: str = TEXT_M
     Raises ValueError (naming the argument) for a bad argument, before anything loads.
     """
     path = _check_args(prompt, chunks, out, negative_prompt, guidance_scale, fps, seed,
-                       video_in, strength)
+                       video_in, strength, sampler)
     from framekv.engine.models import ModelOptions, check_model
     from framekv.engine.rollout import resolve_device
 
@@ -174,13 +175,19 @@ def generate(prompt: str, *, chunks: int | None = None, out, model: str = TEXT_M
 
 
 def _check_args(prompt, chunks, out, negative_prompt, guidance_scale, fps, seed, video_in,
-                strength) -> str:
+                strength, sampler) -> str:
     """ValueError naming the first bad argument (the model's options are its family's
     to check, a video input `VideoSource`'s); the absolute path of ``out``."""
+    from framekv.engine.samplers import VIDEO_SAMPLER
+
     check_text("prompt", prompt)
     if video_in is None and strength is not None:
         raise ValueError(f"strength needs video_in (the video the chunks start from), got "
                          f"strength={strength!r} and video_in=None")
+    if video_in is None and sampler == VIDEO_SAMPLER:
+        raise ValueError(f"sampler {VIDEO_SAMPLER!r} is chosen by video_in and strength (the "
+                         f"chunks start from that video), not by hand; got "
+                         f"sampler={sampler!r} and video_in=None")
     for arg, value, low in (("chunks", chunks, 1), ("fps", fps, 1), ("seed", seed, 0)):
         if value is None and (arg == "fps" or video_in is not None):
             continue                    # the input's rate; every whole chunk of the input
@@ -353,8 +360,14 @@ def run(args) -> int:
 
 
 def _check_flags(args) -> None:
-    """ValueError naming the flags that go together: --chunks or --video-in, and
-    --strength with --video-in."""
+    """ValueError naming the flags that go together: --chunks or --video-in,
+    --strength with --video-in, and no --sampler v2v by hand (--video-in picks it)."""
+    from framekv.engine.samplers import VIDEO_SAMPLER
+
+    if args.video_in is None and getattr(args, "sampler", None) == VIDEO_SAMPLER:
+        raise ValueError(f"--sampler {VIDEO_SAMPLER} is chosen by --video-in FILE --strength S "
+                         f"(the chunks start from that video), not by hand; got --sampler "
+                         f"{VIDEO_SAMPLER} without --video-in")
     if args.video_in is None and args.chunks is None:
         raise ValueError("--chunks N is needed (or --video-in FILE, whose whole chunks it "
                          "defaults to), got neither")
