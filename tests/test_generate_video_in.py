@@ -187,3 +187,22 @@ def test_generate_refuses_a_bad_video_input_before_any_model_is_built(kwargs, ma
     with pytest.raises(ValueError, match=match):
         generate(CAT, out=tmp_path / "x.mp4", stream=io.StringIO(), **kwargs)
     assert os.listdir(tmp_path) == []
+
+
+def test_an_input_that_breaks_part_way_fails_the_run_and_leaves_nothing(clip, tmp_path,
+                                                                        monkeypatch, capsys):
+    from framekv.tools.video_in import VideoInput
+
+    real = VideoInput.read
+
+    def read(self, chunks=None):                     # the file ends after its first chunk
+        yield next(real(self, chunks))
+        raise ValueError(f"video-in {self.path!r} ended after 1 of {chunks} chunks")
+    monkeypatch.setattr(VideoInput, "read", read)
+    out = tmp_path / "o.mp4"
+    assert main(["generate", "--prompt", CAT, "--video-in", clip, "--strength", "0.5",
+                 "--decoder", "tiny", "--out", str(out), "--device", "cpu",
+                 "--no-progress"]) == 1                                   # the run failed
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("framekv generate: error: ") and "ended after 1 of 2" in err[-1]
+    assert os.listdir(tmp_path) == []
