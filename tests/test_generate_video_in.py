@@ -4,8 +4,9 @@ own gray level (`test_video_in.stamped_video`), wider than the model's square vi
 it is resized and cropped. Checked: the output's frame count, size and rate; the chunks'
 input latents are the encoder's latents of the input's frames, fitted, in order;
 strength 1 is the text-to-video video frame for frame; the same input, seed and
-strength repeat; another input changes the video; every refusal is one line, exit 2,
-before any model is built."""
+strength repeat; another input changes the video; on CUDA the graphed run matches the
+eager one; every refusal is one line, exit 2, before any model is built, and an input
+that breaks part way fails the run (exit 1) leaving nothing."""
 from __future__ import annotations
 
 import io
@@ -24,7 +25,7 @@ from framekv.tools.cli import main  # noqa: E402
 from framekv.tools.generate import generate  # noqa: E402
 from framekv.tools.video_in import chunk_frames, fit_frame  # noqa: E402
 from test_generate import CAT, run_generate, tiny_sizes, video_frames  # noqa: E402
-from test_video import read_video  # noqa: E402
+from test_video import mae, read_video  # noqa: E402
 from test_video_in import level, stamped_video  # noqa: E402
 
 #: the input: 48 x 80 (wider than the tiny preset's 64 x 64 video) at 12 fps
@@ -123,6 +124,19 @@ def test_the_same_input_repeats_another_input_changes_the_video(clip, tmp_path):
     assert len(b) == len(a) and all(not np.array_equal(x, y) for x, y in zip(a, b))
     t2v, _ = run_generate(tmp_path / "d.mp4", chunks=2, seed=1, decoder="tiny")
     assert not np.array_equal(a[0], t2v[0])                          # the input is used
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_match_eager_for_a_video_input(clip, tmp_path):
+    """On CUDA the encoder's two chunk graphs are captured up front beside the rollout's
+    and the decoder's: the same frames as eager, for both coders (bf16 both ways)."""
+    n = video_frames(tiny_sizes()[0], 2)
+    for decoder in ("wan", "tiny"):
+        graphs, r = run_v2v(tmp_path / f"g-{decoder}.mp4", clip, decoder=decoder, device="cuda")
+        eager, _ = run_v2v(tmp_path / f"e-{decoder}.mp4", clip, decoder=decoder,
+                           device="cuda", use_graphs=False)
+        assert r.frames == n and len(graphs) == len(eager) == 2
+        assert all(mae(g, e) < 1.0 for g, e in zip(graphs, eager)), decoder
 
 
 # ---------------------------------------------------------------- refusals
