@@ -131,45 +131,62 @@ def _sync(dev: torch.device) -> None:
 def _roll(rollout, lane, noises, t0: float) -> tuple[list[float], list]:
     """Each chunk rolled out and handed to ``lane`` (`DecodeLane`); the host times its
     frames were there, and the frames."""
-    done, frames = [], []
+    return roll_lane(lambda i: rollout.step(noises[i]), lane, len(noises), t0)
 
-    def take():
+
+def roll_lane(step, lane, count: int, t0: float, arrivals=None) -> tuple[list[float], list]:
+    """Chunks 0 .. ``count`` - 1, ``step(i)`` making chunk i's latents, each handed to
+    ``lane`` (`DecodeLane`) and taken once the next is queued (overlapped) or at once;
+    the host times (since ``t0``) each chunk's frames were there, and the frames.
+    ``arrivals``: chunk i starts no earlier than ``t0 + arrivals[i]`` (its inputs'
+    arrival), and while the next chunk's inputs are still to come the lane is drained
+    (nothing to make beside it, so its frames are not held back)."""
+    done, frames = [], []
+    for i in range(count):
+        if arrivals is not None:
+            time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+        lane.submit(step(i))
+        waiting = arrivals is not None and (
+            i + 1 == count or time.perf_counter() < t0 + arrivals[i + 1])
+        while len(lane) > (0 if waiting else lane.overlap):
+            frames.append(lane.take())
+            done.append(time.perf_counter() - t0)
+    while len(lane):
         frames.append(lane.take())
         done.append(time.perf_counter() - t0)
-
-    for noise in noises:
-        lane.submit(rollout.step(noise))
-        while len(lane) > lane.overlap:
-            take()
-    while len(lane):
-        take()
     return done, frames
 
 
 def _split(rollout, dec, noises, dev) -> tuple[list[float], list[float]]:
-    """The transformer's and the decode's ms per chunk, each alone (sequential): the
-    device's time between events on CUDA (the host's own work beside it is not the
-    GPU's: counting it would hide more of the decode than the GPU can), else the host's."""
-    dit, vae = [], []
-    for noise in noises:
-        if dev.type == "cuda":
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            marks[0].record()
-            lat = rollout.step(noise)
-            marks[1].record()
-            dec.decode(lat)
-            marks[2].record()
-            marks[2].synchronize()
-            dit.append(marks[0].elapsed_time(marks[1]))
-            vae.append(marks[1].elapsed_time(marks[2]))
-            continue
-        t = time.perf_counter()
-        lat = rollout.step(noise)
-        t1 = time.perf_counter()
-        dec.decode(lat)
-        dit.append((t1 - t) * 1e3)
-        vae.append((time.perf_counter() - t1) * 1e3)
+    """The transformer's and the decode's ms per chunk, each alone (sequential,
+    `stage_ms`)."""
+    dit, vae = stage_ms([rollout.step, dec.decode], noises, dev)
     return dit, vae
+
+
+def stage_ms(stages, inputs, dev) -> list[list[float]]:
+    """ms of each of ``stages`` per item of ``inputs``, each stage alone: an item goes
+    through the stages in turn (a stage takes the previous one's result, the first the
+    item). The device's time between events on CUDA (the host's own work beside it is
+    not the GPU's: counting it would hide more of the decode than the GPU can), else
+    the host's. One list per stage."""
+    out = [[] for _ in stages]
+    for x in inputs:
+        if dev.type == "cuda":
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(stages) + 1)]
+            marks[0].record()
+            for k, stage in enumerate(stages):
+                x = stage(x)
+                marks[k + 1].record()
+            marks[-1].synchronize()
+            for k in range(len(stages)):
+                out[k].append(marks[k].elapsed_time(marks[k + 1]))
+            continue
+        for k, stage in enumerate(stages):
+            t = time.perf_counter()
+            x = stage(x)
+            out[k].append((time.perf_counter() - t) * 1e3)
+    return out
 
 
 def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk: int = 3,
@@ -184,7 +201,7 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
     if chunks < 2:
         raise ValueError(f"chunks must be at least 2 (steady chunks timed), got {chunks}")
     F, dev = frames_per_chunk, dec.device
-    fill = -(-(1 + window_frames) // F) + 1          # chunks until the window is full
+    fill = window_fill(window_frames, F)
     noises = _latents(fill + chunks, model.config.in_channels, F, latent_size, seed=1)
     rollout = WanRollout(model, latent_size=tuple(latent_size), frames_per_chunk=F,
                          window_frames=window_frames, prompt_tokens=encoder.max_tokens,
@@ -199,7 +216,7 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
            "capture_s": time.perf_counter() - t, "modes": {},
            "kv_dtype": str(rollout.kv_dtype).removeprefix("torch."),
            "gemm_dtype": str(rollout.gemm_dtype).removeprefix("torch.")}
-    counts = [4 * F - 3] + [4 * F] * (len(noises) - 1)
+    counts = chunk_video_frames(F, len(noises))
     frames = {}
     for k, mode in enumerate(MODES):
         progress(f"e2e {mode}: {fill + chunks} chunks from a text prompt")
@@ -210,11 +227,7 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
         rollout.set_prompt(f"a red fox running through fresh snow at dawn, take {k}")
         lane = DecodeLane(dec, overlap=mode == "overlapped")
         done, frames[mode] = _roll(rollout, lane, noises, t0)
-        steady = _steady_s(done, fill)
-        res["modes"][mode] = {"first_frame_s": done[0], "overlap": lane.overlap,
-                              "steady_fps": sum(counts[fill:-1]) / steady,
-                              "overall_fps": sum(counts) / done[-1], "video_frames": sum(counts),
-                              "steady_chunk_ms": steady / (chunks - 1) * 1e3}
+        res["modes"][mode] = {"overlap": lane.overlap, **run_rates(done, counts, fill)}
     # the prompts differ by run (the encoder caches what it encoded): compare the decodes
     # of one prompt's latents instead, both modes over the same rollout
     res["frames_equal"] = _modes_agree(rollout, dec, noises)
@@ -233,6 +246,27 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
     res["decode_hidden"] = 1 - (lapped - res["dit_pipelined_ms"]) / res["decode_ms"]["median"]
     rollout.close()
     return res
+
+
+def window_fill(window_frames: int, frames_per_chunk: int) -> int:
+    """The chunks a rollout runs until its ``window_frames`` window (and the sink frame)
+    is full: the first chunk of steady state."""
+    return -(-(1 + window_frames) // frames_per_chunk) + 1
+
+
+def chunk_video_frames(frames_per_chunk: int, chunks: int) -> list[int]:
+    """The video frames each of ``chunks`` chunks decodes to (a video's first chunk 4F - 3)."""
+    return [4 * frames_per_chunk - 3] + [4 * frames_per_chunk] * (chunks - 1)
+
+
+def run_rates(done: list[float], counts: list[int], fill: int) -> dict:
+    """A run's rates from each chunk's time out ``done`` and its ``counts`` of video
+    frames: the first frame's time, video frames per second over the steady chunks
+    (`_steady_s`) and over the whole run, the steady chunks' ms each."""
+    steady = _steady_s(done, fill)
+    return {"first_frame_s": done[0], "steady_fps": sum(counts[fill:-1]) / steady,
+            "overall_fps": sum(counts) / done[-1], "video_frames": sum(counts),
+            "steady_chunk_ms": steady / (len(done) - 1 - fill) * 1e3}
 
 
 def _steady_s(done: list[float], fill: int) -> float:

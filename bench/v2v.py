@@ -1,9 +1,11 @@
 """Video in, video out on one GPU: the streaming encoders that turn a video's frames into
-the latents a video-to-video rollout starts from.
+the latents a video-to-video rollout starts from, and the whole path, frames in to
+restyled frames out, beside text to video.
 
-All weights random, in bf16 as ``torch_dtype`` would load them. Frames H x W (default
-480 x 832), chunks of F latent frames (default 3: a video's first chunk 1 + 4 (F - 1)
-frames, then 4 F = 12 a chunk), one sequence. Parts (``--parts``):
+All weights random, in bf16 as ``torch_dtype`` would load them. Sizes are ``--preset``'s
+(default ``wan-1.3b``: 480 x 832 frames, chunks of F = 3 latent frames: a video's first
+chunk 1 + 4 (F - 1) frames, then 4 F = 12 a chunk), one sequence; the VAE the preset's
+config's (``--config`` overrides it for the encoders part). Parts (``--parts``):
 
     encoders    per encoder, graphed: ms per steady chunk (CUDA events, the encoders in
                 turn, rotated order; medians, p10, p90), ms of a video's first chunk
@@ -15,11 +17,18 @@ frames, then 4 F = 12 a chunk), one sequence. Parts (``--parts``):
                   wan-modules   the same VAE through diffusers' modules as
                                 ``AutoencoderKLWan._encode`` runs them (``fused=False``)
                   tiny          `TinyStreamingEncoder` of the TAEHV ``taew2_1`` layout
+    e2e         per decoder (``--decoders`` wan, tiny; each with the encoder that
+                follows it), video to video at ``--strength`` (default 0.75 of the
+                preset's steps) beside text to video, a ``--window``-frame window:
+                the first frame's time, steady and overall video frames per second,
+                and each chunk's latency behind a ``--input-fps`` camera (p50, p99),
+                the runs in turn, rotated, medians over ``--repeats`` rounds; the
+                encode, transformer and decode alone (CUDA events).
+                `framekv.bench.v2v_e2e` says exactly what each number is.
 
-(The end-to-end part, frames -> encoder -> the video-to-video rollout -> decoder ->
-frames, joins `PARTS` with the sampler it times.)
-
-    python -m framekv.bench.v2v --parts encoders --json FILE
+    python -m framekv.bench.v2v --json FILE                     (a CUDA GPU)
+    python -m framekv.bench.v2v --device cpu --preset tiny --chunks 2 --window 1 --repeats 1
+                                                                (a smoke run)
 """
 from __future__ import annotations
 
@@ -30,28 +39,10 @@ import torch
 
 from .timing import (interleaved_device_times, require_cuda, stderr_progress, summary_ms,
                      write_result)
+from .v2v_e2e import (DECODERS, PRESET_CONFIGS, build_encoder, format_e2e, input_clips,
+                      measure_e2e)
 
 ENCODERS = ("wan", "wan-modules", "tiny")
-
-
-def _encoder(kind: str, vae, device, graphs: bool):
-    """A one-row encoder of ``kind`` for ``vae``'s latent space (tiny: random, seed 0)."""
-    from framekv.engine.wan import StreamingVAEEncoder, TinyStreamingEncoder
-
-    if kind in ("wan", "wan-modules"):
-        return StreamingVAEEncoder(vae, sequences=1, use_graphs=graphs, fused=kind == "wan")
-    return TinyStreamingEncoder.random(latent_channels=vae.config.z_dim, device=device,
-                                       sequences=1, use_graphs=graphs)
-
-
-def _clips(frame_size, latent_frames: int, steady: int, device) -> list[torch.Tensor]:
-    """A video's first chunk, then ``steady`` later chunks: frames [1, 3, F_i, H, W] in
-    [-1, 1], random."""
-    from framekv.engine.wan import StreamingVAEEncoder as E
-
-    g = torch.Generator().manual_seed(0)
-    sizes = [E.video_frames(latent_frames, True)] + [E.video_frames(latent_frames, False)] * steady
-    return [(torch.rand(1, 3, f, *frame_size, generator=g) * 2 - 1).to(device) for f in sizes]
 
 
 def _fp32_latents(config: str, device, clips: list) -> list[torch.Tensor]:
@@ -61,7 +52,7 @@ def _fp32_latents(config: str, device, clips: list) -> list[torch.Tensor]:
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
-        enc = _encoder("wan-modules", build_vae(config, device=device, dtype=torch.float32),
+        enc = build_encoder("wan-modules", build_vae(config, device=device, dtype=torch.float32),
                        device, False)
         out = [enc.encode(c).float() for c in clips]
         enc.close()
@@ -85,7 +76,7 @@ def _first_chunk_ms(enc, clip: torch.Tensor) -> float:
 def _check(kind: str, vae, device, clips: list, exact: list) -> tuple[object, dict]:
     """The graphed encoder of ``kind``, run over ``clips`` from a video's start, and its
     checks: against an eager twin, and (Wan) against the fp32 latents ``exact``."""
-    graphed, eager = _encoder(kind, vae, device, True), _encoder(kind, vae, device, False)
+    graphed, eager = build_encoder(kind, vae, device, True), build_encoder(kind, vae, device, False)
     outs = [graphed.encode(c).float() for c in clips]
     twin = [eager.encode(c).float() for c in clips]
     eager.close()
@@ -107,7 +98,7 @@ def measure_encoders(*, config: str = "1.3b", device="cuda", frame_size=(480, 83
 
     dev = torch.device(device)
     vae = build_vae(config, device=dev)
-    clips = _clips(frame_size, latent_frames, max(check_chunks, 2), dev)
+    clips = input_clips(frame_size, latent_frames, max(check_chunks, 2), dev)
     res = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "config": config, "frame_size": list(frame_size), "latent_frames": latent_frames,
            "frames_per_chunk": clips[-1].shape[2], "dtype": str(vae.dtype).removeprefix("torch."),
@@ -155,8 +146,22 @@ def format_encoders(res: dict) -> str:
                       for row in rows])
 
 
-#: The parts `main` runs: name -> (measure(encoders=..., progress=...), format).
-PARTS = {"encoders": (measure_encoders, format_encoders)}
+def _encoders_part(args, sizes: dict, progress) -> dict:
+    F, (H, W) = sizes["frames_per_chunk"], sizes["latent_size"]
+    return measure_encoders(config=args.config or PRESET_CONFIGS[args.preset],
+                            device=args.device, frame_size=(8 * H, 8 * W), latent_frames=F,
+                            iters=args.iters, check_chunks=args.check_chunks,
+                            encoders=args.encoders, progress=progress)
+
+
+def _e2e_part(args, sizes: dict, progress) -> dict:
+    return measure_e2e(preset=args.preset, device=args.device, window_frames=args.window,
+                       strength=args.strength, chunks=args.chunks, repeats=args.repeats,
+                       input_fps=args.input_fps, decoders=args.decoders, progress=progress)
+
+
+#: The parts `main` runs: name -> (measure(args, preset sizes, progress), format).
+PARTS = {"encoders": (_encoders_part, format_encoders), "e2e": (_e2e_part, format_e2e)}
 
 
 def _names(p, flag: str, value: str, allowed) -> tuple[str, ...]:
@@ -166,30 +171,62 @@ def _names(p, flag: str, value: str, allowed) -> tuple[str, ...]:
     return names
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m framekv.bench.v2v",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default=",".join(PARTS),
                    help=f"comma-separated, of {', '.join(PARTS)} (default all)")
+    p.add_argument("--preset", choices=tuple(PRESET_CONFIGS), default="wan-1.3b",
+                   help="the sizes and the config (default wan-1.3b)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (the numbers), or cpu (a smoke run, eager)")
     p.add_argument("--encoders", default=",".join(ENCODERS),
-                   help=f"comma-separated, of {', '.join(ENCODERS)} (default all)")
-    p.add_argument("--config", default="1.3b", help="a shipped VAE config (default 1.3b)")
+                   help=f"encoders part: comma-separated, of {', '.join(ENCODERS)} (default all)")
+    p.add_argument("--config", default=None,
+                   help="encoders part: a shipped VAE config (default the preset's)")
     p.add_argument("--iters", type=int, default=10, help="steady chunks timed per encoder")
     p.add_argument("--check-chunks", type=int, default=3,
                    help="chunks checked against eager and fp32 (default 3)")
+    p.add_argument("--decoders", default=",".join(DECODERS),
+                   help=f"e2e part: comma-separated, of {', '.join(DECODERS)} (default all)")
+    p.add_argument("--window", type=int, default=21, help="e2e part: window frames (default 21)")
+    p.add_argument("--strength", type=float, default=0.75,
+                   help="e2e part: the video-to-video strength, in (0, 1] (default 0.75)")
+    p.add_argument("--chunks", type=int, default=6,
+                   help="e2e part: chunks timed once the window is full (default 6)")
+    p.add_argument("--repeats", type=int, default=3, help="e2e part: rounds (default 3)")
+    p.add_argument("--input-fps", type=float, default=16.0,
+                   help="e2e part: the camera's frames per second (default 16)")
     p.add_argument("--json", dest="json_path", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from framekv.engine.samplers import check_strength
+    from framekv.engine.wan import preset_sizes
+
+    p = _parser()
     args = p.parse_args(argv)
     parts = _names(p, "--parts", args.parts, tuple(PARTS))
-    encoders = _names(p, "--encoders", args.encoders, ENCODERS)
-    for flag, v in (("--iters", args.iters), ("--check-chunks", args.check_chunks)):
-        if v < 1:
-            p.error(f"{flag} must be at least 1, got {v}")
-    require_cuda("framekv.bench.v2v")
-    out = {}
+    args.encoders = _names(p, "--encoders", args.encoders, ENCODERS)
+    args.decoders = _names(p, "--decoders", args.decoders, DECODERS)
+    for flag, v, low in (("--iters", args.iters, 1), ("--check-chunks", args.check_chunks, 1),
+                         ("--chunks", args.chunks, 2), ("--repeats", args.repeats, 1),
+                         ("--window", args.window, 1)):
+        if v < low:
+            p.error(f"{flag} must be at least {low}, got {v}")
+    if not args.input_fps > 0:
+        p.error(f"--input-fps must be a number > 0, got {args.input_fps}")
+    try:
+        check_strength(args.strength, name="--strength")
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.device == "cuda":
+        require_cuda("framekv.bench.v2v")
+    sizes, out = preset_sizes(args.preset), {}
     for name in parts:
         measure, fmt = PARTS[name]
-        out[name] = measure(config=args.config, iters=args.iters, check_chunks=args.check_chunks,
-                            encoders=encoders, progress=stderr_progress("video-to-video"))
+        out[name] = measure(args, sizes, stderr_progress("video-to-video"))
         print(fmt(out[name]))
     write_result(args.json_path, v2v=out)
     return 0

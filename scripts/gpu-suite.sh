@@ -25,6 +25,7 @@ ENGINE_TESTS="tests/engine/attention/test_attention_gpu.py
  tests/engine/cache/test_kv_fp8_gpu.py tests/engine/cache/test_snapshot_gpu.py
  tests/engine/cache/test_sequences_gpu.py tests/engine/test_arena_gpu.py
  tests/graphs/test_graphs_gpu.py tests/engine/test_warmup_gpu.py tests/bench/test_clocks_gpu.py"
+V2V_TESTS="tests/engine/wan/test_vae_encoder_gpu.py tests/engine/wan/test_tiny_encoder.py"
 
 sections() {
   cat <<'EOF'
@@ -38,6 +39,7 @@ snapshots      a stream's export and import, sessions swapped over fewer slots
 vae            the Wan VAE's decode: the fused program against diffusers' modules
 pixels         prompt to pixels: both decoders alone and end to end, in turn and overlapped
 pixels-fp8     prompt to pixels with fp8 K/V and the tiny decoder
+v2v            video in: the encoders' GPU tests, the encoders alone, video to video end to end
 ulysses        sequence-parallel attention over 2 GPUs (skipped on fewer)
 EOF
 }
@@ -61,7 +63,7 @@ section() {
     tests-engine) pytest_gpu tests-engine $ENGINE_TESTS "${ARGS[@]}" ;;
     tests-rest)
       local ignore=()
-      for f in $OPS_TESTS $ENGINE_TESTS; do ignore+=(--ignore "$f"); done
+      for f in $OPS_TESTS $ENGINE_TESTS $V2V_TESTS; do ignore+=(--ignore "$f"); done
       pytest_gpu tests-rest tests "${ignore[@]}" "${ARGS[@]}" ;;
     bench-core)
       run bench-core "$PY" -m framekv.tools.cli bench --sections attention,chunk,e2e,streams,breakdown \
@@ -77,6 +79,10 @@ section() {
     pixels) run pixels "$PY" -m framekv.bench.pixels --json "$OUT/pixels.json" ;;
     pixels-fp8) run pixels-fp8 "$PY" -m framekv.bench.pixels --decoders tiny --kv-dtype fp8 \
                   --json "$OUT/pixels-fp8.json" ;;
+    v2v)
+      pytest_gpu v2v-tests $V2V_TESTS "${ARGS[@]}"
+      run v2v-encoders "$PY" -m framekv.bench.v2v --parts encoders --json "$OUT/v2v-encoders.json"
+      run v2v-e2e "$PY" -m framekv.bench.v2v --parts e2e --json "$OUT/v2v-e2e.json" ;;
     ulysses)
       local gpus
       gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')

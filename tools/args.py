@@ -78,6 +78,17 @@ def positive_number(text: str) -> float:
     return value
 
 
+def strength(text: str) -> float:
+    """A number in (0, 1] (a video-to-video strength)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:                          # NaN fails both
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return value
+
+
 def seconds(text: str) -> float:
     """A finite number of seconds > 0."""
     try:

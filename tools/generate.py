@@ -3,6 +3,8 @@
     framekv generate --prompt "a cat" --chunks 6 --out cat.mp4 [--config tiny|1.3b]
                      [--weights DIR] [--checkpoint FILE] [--decoder wan|tiny[:PATH]]
                      [PRESET] [--seed S] [--fp8-gemm] ...
+    framekv generate --prompt "a watercolour cat" --video-in IN.mp4 --strength S
+                     [--chunks N] [--decoder wan|tiny[:PATH]] --out OUT.mp4 ...
 
 The prompt is encoded once (the text encoder), the transformer rolls out ``--chunks``
 chunks of latents (`WanRollout`, one graph replay per chunk on CUDA), and one
@@ -43,6 +45,22 @@ matches). ``--seed`` seeds the chunks' noise as a server session of that seed dr
 seed gives the same video, as a server session of it would; random weights are always
 those of seed 0, so that the same config is the same model.
 
+Video in (``--video-in IN.mp4 --strength S``, `framekv.tools.video_source`): the
+chunks start from the input video's instead of from noise alone. The file is read with
+PyAV, each frame resized (aspect kept) to cover the model's video size and
+center-cropped; each chunk's 1 + 4 (F - 1), then 4 F frames are encoded by the encoder
+that follows ``--decoder`` (the Wan VAE's, or the tiny encoder of the same checkpoint)
+and sampled by the ``v2v`` sampler (`framekv.engine.samplers.VideoToVideoSampler`) over
+the sampler and steps the run would otherwise take: the input latents noised with the
+chunk's own noise to the first step at or below S x 1000, then the remaining steps
+(strength 1: the input is not used, the text-to-video video bit for bit). The prompt
+steers the restyle. ``--chunks N`` is then at most N (default every whole chunk of the
+input), the video has a text-to-video run's frame count for that many chunks, and
+``--fps`` defaults to the input's rate. A missing, unreadable or too short file, a
+strength outside (0, 1] or one that runs none of the steps, ``--strength`` without
+``--video-in``, and ``--sampler v2v`` by hand (``--video-in`` picks it; ``--sampler``
+names its base) exit 2 before any model is built.
+
 Progress goes to stderr, the summary line to stdout. A bad argument, missing weights
 or an ``--out`` whose folder takes no new file exit 2 before any work, with one line
 on stderr; a failure during the run exits 1;
@@ -60,10 +78,12 @@ import time
 
 from framekv.specs.checks import check_text
 
-from .args import nonnegative_int, positive_int, positive_number, prompt_text, writable_file
+from .args import (nonnegative_int, positive_int, positive_number, prompt_text, strength,
+                   writable_file)
 from .conventions import add_preset_arguments, fail, one_line_errors
 from .model_flags import SELF_FORCING_SHIFT, TEXT_MODEL, checked_model, model_parent
 from .video import DEFAULT_CRF, check_mp4_path
+from .video_source import VideoSource
 
 __all__ = ["SELF_FORCING_SHIFT", "GenerateResult", "add_parser", "format_result", "generate",
            "mp4_file", "positive_number", "run"]
@@ -72,8 +92,8 @@ __all__ = ["SELF_FORCING_SHIFT", "GenerateResult", "add_parser", "format_result"
 @dataclasses.dataclass(frozen=True)
 class GenerateResult:
     """What `generate` wrote: ``frames`` of ``width`` x ``height`` at ``path`` (``size``
-    bytes), generated in ``seconds`` (rollout, decode and encode; ``setup_seconds``
-    loaded the models)."""
+    bytes) at ``fps``, generated in ``seconds`` (rollout, decode and encode; a video
+    input's read and encode too; ``setup_seconds`` loaded the models)."""
 
     frames: int
     width: int
@@ -82,6 +102,7 @@ class GenerateResult:
     path: str
     size: int = 0
     setup_seconds: float = 0.0
+    fps: int = 16
 
     @property
     def frames_per_second(self) -> float:
@@ -89,14 +110,15 @@ class GenerateResult:
         return self.frames / self.seconds if self.seconds > 0 else float("inf")
 
 
-def generate(prompt: str, *, chunks: int, out, model: str = TEXT_MODEL, config=None,
-             weights=None, checkpoint=None, preset=None, negative_prompt: str | None = None,
-             guidance_scale: float | None = None, sampler: str | None = None,
-             shift: float | None = None, fps: int = 16, seed: int = 0, device=None,
-             use_graphs: bool | None = None, crf: int = DEFAULT_CRF, stream=None,
-             progress: bool = True, on_frames=None, decoder: str | None = None,
-             overlap: bool | None = None, steps: int | None = None,
-             sampler_options=None, gemm_dtype=None, kv_dtype=None) -> GenerateResult:
+def generate(prompt: str, *, chunks: int | None = None, out, model: str = TEXT_MODEL,
+             config=None, weights=None, checkpoint=None, preset=None,
+             negative_prompt: str | None = None, guidance_scale: float | None = None,
+             sampler: str | None = None, shift: float | None = None, fps: int | None = None,
+             seed: int = 0, device=None, use_graphs: bool | None = None,
+             crf: int = DEFAULT_CRF, stream=None, progress: bool = True, on_frames=None,
+             decoder: str | None = None, overlap: bool | None = None,
+             steps: int | None = None, sampler_options=None, gemm_dtype=None, kv_dtype=None,
+             video_in=None, strength: float | None = None) -> GenerateResult:
     """Generate ``chunks`` chunks for ``prompt`` and write them to the MP4 ``out``.
 
     Args as for the command (module doc); ``model``: a model family with a text
@@ -112,11 +134,14 @@ def generate(prompt: str, *, chunks: int, out, model: str = TEXT_MODEL, config=N
     ``kv_dtype``, ``gemm_dtype``: the K/V pool and the blocks' GEMMs (None, or "fp8");
     ``stream``: where the header and progress go (default stderr);
     ``on_frames(index, frames)``: called with each chunk's uint8 frames [F', H, W, 3]
-    as they are written.
+    as they are written; ``fps`` None: 16, or the input's rate with ``video_in``.
+    ``video_in``: a video file the chunks start from, at ``strength`` in (0, 1]
+    (module doc); ``chunks`` is then at most that many (None: every whole chunk of it).
 
     Raises ValueError (naming the argument) for a bad argument, before anything loads.
     """
-    path = _check_args(prompt, chunks, out, negative_prompt, guidance_scale, fps, seed)
+    path = _check_args(prompt, chunks, out, negative_prompt, guidance_scale, fps, seed,
+                       video_in, strength, sampler)
     from framekv.engine.models import ModelOptions, check_model
     from framekv.engine.rollout import resolve_device
 
@@ -125,29 +150,47 @@ def generate(prompt: str, *, chunks: int, out, model: str = TEXT_MODEL, config=N
                            sampler_options=sampler_options, shift=shift, steps=steps,
                            decoder=decoder, kv_dtype=kv_dtype, gemm_dtype=gemm_dtype)
     family = check_model(model, options)
+    source = None
+    if video_in is not None:        # the file and the strength, before anything loads
+        source = VideoSource.check(video_in, strength, chunks, family, options)
+        options, chunks = source.options, source.chunks
+    fps = fps or (16 if source is None else source.fps)
     dev = resolve_device(device)
     stream = stream or sys.stderr
     t0 = time.perf_counter()
     # The family checks the weights, the checkpoint and the sampling before it loads.
     loaded = family.load(options, device=dev, text_encoder=True)
     with contextlib.ExitStack() as stack:
-        r, decoder = _start(stack, loaded, prompt, negative_prompt, guidance_scale, dev,
-                            use_graphs)
+        r, decoder, latents = _start(stack, loaded, prompt, negative_prompt, guidance_scale,
+                                     dev, use_graphs, source)
         setup = time.perf_counter() - t0
-        print(_header(loaded, r, chunks), file=stream)
+        print(_header(loaded, r, chunks, source), file=stream)
         t1 = time.perf_counter()
         frames, width, height = _roll(stack, r, decoder, chunks, seed, path, fps, crf,
-                                      stream if progress else None, on_frames, overlap)
+                                      stream if progress else None, on_frames, overlap,
+                                      latents)
     seconds = time.perf_counter() - t1
     return GenerateResult(frames=frames, width=width, height=height, seconds=seconds,
-                          path=path, size=os.path.getsize(path), setup_seconds=setup)
+                          path=path, size=os.path.getsize(path), setup_seconds=setup, fps=fps)
 
 
-def _check_args(prompt, chunks, out, negative_prompt, guidance_scale, fps, seed) -> str:
+def _check_args(prompt, chunks, out, negative_prompt, guidance_scale, fps, seed, video_in,
+                strength, sampler) -> str:
     """ValueError naming the first bad argument (the model's options are its family's
-    to check); the absolute path of ``out``."""
+    to check, a video input `VideoSource`'s); the absolute path of ``out``."""
+    from framekv.engine.samplers import VIDEO_SAMPLER
+
     check_text("prompt", prompt)
+    if video_in is None and strength is not None:
+        raise ValueError(f"strength needs video_in (the video the chunks start from), got "
+                         f"strength={strength!r} and video_in=None")
+    if video_in is None and sampler == VIDEO_SAMPLER:
+        raise ValueError(f"sampler {VIDEO_SAMPLER!r} is chosen by video_in and strength (the "
+                         f"chunks start from that video), not by hand; got "
+                         f"sampler={sampler!r} and video_in=None")
     for arg, value, low in (("chunks", chunks, 1), ("fps", fps, 1), ("seed", seed, 0)):
+        if value is None and (arg == "fps" or video_in is not None):
+            continue                    # the input's rate; every whole chunk of the input
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
     path = check_mp4_path(out)
@@ -160,22 +203,30 @@ def _check_args(prompt, chunks, out, negative_prompt, guidance_scale, fps, seed)
     return path
 
 
-def _start(stack, loaded, prompt, negative_prompt, guidance_scale, device, use_graphs):
-    """The model's rollout under the prompt (encoded by its text encoder), and its
-    streaming decoder; both closed by ``stack``."""
+def _start(stack, loaded, prompt, negative_prompt, guidance_scale, device, use_graphs,
+           source):
+    """The model's rollout under the prompt (encoded by its text encoder), its
+    streaming decoder and, for a video ``source``, its chunks' input latents (an
+    iterator; else None); all closed by ``stack``."""
     graphs = use_graphs if use_graphs is not None else device.type == "cuda"
     r = loaded.rollout(use_graphs=graphs, guidance_scale=guidance_scale)
     stack.callback(r.close)
     r.set_prompt(prompt, negative_prompt)
     decoder = loaded.decoder(use_graphs=graphs)
     stack.callback(decoder.close)
-    return r, decoder
+    if source is None:
+        return r, decoder, None
+    encoder = source.encoder(loaded, use_graphs=graphs)
+    stack.callback(encoder.close)
+    return r, decoder, stack.enter_context(contextlib.closing(source.latents(encoder)))
 
 
-def _roll(stack, r, decoder, chunks, seed, path, fps, crf, stream, on_frames, overlap):
+def _roll(stack, r, decoder, chunks, seed, path, fps, crf, stream, on_frames, overlap,
+          latents=None):
     """Roll out, decode and write ``chunks`` chunks, each chunk's decode beside the next
-    one's transformer on CUDA (`DecodeLane`); (frames, width, height). The writer
-    joins ``stack``: the video is finished (or discarded) when the stack closes."""
+    one's transformer on CUDA (`DecodeLane`); (frames, width, height). ``latents``: each
+    chunk's input latents [C, F, H, W] in turn (the sampler's source), or None. The
+    writer joins ``stack``: the video is finished (or discarded) when the stack closes."""
     from framekv.engine.decode_lane import DecodeLane
     from framekv.engine.step import chunk_noise, sampler_inputs
 
@@ -187,7 +238,9 @@ def _roll(stack, r, decoder, chunks, seed, path, fps, crf, stream, on_frames, ov
     for i in range(chunks):
         # A server session's noise for the same seed (`framekv.engine.step`).
         noise = chunk_noise(seed, i, r.chunk_shape)[None]               # [1, C, F, H, W]
-        inputs = sampler_inputs(r.sampling, [(seed, i)], r.chunk_shape)  # each [1, ...]
+        source = None if latents is None else [next(latents)]           # [C, F, H, W]
+        inputs = sampler_inputs(r.sampling, [(seed, i)], r.chunk_shape,  # each [1, ...]
+                                sources=source)
         lane.submit(r.step(noise, inputs))                               # [1, C, F, H, W]
         # overlapped, chunk i - 1 is written once chunk i's transformer is queued
         while len(lane) > lane.overlap:
@@ -223,18 +276,20 @@ class _Output:
         self.chunks += 1
 
 
-def _header(loaded, r, chunks) -> str:
+def _header(loaded, r, chunks, source) -> str:
     _, F, H, W = r.chunk_shape
     return (f"framekv generate: {loaded.title}, device {r.device}, "
             f"{str(r.dtype).removeprefix('torch.')}"
             f"{'' if r.gemm_dtype == r.dtype else ', fp8 GEMMs'}; latent {H}x{W}, "
             f"{F}-frame chunks, {chunks} chunk(s); "
             f"{r.sampler} at t = {', '.join(f'{t:.1f}' for t in r.sampling.timesteps)}; "
-            f"{loaded.decoder_title}")
+            f"{loaded.decoder_title}" + ("" if source is None else f"; {source.describe(loaded)}"))
 
 
-def format_result(result: GenerateResult, fps: int) -> str:
-    """The summary line: frames, size, seconds, video frames per second, path."""
+def format_result(result: GenerateResult, fps: int | None = None) -> str:
+    """The summary line: frames, size, seconds, video frames per second, path (``fps``
+    None: the video's own, ``result.fps``)."""
+    fps = fps or result.fps
     return (f"framekv generate: {result.frames} frames of {result.width}x{result.height} "
             f"({result.frames / fps:.2f} s of video at {fps} fps, {result.size / 1024:.1f} KiB) "
             f"in {result.seconds:.2f} s, {result.frames_per_second:.2f} video frames/s "
@@ -260,10 +315,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the unconditional branch's prompt (needs --guidance-scale)")
     p.add_argument("--guidance-scale", type=positive_number, default=None,
                    help="classifier-free guidance scale (default: none, as Self-Forcing runs)")
-    p.add_argument("--chunks", type=positive_int, required=True, help="chunks to generate")
+    p.add_argument("--chunks", type=positive_int, default=None,
+                   help="chunks to generate (needed without --video-in; with it at most N, "
+                        "default every whole chunk of the input)")
     p.add_argument("--out", type=mp4_file, required=True, metavar="FILE.mp4",
                    help="the MP4 to write")
-    p.add_argument("--fps", type=positive_int, default=16, help="frames per second (default 16)")
+    p.add_argument("--video-in", metavar="FILE", default=None,
+                   help="a video the chunks start from (read with PyAV, each frame resized "
+                        "to cover the model's size and center-cropped; needs --strength)")
+    p.add_argument("--strength", type=strength, default=None, metavar="S",
+                   help="with --video-in, in (0, 1]: how far back towards noise the input "
+                        "goes (the steps at or below S x 1000 run; 1: the input is not used)")
+    p.add_argument("--fps", type=positive_int, default=None,
+                   help="frames per second (default 16; with --video-in the input's rate)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="noise seed (default 0)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--no-graphs", action="store_true", help="run every chunk eagerly")
@@ -277,6 +341,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     """The command; its exit status (2: bad arguments or weights, 1: the run failed)."""
     try:
+        _check_flags(args)
         _, options, _ = checked_model(args)     # the flags named as flags, before any load
         result = generate(args.prompt, chunks=args.chunks, out=args.out, model=args.model,
                           **{k: v for k, v in vars(options).items() if v is not None},
@@ -284,10 +349,30 @@ def run(args) -> int:
                           guidance_scale=args.guidance_scale, fps=args.fps, seed=args.seed,
                           device=args.device, use_graphs=False if args.no_graphs else None,
                           progress=not args.no_progress,
-                          overlap=False if args.no_overlap else None)
+                          overlap=False if args.no_overlap else None,
+                          video_in=args.video_in, strength=args.strength)
     except (ValueError, FileNotFoundError, ImportError) as exc:
         return fail("generate", exc, 2)
     except (OSError, RuntimeError) as exc:
         return fail("generate", exc, 1)
-    print(format_result(result, args.fps))
+    print(format_result(result))
     return 0
+
+
+def _check_flags(args) -> None:
+    """ValueError naming the flags that go together: --chunks or --video-in,
+    --strength with --video-in, and no --sampler v2v by hand (--video-in picks it)."""
+    from framekv.engine.samplers import VIDEO_SAMPLER
+
+    if args.video_in is None and getattr(args, "sampler", None) == VIDEO_SAMPLER:
+        raise ValueError(f"--sampler {VIDEO_SAMPLER} is chosen by --video-in FILE --strength S "
+                         f"(the chunks start from that video), not by hand; got --sampler "
+                         f"{VIDEO_SAMPLER} without --video-in")
+    if args.video_in is None and args.chunks is None:
+        raise ValueError("--chunks N is needed (or --video-in FILE, whose whole chunks it "
+                         "defaults to), got neither")
+    if (args.video_in is None) != (args.strength is None):
+        given = "--video-in without --strength" if args.strength is None else \
+            "--strength without --video-in"
+        raise ValueError(f"--video-in FILE and --strength S (in (0, 1]) go together, got "
+                         f"{given}")

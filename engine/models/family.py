@@ -142,6 +142,34 @@ class ModelFamily:
         """The decoder of a choice, in a phrase (a command's header)."""
         return "latent previews (no video decoder)"
 
+    def encoder_title(self, kind: str, path=None) -> str:
+        """The encoder that follows a decoder choice, in a phrase (a command's header)."""
+        return "no encoder"
+
+    def video_chunks(self, options: ModelOptions) -> tuple[int, tuple[int, int]]:
+        """``(F, (H, W))``: the latent frames of a chunk of the model of ``options`` and
+        the video size (H, W) its encoder takes, before anything is built (a video input
+        is read as chunks of 1 + 4 (F - 1), then 4 F frames of that size). A ValueError
+        for a family without an encoder or an option naming no model."""
+        self._check_video()
+        raise NotImplementedError(f"{type(self).__name__} names encoders {self.encoders}: "
+                                  f"it must define video_chunks(options)")
+
+    def video_options(self, options: ModelOptions, strength: float) -> ModelOptions:
+        """``options`` for a video input at ``strength`` in (0, 1]: the video-to-video
+        sampler (`framekv.engine.samplers.VideoToVideoSampler`) over the sampler and
+        steps ``options`` run, checked over their schedule before anything is built. A
+        ValueError for a family without an encoder, a sampler that cannot be the mode's
+        base, or a strength that runs none of the steps."""
+        self._check_video()
+        raise NotImplementedError(f"{type(self).__name__} names encoders {self.encoders}: "
+                                  f"it must define video_options(options, strength)")
+
+    def _check_video(self) -> None:
+        if not self.encoders:
+            raise ValueError(f"a video input needs a model family with an encoder (frames "
+                             f"in); the {self.name} model family has none")
+
     def _check_kind(self, part: str, kind, kinds: tuple[str, ...]) -> None:
         if not kinds:
             raise ValueError(f"the {self.name} model family has no {part} (a video input "
@@ -204,6 +232,11 @@ class LoadedModel:
     def decoder_title(self) -> str:
         """The decoder of `decoder_choice`, in a phrase."""
         return self.family.decoder_title(*self.decoder_choice)
+
+    @property
+    def encoder_title(self) -> str:
+        """The encoder that follows `decoder_choice` (`encoder`), in a phrase."""
+        return self.family.encoder_title(*self.decoder_choice)
 
     def scheduler_args(self) -> dict:
         """`StreamScheduler` keyword arguments that make its runner this model's: here

@@ -12,11 +12,15 @@ them (`build_encoder`): frames come in through the latent space they go out of.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 
-from ..wan.decoders import DECODERS, check_decoder
-from ..wan.pipeline import WanPipeline
+from ..samplers import VIDEO_SAMPLER, build_sampler, check_strength
+from ..samplers.v2v import BASES
+from ..wan.decoders import DECODERS, SPATIAL_SCALE, check_decoder
+from ..wan.model import WanChunks
+from ..wan.pipeline import WanPipeline, load_sizes, sampling
 from .family import MODEL_OPTIONS, LoadedModel, ModelFamily, ModelOptions, spelled
 
 __all__ = ["WanFamily", "WanParts"]
@@ -78,9 +82,42 @@ class WanFamily(ModelFamily):
 
     def decoder_title(self, kind: str, path=None) -> str:
         """"Wan VAE decoder", or the tiny decoder and its weights."""
-        if kind == "wan":
-            return "Wan VAE decoder"
-        return f"tiny decoder ({'random weights' if path is None else path})"
+        return _coder_title("decoder", kind, path)
+
+    def encoder_title(self, kind: str, path=None) -> str:
+        """"Wan VAE encoder", or the tiny encoder and its weights."""
+        return _coder_title("encoder", kind, path)
+
+    def video_chunks(self, options: ModelOptions) -> tuple[int, tuple[int, int]]:
+        """The preset's chunk frames and its latent size x `SPATIAL_SCALE` (`load_sizes`:
+        only configs read)."""
+        F, (H, W) = self._sizes(options)[:2]
+        return F, (SPATIAL_SCALE * H, SPATIAL_SCALE * W)
+
+    def video_options(self, options: ModelOptions, strength: float) -> ModelOptions:
+        """The ``v2v`` sampler, its base the sampler ``options`` run (their own, else
+        Euler, or Self-Forcing's with a checkpoint: `sampling`), over their steps."""
+        check_strength(strength)
+        if options.sampler == VIDEO_SAMPLER or options.sampler_options:
+            given = options.sampler_options or options.sampler
+            raise ValueError(f"sampler: a video input samples with {VIDEO_SAMPLER} over the "
+                             f"sampler given (one of {list(BASES)}, with no options), got "
+                             f"{given!r}")
+        _, _, how = self._sizes(options)
+        video = {"base": how["sampler"], "strength": float(strength)}
+        # over the schedule load builds it on: a strength that runs no step is named here
+        build_sampler(VIDEO_SAMPLER, how["timesteps"], WanChunks.timestep_scale, video)
+        return dataclasses.replace(options, sampler=VIDEO_SAMPLER, sampler_options=video)
+
+    def _sizes(self, options: ModelOptions):
+        """(frames per chunk, latent size, `sampling`) of ``options``, nothing built."""
+        self.check(options)
+        o = options
+        sizes = load_sizes(None if o.weights else (o.config or self.default_config),
+                           weights=o.weights, checkpoint=o.checkpoint, preset=o.preset)
+        how = sampling(sizes["timesteps"], checkpoint=o.checkpoint is not None,
+                       sampler=o.sampler, shift=o.shift, steps=o.steps)
+        return sizes["frames_per_chunk"], tuple(sizes["latent_size"]), how
 
 
 class WanParts(LoadedModel):
@@ -117,6 +154,12 @@ class WanParts(LoadedModel):
             for b in range(1, (rows or 1) + 1):
                 dec.capture(b, self.sizes["frames_per_chunk"], self.sizes["latent_size"])
         return dec
+
+
+def _coder_title(part: str, kind: str, path) -> str:
+    if kind == "wan":
+        return f"Wan VAE {part}"
+    return f"tiny {part} ({'random weights' if path is None else path})"
 
 
 def _title(pipe: WanPipeline, options: ModelOptions) -> str:

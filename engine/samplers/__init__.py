@@ -48,10 +48,11 @@ from framekv.specs.checks import check_choice
 from .base import ScheduleSampler, check_steps, pick_steps
 from .euler import EulerSampler
 from .self_forcing import SelfForcingSampler
-from .v2v import VideoToVideoSampler
+from .v2v import VideoToVideoSampler, check_strength
 
 __all__ = ["DEFAULT_SAMPLER", "GENERATOR_SAMPLER", "VIDEO_SAMPLER", "EulerSampler", "Sampler",
            "ScheduleSampler", "SelfForcingSampler", "VideoToVideoSampler", "build_sampler", "check_steps",
+           "check_strength",
            "get_sampler", "pick_steps", "register_sampler", "sampler_description", "sampler_label",
            "samplers", "unregister_sampler"]
 

@@ -32,21 +32,28 @@ from .base import ScheduleSampler
 from .euler import EulerSampler
 from .self_forcing import SelfForcingSampler
 
-__all__ = ["BASES", "VideoToVideoSampler", "first_step"]
+__all__ = ["BASES", "VideoToVideoSampler", "check_strength", "first_step"]
 
 #: The base samplers a chunk may finish with, by their registered names (a mode over a
 #: mode is refused).
 BASES = {"euler": EulerSampler, "self_forcing": SelfForcingSampler}
 
 
+def check_strength(strength, *, name: str = "strength") -> float:
+    """``strength`` as a float if it is a number in (0, 1], else a ValueError naming
+    ``name`` (whatever the schedule: `first_step` also asks for a step to run)."""
+    if (isinstance(strength, bool) or not isinstance(strength, (int, float))
+            or not math.isfinite(strength) or not 0 < strength <= 1):
+        raise ValueError(f"{name} must be a number in (0, 1] (1: the input is not used), "
+                         f"got {strength!r}")
+    return float(strength)
+
+
 def first_step(timesteps, timestep_scale: float, strength) -> int:
     """k: the index of the first of ``timesteps`` at or below ``strength`` x
     ``timestep_scale``. ValueError naming ``strength`` unless it is a number in (0, 1]
-    that leaves at least one step (the smallest such strength named)."""
-    if (isinstance(strength, bool) or not isinstance(strength, (int, float))
-            or not math.isfinite(strength) or not 0 < strength <= 1):
-        raise ValueError(f"strength must be a number in (0, 1] (1: the input is not used), "
-                         f"got {strength!r}")
+    (`check_strength`) that leaves at least one step (the smallest such strength named)."""
+    check_strength(strength)
     for k, t in enumerate(timesteps):
         if t <= strength * timestep_scale:
             return k

@@ -18,6 +18,8 @@ import os
 
 #: the decoders one may name
 DECODERS = ("wan", "tiny")
+#: video pixels per latent pixel along H and W, for every decoder and encoder here
+SPATIAL_SCALE = 8
 #: what a tiny decoder's checkpoint may be (`TinyStreamingDecoder.from_file`)
 TINY_SUFFIXES = (".pth", ".pt", ".safetensors")
 #: the checkpoint ``tiny`` looks for in a diffusers folder, in this order

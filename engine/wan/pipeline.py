@@ -51,7 +51,7 @@ from .text import TEXT_CONFIGS, TextEncoder, has_text_encoder
 from .vae import VAE_CONFIGS, build_vae, load_vae
 from .weights import _model_config, load_model
 
-__all__ = ["CHECKPOINT_SUFFIXES", "SELF_FORCING_SHIFT", "WanPipeline", "sampling",
+__all__ = ["CHECKPOINT_SUFFIXES", "SELF_FORCING_SHIFT", "WanPipeline", "load_sizes", "sampling",
            "shipped_config"]
 
 #: Self-Forcing's schedule: its denoising steps warped by this flow-matching shift.
@@ -182,6 +182,16 @@ class WanPipeline:
                      device=self.device, dtype=self.dtype,
                      latent_channels=self.transformer.config.out_channels,
                      net=self.decoder_net if same else None)
+
+
+def load_sizes(config=None, *, weights=None, checkpoint=None, preset=None) -> dict:
+    """`preset_sizes` of the rollout `WanPipeline.load` of these sources would run at,
+    before anything is built or read but configs: ``preset``'s, else the preset of the
+    shipped config the transformer matches. ValueError as `load` names a bad source (a
+    folder without ``transformer/``, a preset a config of no shipped shape needs)."""
+    config = _check_sources(config, weights, checkpoint)
+    _check_folder(weights, checkpoint, text_encoder=False, vae=False)
+    return _sizes(preset, shipped_config(_model_config(_shape(config, weights, checkpoint))))
 
 
 def sampling(timesteps, *, checkpoint: bool = False, sampler: str | None = None,

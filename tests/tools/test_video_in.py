@@ -18,9 +18,10 @@ def level(i: int) -> int:
     return 16 + (i * 37) % 224
 
 
-def stamped_video(path, frames: int, size=(48, 64)) -> str:
+def stamped_video(path, frames: int, size=(48, 64), fps: int = 16) -> str:
+    """A lossless MP4 of ``frames`` flat gray frames, frame i at `level` (i)."""
     h, w = size
-    with MP4Writer(path, fps=16, width=w, height=h, crf=0) as out:
+    with MP4Writer(path, fps=fps, width=w, height=h, crf=0) as out:
         out.write(np.stack([np.full((h, w, 3), level(i), np.uint8) for i in range(frames)]))
     return str(path)
 

@@ -150,6 +150,32 @@ def test_the_wan_family_encoder_follows_its_decoder_choice():
         "wan-diffusers:wan-1.3b+gen.pt"
 
 
+def test_a_video_input_is_checked_against_the_family_before_anything_is_built(monkeypatch):
+    with pytest.raises(ValueError, match="a video input needs a model family with an encoder"):
+        get_model("reference").video_chunks(ModelOptions())
+    pytest.importorskip("diffusers")
+    from framekv.engine.models.wan import WanFamily
+
+    monkeypatch.setattr(WanFamily, "load", lambda *a, **k: pytest.fail("a model was built"))
+    family = get_model(TEXT_MODEL)
+    assert family.video_chunks(ModelOptions(config="tiny")) == (2, (64, 64))
+    assert family.video_chunks(ModelOptions(config="1.3b")) == (3, (480, 832))
+    got = family.video_options(ModelOptions(config="1.3b", steps=4), 0.75)
+    assert (got.sampler, got.sampler_options, got.steps) == \
+        ("v2v", {"base": "euler", "strength": 0.75}, 4)
+    assert family.video_options(ModelOptions(sampler="self_forcing"), 1).sampler_options == \
+        {"base": "self_forcing", "strength": 1.0}
+    for options, strength, match in [
+            (ModelOptions(), 0.0, r"strength must be a number in \(0, 1\]"),
+            (ModelOptions(), 0.4, r"strength 0.4 runs none of the steps \[1000.0, 500.0\]"),
+            (ModelOptions(config="1.3b", steps=2), 0.4, "it must be at least 0.5"),
+            (ModelOptions(sampler="v2v"), 0.5, "a video input samples with v2v over the sampler"),
+            (ModelOptions(sampler_options={"eta": 1}), 0.5, "with no options")]:
+        with pytest.raises(ValueError, match=match):
+            family.video_options(options, strength)
+    assert family.encoder_title("tiny", "/w/taew2_1.pth") == "tiny encoder (/w/taew2_1.pth)"
+
+
 # ----------------------------------------------------------------------------- a new family
 def serve_args(*argv):
     return build_parser().parse_args(["serve", "--device", "cpu", *argv])
