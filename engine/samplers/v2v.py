@@ -87,8 +87,9 @@ class VideoToVideoSampler(ScheduleSampler):
 
     def row_inputs(self, seed: int, index: int, chunk_shape, sequence: int = 0,
                    source=None) -> dict[str, torch.Tensor]:
-        """The stream's input latents of chunk ``index`` (``source``, [C, F, H, W]; None
-        only at strength 1, where it is not read: zeros), then the base's inputs."""
+        """The stream's input latents of chunk ``index`` (``source``, [C, F, H, W], on
+        its own device; None only at strength 1, where it is not read: zeros on the
+        CPU, as for any source there), then the base's inputs."""
         shape = tuple(chunk_shape)
         if source is None:
             if not self.full:
@@ -98,8 +99,10 @@ class VideoToVideoSampler(ScheduleSampler):
         elif not isinstance(source, torch.Tensor) or tuple(source.shape) != shape:
             got = list(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__
             raise ValueError(f"source must be the chunk's input latents {list(shape)}, got {got}")
-        else:
-            video = source.detach().to("cpu", torch.float32)
+        elif self.full:                 # not read: the same zeros as without a source
+            video = torch.zeros(shape)
+        else:                           # where it is: no wait on a copy off the device
+            video = source.detach().float()
         return {"video": video, **self.base.row_inputs(seed, index, shape, sequence)}
 
     def start(self, noise: torch.Tensor, inputs: dict) -> torch.Tensor:
