@@ -143,7 +143,7 @@ Python clients: `framekv.client.sessions` (``framekv.client``).
 import argparse
 import signal
 
-from ..args import bearer_token, int_in, origins, positive_int, seconds
+from ..args import bearer_token, int_in, origins, positive_int, seconds, strength
 from ..conventions import add_preset_arguments, fail as _fail, one_line_errors
 from ..model_flags import checked_model, loaded_model, model_options, model_parent
 from .app import FRAME_FORMATS, MAX_FPS, OUTPUTS, build_app, page_html, state_dir_path
@@ -177,6 +177,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fps", type=int_in(1, MAX_FPS), default=16,
                    help=f"the video's frame rate the page plays at, 1 to {MAX_FPS} "
                         "(default 16)")
+    p.add_argument("--video-strength", type=strength, default=None, metavar="S",
+                   help="take video sessions too ({\"input\": \"video\", \"strength\": "
+                        "S}: frames in, chunk i made from chunk i's frames), S in (0, 1]; "
+                        "the runner samples video to video at S (below 1 every session "
+                        "takes video); needs a model with an encoder and --output frames")
     _session_options(p)
     p.add_argument("--cache-dir", default=None, help="kernels and cuDNN plans kept on disk")
     p.add_argument("--device", default=None,
@@ -251,6 +256,23 @@ def check_checkpoint_every(args) -> None:
                          f"written to: got --checkpoint-every {every} and no --state-dir")
 
 
+def check_video_strength(args, output: str) -> None:
+    """ValueError for ``--video-strength`` a server cannot take: without frames out, or
+    a model family without an encoder, or one that runs no step (`video_options`)."""
+    S = getattr(args, "video_strength", None)
+    if S is None:
+        return
+    if output != "frames":
+        raise ValueError(f"--video-strength needs --output frames (the encoder follows the "
+                         f"decoder), got --output {output}")
+    from framekv.engine.models import get_model
+
+    try:
+        get_model(args.model).video_options(model_options(args), S)
+    except ValueError as exc:
+        raise ValueError(f"--video-strength {S:g}: {exc}") from None
+
+
 def fail(exc: Exception) -> int:
     """``exc`` as the command's one-line error; exit status 2."""
     return _fail("serve", exc)
@@ -271,6 +293,7 @@ def checked_options(args) -> dict:
         raise ValueError(f"--slots must be at most --max-sessions ({args.max_sessions}), "
                          f"got {args.slots}")
     check_checkpoint_every(args)
+    check_video_strength(args, output)
     state_dir = None if args.state_dir is None else state_dir_path(args.state_dir)
     return {"token": token, "output": output, "device": device, "preset": preset,
             "family": family, "model": model, "state_dir": state_dir}
@@ -290,6 +313,8 @@ def build_scheduler(args, options: dict):
                            device=options["device"], cache_dir=args.cache_dir, progress=True,
                            queue_chunks=args.queue_chunks,
                            decoder_factory=model.decoder if frames else None,
+                           encoder_factory=(model.encoder if getattr(args, "video_strength", None)
+                                            is not None else None),
                            overlap=False if getattr(args, "no_overlap", False) else None)
 
 
