@@ -4,7 +4,8 @@ frames gets the chunks the engine makes of those frames by hand, image for image
 long poll's POST .../frames (PNG and rgb24) too; input faster than chunks stays bounded,
 its drops in the session's info and /metrics; each bad frames message is refused with a
 message (socket) or its status (POST) and the session goes on; a session that takes no
-frames, a bad strength, a foreign page and no token are refused.
+frames, a bad strength, a foreign page and no token are refused; a video session kept
+over a restart in --state-dir goes on bit-equal.
 """
 from __future__ import annotations
 
@@ -211,3 +212,26 @@ def test_a_server_without_video_input_refuses_frames():
                 else:
                     ws.send(json.dumps({"type": "ack", "index": wire.decode(msg)[0]["index"]}))
             assert "takes no frames" in texts[0]["error"] and texts[0]["type"] == "error"
+
+
+def test_a_video_session_restarts_with_the_server_and_goes_on_bit_equal(tmp_path):
+    """Written to --state-dir as the server stops (and checkpointed every chunk), the
+    session opens again at the next start with its input cursor and encoder row: the
+    frames of its next chunk make what one uninterrupted run makes of them."""
+    kept = {"state_dir": tmp_path, "checkpoint_every": 1}
+    sched = video_scheduler(0.5, decode=True, max_sessions=1, queue_chunks=2)
+    first, later = sched.video_chunk_frames
+    messages = [[frames_in(pictures(first, 48, 48, 9))], [frames_in(pictures(later, 48, 48, 10))]]
+    with served_http(sched, TOKEN, **kept) as (http, _, _):
+        sid = create(http, seed=26, chunks=2, **VIDEO)
+        assert http.post(f"/v1/sessions/{sid}/frames", content=messages[0][0]).status_code == 200
+        r = http.get(f"/v1/sessions/{sid}/chunks", params={"after": -1, "wait": 60})
+        got = [wire.split_images(*wire.decode(r.content))]
+    again = video_scheduler(0.5, decode=True, max_sessions=1, queue_chunks=2)
+    with served_http(again, TOKEN, **kept) as (http, _, _):
+        info = http.get(f"/v1/sessions/{sid}").json()
+        assert (info["input_chunks"], info["frames_in"], info["chunks"]) == (1, first, 1)
+        assert http.post(f"/v1/sessions/{sid}/frames", content=messages[1][0]).status_code == 200
+        r = http.get(f"/v1/sessions/{sid}/chunks", params={"after": 0, "wait": 60})
+        got.append(wire.split_images(*wire.decode(r.content)))
+    assert got == expected_images(again, 26, messages)

@@ -157,3 +157,46 @@ def test_what_a_scheduler_refuses_names_what_it_takes():
     finally:
         for each in (plain, sched, bare):
             each.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_graphs_a_video_stream_through_row_swaps_equals_it_alone():
+    """On CUDA with every graph captured (the runner's, the encoder's and the decoder's
+    rows), a video stream taking turns on one slot with another (its encoder row
+    swapped out and in between its chunks) makes the chunks it makes alone, bit for
+    bit; at strength 1 a video stream equals the text stream of its seed."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    turns = video_scheduler(0.5, device="cuda", decode=True, max_sessions=2, slots=1,
+                            swap_quantum=1, queue_chunks=4, host_latents=True)
+    alone = video_scheduler(0.5, device="cuda", decode=True, max_sessions=1, slots=1,
+                            queue_chunks=4, host_latents=True)
+    full = video_scheduler(1.0, device="cuda", max_sessions=2, queue_chunks=4)
+    try:
+        first, later = turns.video_chunk_frames
+        n = first + 2 * later
+        x, y = (random_frames(n, turns.video_size, k) for k in (1, 2))
+        a, other = turns.open_session(seed=3, video=0.5), turns.open_session(seed=4, video=0.5)
+        solo = alone.open_session(seed=3, video=0.5)
+        text, video = full.open_session(seed=3), full.open_session(seed=3, video=1.0)
+        for sched, s, frames in ((turns, a, x), (turns, other, y), (alone, solo, x),
+                                 (full, video, y)):
+            sched.feed(s.id, frames[:first])       # then a chunk's at a time below
+        for i, (lo, hi) in enumerate(((first, first + later), (first + later, n))):
+            step_until(turns, (a, other), i + 1)
+            step_until(alone, (solo,), i + 1)
+            step_until(full, (text, video), i + 1)
+            for sched, s, frames in ((turns, a, x), (turns, other, y), (alone, solo, x),
+                                     (full, video, y)):
+                sched.feed(s.id, frames[lo:hi])
+        step_until(turns, (a, other), 3)
+        step_until(alone, (solo,), 3)
+        step_until(full, (text, video), 3)
+        assert turns.metrics()["swap_outs"] >= 2
+        for got, want in zip(a.delivery.queue, solo.delivery.queue, strict=True):
+            assert torch.equal(got.latents, want.latents) and torch.equal(got.video, want.video)
+        assert all(torch.equal(t.latents.cpu(), v.latents.cpu()) for t, v in zip(
+            text.delivery.queue, video.delivery.queue, strict=True))
+    finally:
+        for sched in (turns, alone, full):
+            sched.close()

@@ -18,29 +18,30 @@ from framekv.specs import wire
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_parts():
-    """The tiny Wan model (random weights, its text encoder, a tiny VAE) on the CPU."""
+def tiny_parts(device: str = "cpu"):
+    """The tiny Wan model (random weights, its text encoder, a tiny VAE) on ``device``
+    (graphs on CUDA: its coders captured for every batch as a server's are)."""
     from framekv.tools.model_flags import wan_factory
 
     return wan_factory(argparse.Namespace(config="tiny", preset=None, weights=None,
-                                          device="cpu", cache_dir=None), use_graphs=False)
+                                          device=device, cache_dir=None),
+                       use_graphs=device != "cpu")
 
 
-def v2v_runner(strength: float, **more):
+def v2v_runner(strength: float, device: str = "cpu"):
     """A runner factory of the tiny model sampling video to video at ``strength``."""
-    parts = tiny_parts()
+    parts = tiny_parts(device)
     options = {"base": "euler", "strength": strength}
-    return lambda **kw: parts.rollout(use_graphs=False, sampler=VIDEO_SAMPLER,
-                                      sampler_options=options, **more, **kw)
+    return lambda **kw: parts.rollout(use_graphs=device != "cpu", sampler=VIDEO_SAMPLER,
+                                      sampler_options=options, **kw)
 
 
 def video_scheduler(strength: float = 0.5, *, decode: bool = False, encode: bool = True,
-                    **kw) -> StreamScheduler:
+                    device: str = "cpu", **kw) -> StreamScheduler:
     """A scheduler over `v2v_runner` with the tiny encoder (and decoder: ``decode``)."""
-    parts = tiny_parts()
-    return StreamScheduler(runner_factory=v2v_runner(strength),
-                           encoder_factory=(lambda n: parts.encoder(n, use_graphs=False))
-                           if encode else None,
+    parts = tiny_parts(device)
+    return StreamScheduler(runner_factory=v2v_runner(strength, device),
+                           encoder_factory=parts.encoder if encode else None,
                            decoder_factory=parts.decoder if decode else None, **kw)
 
 
