@@ -8,11 +8,12 @@ loop steps the ready streams together (`steps`: plan, run, commit)::
 
     ready = active, not paused, budget left, fewer than queue_chunks chunks
             unacknowledged (sent to a socket or not: a client that stops reading
-            stops its stream)
+            stops its stream); a video stream: its next chunk's frames in (`VideoIn`)
     batch = the ready streams on the pool, then the longest waiting in slots free, idle
             or rotated (`steps`: turns); one without a slot takes a free one or a victim's
     one `ChunkRunner.execute` of the `StepPlan` (swaps, prompt rewrites, one chunk of
             the batch padded with scratch rows to a captured batch size)
+    with an encoder: first the video streams' frames into input latents (`EncodeStage`)
     with a decoder: the decode of the step's chunks into uint8 frames (`DecodeStage`)
 
 Every record of a stream is its `Stream` (position, seed, prompt, what it holds off the

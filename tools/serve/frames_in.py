@@ -8,6 +8,7 @@ frames as one binary message each, on its socket or as the body of ``POST
     [n: uint32 BE][header: n bytes of JSON][payload]
     header   {"type": "frames_in", "format": "jpeg" | "webp" | "png" | "rgb24",
               "width": W, "height": H, "count": N, "sizes": [bytes of each image]}
+             (``sizes`` may be left out for one image, and is for rgb24)
     payload  the N images back to back in frame order (``sizes``: their lengths; not
              given for rgb24), or for rgb24 N x H x W x 3 bytes (row-major RGB)
 
@@ -33,8 +34,8 @@ from framekv.specs import wire
 from ..video_in import fit_frame
 from .wire import RequestError
 
-__all__ = ["FORMATS", "MAX_FRAMES", "MAX_FRAMES_BYTES", "MAX_SIDE", "decode_frames",
-           "take_frames", "video_in"]
+__all__ = ["FORMATS", "MAX_FRAMES", "MAX_FRAMES_BYTES", "MAX_SIDE", "NoFrames",
+           "decode_frames", "take_frames", "video_in"]
 
 #: the formats a frames_in message may carry, and Pillow's name of each image format
 FORMATS = {"jpeg": "JPEG", "webp": "WEBP", "png": "PNG", "rgb24": None}
@@ -44,6 +45,10 @@ MAX_FRAMES = 64
 MAX_SIDE = 4096
 #: the most bytes of one message: a socket's (uvicorn's ws_max_size) and a POST body's
 MAX_FRAMES_BYTES = 16 * 1024 * 1024
+
+
+class NoFrames(RequestError):
+    """A session that takes no frames (text input, or a server without video input): 409."""
 
 
 def _count(header: dict, key: str, top: int, status: int = 422) -> int:
@@ -74,8 +79,9 @@ def _header(msg: bytes) -> tuple[dict, bytes, str, int, int, int]:
 
 
 def _images(header: dict, payload: bytes, count: int) -> list[bytes]:
-    """The payload cut by ``sizes``, which must be ``count`` lengths summing to it."""
-    sizes = header.get("sizes")
+    """The payload cut by ``sizes``, which must be ``count`` lengths summing to it (one
+    image may leave it out: the whole payload)."""
+    sizes = header.get("sizes", [len(payload)] if count == 1 else None)
     if (not isinstance(sizes, list) or len(sizes) != count
             or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)):
         raise RequestError(400, f"frames_in sizes must be {count} (count) byte lengths >= 1, "
@@ -83,7 +89,7 @@ def _images(header: dict, payload: bytes, count: int) -> list[bytes]:
     if sum(sizes) != len(payload):
         raise RequestError(400, f"frames_in sizes sum to {sum(sizes)} bytes, the payload "
                                 f"has {len(payload)} (truncated?)")
-    return wire.split_images(header, payload)
+    return wire.split_images({"sizes": sizes}, payload)
 
 
 def _pixels(image: bytes, fmt: str, width: int, height: int, j: int):
@@ -140,13 +146,13 @@ async def take_frames(sched, sid: str, msg: bytes) -> dict:
         raise KeyError(sid)
     record = getattr(sched.sessions, "get", lambda _: None)(sid)    # none on a cluster
     if size is None or (record is not None and record.intake is None):
-        raise RequestError(409, f"session {sid[:64]!r} takes no frames: it was opened with "
-                                "text input (a video session: {\"input\": \"video\"})")
+        raise NoFrames(409, f"session {sid[:64]!r} takes no frames: it was opened with text "
+                            "input (a video session: {\"input\": \"video\"})")
     frames = await asyncio.to_thread(decode_frames, msg, size)
     try:
         return await asyncio.to_thread(sched.feed, sid, frames, when)
-    except ValueError as exc:
-        raise RequestError(409, str(exc)) from None
+    except ValueError as exc:                     # text input, or finished meanwhile
+        raise NoFrames(409, str(exc)) from None
 
 
 def video_in(sched) -> dict | None:

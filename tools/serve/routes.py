@@ -201,6 +201,8 @@ async def prompt_answer(srv, sid: str, change):
     """An HTTP answer to a prompt change of session ``sid``: its `PromptAck` once it
     took; 202 ``prompt_pending`` after `PROMPT_WAIT_S`; 404 when the session ended
     first; 500 when its re-cache failed (the session goes on under its old prompt)."""
+    from framekv.engine.serving import PromptTooLate
+
     try:  # it takes at the session's next step boundary (off the pool: as it comes back)
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(change.future)),
                                PROMPT_WAIT_S)

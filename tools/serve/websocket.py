@@ -32,7 +32,7 @@ import contextlib
 import json
 
 from .control import apply_control
-from .frames_in import take_frames
+from .frames_in import NoFrames, take_frames
 from .reader import Superseded
 from .wire import RequestError, json_body
 
@@ -105,7 +105,7 @@ async def _receive(ws, sched, sid: str) -> None:
             raise WebSocketDisconnect(msg.get("code", 1000), msg.get("reason"))
         try:
             if msg.get("text") is None:           # a video session's frames
-                await take_frames(sched, sid, msg.get("bytes") or b"")
+                await _frames(sched, sid, msg.get("bytes") or b"")
                 continue
             change = await apply_control(sched, sid, json_body(msg["text"].encode()))
         except KeyError:  # the session ended meanwhile: the sender says how
@@ -115,6 +115,16 @@ async def _receive(ws, sched, sid: str) -> None:
             continue
         if change is not None:          # answered once it took
             asyncio.ensure_future(_prompt_reply(ws, change))
+
+
+async def _frames(sched, sid: str, raw: bytes) -> None:
+    """A binary message: a video session's frames; for a session that takes none, the
+    error says what the socket takes from it instead."""
+    try:
+        await take_frames(sched, sid, raw)
+    except NoFrames as exc:
+        raise RequestError(400, f"a control message must be JSON text, got a binary message "
+                                f"of {len(raw)} bytes ({exc.message})") from None
 
 
 async def _prompt_reply(ws, change) -> None:
