@@ -178,7 +178,7 @@ def test_on_cuda_with_graphs_a_video_stream_through_row_swaps_equals_it_alone():
         x, y = (random_frames(n, turns.video_size, k) for k in (1, 2))
         a, other = turns.open_session(seed=3, video=0.5), turns.open_session(seed=4, video=0.5)
         solo = alone.open_session(seed=3, video=0.5)
-        text, video = full.open_session(seed=3), full.open_session(seed=3, video=1.0)
+        text, video = (full.open_session(seed=3, chunks=3, video=v) for v in (None, 1.0))
         for sched, s, frames in ((turns, a, x), (turns, other, y), (alone, solo, x),
                                  (full, video, y)):
             sched.feed(s.id, frames[:first])       # then a chunk's at a time below
