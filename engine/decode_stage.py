@@ -29,7 +29,7 @@ import torch
 
 from .decode_lane import DecodeLane
 
-__all__ = ["DecodePlan", "DecodeResult", "DecodeStage", "RowSwap"]
+__all__ = ["DecodePlan", "DecodeResult", "DecodeStage", "RowSwap", "swap_rows"]
 
 
 @dataclass(eq=False)
@@ -40,6 +40,34 @@ class RowSwap:
     stream: str
     row: int
     state: dict | None = None
+
+
+def swap_rows(coder, swap_outs, swap_ins, res, failed=()) -> None:
+    """A streaming coder's row swaps (`RowSwap` s), every swap out first: a swap out's
+    row state into ``res.parked``; a swap in restored, or started over (no state, or
+    its stream in ``failed``: no copy out either); what one raises fails its stream
+    (``res.failed``, naming the coder's role)."""
+    role = getattr(coder, "ROLE", "decoder")
+    for sw in swap_outs:
+        if sw.stream not in failed:
+            _row(res, sw, "out", role, coder.snapshot, sw.row)
+    for sw in swap_ins:
+        if sw.state is None or sw.stream in failed:
+            _row(res, sw, "in", role, coder.reset, rows=[sw.row])
+        else:
+            _row(res, sw, "in", role, coder.restore, sw.row, sw.state)
+
+
+def _row(res, sw: RowSwap, way: str, role: str, move, *args, **kw) -> None:
+    """One row's swap, ``move(*args, **kw)``: a swap out's row state parked; what it
+    raises fails the stream's swap."""
+    try:
+        state = move(*args, **kw)
+    except Exception as exc:
+        res.failed[sw.stream] = f"swapping the session {way} failed: its {role} row: {exc!r}"
+        return
+    if way == "out":
+        res.parked[sw.stream] = state
 
 
 @dataclass(eq=False)
@@ -85,27 +113,8 @@ class DecodeStage:
         """The plan's row swaps, every swap out first; ``failed``: the streams whose
         runner swap failed (no copy out; their rows start over). A fresh result."""
         res = DecodeResult(frames=[None] * len(plan.rows))
-        for sw in plan.swap_outs:
-            if sw.stream not in failed:
-                self._row(res, sw, "out", self.decoder.snapshot, sw.row)
-        for sw in plan.swap_ins:
-            if sw.state is None or sw.stream in failed:
-                self._row(res, sw, "in", self.decoder.reset, rows=[sw.row])
-            else:
-                self._row(res, sw, "in", self.decoder.restore, sw.row, sw.state)
+        swap_rows(self.decoder, plan.swap_outs, plan.swap_ins, res, failed)
         return res
-
-    @staticmethod
-    def _row(res: DecodeResult, sw: RowSwap, way: str, move, *args, **kw) -> None:
-        """One row's swap, ``move(*args, **kw)``: a swap out's row state parked; what
-        it raises fails the stream's swap."""
-        try:
-            state = move(*args, **kw)
-        except Exception as exc:
-            res.failed[sw.stream] = f"swapping the session {way} failed: its decoder row: {exc!r}"
-            return
-        if way == "out":
-            res.parked[sw.stream] = state
 
     def submit(self, plan: DecodePlan, latents: torch.Tensor, res: DecodeResult) -> bool:
         """Queue the decode of the batch's latents [B', C, F, H, W] (B' >= its streams;

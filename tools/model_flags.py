@@ -139,12 +139,15 @@ def loaded_model(args: argparse.Namespace, *, use_graphs: bool = True, decode: b
     flags in ``args`` (`ModelFamily.load`, after `check_model`), as a server's
     factories: called ``(sequences=N, batch_sizes=...)`` it builds a runner with
     ``args.cache_dir`` and ``use_graphs``; its ``decoder`` is a scheduler's
-    ``decoder_factory`` (``decode``: what it needs is loaded). ``device``: default
-    ``args.device``. ValueError for a bad option, before anything is built."""
+    ``decoder_factory`` (``decode``: what it needs is loaded), its ``encoder`` an
+    ``encoder_factory``; ``args.video_strength`` (where set) samples video to video at
+    that strength (`ModelFamily.video_options`). ``device``: default ``args.device``. ValueError for a bad option, before anything is built."""
     from framekv.engine.models import check_model
 
     options = model_options(args)
     family = check_model(model or args.model, options, names=FLAGS)
+    if getattr(args, "video_strength", None) is not None:    # video in: the v2v sampler
+        options = family.video_options(options, args.video_strength)
     loaded = family.load(options, decode=decode,
                          device=getattr(args, "device", None) if device is None else device)
     loaded.cache_dir, loaded.use_graphs = getattr(args, "cache_dir", None), use_graphs

@@ -150,10 +150,23 @@ class WanParts(LoadedModel):
         ``rows`` captured in both stages up front (a server captures before it serves)."""
         dec = super().decoder(rows, use_graphs=self.use_graphs if use_graphs is None
                               else use_graphs)
-        if dec.use_graphs:
+        return self._captured(dec, rows, tuple(self.sizes["latent_size"]))
+
+    def encoder(self, rows: int | None = None, *, use_graphs: bool | None = None):
+        """The streaming encoder that follows the decoder choice, ``rows`` rows (default
+        1); captured up front as `decoder` is, for frames of the model's video size."""
+        enc = super().encoder(rows, use_graphs=self.use_graphs if use_graphs is None
+                              else use_graphs)
+        h, w = self.sizes["latent_size"]
+        return self._captured(enc, rows, (SPATIAL_SCALE * h, SPATIAL_SCALE * w))
+
+    def _captured(self, coder, rows: int | None, size: tuple[int, int]):
+        """``coder`` with every batch of 1 to ``rows`` captured (both stages, chunks of
+        the preset's frames at ``size``) where it runs graphs."""
+        if coder.use_graphs:
             for b in range(1, (rows or 1) + 1):
-                dec.capture(b, self.sizes["frames_per_chunk"], self.sizes["latent_size"])
-        return dec
+                coder.capture(b, self.sizes["frames_per_chunk"], size)
+        return coder
 
 
 def _coder_title(part: str, kind: str, path) -> str:

@@ -10,7 +10,10 @@ and folders of them; ``checkpoint.py`` streams written as they go; ``records.py`
 chunks, prompt changes and counters handed out; ``moves.py`` chunks and streams in and
 out; ``turns.py`` which streams a step runs; ``step_record.py`` a step as it passes
 plan, run and commit; ``overlap.py`` a step's decode beside the next step's transformer;
-``preview.py`` a picture of latents for a model without a VAE. Decoding itself, the
+``preview.py`` a picture of latents for a model without a VAE; ``intake.py`` a video
+stream's frames waiting for their chunk (`Intake`: the bound, the drops) and
+``video_in.py`` the scheduler's video streams (`feed`, the encoder's half of a step,
+`framekv.engine.encode_stage`). Decoding itself, the
 uint8 frames included, is the engine's (`framekv.engine.decode_stage`,
 `framekv.engine.decode_lane`). The step contract between the scheduler
 and the runner is `framekv.engine.step`; the chunk message `framekv.specs.wire`.

@@ -199,6 +199,9 @@ class Deliveries:
                     return Handout(superseded=True)
                 chunk = d.take()
                 if chunk is not None:
+                    if chunk.received is not None:      # its input's latency, once
+                        self._input_seconds.observe(time.monotonic() - chunk.received)
+                        chunk.received = None
                     return Handout(chunk=chunk)
                 if s.finished and not d.queue:
                     return Handout(end=end_message(s.info()))

@@ -9,8 +9,9 @@ way (its chunks on their way to its client: `delivery`).
 
 A resident stream's state is taken between steps on the GPU thread (its K/V copied
 out on a side stream; the pages it reads are fenced until the copy is done); an
-off-pool one's is the state it holds already. The record, its unacknowledged chunks and
-its decoder row go into the same state (`state_files`).
+off-pool one's is the state it holds already. The record, its unacknowledged chunks,
+its decoder row and, for a video stream, its encoder row and input (`Intake`) go into
+the same state (`state_files`).
 """
 from __future__ import annotations
 
@@ -62,12 +63,16 @@ class Moves:
         """``s`` as a `StreamState`, it left where it is (GPU work for one on the pool:
         its K/V copy may still run)."""
         with self.lock:
-            record = dataclasses.replace(s, delivery=s.delivery.copy(), pending=list(s.pending))
-        stream, decoder = record.parked, record.decoder
+            record = dataclasses.replace(s, delivery=s.delivery.copy(), pending=list(s.pending),
+                                         intake=None if s.intake is None else s.intake.copy())
+        stream, decoder, encoder = record.parked, record.decoder, record.encoder
         if record.slot is not None and not record.finished:
             stream = self.runner.snapshot(record.slot)
             decoder = None if self.decoder is None else self.decoder.snapshot(record.slot)
-        return state_files.stream_state(record, stream, decoder, self.model, self.decoding)
+            if record.intake is not None:
+                encoder = self.encode_stage.encoder.snapshot(record.slot)
+        return state_files.stream_state(record, stream, decoder, self.model, self.decoding,
+                                        encoder)
 
     def import_session(self, state) -> str:
         """A stream `export_session` (here or in another process) gave goes on here
@@ -79,6 +84,7 @@ class Moves:
 
     def _admit(self, s) -> str:
         """An imported stream's record in (module doc of `import_session`)."""
+        self._check_input_fits(s)
         with self.lock:
             if s.id in self.sessions:
                 raise ValueError(f"session {s.id} is open here already")

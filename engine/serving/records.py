@@ -40,7 +40,9 @@ class SessionChunk:
     [C, F, H, W], seconds of the batched step that made it (decode included), its
     batch size, the stream's prompt version it was made under, its latent frames; with
     a decoder ``video`` uint8 [F', H, W, 3] (host) from video frame ``video_frame0`` on;
-    ``requested``/``queued``: `time.monotonic` when the stream was ready for it / got it.
+    ``requested``/``queued``: `time.monotonic` when the stream was ready for it / got it;
+    ``received``: a video stream's, when the newest frame of its input came (None: no
+    input, or its input latency observed already: `StreamScheduler.handout`).
 
     The latents are on the host, or on the runner's device where its frames are what a
     client gets (`StreamScheduler`'s ``host_latents``): those are copied to the host
@@ -58,6 +60,7 @@ class SessionChunk:
     video_frame0: int = 0
     requested: float = 0.0
     queued: float = 0.0
+    received: float | None = None
 
     def __getstate__(self) -> dict:
         """Its fields for pickling, latents on a device left out (None)."""

@@ -8,11 +8,12 @@ loop steps the ready streams together (`steps`: plan, run, commit)::
 
     ready = active, not paused, budget left, fewer than queue_chunks chunks
             unacknowledged (sent to a socket or not: a client that stops reading
-            stops its stream)
+            stops its stream); a video stream: its next chunk's frames in (`VideoIn`)
     batch = the ready streams on the pool, then the longest waiting in slots free, idle
             or rotated (`steps`: turns); one without a slot takes a free one or a victim's
     one `ChunkRunner.execute` of the `StepPlan` (swaps, prompt rewrites, one chunk of
             the batch padded with scratch rows to a captured batch size)
+    with an encoder: first the video streams' frames into input latents (`EncodeStage`)
     with a decoder: the decode of the step's chunks into uint8 frames (`DecodeStage`)
 
 Every record of a stream is its `Stream` (position, seed, prompt, what it holds off the
@@ -58,12 +59,13 @@ from .step_record import Overlap
 from .steps import Steps
 from .stream import Phase, Stream
 from .turns import Turns
+from .video_in import VideoIn
 
 __all__ = ["LoopStopped", "SchedulerFull", "StreamScheduler"]
 log = logging.getLogger("framekv.scheduler")
 
 
-class StreamScheduler(Steps, Turns, Deliveries, Moves, GpuLoop):
+class StreamScheduler(Steps, Turns, Deliveries, Moves, VideoIn, GpuLoop):
     """Streams on one batched pool (module doc).
 
     Args:
@@ -92,6 +94,10 @@ class StreamScheduler(Steps, Turns, Deliveries, Moves, GpuLoop):
             (`SessionChunk.latents`): None: where there is no decoder; False (a decoder
             only): they stay on the runner's device, its frames are what a client gets
             (copied to the host for an export or a checkpoint); True: always.
+        encoder_factory: None (text streams only), or ``(slots) ->`` a streaming video
+            encoder (``encode(frames, rows=)``, ``reset``, ``snapshot``, ``restore``,
+            ``close``, ``SPACE``, ``video_frames``: `framekv.engine.wan.StreamingVAEEncoder`):
+            video streams (`VideoIn`), their frames fed in (`feed`).
     """
 
     def __init__(self, preset="tiny", *, max_sessions: int = 8, slots: int | None = None,
@@ -100,7 +106,7 @@ class StreamScheduler(Steps, Turns, Deliveries, Moves, GpuLoop):
                  runner_factory=None, decoder_factory=None, ended_records: int = 1024,
                  swap_quantum: int = 16, kv_dtype=None, checkpoints=None,
                  overlap: bool | None = None, steps: int | None = None, gemm_dtype=None,
-                 host_latents: bool | None = None):
+                 host_latents: bool | None = None, encoder_factory=None):
         S = check_args(max_sessions, slots, queue_chunks, ended_records, swap_quantum, {
             "kv_dtype": kv_dtype, "steps": steps, "gemm_dtype": gemm_dtype}, runner_factory,
             decoder_factory)
@@ -152,6 +158,12 @@ class StreamScheduler(Steps, Turns, Deliveries, Moves, GpuLoop):
         self.overlap = Overlap(self.decode_stage) if on else None
         self.text_prompts = getattr(self.runner, "text_encoder", None) is not None
         self.model = self.runner.describe()
+        self._input_seconds = Histogram()
+        try:
+            self._start_video(encoder_factory)
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self, rows: int, parked: int, progress, decoder_factory):
         """Capture the graphs, start every row, reserve host memory for the parked streams
@@ -184,10 +196,13 @@ class StreamScheduler(Steps, Turns, Deliveries, Moves, GpuLoop):
         return check_prompt("prompt", prompt, self.prompt_shape).detach().to("cpu")
 
     def open_session(self, *, seed: int, prompt: torch.Tensor | str | None = None,
-                     chunks: int | None = None, paused: bool = False) -> Stream:
+                     chunks: int | None = None, paused: bool = False,
+                     video: float | None = None) -> Stream:
         """A new stream at position 0 (``prompt``: `prompt_shape` or text, default the
         runner's; ``chunks``: a budget, None for open-ended; ``paused``: no chunk until
-        `pause` (..., False)). It takes a slot at its first step. Raises `SchedulerFull`
+        `pause` (..., False); ``video``: None for a text stream, else a video stream's
+        strength, the scheduler's ``video_strength``: its frames come by `feed`). It
+        takes a slot at its first step. Raises `SchedulerFull`
         when ``max_sessions`` are open, ValueError for a bad argument, `LoopStopped`
         once the GPU loop has ended by an exception."""
         self._check_running()
@@ -196,13 +211,15 @@ class StreamScheduler(Steps, Turns, Deliveries, Moves, GpuLoop):
         if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
                                    or chunks < 1):
             raise ValueError(f"chunks must be None or an integer >= 1, got {chunks!r}")
+        intake = self._video_record(video)
         prompt = self._prompt(prompt)
         with self.lock:
             if len(self.sessions) >= self.max_sessions:
                 raise SchedulerFull(f"all {self.max_sessions} sessions are open")
             steps = self._counts["steps"]
             s = Stream(secrets.token_urlsafe(18), seed, chunks, prompt=prompt,
-                       paused=bool(paused), last_stepped=steps, slot_since=steps)
+                       paused=bool(paused), last_stepped=steps, slot_since=steps,
+                       intake=intake)
             self.sessions[s.id] = s
             self._mark_waiting(s)
             self.ready.notify_all()
@@ -220,10 +237,13 @@ class StreamScheduler(Steps, Turns, Deliveries, Moves, GpuLoop):
             if s.state == Phase.ACTIVE:
                 s.state = Phase.CLOSED
             s.end_reason, s.waiting_since, s.parked, s.decoder = reason, None, None, None
+            s.encoder = None
             s.delivery.clear()
             for c in s.pending:
                 c.settle(error=KeyError(session_id))
             self.ended.add(s.info())
+            if s.intake is not None:
+                s.intake.frames.clear()
             self.ready.notify_all()
         if self.checkpoints is not None:
             self.checkpoints.drop(session_id)
@@ -286,7 +306,9 @@ class StreamScheduler(Steps, Turns, Deliveries, Moves, GpuLoop):
         the host bytes those hold (``swapped_bytes``), swaps, their bytes and failures,
         rotations, steps (``rows``, ``scratch_rows``, ``batch_sizes``), chunks, failed
         steps, video frames, streams ended by reason (``ended``), histograms of step and
-        swap seconds and chunk latency, the device and `ChunkRunner.stats`; on CUDA
+        swap seconds and chunk latency, input frames in and dropped (``frames_in``,
+        ``frames_dropped``) and a histogram of input latency (``input_seconds``: a
+        chunk's newest input frame in to the chunk handed out), the device and `ChunkRunner.stats`; on CUDA
         torch's allocated bytes as of the last step (``gpu_allocated_bytes``)."""
         with self.lock:
             streams = list(self.sessions.values())
@@ -300,7 +322,8 @@ class StreamScheduler(Steps, Turns, Deliveries, Moves, GpuLoop):
                     "batch_sizes": dict(sorted(self._batch_sizes.items())),
                     "step_seconds": self._step_seconds.snapshot(),
                     "chunk_seconds": self._chunk_seconds.snapshot(),
-                    "swap_seconds": self.pool.seconds.snapshot(), **self.runner.stats()}
+                    "swap_seconds": self.pool.seconds.snapshot(),
+                    "input_seconds": self._input_seconds.snapshot(), **self.runner.stats()}
 
     def close(self) -> None:
         """Free the pool, the graphs and the decoder; flush the checkpoints."""
@@ -311,3 +334,5 @@ class StreamScheduler(Steps, Turns, Deliveries, Moves, GpuLoop):
             self.runner.close()
             if self.decode_stage is not None:
                 self.decode_stage.close()
+            if getattr(self, "encode_stage", None) is not None:
+                self.encode_stage.close()

@@ -17,6 +17,12 @@ made no chunk); its ``extra`` and ``extra_tensors`` carry the rest of the record
                        seconds, latency, batch, prompt_version, video_frame0); their
                        tensors ``chunk<i>.latents`` and ``chunk<i>.video``
     extra["decoder"]   None, or its decoder row's fields; the row's cache ``decoder.<j>``
+    extra["encoder"]   a video stream's encoder row (as the decoder's; ``encoder.<j>``)
+    extra["input"]     None (a text stream), or its `Intake`'s fields: the input
+                       cursor (``taken``: chunks of input taken, the next one's index;
+                       ``used``), the counts (``received``, ``dropped``), the geometry
+                       (``size``, ``first``, ``later``); the frames waiting ``input``
+                       [n, 3, H, W] (so a restart loses none it had)
 
 A state fits a scheduler whose runner describes itself the same way
 (`ChunkRunner.describe`; a refusal names each field that differs, nested ones by dotted
@@ -41,6 +47,7 @@ import time
 from ..cache import CorruptFile
 from ..stream_state import StreamState
 from .delivery import Delivery
+from .intake import Intake
 from .records import PromptChange, SessionChunk
 from .stream import Stream
 
@@ -59,20 +66,21 @@ _COUNTS = ("seed", "chunks", "frames", "prompt_version", "video_frames")
 
 
 def stream_state(s: Stream, stream: StreamState | None, decoder: dict | None, model: dict,
-                 decoding: bool) -> StreamState:
+                 decoding: bool, encoder: dict | None = None) -> StreamState:
     """``s`` as one `StreamState` (module doc): ``stream`` its runner state (None: it
-    has none, "start" or "none"), ``decoder`` its decoder row, ``model`` the runner's
-    `ChunkRunner.describe`. Host tensors only: nothing is copied but the latents of
-    chunks that keep theirs on a device."""
+    has none, "start" or "none"), ``decoder`` and ``encoder`` its coder rows, ``model``
+    the runner's `ChunkRunner.describe`. Host tensors only: nothing is copied but the
+    latents of chunks that keep theirs on a device."""
     tensors: dict = {}
     queue = [_chunk_record(j, c, tensors) for j, c in enumerate(s.delivery.queue)]
     kind = "none" if s.finished else "live" if stream is not None else "start"
-    if decoder is not None and kind == "live":
-        tensors.update({f"decoder.{j}": t for j, t in enumerate(decoder["cache"])})
-        decoder = {**{k: v for k, v in decoder.items() if k != "cache"},
-                   "cache": len(decoder["cache"])}
-    else:
-        decoder = None
+    decoder = _row_out("decoder", decoder if kind == "live" else None, tensors)
+    encoder = _row_out("encoder", encoder if kind == "live" else None, tensors)
+    video = None
+    if s.intake is not None:
+        video, waiting = s.intake.state()
+        if waiting is not None:
+            tensors["input"] = waiting
     start = s.prompt if kind == "start" else None
     for name, t in (("prompt", start), ("pending", s.pending_prompt if s.pending else None)):
         if t is not None:
@@ -81,11 +89,27 @@ def stream_state(s: Stream, stream: StreamState | None, decoder: dict | None, mo
               **{k: getattr(s, k) for k in _RECORD[:-1]}, "acked": s.delivery.acked}
     record["state"] = "done" if kind == "none" else "active"
     extra = {"session": record, "stream": kind, "decoding": bool(decoding), "queue": queue,
-             "decoder": decoder, "pending": s.pending[-1].version if s.pending else None}
+             "decoder": decoder, "encoder": encoder, "input": video,
+             "pending": s.pending[-1].version if s.pending else None}
     base = (stream if kind == "live" else
             StreamState(model, [], [], None, s.chunks, s.frames, (s.seed, 0)))
     return dataclasses.replace(base, chunks=s.chunks, frames=s.frames, noise=(s.seed, 0),
                                extra=extra, extra_tensors=tensors)
+
+
+def _row_out(name: str, row: dict | None, tensors: dict) -> dict | None:
+    """A coder row's fields, its cache's tensors into ``tensors`` as ``<name>.<j>``."""
+    if row is None:
+        return None
+    tensors.update({f"{name}.{j}": t for j, t in enumerate(row["cache"])})
+    return {**{k: v for k, v in row.items() if k != "cache"}, "cache": len(row["cache"])}
+
+
+def _row_in(name: str, row: dict | None, tensors: dict) -> dict | None:
+    """The coder row `_row_out` wrote."""
+    if row is None:
+        return None
+    return {**row, "cache": [tensors[f"{name}.{j}"] for j in range(row["cache"])]}
 
 
 def _chunk_record(j: int, c: SessionChunk, tensors: dict) -> dict:
@@ -123,6 +147,8 @@ def _stream_of(where, state: StreamState, decoding: bool) -> Stream:
                delivery=Delivery(_chunks(state, extra["queue"]), rec["acked"]))
     tensors = state.extra_tensors
     s.prompt = tensors.get("prompt")
+    if extra.get("input") is not None:
+        s.intake = Intake.from_state(extra["input"], tensors.get("input"))
     if extra["pending"] is not None:
         change = PromptChange(int(extra["pending"]), s.chunks)
         change.settle(s.chunks)  # accepted before it left: it takes as the stream comes back
@@ -132,8 +158,11 @@ def _stream_of(where, state: StreamState, decoding: bool) -> Stream:
     decoder = extra["decoder"]
     if decoding and decoder is None:
         raise ValueError(f"{where}: a decoded stream without its decoder row")
-    if decoder is not None:
-        s.decoder = {**decoder, "cache": [tensors[f"decoder.{j}"] for j in range(decoder["cache"])]}
+    s.decoder = _row_in("decoder", decoder, tensors)
+    if s.intake is not None:
+        if extra["encoder"] is None:
+            raise ValueError(f"{where}: a video stream without its encoder row")
+        s.encoder = _row_in("encoder", extra["encoder"], tensors)
     s.parked = dataclasses.replace(state, extra={}, extra_tensors={})
     return s
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..decode_stage import DecodePlan, DecodeResult, DecodeStage
+from ..encode_stage import EncodePlan, EncodeResult
 from ..step import StepPlan, StepResult
 from .stream import Stream
 
@@ -43,20 +44,23 @@ __all__ = ["Entry", "Overlap", "Step"]
 @dataclass
 class Entry:
     """One batch row's stream as planned: its record, chunk index, rope frame, whether
-    it is its first chunk, and when it became ready."""
+    it is its first chunk, when it became ready, and for a video stream when its
+    chunk's newest input frame came (else None)."""
 
     stream: Stream
     index: int
     frame0: int
     first: bool
     requested: float
+    received: float | None = None
 
 
 @dataclass(eq=False)
 class Step:
     """One step (module doc). ``plan``: the runner's work; ``decode``: the decoder's
     (None: no decoder); ``batch``: its streams, `Entry` each; ``taken``: the prompt
-    changes it takes, stream id -> (changes, prompt). Then ``started``
+    changes it takes, stream id -> (changes, prompt); ``encode``: the encoder's work
+    (None: no encoder). Then ``encoded`` (`EncodeResult`), ``started``
     (`time.perf_counter` at its run), ``res``, ``decoded``, ``latents`` (each stream's
     chunk latents; ``copied``: the event they are on the host after, None: there now)
     and ``made`` ((batch row, prompt version) of each chunk counted made)."""
@@ -71,13 +75,16 @@ class Step:
     latents: object = None
     copied: object = None
     made: list = field(default_factory=list)
+    encode: EncodePlan | None = None
+    encoded: EncodeResult | None = None
 
     @property
     def failed(self) -> dict[str, str]:
         """Stream id -> why its swap failed: the runner's reason, else its decoder
-        row's."""
+        row's, else its encoder row's (or its input's encode)."""
         rows = {} if self.decoded is None else self.decoded.failed
-        return {**self.res.failed, **rows}
+        enc = {} if self.encoded is None else self.encoded.failed
+        return {**enc, **self.res.failed, **rows}
 
     @property
     def error(self) -> BaseException | None:

@@ -39,6 +39,7 @@ import time
 import torch
 
 from ..decode_stage import DecodePlan, RowSwap
+from ..encode_stage import EncodePlan
 from ..step import StepPlan, Swap
 from .records import SessionChunk
 from .slots import pick_victim
@@ -62,19 +63,22 @@ class Steps:
         """The next step (lock held): its plans, its batch, the prompt changes it takes."""
         plan, steps = StepPlan(), self._counts["steps"]
         rows = DecodePlan() if self.decoding else None
+        enc = EncodePlan() if self.encode_stage is not None else None
         ready, batch = self._ready(), []
         keep = {s.id for s in ready}
         for s in ready:
-            if s.slot is None and not self._place(s, plan, rows, keep, steps):
+            if s.slot is None and not self._place(s, plan, (rows, enc), keep, steps):
                 continue
             batch.append(s)
         taken = self._rewrites(plan)
         stale = sorted(self._stale)
         if not batch and not plan.rewrites and not plan.swap_ins and not stale:
             return None
+        received = ([None] * len(batch) if enc is None       # no video in
+                    else self._take_inputs(enc, batch))
         entries = [Entry(s, s.chunks, s.frames, s.chunks == 0,
-                         s.waiting_since if s.waiting_since is not None else time.monotonic())
-                   for s in batch]
+                         s.waiting_since if s.waiting_since is not None else time.monotonic(),
+                         received[r]) for r, s in enumerate(batch)]
         if batch:
             B = min(b for b in self.batch_sizes if b >= len(batch))
             plan.rows = [s.slot for s in batch] + self._scratch[:B - len(batch)]
@@ -84,13 +88,14 @@ class Steps:
             plan.restarts = [r for r in stale if r in plan.rows]
         if rows is not None:
             rows.rows, rows.first = [s.slot for s in batch], [e.first for e in entries]
-        return Step(plan, rows, entries, taken)
+        return Step(plan, rows, entries, taken, encode=enc)
 
-    def _place(self, s: Stream, plan: StepPlan, rows: DecodePlan | None, keep: set,
-               steps: int) -> bool:
-        """Give ``s`` a slot in ``plan`` (and its decoder row in ``rows``): a free one,
-        else a victim's (swapped out)."""
-        slot = self.pool.take()
+    def _place(self, s: Stream, plan: StepPlan, coders: tuple, keep: set, steps: int) -> bool:
+        """Give ``s`` a slot in ``plan`` (and its decoder and encoder rows in ``coders``,
+        a `DecodePlan` and an `EncodePlan` or None each): a free one, else a victim's
+        (swapped out)."""
+        rows, enc = coders
+        slot, victim = self.pool.take(), None
         if slot is None:
             victim = pick_victim(self.sessions.values(), keep, self._is_ready)
             if victim is None:
@@ -109,6 +114,8 @@ class Steps:
             plan.swap_ins.append(Swap(s.id, slot, s.parked, rewrite))
         if rows is not None:              # no row state: its row starts over
             rows.swap_ins.append(RowSwap(s.id, slot, s.decoder))
+        if enc is not None:               # a server that takes video in
+            self._encode_rows(enc, victim, s, slot)
         s.parked, s.decoder = None, None
         self.pool.entries += 1
         s.slot, s.last_stepped, s.slot_since, s.entered = slot, steps, steps, self.pool.entries
@@ -163,6 +170,8 @@ class Steps:
         """The step's noise and sampler inputs drawn, then `ChunkRunner.execute` (no
         lock)."""
         step.started = time.perf_counter()
+        if step.encode is not None:
+            self._encode(step)
         if step.plan.rows:
             step.plan.draw_noise(self.chunk_shape,
                                  self.runner.sampling if self.runner.input_shapes else None)
@@ -209,6 +218,7 @@ class Steps:
             self._device["gpu_allocated_bytes"] = torch.cuda.memory_allocated(self.runner.device)
         failed = step.failed
         self._commit_swaps(step, failed)
+        self._fail_inputs(step, failed)
         self._settle_prompts(step.taken, step.res, failed)
         if step.error is not None:
             self._fail_batch(step.batch, _why(step.error))
@@ -245,7 +255,8 @@ class Steps:
                 continue
             self._deliver(s, SessionChunk(e.index, e.frame0, step.latents[r], seconds,
                                           len(step.plan.rows), version, self.frames_per_chunk,
-                                          frames[r], s.video_frames, e.requested, now))
+                                          frames[r], s.video_frames, e.requested, now,
+                                          e.received))
             made += 1
         self._counts["chunks"] += made
         self._counts["failed_steps"] += error is not None
@@ -271,6 +282,7 @@ class Steps:
         is one whose stream closed while it came in)."""
         res, plan = step.res, step.plan
         rows = {} if step.decoded is None else step.decoded.parked
+        enc = {} if step.encoded is None else step.encoded.parked
         for sw in plan.swap_outs:
             if self._swap_failed(sw.stream, failed):
                 continue
@@ -278,7 +290,7 @@ class Steps:
             self._swapped("swap_outs", sw.stream, state, res)
             s = self.sessions.get(sw.stream)
             if s is not None and s.slot is None:
-                s.parked, s.decoder = state, rows.get(sw.stream)
+                s.parked, s.decoder, s.encoder = state, rows.get(sw.stream), enc.get(sw.stream)
         for sw in plan.swap_ins:
             ok = not self._swap_failed(sw.stream, failed)
             if ok and sw.state is not None:
@@ -337,11 +349,21 @@ class Steps:
         """``s`` failed: its record keeps why, its slot is free (its next user starts it
         over), what it held off the pool is dropped."""
         s.state, s.error, s.waiting_since = Phase.FAILED, message, None
-        s.parked = s.decoder = None
+        s.parked = s.decoder = s.encoder = None
         if s.slot is not None:
             self.pool.give(s.slot)
             s.slot = None
         log.warning("stream %s failed: %s", s.id, message)
+
+    def _fail_inputs(self, step: Step, failed: dict) -> None:
+        """The video streams whose input failed to encode (not a swap: those are
+        settled with the swaps) fail with the reason."""
+        if step.encoded is None:
+            return
+        for sid in step.encoded.failed:
+            s = self.sessions.get(sid)
+            if s is not None and not s.finished and s.slot is not None:
+                self._fail(s, failed[sid])
 
     def _fail_batch(self, batch: list[Entry], message: str) -> None:
         """Fail the streams of a step that raised (each keeps ``message``); their rows and

@@ -18,6 +18,9 @@ decoder row's snapshot), or not started (neither: it starts at position 0 under
                        (`Delivery`: the unacknowledged ones, the reader, the last index
                        acknowledged)
     video_frames       decoded frames so far
+    intake             a video stream's incoming frames (`Intake`: its input cursor,
+                       what waits, what was dropped); None for a text stream. Its
+                       encoder row's snapshot is ``encoder`` while it is off the pool
     state (a `Phase`), paused, budget, error, end_reason, the scheduler's clocks
 
 So a stream leaves a process as one `StreamState` (`state_files.stream_state`) and
@@ -33,6 +36,7 @@ import torch
 from ..stream_state import StreamState
 from .records import PromptTooLate
 from .delivery import Delivery
+from .intake import Intake
 
 __all__ = ["Phase", "Stream"]
 
@@ -74,6 +78,8 @@ class Stream:
     parked: StreamState | None = None
     decoder: dict | None = None
     delivery: Delivery = field(default_factory=Delivery)
+    intake: Intake | None = None
+    encoder: dict | None = None
     paused: bool = False
     state: Phase = Phase.ACTIVE
     error: str | None = None
@@ -112,17 +118,24 @@ class Stream:
 
     @property
     def held_bytes(self) -> int:
-        """Host bytes it holds off the pool: its parked stream and decoder row."""
+        """Host bytes it holds off the pool: its parked stream, decoder and encoder
+        rows, and the input frames waiting."""
         n = 0 if self.parked is None else self.parked.nbytes
-        if self.decoder is not None:
-            n += sum(t.numel() * t.element_size() for t in self.decoder["cache"])
+        for row in (self.decoder, self.encoder):
+            if row is not None:
+                n += sum(t.numel() * t.element_size() for t in row["cache"])
+        if self.intake is not None:
+            n += sum(f.numel() * f.element_size() for f in self.intake.frames)
         return n
 
     def info(self) -> dict:
         """A JSON-able snapshot: id, state, paused, seed, chunks (made), delivered,
         waiting (made, not acknowledged), budget, prompt_version, error, resident
-        (on the pool), ended (whether it left the scheduler) and end_reason."""
-        return {"id": self.id, "state": self.state.value, "paused": self.paused,
+        (on the pool), ended (whether it left the scheduler) and end_reason; input
+        ("text" or "video") and for a video stream its `Intake.info` fields."""
+        video = {} if self.intake is None else self.intake.info()
+        return {"input": "text" if self.intake is None else "video", **video,
+                "id": self.id, "state": self.state.value, "paused": self.paused,
                 "seed": self.seed, "chunks": self.chunks,
                 "delivered": self.delivery.delivered, "waiting": len(self.delivery.queue),
                 "budget": self.budget, "prompt_version": self.prompt_version,

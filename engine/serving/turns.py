@@ -13,7 +13,8 @@ of the others').
 
 A stream is ready while it is active, not paused, has budget left and fewer than
 ``queue_chunks`` chunks unacknowledged (chunks in flight, an overlapped step's, count
-as queued and as made); each ready stream's clock runs from when it turned ready.
+as queued and as made) and, for a video stream, its next chunk's input frames in
+(`VideoIn`: it never runs ahead of its input); each ready stream's clock runs from when it turned ready.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class Turns:
         # chunks in flight (an overlapped step's) count as queued and as made
         return (s.state == Phase.ACTIVE and not s.paused
                 and len(s.delivery.queue) + s.inflight < self.queue_chunks
-                and (s.budget is None or s.chunks < s.budget))
+                and (s.budget is None or s.chunks < s.budget)
+                and (s.intake is None or s.intake.ready()))  # a video stream: its input in
 
     def _ready(self) -> list[Stream]:
         """The streams of the next step (at most S; none while held): the ready ones on

@@ -9,7 +9,8 @@ contract: ``command.py``).
     routes.py     the session routes and the socket's gate
     reader.py     one reader of a session's chunks, whatever carries them
     websocket.py  one session's socket: its framing, acknowledgements and control in
-    poll.py       the long poll: chunks out by GET, control messages in by POST
+    poll.py       the long poll: chunks out by GET, control messages and frames in by POST
+    frames_in.py  a video session's frames in: the frames_in message decoded and fitted
     control.py    the control messages, whatever carries them
     models.py     the request and response bodies (pydantic)
     auth.py       bearer tokens, and which pages' origins may open a socket

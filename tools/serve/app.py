@@ -47,6 +47,7 @@ import time
 import framekv
 
 from .errors import error_handlers
+from .frames_in import video_in
 from .metrics import metrics_registry, render
 from .wire import BODY_TIMEOUT_S, PROMPT_DTYPES, RequestError, chunk_frame, frames_message
 
@@ -236,7 +237,7 @@ class _Server:
                 "frame_format": self.frame_format if self.output == "frames" else None,
                 "max_sessions": s.max_sessions, "slots": s.slots,
                 "queue_chunks": s.queue_chunks,
-                "session_idle_timeout": self.idle_timeout,
+                "session_idle_timeout": self.idle_timeout, "video_in": video_in(s),
                 **({"replicas": [{k: v for k, v in r.items() if k != "pid"}
                                  for r in s.replica_info()]}
                    if hasattr(s, "replica_info") else {})}

@@ -27,7 +27,9 @@ WebSocket and /docs also ``?token=T``)::
     POST   /v1/sessions                  {"seed": int, "chunks": int?, "paused": bool?,
                                           and at most one of "text": str |
                                           "prompt_seed": int | "prompt": {"shape": [L,
-                                          D], "data": base64 float32}} -> 201 {"id"};
+                                          D], "data": base64 float32}, "input": "text"
+                                          | "video", "strength": S (video: the
+                                          server's --video-strength)} -> 201 {"id"};
                                           full: 503 + Retry-After; the GPU loop dead: 503
     GET    /v1/sessions/{id}             state, paused, connected, seed, chunks made and
                                          delivered, prompt_version, error, end_reason
@@ -56,8 +58,14 @@ WebSocket and /docs also ``?token=T``)::
                                          {"type": "prompt_ack", "prompt_version",
                                          "applies_from"}: the first chunk under it),
                                          {"type": "pause"}, {"type": "resume"}; a bad
-                                         one (binary included) is answered {"type":
-                                         "error", "error"}. Refused sockets close with
+                                         one is answered {"type": "error", "error"}.
+                                         Binary from the client: a video session's
+                                         frames, {"type": "frames_in", "format":
+                                         jpeg | webp | png | rgb24, width, height,
+                                         count, sizes} and the images (or rgb24
+                                         bytes), framed as a chunk; a bad one (or a
+                                         text session's) answered {"type": "error"}
+                                         (`framekv.tools.serve.frames_in`). Refused sockets close with
                                          a reason: 1008 (token), 4404 (no such session
                                          open), 4409 (a second socket on a session),
                                          4422 (an ``after`` beyond the chunks made:
@@ -68,6 +76,11 @@ WebSocket and /docs also ``?token=T``)::
                                          body; 204: none within s (10, at most 60); the
                                          end message (JSON) once every chunk is
                                          acknowledged (`framekv.tools.serve.poll`)
+    POST   /v1/sessions/{id}/frames      a video session's frames_in message as the
+                                         body -> {"frames_in", "frames_dropped",
+                                         "frames_waiting", "input_chunks",
+                                         "frames_needed"}; 400/413/422 a bad message,
+                                         409 a session that takes no frames
     POST   /v1/sessions/{id}/control     one of the socket's control messages (JSON):
                                          204, or a prompt's answer as PUT .../prompt's
 
@@ -91,6 +104,11 @@ as a picture of their latents, one image per latent frame at 8 times its size
 (`framekv.engine.serving.LatentPreview`, as for any family without a video decoder), so
 the page shows a stream of either.
 ``--output latents`` streams the latents themselves.
+``--video-strength S`` (a model with an encoder, ``--output frames``) takes video
+sessions: the runner samples video to video at S (`framekv.engine.samplers`' ``v2v``
+over its sampler), one streaming encoder row per slot beside the decoder's; a video
+session's chunk i is made once chunk i's frames are in, from their latents; below 1
+every session takes video (`framekv.engine.serving.video_in`).
 ``--kv-dtype fp8`` keeps either model's K/V pool in float8 e4m3 (half a bf16 pool's
 bytes; `framekv.engine.rollout.resolve_kv_dtype`); ``--fp8-gemm`` runs either model's
 block GEMMs in fp8 (`framekv.engine.fp8_linear`). ``--steps N`` runs N of the preset's
@@ -143,7 +161,7 @@ Python clients: `framekv.client.sessions` (``framekv.client``).
 import argparse
 import signal
 
-from ..args import bearer_token, int_in, origins, positive_int, seconds
+from ..args import bearer_token, int_in, origins, positive_int, seconds, strength
 from ..conventions import add_preset_arguments, fail as _fail, one_line_errors
 from ..model_flags import checked_model, loaded_model, model_options, model_parent
 from .app import FRAME_FORMATS, MAX_FPS, OUTPUTS, build_app, page_html, state_dir_path
@@ -177,6 +195,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fps", type=int_in(1, MAX_FPS), default=16,
                    help=f"the video's frame rate the page plays at, 1 to {MAX_FPS} "
                         "(default 16)")
+    p.add_argument("--video-strength", type=strength, default=None, metavar="S",
+                   help="take video sessions too ({\"input\": \"video\", \"strength\": "
+                        "S}: frames in, chunk i made from chunk i's frames), S in (0, 1]; "
+                        "the runner samples video to video at S (below 1 every session "
+                        "takes video); needs a model with an encoder and --output frames")
     _session_options(p)
     p.add_argument("--cache-dir", default=None, help="kernels and cuDNN plans kept on disk")
     p.add_argument("--device", default=None,
@@ -251,6 +274,23 @@ def check_checkpoint_every(args) -> None:
                          f"written to: got --checkpoint-every {every} and no --state-dir")
 
 
+def check_video_strength(args, output: str) -> None:
+    """ValueError for ``--video-strength`` a server cannot take: without frames out, or
+    a model family without an encoder, or one that runs no step (`video_options`)."""
+    S = getattr(args, "video_strength", None)
+    if S is None:
+        return
+    if output != "frames":
+        raise ValueError(f"--video-strength needs --output frames (the encoder follows the "
+                         f"decoder), got --output {output}")
+    from framekv.engine.models import get_model
+
+    try:
+        get_model(args.model).video_options(model_options(args), S)
+    except ValueError as exc:
+        raise ValueError(f"--video-strength {S:g}: {exc}") from None
+
+
 def fail(exc: Exception) -> int:
     """``exc`` as the command's one-line error; exit status 2."""
     return _fail("serve", exc)
@@ -271,6 +311,7 @@ def checked_options(args) -> dict:
         raise ValueError(f"--slots must be at most --max-sessions ({args.max_sessions}), "
                          f"got {args.slots}")
     check_checkpoint_every(args)
+    check_video_strength(args, output)
     state_dir = None if args.state_dir is None else state_dir_path(args.state_dir)
     return {"token": token, "output": output, "device": device, "preset": preset,
             "family": family, "model": model, "state_dir": state_dir}
@@ -290,6 +331,8 @@ def build_scheduler(args, options: dict):
                            device=options["device"], cache_dir=args.cache_dir, progress=True,
                            queue_chunks=args.queue_chunks,
                            decoder_factory=model.decoder if frames else None,
+                           encoder_factory=(model.encoder if getattr(args, "video_strength", None)
+                                            is not None else None),
                            overlap=False if getattr(args, "no_overlap", False) else None)
 
 

@@ -31,6 +31,10 @@ that reads `StreamScheduler.metrics` at every scrape, so several apps in one pro
     framekv_chunk_seconds            histogram  a chunk's latency: its session ready
                                                 for it -> it is queued
     framekv_swap_seconds             histogram  one swap out or in, its copies waited for
+    framekv_input_frames_total       counter    video sessions' input frames received
+    framekv_input_frames_dropped_total counter  input frames dropped (newer came first)
+    framekv_input_latency_seconds    histogram  a chunk's newest input frame received to
+                                                the chunk handed out to be sent
 
 `render` writes them in the format the scraper's ``Accept`` asks for (Prometheus text,
 or OpenMetrics) with prometheus_client's content type. Every series is a fixed-size
@@ -61,13 +65,19 @@ COUNTERS = (("steps", "framekv_steps", "Batched steps run."),
             ("failed_swaps", "framekv_failed_swaps",
              "Swaps that raised; each failed its session."),
             ("graph_replays", "framekv_graph_replays", "Whole-chunk graph replays."),
-            ("graph_captures", "framekv_graph_captures", "Graphs captured."))
+            ("graph_captures", "framekv_graph_captures", "Graphs captured."),
+            ("frames_in", "framekv_input_frames", "Video sessions' input frames received."),
+            ("frames_dropped", "framekv_input_frames_dropped",
+             "Input frames dropped: newer ones came before a chunk took them."))
 HISTOGRAMS = (("step_seconds", "framekv_step_seconds",
                "Seconds of a batched step, its decode included."),
               ("chunk_seconds", "framekv_chunk_seconds",
                "Seconds from a session being ready for a chunk to the chunk queued."),
               ("swap_seconds", "framekv_swap_seconds",
-               "Seconds of one swap out or in, its copies waited for."))
+               "Seconds of one swap out or in, its copies waited for."),
+              ("input_seconds", "framekv_input_latency_seconds",
+               "Seconds from a chunk's newest input frame received to the chunk handed "
+               "out to be sent (video sessions)."))
 
 
 class SchedulerCollector:

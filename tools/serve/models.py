@@ -74,6 +74,13 @@ class CreateSession(BaseModel):
     paused: bool = Field(False, description="Start paused: no chunk is made until a "
                          "resume message on the socket, so a prompt uploaded first "
                          "(PUT .../prompt) applies from chunk 0.")
+    input: Literal["text", "video"] = Field("text", description="video: the session takes "
+                                            "frames (frames_in messages on its socket, or "
+                                            "POST .../frames) and chunk i is made from "
+                                            "chunk i's frames (video to video).")
+    strength: float | int | None = Field(None, description="With input video: how far back "
+                                         "towards noise each chunk's input goes, in (0, 1] "
+                                         "(the server's, GET /v1/info video_in.strength).")
 
 
 class SessionCreated(BaseModel):
@@ -109,6 +116,17 @@ class SessionInfo(BaseModel):
     replica: str | None = Field(None, description="On a cluster (framekv serve --replicas): "
                                                   "the replica that holds it, or held it "
                                                   "last; null on one server.")
+    input: Literal["text", "video"] = Field("text", description="What its chunks are made "
+                                            "from besides the prompt.")
+    frames_in: int | None = Field(None, description="Input video: frames received.")
+    frames_dropped: int | None = Field(None, description="Input video: frames dropped "
+                                       "because newer ones came before a chunk took them.")
+    frames_waiting: int | None = Field(None, description="Input video: frames waiting for "
+                                       "the next chunk (at most one chunk's).")
+    input_chunks: int | None = Field(None, description="Input video: chunks of input taken "
+                                     "(the next one's index).")
+    frames_needed: int | None = Field(None, description="Input video: frames the next "
+                                      "chunk takes.")
 
 
 class PromptSpec(BaseModel):
@@ -131,6 +149,26 @@ class VideoFrames(BaseModel):
                                    "of the latents: F).")
 
 
+class FramesIn(BaseModel):
+    """A video session's input after ``POST .../frames``."""
+
+    frames_in: int = Field(description="Frames received.")
+    frames_dropped: int = Field(description="Frames dropped (newer ones came first).")
+    frames_waiting: int = Field(description="Frames waiting for the next chunk.")
+    input_chunks: int = Field(description="Chunks of input taken.")
+    frames_needed: int = Field(description="Frames the next chunk takes.")
+
+
+class VideoIn(BaseModel):
+    strength: float = Field(description="The strength video sessions ask for.")
+    width: int = Field(description="The model's video width (frames are fitted to it).")
+    height: int = Field(description="The model's video height.")
+    first: int = Field(description="Frames of a session's first chunk of input.")
+    later: int = Field(description="Frames of each later chunk of input.")
+    formats: list[str] = Field(description="frames_in formats taken.")
+    max_frames: int = Field(description="Frames one frames_in message may carry.")
+
+
 class ServerInfo(BaseModel):
     """``GET /v1/info``: what the server streams."""
 
@@ -148,6 +186,8 @@ class ServerInfo(BaseModel):
     queue_chunks: int = Field(description="Undelivered chunks a session holds at most.")
     session_idle_timeout: float = Field(description="Seconds a session may go without a "
                                                     "socket before it is ended (idle).")
+    video_in: VideoIn | None = Field(None, description="What a video session takes "
+                                     "(frames in); null where the server takes none.")
     replicas: list[dict] | None = Field(None, description="A cluster's replicas (id, "
                                         "sessions, max_sessions, slots, draining, "
                                         "takes_sessions: whether new sessions go there); "

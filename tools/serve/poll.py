@@ -1,7 +1,8 @@
 """The long-poll transport of `framekv serve` (`poll_routes`), for scripts, proxies and
 load balancers that do not take WebSockets: chunks out by ``GET
 /v1/sessions/{id}/chunks?after=I&wait=S``, control messages in by ``POST
-/v1/sessions/{id}/control``.
+/v1/sessions/{id}/control``, a video session's frames in by ``POST
+/v1/sessions/{id}/frames``.
 
 One request answers the next chunk after index I (the last index the client has;
 absent: the oldest chunk not yet acknowledged) and acknowledges every index up to I::
@@ -31,7 +32,11 @@ answer carries ``Cache-Control: no-store``.
 (`framekv.tools.serve.reader.apply_control`; read as ``POST /v1/sessions``' body is): an ack, a
 pause or a resume is answered 204; a prompt as ``PUT .../prompt`` answers (200
 ``prompt_ack`` once it took, 202 ``prompt_pending``, 500 if its re-cache failed).
-A browser page of another origin is refused 403 on both routes.
+``POST .../frames`` takes a video session's frames, one ``frames_in`` message (the
+socket's binary message, `framekv.tools.serve.frames_in`) as its raw body (at most
+`MAX_FRAMES_BYTES`): 200 with the session's input counts (`FramesIn`); 400, 413 or 422
+for a bad message, 409 for a session that takes no frames, 404 for one not open.
+A browser page of another origin is refused 403 on every route.
 (No ``from __future__ import annotations``: FastAPI reads the routes' annotations.)
 """
 import asyncio
@@ -41,10 +46,11 @@ import time
 from fastapi import Body, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from .models import ErrorBody, PromptAck, errors
+from .frames_in import MAX_FRAMES_BYTES, take_frames
+from .models import ErrorBody, FramesIn, PromptAck, errors
 from .reader import Reader, Superseded, apply_control
 from .routes import json_body_route, not_open, prompt_answer, socket_gone
-from .wire import RequestError
+from .wire import RequestError, read_body
 
 #: seconds a long poll waits for a chunk by default, and at most
 POLL_WAIT_S, MAX_POLL_WAIT_S = 10.0, 60.0
@@ -60,12 +66,17 @@ RESPONSES = {
     403: {"model": ErrorBody, "description": "A browser page of another origin than the "
                                              "server's (or --allowed-origins)."},
     **errors(401, 404, 422)}
+FRAMES_BODY = {"requestBody": {"required": True, "description": "One frames_in message "
+               "(framekv.tools.serve.frames_in): [uint32 BE header length][JSON header]"
+               "[images or rgb24 bytes]", "content": {"application/octet-stream": {
+                   "schema": {"type": "string", "format": "binary"}}}}}
 CONTROL_EXAMPLES = [{"type": "ack", "index": 3}, {"type": "pause"}, {"type": "resume"},
                     {"type": "prompt", "text": "a red fox in snow"}]
 
 
 def poll_routes(app, srv) -> None:
-    """GET /v1/sessions/{id}/chunks and POST /v1/sessions/{id}/control (module doc)."""
+    """GET /v1/sessions/{id}/chunks, POST /v1/sessions/{id}/control and POST
+    /v1/sessions/{id}/frames (module doc)."""
 
     async def control(request: Request, sid: str,
                       msg: dict = Body(..., examples=CONTROL_EXAMPLES)):
@@ -87,6 +98,20 @@ def poll_routes(app, srv) -> None:
         responses={204: {"description": "An ack, pause or resume applied."},
                    403: RESPONSES[403], **errors(400, 401, 404, 408, 411, 413, 422)},
         summary="A control message (ack, prompt, pause, resume) without a socket")
+
+    @app.post("/v1/sessions/{sid}/frames", response_model=FramesIn, openapi_extra=FRAMES_BODY,
+              dependencies=[Depends(srv.auth.dependency())],
+              responses={403: RESPONSES[403], **errors(400, 401, 404, 408, 409, 411, 413, 422)},
+              summary="A video session's frames: one frames_in message as the body")
+    async def frames(request: Request, sid: str):
+        _check_origin(srv, request)
+        if sid not in srv.sched.sessions:
+            raise await asyncio.to_thread(not_open, srv, sid)
+        raw = await read_body(request, srv.body_timeout, cap=MAX_FRAMES_BYTES)
+        try:
+            return await take_frames(srv.sched, sid, raw)
+        except KeyError:
+            raise await asyncio.to_thread(not_open, srv, sid) from None
 
     @app.get("/v1/sessions/{sid}/chunks", response_class=Response, responses=RESPONSES,
              dependencies=[Depends(srv.auth.dependency())],

@@ -147,7 +147,8 @@ def _creator(srv):
         prompt = parse_prompt(body.model_dump(exclude_none=True), srv.sched.prompt_shape)
         try:
             s = await asyncio.to_thread(srv.sched.open_session, seed=body.seed,
-                                        chunks=body.chunks, prompt=prompt, paused=body.paused)
+                                        chunks=body.chunks, prompt=prompt, paused=body.paused,
+                                        **_video(body))
         except SchedulerFull as exc:
             raise RequestError(503, str(exc), {"Retry-After": "5"}) from None
         except LoopStopped as exc:
@@ -157,6 +158,21 @@ def _creator(srv):
         srv.unattached[s.id] = time.monotonic()
         return SessionCreated(id=s.id)
     return create
+
+
+def _video(body) -> dict:
+    """``open_session``'s ``video`` keyword of a `CreateSession` (none for text input:
+    so a scheduler without video input takes it as ever); 422 for a strength without
+    video input."""
+    if body.input == "video":
+        if body.strength is None:
+            raise RequestError(422, "strength must be given with input video: a number in "
+                                    "(0, 1] (the server's: GET /v1/info video_in.strength)")
+        return {"video": body.strength}
+    if body.strength is not None:
+        raise RequestError(422, f"strength is for input video, got strength={body.strength!r} "
+                                f"with input {body.input!r}")
+    return {}
 
 
 async def _upload(srv, sid: str, request, shape: str, dtype: str) -> PromptAck:

@@ -7,8 +7,11 @@ The messages are those of `framekv.tools.serve`'s module doc. The client acknowl
 chunks with ``{"type": "ack", "index": i}`` (every chunk up to i): a chunk stays the
 session's until acknowledged, and a session with ``queue_chunks`` chunks unacknowledged
 (sent or not) makes no more, so a client that stops reading stops its stream. Other
-control messages are JSON text too; a binary one, bad JSON or a bad value is answered
-``{"type": "error", "error"}`` and the session goes on. A prompt change is answered
+control messages are JSON text too; bad JSON or a bad value is answered
+``{"type": "error", "error"}`` and the session goes on. A binary message from the
+client is a video session's frames (``frames_in``, `framekv.tools.serve.frames_in`):
+taken without an answer, or, when bad (or the session takes no frames), answered
+``{"type": "error", "error"}``; the session goes on. A prompt change is answered
 ``{"type": "prompt_ack", "prompt_version", "applies_from"}`` once it took (chunks from
 index ``applies_from`` on are made under it), or ``{"type": "error"}`` if its re-cache
 failed (the session goes on under its old prompt).
@@ -28,6 +31,7 @@ import asyncio
 import contextlib
 import json
 
+from .frames_in import NoFrames, take_frames
 from .reader import Superseded, apply_control
 from .wire import RequestError, json_body
 
@@ -99,9 +103,9 @@ async def _receive(ws, sched, sid: str) -> None:
         if msg["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(msg.get("code", 1000), msg.get("reason"))
         try:
-            if msg.get("text") is None:
-                raise RequestError(400, f"a control message must be JSON text, got a binary "
-                                        f"message of {len(msg.get('bytes') or b'')} bytes")
+            if msg.get("text") is None:           # a video session's frames
+                await _frames(sched, sid, msg.get("bytes") or b"")
+                continue
             change = await apply_control(sched, sid, json_body(msg["text"].encode()))
         except KeyError:  # the session ended meanwhile: the sender says how
             return await asyncio.Event().wait()
@@ -110,6 +114,16 @@ async def _receive(ws, sched, sid: str) -> None:
             continue
         if change is not None:          # answered once it took
             asyncio.ensure_future(_prompt_reply(ws, change))
+
+
+async def _frames(sched, sid: str, raw: bytes) -> None:
+    """A binary message: a video session's frames; for a session that takes none, the
+    error says what the socket takes from it instead."""
+    try:
+        await take_frames(sched, sid, raw)
+    except NoFrames as exc:
+        raise RequestError(400, f"a control message must be JSON text, got a binary message "
+                                f"of {len(raw)} bytes ({exc.message})") from None
 
 
 async def _prompt_reply(ws, change) -> None:
