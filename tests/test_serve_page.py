@@ -5,8 +5,9 @@ its canvas at the video's frame rate, changes the prompt mid-stream (the server'
 acknowledged prompt_version shown, frames of it drawn after), stops (the server frees
 the slot), and logs no console or page error on the way. Against the plain ``framekv
 serve`` (the reference model, no token) the page never shows the token field, not even
-before /health answers, and draws the pictures of the model's latents. /docs renders
-the API from /openapi.json with every request to the server itself.
+before /health answers, and draws the pictures of the model's latents. A camera the
+browser denies is a message beside the source, and the text prompt still streams.
+/docs renders the API from /openapi.json with every request to the server itself.
 """
 from __future__ import annotations
 
@@ -102,6 +103,28 @@ def test_the_plain_server_draws_its_latents_and_never_shows_a_token_field(plain_
         assert page.get_attribute("body", "data-state") == "streaming"
         page.click("#stop")
         assert page.text_content("#status") == "stopped"
+    slot_freed(base)
+    assert problems == []
+
+
+def test_a_denied_camera_says_so_and_the_text_prompt_still_streams(server):
+    base, _ = server
+    problems = []
+    with browser_page(problems) as page:
+        page.add_init_script("""navigator.mediaDevices.getUserMedia = () =>
+            Promise.reject(new DOMException("denied", "NotAllowedError"));""")
+        page.goto(f"{base}/")
+        wait(page, READY)
+        page.fill("#token", TOKEN)
+        page.select_option("#source", "camera")
+        wait(page, "document.getElementById('camera-note').textContent !== ''")
+        assert page.text_content("#camera-note") == (
+            "permission to use the camera was denied: the text prompt still works")
+        assert page.input_value("#source") == "text" and page.is_hidden("#camera")
+        page.click("#start")
+        wait(page, drawn_over(0))
+        assert page.text_content("#frames-sent") == "-"        # no frame sent
+        page.click("#stop")
     slot_freed(base)
     assert problems == []
 
