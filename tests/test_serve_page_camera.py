@@ -1,13 +1,12 @@
 """The page's camera source in a real headless Chromium with a fake camera against a
 real ``framekv serve --model wan-diffusers --config tiny --video-strength 0.75`` process
-(CPU): switched to
-Camera, the page shows the camera beside the output, starts a video-to-video session
-at the slider's strength, sends the camera's frames as frames_in messages at the
-session's frame rate, draws the chunks made from them and shows a moving input to
-output latency. A frames_in message the page packs is what `framekv.specs.wire`
+(CPU): switched to Camera, the page shows the camera beside the output, starts a
+video-to-video session at the slider's strength (one not the server's: refused, said
+why), sends the camera's frames as frames_in messages at the session's frame rate,
+draws the chunks made from them and shows a moving input to output latency. A frames_in message the page packs is what `framekv.specs.wire`
 decodes. A page that gets no chunk back sends two chunks of frames at the frame rate
-and no more, all taken by the server, none dropped. (A denied camera: tests/test_serve_page.py, against
-a text server.)
+and no more, all taken by the server, none dropped; a camera that goes is a message.
+(A denied camera: tests/test_serve_page.py, against a text server.)
 """
 from __future__ import annotations
 
@@ -99,7 +98,8 @@ def test_the_camera_streams_through_the_model_with_its_latency(server):
 
 def test_a_page_that_gets_no_chunk_sends_two_chunks_of_frames_and_stops(server):
     """The server's messages never reach the page (a routed socket): it sends chunk 0's
-    and chunk 1's frames, then none, and the server took every one, dropping none."""
+    and chunk 1's frames, then none, and the server took every one, dropping none. Then
+    the camera ends: the page says so and is back on its text source."""
     import httpx
 
     base, _ = server
@@ -127,6 +127,12 @@ def test_a_page_that_gets_no_chunk_sends_two_chunks_of_frames_and_stops(server):
         info = httpx.get(f"{base}/v1/sessions/{sid}").json()
         assert (info["frames_in"], info["frames_dropped"]) == (want, 0), info
         assert page.text_content("#io-latency") == "-"
+        # the camera goes (unplugged): said so, back to text
+        page.evaluate("document.getElementById('camera').srcObject.getVideoTracks()[0]"
+                      ".dispatchEvent(new Event('ended'))")
+        assert page.text_content("#camera-note") == (
+            "the camera stopped: the text prompt still works")
+        assert page.input_value("#source") == "text" and page.is_hidden("#camera")
         page.click("#stop")
     slot_freed(base)
     assert problems == []

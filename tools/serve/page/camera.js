@@ -10,34 +10,32 @@
 const Camera = (() => {
   const el = (id) => document.getElementById(id);
   const LATENCY_CHUNKS = 8;   // the median's window
-  const FIRST_SIDE = 256;     // the longest side sent until a chunk tells the model's size
+  const FIRST_SIDE = 256;     // the longest side sent while nothing told the model's size
   const MAX_BUFFERED = 1 << 20;   // bytes the socket may hold unsent before a frame is skipped
   const QUALITY = 0.8;
   const C = { stream: null, ws: null, timer: null, fps: 16, sent: 0, nextAt: 0, busy: false,
               sentAt: new Map(), latencies: [], size: null, canvas: null, chunkFrames: null,
               received: 0, covered: 0, touched: false };
 
-  /** One wire message (specs/wire.py): [n: uint32 BE][n bytes of JSON header][payload]. */
-  function encodeMessage(header, payload) {
+  /** One wire message (specs/wire.py): [n: uint32 BE][n bytes of JSON header][payload],
+   * the payload the ArrayBuffers ``parts`` back to back. */
+  function encodeMessage(header, parts) {
     const head = new TextEncoder().encode(JSON.stringify(header));
-    const body = new Uint8Array(payload);
-    const out = new Uint8Array(4 + head.length + body.length);
+    const out = new Uint8Array(4 + head.length + parts.reduce((n, b) => n + b.byteLength, 0));
     new DataView(out.buffer).setUint32(0, head.length, false);
     out.set(head, 4);
-    out.set(body, 4 + head.length);
+    let at = 4 + head.length;
+    for (const b of parts) {
+      out.set(new Uint8Array(b), at);
+      at += b.byteLength;
+    }
     return out.buffer;
   }
 
   /** A frames_in message of encoded images (ArrayBuffers), all width x height. */
   function framesIn(images, format, width, height) {
-    const payload = new Uint8Array(images.reduce((n, b) => n + b.byteLength, 0));
-    let at = 0;
-    for (const b of images) {
-      payload.set(new Uint8Array(b), at);
-      at += b.byteLength;
-    }
     return encodeMessage({ type: "frames_in", format, width, height, count: images.length,
-                           sizes: images.map((b) => b.byteLength) }, payload);
+                           sizes: images.map((b) => b.byteLength) }, images);
   }
 
   function explain(err) {
@@ -65,6 +63,11 @@ const Camera = (() => {
       el("camera-note").textContent = explain(err) + ": the text prompt still works";
       return release();
     }
+    C.stream.getVideoTracks()[0].addEventListener("ended", () => {
+      el("source").value = "text";
+      el("camera-note").textContent = "the camera stopped: the text prompt still works";
+      release();
+    });
     const video = el("camera");
     video.srcObject = C.stream;
     video.hidden = false;
@@ -105,11 +108,11 @@ const Camera = (() => {
   /** The session's socket is open: send frames on it at ``fps`` until `halt`. */
   function opened(ws, fps) {
     halt();
+    el("frames-sent").textContent = C.stream ? "0" : "-";
+    el("io-latency").textContent = "-";
     if (!C.stream) return;
     Object.assign(C, { ws, fps, sent: 0, nextAt: performance.now(), sentAt: new Map(),
                        latencies: [], received: 0, covered: 0 });
-    el("frames-sent").textContent = "0";
-    el("io-latency").textContent = "-";
     pace();
   }
 
@@ -117,7 +120,8 @@ const Camera = (() => {
     const now = performance.now();
     if (now >= C.nextAt) {
       if (!C.busy) send();                 // one frame in encoding at a time: a slow one skips
-      C.nextAt = Math.max(C.nextAt + 1000 / C.fps, now - 250);
+      C.nextAt += 1000 / C.fps;
+      if (C.nextAt < now) C.nextAt = now + 1000 / C.fps;   // late by a frame: skip, no burst
     }
     C.timer = setTimeout(pace, Math.max(0, C.nextAt - performance.now()));
   }
