@@ -40,8 +40,9 @@ class VideoIn:
         ``video_chunk_frames`` (first, later), ``video_strength``; all None without an
         encoder."""
         sampling = self.runner.sampling
-        self.video_strength = (sampling.options["strength"] if isinstance(
-            sampling, VideoToVideoSampler) else 1.0) if encoder_factory is not None else None
+        self._sampled_at = (sampling.options["strength"]
+                            if isinstance(sampling, VideoToVideoSampler) else 1.0)
+        self.video_strength = self._sampled_at if encoder_factory is not None else None
         self._counts.update(frames_in=0, frames_dropped=0)
         self.encode_stage = self.video_size = self.video_chunk_frames = None
         if encoder_factory is None:
@@ -56,9 +57,9 @@ class VideoIn:
         """A new stream's `Intake` (``video``: its strength; None: a text stream), or a
         ValueError naming what this scheduler takes."""
         if video is None:
-            if self.video_strength is not None and self.video_strength < 1:
+            if self._sampled_at < 1:
                 raise ValueError(f"input must be video here: this server samples video to "
-                                 f"video at strength {self.video_strength:g}, a text session "
+                                 f"video at strength {self._sampled_at:g}, a text session "
                                  f"would have no input for its chunks")
             return None
         from ..samplers import check_strength
