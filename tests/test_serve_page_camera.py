@@ -1,12 +1,14 @@
 """The page's camera source in a real headless Chromium with a fake camera against a
-real ``framekv serve --model wan-diffusers --config tiny --video-strength 0.75`` process
-(CPU): switched to Camera, the page shows the camera beside the output, starts a
-video-to-video session at the slider's strength (one not the server's: refused, said
-why), sends the camera's frames as frames_in messages at the session's frame rate,
-draws the chunks made from them and shows a moving input to output latency. A frames_in message the page packs is what `framekv.specs.wire`
-decodes. A page that gets no chunk back sends two chunks of frames at the frame rate
-and no more, all taken by the server, none dropped; a camera that goes is a message.
-(A denied camera: tests/test_serve_page.py, against a text server.)
+real ``framekv serve --model wan-diffusers --config tiny --video-strength 0.75``
+process (CPU): switched to Camera, the page shows the camera beside the output,
+starts a video-to-video session at the slider's strength (one not the server's:
+refused, said why), sends the camera's frames as frames_in messages (one JPEG of the
+model's size each) at the session's frame rate, draws the chunks made from them and
+shows a moving input to output latency. A frames_in message the page packs is what
+`framekv.specs.wire` decodes. A page that gets no chunk back sends two chunks of
+frames at the frame rate and no more, all taken by the server, none dropped; a camera
+that goes is a message. (A denied camera: tests/test_serve_page.py, against a text
+server.)
 """
 from __future__ import annotations
 
@@ -51,12 +53,31 @@ def _packs_what_the_wire_codec_decodes(page) -> None:
     assert wire.split_images(header, payload) == [bytes([1, 2, 3]), bytes([250, 251])]
 
 
+def _frames_are_jpegs_of_the_model_size(sent: list, width: int, height: int) -> None:
+    """The binary messages the page sent on its socket: frames_in of one JPEG each, the
+    camera's center cut to the model's ``width`` x ``height``."""
+    import io
+
+    from PIL import Image
+
+    from framekv.specs import wire
+
+    frames = [wire.decode(m) for m in sent if isinstance(m, bytes)]
+    assert len(frames) >= 5, sent[:3]
+    for header, payload in frames:
+        assert header == {"type": "frames_in", "format": "jpeg", "width": width,
+                          "height": height, "count": 1, "sizes": [len(payload)]}, header
+        image = Image.open(io.BytesIO(payload))
+        assert (image.format, image.size) == ("JPEG", (width, height))
+
+
 def test_the_camera_streams_through_the_model_with_its_latency(server):
     base, _ = server
-    problems, created = [], []
+    problems, created, sent = [], [], []
     with browser_page(problems, FAKE_CAMERA) as page:
         page.on("request", lambda r: created.append(r.post_data_json)
                 if r.method == "POST" and r.url.endswith("/v1/sessions") else None)
+        page.on("websocket", lambda ws: ws.on("framesent", lambda m: sent.append(m)))
         page.goto(f"{base}/")
         wait(page, READY)
         _packs_what_the_wire_codec_decodes(page)
@@ -78,6 +99,7 @@ def test_the_camera_streams_through_the_model_with_its_latency(server):
         assert (canvas["width"], canvas["height"]) == (64, 64), canvas
         assert canvas["colours"] > 16, canvas       # a picture, not a blank canvas
         assert number(page, "#frames-sent") >= 5
+        _frames_are_jpegs_of_the_model_size(sent, 64, 64)
         wait(page, "document.getElementById('io-latency').textContent.endsWith(' ms')")
         first, chunks = _latency_ms(page), number(page, "#chunks")
         assert first > 0, first

@@ -132,8 +132,8 @@ const Camera = (() => {
     if (ws.bufferedAmount > MAX_BUFFERED || C.sent >= ahead()) return;
     C.busy = true;
     try {
-      const [w, h] = fit(video.videoWidth, video.videoHeight);
-      const jpeg = await encode(video, w, h);
+      const [crop, w, h] = fit(video.videoWidth, video.videoHeight);
+      const jpeg = await encode(video, crop, w, h);
       if (C.ws !== ws || ws.readyState !== WebSocket.OPEN) return;
       ws.send(framesIn([jpeg], "jpeg", w, h));
       C.sentAt.set(C.sent, performance.now());
@@ -154,24 +154,32 @@ const Camera = (() => {
   }
 
   function fit(width, height) {
-    // The model's size once a chunk has told it (the server covers and crops the rest;
-    // a frame no larger than needed to cover it keeps the crop), FIRST_SIDE before.
-    const scale = C.size ? Math.max(C.size[0] / width, C.size[1] / height)
-                         : FIRST_SIDE / Math.max(width, height);
-    const s = Math.min(1, scale);
-    return [Math.max(1, Math.round(width * s)), Math.max(1, Math.round(height * s))];
+    // ([sx, sy, sw, sh] of the camera, width, height) of the frame sent: once the
+    // model's size is known, the camera's center cut to its aspect (the crop the server
+    // would make) at that size, or the cut's own where the camera is smaller; before,
+    // the whole camera at FIRST_SIDE on its long side at most.
+    if (!C.size) {
+      const s = Math.min(1, FIRST_SIDE / Math.max(width, height));
+      return [[0, 0, width, height], Math.max(1, Math.round(width * s)),
+              Math.max(1, Math.round(height * s))];
+    }
+    const [W, H] = C.size;
+    const s = Math.min(width / W, height / H);       // camera pixels a model pixel covers
+    const sw = W * s, sh = H * s, k = Math.min(1, s);
+    return [[(width - sw) / 2, (height - sh) / 2, sw, sh],
+            Math.max(1, Math.round(W * k)), Math.max(1, Math.round(H * k))];
   }
 
-  async function encode(video, w, h) {
+  async function encode(video, crop, w, h) {
     if (typeof OffscreenCanvas !== "undefined") {
       const c = new OffscreenCanvas(w, h);
-      c.getContext("2d").drawImage(video, 0, 0, w, h);
+      c.getContext("2d").drawImage(video, ...crop, 0, 0, w, h);
       return (await c.convertToBlob({ type: "image/jpeg", quality: QUALITY })).arrayBuffer();
     }
     const c = C.canvas || (C.canvas = document.createElement("canvas"));
     c.width = w;
     c.height = h;
-    c.getContext("2d").drawImage(video, 0, 0, w, h);
+    c.getContext("2d").drawImage(video, ...crop, 0, 0, w, h);
     const blob = await new Promise((ok) => c.toBlob(ok, "image/jpeg", QUALITY));
     return blob.arrayBuffer();
   }
