@@ -137,7 +137,7 @@ def test_a_closed_session_leaves_a_bounded_record_of_how_it_ended(sched):
     assert sched.session_info(s.id) == {
         "id": s.id, "state": "closed", "paused": False, "seed": 5, "chunks": 2, "delivered": 1,
         "waiting": 0, "budget": 3, "prompt_version": 1, "error": None, "resident": True,
-        "ended": True, "end_reason": "idle"}
+        "ended": True, "end_reason": "idle", "input": "text"}
     assert not s.delivery.queue and sched.metrics()["ended"]["idle"] >= 1
     assert sched.session_info("x") is None
     kept = EndedSessions(2)

@@ -278,7 +278,8 @@ def test_openapi_states_bodies_and_errors_and_the_docs_are_local(server):
     post = paths["/v1/sessions"]["post"]
     assert post["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/CreateSession"}
-    assert {"seed", "chunks", "text", "prompt_seed", "prompt", "paused"} == set(
+    assert {"seed", "chunks", "text", "prompt_seed", "prompt", "paused", "input",
+            "strength"} == set(
         schemas["CreateSession"]["properties"]) and schemas["CreateSession"]["required"] == ["seed"]
     delete = paths["/v1/sessions/{sid}"]["delete"]["responses"]
     assert "content" not in delete["204"] and set(delete) == {"204", "401", "404", "422"}
@@ -313,10 +314,12 @@ def test_info_and_a_session_record_describe_what_streams(server):
         "latents": {"layout": ["C", "F", "H", "W"], "shape": [C, F, H, W], "dtype": "float32"},
         "frames_per_chunk": F, "video_frames_per_chunk": None, "fps": 16, "output": "latents",
         "frame_format": None, "max_sessions": 4, "slots": 4, "queue_chunks": 2,
-        "session_idle_timeout": 0.4}
+        "session_idle_timeout": 0.4, "video_in": None}     # no encoder: no frames in
     sid = create(http, seed=6, chunks=2, prompt_seed=3, paused=True)
     base = {"id": sid, "seed": 6, "budget": 2, "prompt_version": 0, "error": None,
-            "replica": None}                            # one server: no replica to name
+            "replica": None,                            # one server: no replica to name
+            "input": "text", **dict.fromkeys(("frames_in", "frames_dropped", "frames_waiting",
+                                              "input_chunks", "frames_needed"))}
     assert http.get(f"/v1/sessions/{sid}").json() == {
         **base, "state": "active", "paused": True, "connected": False, "chunks": 0,
         "delivered": 0, "ended": False, "end_reason": None}

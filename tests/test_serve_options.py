@@ -3,9 +3,13 @@ on the CPU, in this process (nothing is served).
 
 The command warns once when bound beyond loopback without a token, and reads a
 ``--decoder tiny:PATH`` file before any model is built, never passing on torch's advice
-to load it with ``weights_only=False``.
+to load it with ``weights_only=False``; a ``--video-strength`` it cannot take (no
+encoder, latents out, a strength that runs no step or is out of range) is one line,
+exit 2, before any model is built.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -59,3 +63,29 @@ def test_a_bad_decoder_file_is_refused_before_any_model_is_built(tmp_path, monke
 
 class _Unpicklable:
     """An object torch's weights-only loader refuses (a class of this module)."""
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--video-strength", "0.5"], "--video-strength 0.5: a video input needs a model "
+                                  "family with an encoder"),
+    (["--model", "wan-diffusers", "--video-strength", "0.5", "--output", "latents"],
+     "--video-strength needs --output frames"),
+    (["--model", "wan-diffusers", "--video-strength", "0.01"],
+     "--video-strength 0.01: strength 0.01 runs none of the steps"),
+    (["--model", "wan-diffusers", "--video-strength", "1.5"],
+     "--video-strength: must be a number in (0, 1], got 1.5")])
+def test_a_video_strength_a_server_cannot_take_is_refused_before_any_model_is_built(
+        monkeypatch, capsys, argv, words):
+    pytest.importorskip("diffusers")
+
+    def built_(*a, **k):
+        raise AssertionError("a model was built before --video-strength was checked")
+
+    for name in ("build_model", "load_model"):
+        monkeypatch.setattr(f"framekv.engine.wan.pipeline.{name}", built_)
+    monkeypatch.delenv("FRAMEKV_TOKEN", raising=False)
+    with pytest.raises(SystemExit) if "1.5" in argv else contextlib.nullcontext():
+        status = main(["serve", "--device", "cpu", *argv])
+        assert status == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err

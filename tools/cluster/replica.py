@@ -83,7 +83,10 @@ class Replica:
                 "dtype": str(s.runner.dtype).removeprefix("torch."),
                 "video_frames": ([s.decoder.video_frames(F, True), s.decoder.video_frames(F, False)]
                                  if s.decoding else None),
-                "output": self.options["output"], "queue_chunks": s.queue_chunks}
+                "output": self.options["output"], "queue_chunks": s.queue_chunks,
+                "video_in": None if s.video_size is None else {
+                    "strength": s.video_strength, "size": list(s.video_size),
+                    "chunk_frames": list(s.video_chunk_frames)}}
 
     def routing(self) -> dict:
         """Its id, process id, sessions open and allowed, slots, and why its loop
@@ -110,10 +113,15 @@ class Replica:
         await self._wait(self.sched.hold, held)
 
     # ------------------------------------------------------------------ a session
-    async def open_session(self, *, seed: int, chunks=None, prompt=None, paused=False) -> str:
+    async def open_session(self, *, seed: int, chunks=None, prompt=None, paused=False,
+                           video=None) -> str:
         s = await self._wait(self.sched.open_session, seed=seed, chunks=chunks, prompt=prompt,
-                             paused=paused)
+                             paused=paused, video=video)
         return s.id
+
+    def feed(self, sid: str, frames) -> dict:
+        """A video session's frames in (`StreamScheduler.feed`), received now."""
+        return self.sched.feed(sid, frames)
 
     def session_info(self, sid: str) -> dict | None:
         return self.sched.session_info(sid)

@@ -61,6 +61,10 @@ class ClusterSessions(Moves):
         self.frames_per_chunk, self.decoding = described["frames_per_chunk"], described["decoding"]
         self.text_prompts, self.queue_chunks = described["text"], described["queue_chunks"]
         self.runner = self.decoder = PartsShim(described["dtype"], described["video_frames"])
+        video = described.get("video_in")       # what a video session takes, or None
+        self.video_strength = None if video is None else video["strength"]
+        self.video_size = None if video is None else tuple(video["size"])
+        self.video_chunk_frames = None if video is None else tuple(video["chunk_frames"])
         self.lock = threading.RLock()
         self.where: dict[str, str] = {}            # session id -> replica id
         self.budgets: dict[str, tuple] = {}        # session id -> (seed, chunks budget)
@@ -150,15 +154,17 @@ class ClusterSessions(Moves):
         return best[3]
 
     # ------------------------------------------------------------------ sessions
-    def open_session(self, *, seed: int, chunks=None, prompt=None, paused: bool = False):
-        """A new session on the replica with the most free sessions; `SchedulerFull`
-        when none has room (or none is up). Returns a record with its ``id``."""
+    def open_session(self, *, seed: int, chunks=None, prompt=None, paused: bool = False,
+                     video=None):
+        """A new session on the replica with the most free sessions (``video``: a
+        video session's strength); `SchedulerFull` when none has room (or none is up).
+        Returns a record with its ``id``."""
         with self.lock:
             rid = self._pick()
             self.placing[rid] += 1
         try:
             sid = self._call(rid, "open_session", seed=seed, chunks=chunks, prompt=prompt,
-                             paused=paused)
+                             paused=paused, **({} if video is None else {"video": video}))
         except ReplicaGone as exc:
             raise SchedulerFull(f"{exc}: try again") from None
         finally:
@@ -207,6 +213,11 @@ class ClusterSessions(Moves):
             self.readers.pop(sid, None)
             self.acks.pop(sid, None)
             self._remember(sid, rid)
+
+    def feed(self, sid: str, frames, when=None) -> dict:
+        """A video session's frames to its replica (`StreamScheduler.feed`; their
+        latency runs from the replica's receipt): its input counts."""
+        return self._on_session(sid, "feed", frames)
 
     def pause(self, sid: str, paused: bool = True) -> None:
         self._on_session(sid, "pause", paused)

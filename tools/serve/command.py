@@ -27,7 +27,9 @@ WebSocket and /docs also ``?token=T``)::
     POST   /v1/sessions                  {"seed": int, "chunks": int?, "paused": bool?,
                                           and at most one of "text": str |
                                           "prompt_seed": int | "prompt": {"shape": [L,
-                                          D], "data": base64 float32}} -> 201 {"id"};
+                                          D], "data": base64 float32}, "input": "text"
+                                          | "video", "strength": S (video: the
+                                          server's --video-strength)} -> 201 {"id"};
                                           full: 503 + Retry-After; the GPU loop dead: 503
     GET    /v1/sessions/{id}             state, paused, connected, seed, chunks made and
                                          delivered, prompt_version, error, end_reason
@@ -56,8 +58,14 @@ WebSocket and /docs also ``?token=T``)::
                                          {"type": "prompt_ack", "prompt_version",
                                          "applies_from"}: the first chunk under it),
                                          {"type": "pause"}, {"type": "resume"}; a bad
-                                         one (binary included) is answered {"type":
-                                         "error", "error"}. Refused sockets close with
+                                         one is answered {"type": "error", "error"}.
+                                         Binary from the client: a video session's
+                                         frames, {"type": "frames_in", "format":
+                                         jpeg | webp | png | rgb24, width, height,
+                                         count, sizes} and the images (or rgb24
+                                         bytes), framed as a chunk; a bad one (or a
+                                         text session's) answered {"type": "error"}
+                                         (`framekv.tools.serve.frames_in`). Refused sockets close with
                                          a reason: 1008 (token), 4404 (no such session
                                          open), 4409 (a second socket on a session),
                                          4422 (an ``after`` beyond the chunks made:
@@ -68,6 +76,11 @@ WebSocket and /docs also ``?token=T``)::
                                          body; 204: none within s (10, at most 60); the
                                          end message (JSON) once every chunk is
                                          acknowledged (`framekv.tools.serve.poll`)
+    POST   /v1/sessions/{id}/frames      a video session's frames_in message as the
+                                         body -> {"frames_in", "frames_dropped",
+                                         "frames_waiting", "input_chunks",
+                                         "frames_needed"}; 400/413/422 a bad message,
+                                         409 a session that takes no frames
     POST   /v1/sessions/{id}/control     one of the socket's control messages (JSON):
                                          204, or a prompt's answer as PUT .../prompt's
 
@@ -91,6 +104,11 @@ as a picture of their latents, one image per latent frame at 8 times its size
 (`framekv.engine.serving.LatentPreview`, as for any family without a video decoder), so
 the page shows a stream of either.
 ``--output latents`` streams the latents themselves.
+``--video-strength S`` (a model with an encoder, ``--output frames``) takes video
+sessions: the runner samples video to video at S (`framekv.engine.samplers`' ``v2v``
+over its sampler), one streaming encoder row per slot beside the decoder's; a video
+session's chunk i is made once chunk i's frames are in, from their latents; below 1
+every session takes video (`framekv.engine.serving.video_in`).
 ``--kv-dtype fp8`` keeps either model's K/V pool in float8 e4m3 (half a bf16 pool's
 bytes; `framekv.engine.rollout.resolve_kv_dtype`); ``--fp8-gemm`` runs either model's
 block GEMMs in fp8 (`framekv.engine.fp8_linear`). ``--steps N`` runs N of the preset's

@@ -136,10 +136,10 @@ async def take_frames(sched, sid: str, msg: bytes) -> dict:
     fault otherwise."""
     when = time.monotonic()
     size = getattr(sched, "video_size", None)
-    s = sched.sessions.get(sid)
-    if s is None:
+    if sid not in sched.sessions:
         raise KeyError(sid)
-    if size is None or getattr(s, "intake", True) is None:
+    record = getattr(sched.sessions, "get", lambda _: None)(sid)    # none on a cluster
+    if size is None or (record is not None and record.intake is None):
         raise RequestError(409, f"session {sid[:64]!r} takes no frames: it was opened with "
                                 "text input (a video session: {\"input\": \"video\"})")
     frames = await asyncio.to_thread(decode_frames, msg, size)
