@@ -1,6 +1,7 @@
 """The FastAPI app of `framekv serve` (`build_app`): the server's state, its lifespan (the
 GPU loop thread, the idle-session reaper), the routes outside a session (the page at
-``/``, /health, /metrics, /v1/info, the docs) and the error shape. The routes and
+``/`` and its camera script /camera.js, /health, /metrics, /v1/info, the docs) and the
+error shape. The routes and
 messages are those of `framekv.tools.serve`'s module doc; the session routes and the
 WebSocket are `framekv.tools.serve.routes`', the long poll
 `framekv.tools.serve.poll`'s, the chunk messages
@@ -14,8 +15,8 @@ the right ones) and an internal error (500 "internal error: <type>: <message>", 
 traceback logged) included; an error answered to a request whose body was not read (a
 401 before an upload, say) closes the connection (`closes_unread`). A WebSocket from a
 browser page of another origin than the server's is closed 1008 (a long poll answered
-403) unless ``allowed_origins`` lists it (`OriginCheck`). With a token, every route but / and
-/health needs it (`BearerAuth`), the docs (/docs, /openapi.json) included. /docs is a
+403) unless ``allowed_origins`` lists it (`OriginCheck`). With a token, every route but /,
+/camera.js and /health needs it (`BearerAuth`), the docs (/docs, /openapi.json) included. /docs is a
 local page (``page/docs.html``) that renders /openapi.json and loads nothing from
 elsewhere. A session with no socket and no long poll for ``idle_timeout`` seconds
 (created and never connected, or its socket or last poll gone) is ended with reason
@@ -339,6 +340,13 @@ def _http_routes(app, srv: _Server, page: str) -> None:
     @app.get("/", response_class=HTMLResponse, summary="The page: watch and steer a stream")
     async def index():
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
+
+    script = page_html("camera.js")
+
+    @app.get("/camera.js", include_in_schema=False)
+    async def camera_js():                   # the page's camera source
+        return Response(script, media_type="text/javascript",
+                        headers={"Cache-Control": "no-store"})
 
     @app.get("/health", response_model=Health, response_model_exclude_none=True,
              responses={503: {"model": Health}},

@@ -1,0 +1,160 @@
+"""The page's camera source in a real headless Chromium with a fake camera against a
+real ``framekv serve --model wan-diffusers --config tiny --video-strength 0.75``
+process (CPU): switched to Camera, the page shows the camera beside the output,
+starts a video-to-video session at the slider's strength (one not the server's:
+refused, said why), sends the camera's frames as frames_in messages (one JPEG of the
+model's size each) at the session's frame rate, draws the chunks made from them and
+shows a moving input to output latency. A frames_in message the page packs is what
+`framekv.specs.wire` decodes. A page that gets no chunk back sends two chunks of
+frames at the frame rate and no more, all taken by the server, none dropped; a camera
+that goes is a message. (A denied camera: tests/test_serve_page.py, against a text
+server.)
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+from page_harness import (CANVAS_COLOURS, FAKE_CAMERA, FPS, NEEDS_CHROMIUM, READY, browser_page,
+                          drawn_over, number, serve_tiny_wan, slot_freed, wait)
+
+pytestmark = NEEDS_CHROMIUM
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``framekv serve`` of tiny Wan (no token) as its own process; yields (base URL,
+    health JSON)."""
+    yield from serve_tiny_wan(tmp_path_factory, "--video-strength", "0.75")
+
+
+def _latency_ms(page) -> float | None:
+    text = page.text_content("#io-latency")
+    return float(text.removesuffix(" ms")) if text.endswith(" ms") else None
+
+
+def _strength(page, value: str) -> None:
+    """Move the strength slider to ``value`` as a user does (its value, an input event)."""
+    page.eval_on_selector("#strength", f"e => {{ e.value = '{value}'; "
+                                       "e.dispatchEvent(new Event('input')); }")
+    assert page.text_content("#strength-value") == f"{float(value):.2f}"
+
+
+def _packs_what_the_wire_codec_decodes(page) -> None:
+    """A frames_in message of two images the page packs, decoded by `framekv.specs.wire`."""
+    from framekv.specs import wire
+
+    msg = page.evaluate("""() => Array.from(new Uint8Array(Camera.framesIn(
+        [new Uint8Array([1, 2, 3]).buffer, new Uint8Array([250, 251]).buffer],
+        "jpeg", 40, 30)))""")
+    header, payload = wire.decode(bytes(msg))
+    assert header == {"type": "frames_in", "format": "jpeg", "width": 40, "height": 30,
+                      "count": 2, "sizes": [3, 2]}
+    assert wire.split_images(header, payload) == [bytes([1, 2, 3]), bytes([250, 251])]
+
+
+def _frames_are_jpegs_of_the_model_size(sent: list, width: int, height: int) -> None:
+    """The binary messages the page sent on its socket: frames_in of one JPEG each, the
+    camera's center cut to the model's ``width`` x ``height``."""
+    import io
+
+    from PIL import Image
+
+    from framekv.specs import wire
+
+    frames = [wire.decode(m) for m in sent if isinstance(m, bytes)]
+    assert len(frames) >= 5, sent[:3]
+    for header, payload in frames:
+        assert header == {"type": "frames_in", "format": "jpeg", "width": width,
+                          "height": height, "count": 1, "sizes": [len(payload)]}, header
+        image = Image.open(io.BytesIO(payload))
+        assert (image.format, image.size) == ("JPEG", (width, height))
+
+
+def test_the_camera_streams_through_the_model_with_its_latency(server):
+    base, _ = server
+    problems, created, sent = [], [], []
+    with browser_page(problems, FAKE_CAMERA) as page:
+        page.on("request", lambda r: created.append(r.post_data_json)
+                if r.method == "POST" and r.url.endswith("/v1/sessions") else None)
+        page.on("websocket", lambda ws: ws.on("framesent", lambda m: sent.append(m)))
+        page.goto(f"{base}/")
+        wait(page, READY)
+        _packs_what_the_wire_codec_decodes(page)
+        assert page.is_hidden("#camera") and page.is_hidden("#strength-row")
+        page.select_option("#source", "camera")
+        wait(page, "document.getElementById('camera').videoWidth > 0")   # the preview plays
+        assert page.is_visible("#strength-row") and page.text_content("#camera-note") == ""
+        page.fill("#seed", "3")
+        _strength(page, "0.6")                      # not the server's: refused, said why
+        page.click("#start")
+        wait(page, "document.body.dataset.state === 'error'")
+        assert "strength must be 0.75" in page.text_content("#status")
+        _strength(page, "0.75")
+        page.click("#start")
+        wait(page, drawn_over(6))                   # past the first chunk (5 frames)
+        assert [(c.get("input"), c.get("strength")) for c in created] == [
+            ("video", 0.6), ("video", 0.75)], created
+        canvas = page.evaluate(CANVAS_COLOURS)
+        assert (canvas["width"], canvas["height"]) == (64, 64), canvas
+        assert canvas["colours"] > 16, canvas       # a picture, not a blank canvas
+        assert number(page, "#frames-sent") >= 5
+        _frames_are_jpegs_of_the_model_size(sent, 64, 64)
+        wait(page, "document.getElementById('io-latency').textContent.endsWith(' ms')")
+        first, chunks = _latency_ms(page), number(page, "#chunks")
+        assert first > 0, first
+        # the median moves as chunks come (each chunk's own latency differs)
+        wait(page, f"document.getElementById('io-latency').textContent !== '{first:.0f} ms'")
+        assert number(page, "#chunks") > chunks
+
+        page.click("#stop")
+        assert page.text_content("#status") == "stopped"
+        sent = number(page, "#frames-sent")
+        page.wait_for_timeout(300)
+        assert number(page, "#frames-sent") == sent          # nothing sent after stop
+    slot_freed(base)
+    refused = ("console error: Failed to load resource: the server responded with a status "
+               "of 422 (Unprocessable Entity)")
+    assert problems == [refused]                # the refused start's, no other
+
+
+def test_a_page_that_gets_no_chunk_sends_two_chunks_of_frames_and_stops(server):
+    """The server's messages never reach the page (a routed socket): it sends chunk 0's
+    and chunk 1's frames, then none, and the server took every one, dropping none. Then
+    the camera ends: the page says so and is back on its text source."""
+    import httpx
+
+    base, _ = server
+    per = httpx.get(f"{base}/v1/info").json()["video_frames_per_chunk"]
+    want = per["first"] + per["later"]
+
+    def deaf(ws):                                 # frames go through, chunks do not come
+        ws.connect_to_server().on_message(lambda message: None)
+
+    problems = []
+    with browser_page(problems, FAKE_CAMERA) as page:
+        page.route_web_socket("**/stream", deaf)
+        page.goto(f"{base}/")
+        wait(page, READY)
+        page.select_option("#source", "camera")
+        wait(page, "document.getElementById('camera').videoWidth > 0")
+        page.click("#start")
+        wait(page, "Number(document.getElementById('frames-sent').textContent) >= 1")
+        began = time.monotonic()
+        wait(page, f"Number(document.getElementById('frames-sent').textContent) >= {want}")
+        assert time.monotonic() - began >= 0.8 * (want - 1) / FPS     # paced, not a burst
+        page.wait_for_timeout(600)                  # ten frames' time at 16 fps
+        assert number(page, "#frames-sent") == want
+        sid = page.evaluate("S.id")
+        info = httpx.get(f"{base}/v1/sessions/{sid}").json()
+        assert (info["frames_in"], info["frames_dropped"]) == (want, 0), info
+        assert page.text_content("#io-latency") == "-"
+        # the camera goes (unplugged): said so, back to text
+        page.evaluate("document.getElementById('camera').srcObject.getVideoTracks()[0]"
+                      ".dispatchEvent(new Event('ended'))")
+        assert page.text_content("#camera-note") == (
+            "the camera stopped: the text prompt still works")
+        assert page.input_value("#source") == "text" and page.is_hidden("#camera")
+        page.click("#stop")
+    slot_freed(base)
+    assert problems == []
