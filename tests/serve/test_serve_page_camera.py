@@ -7,7 +7,7 @@ model's size each) at the session's frame rate, draws the chunks made from them 
 shows a moving input to output latency. A frames_in message the page packs is what
 `framekv.specs.wire` decodes. A page that gets no chunk back sends two chunks of
 frames at the frame rate and no more, all taken by the server, none dropped; a camera
-that goes is a message. (A denied camera: tests/test_serve_page.py, against a text
+that goes is a message. (A denied camera: tests/serve/test_serve_page.py, against a text
 server.)
 """
 from __future__ import annotations
