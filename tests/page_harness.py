@@ -1,6 +1,6 @@
 """A real ``framekv serve`` process and a headless Chromium for the page suites
-(tests/serve/test_serve_page.py, tests/serve/test_serve_page_camera.py): `serve` runs the server
-on a free port until the module's tests end, `browser_page` opens a page whose console
+(tests/serve/test_serve_page.py, tests/serve/test_serve_page_camera.py): `serve` runs
+the server on a free port until the module's tests end, `browser_page` opens a page whose console
 errors and warnings and page errors are collected, `wait` waits for a JS condition."""
 from __future__ import annotations
 
