@@ -7,8 +7,8 @@ VAE's `StreamingVAEEncoder` for ``wan``, `TinyStreamingEncoder` for ``tiny``). S
 are the preset's (``wan-1.3b``: 480 x 832 video, 3-frame latent chunks, its steps
 1000, 750, 500, 250) with a ``window``-frame window. Per decoder, two modes:
 
-    t2v     text to video: each chunk from noise, the Euler sampler over every step
-    v2v     video to video: each chunk's input frames (a video's first chunk 1 + 4 (F -
+    text    text to video: each chunk from noise, the Euler sampler over every step
+    video   video to video: each chunk's input frames (a video's first chunk 1 + 4 (F -
             1), then 4 F; random frames in [-1, 1]) encoded, then the ``v2v`` sampler
             at ``strength`` over the Euler sampler (0.75 of the 4-step list: the three
             steps from 750; `framekv.engine.samplers.VideoToVideoSampler`), as
@@ -42,7 +42,7 @@ from .pixels import (_latents, _release, _sync, build_decoder, chunk_video_frame
                      roll_lane, run_rates, stage_ms, window_fill)
 from .timing import round_order, summary
 
-MODES = ("t2v", "v2v")
+MODES = ("text", "video")
 #: the decoders the part runs (each with the encoder that follows it)
 DECODERS = ("wan", "tiny")
 #: the presets the bench runs at (a shipped config's), and that config
@@ -96,7 +96,7 @@ class _Run:
     def __init__(self, mode, rollout, enc, dec, clips, noises):
         self.mode, self.rollout, self.enc, self.dec = mode, rollout, enc, dec
         self.clips, self.noises = clips, noises
-        self.stages = [self._encode, self._v2v] if mode == "v2v" else [self._t2v]
+        self.stages = [self._encode, self._v2v] if mode == "video" else [self._t2v]
 
     def _encode(self, i: int):
         clip = self.clips[0] if i == 0 else self.clips[1 + (i - 1) % (len(self.clips) - 1)]
@@ -167,7 +167,7 @@ def _summarise(got: dict, run: _Run, fill: int, input_fps: float) -> dict:
     res["keeps_up"] = res["steady_fps"] >= input_fps
     run.start("a red fox running through fresh snow at dawn, stages")
     times = stage_ms(run.stages + [run.dec.decode], range(len(run.noises)), run.dec.device)
-    names = (["encode_ms"] if run.mode == "v2v" else []) + ["dit_ms", "decode_ms"]
+    names = (["encode_ms"] if run.mode == "video" else []) + ["dit_ms", "decode_ms"]
     res.update({n: summary(t[fill:]) for n, t in zip(names, times)})
     res["steps"] = len(run.rollout.sampling.timesteps)
     return res
@@ -176,12 +176,14 @@ def _summarise(got: dict, run: _Run, fill: int, input_fps: float) -> dict:
 def _rollout(model, text, mode: str, sizes: dict, window_frames: int, strength: float,
              graphs: bool):
     from framekv.engine import WanRollout
+    from framekv.engine.samplers import DEFAULT_SAMPLER, VIDEO_SAMPLER
 
-    video = {"sampler": "v2v", "sampler_options": {"base": "euler", "strength": strength}}
+    video = {"sampler": VIDEO_SAMPLER,
+             "sampler_options": {"base": DEFAULT_SAMPLER, "strength": strength}}
     return WanRollout(model, latent_size=tuple(sizes["latent_size"]),
                       frames_per_chunk=sizes["frames_per_chunk"], window_frames=window_frames,
                       timesteps=sizes["timesteps"], prompt_tokens=text.max_tokens,
-                      text_encoder=text, use_graphs=graphs, **(video if mode == "v2v" else {}))
+                      text_encoder=text, use_graphs=graphs, **(video if mode == "video" else {}))
 
 
 def measure_e2e(*, preset: str = "wan-1.3b", device="cuda", window_frames: int = 21,
@@ -239,7 +241,7 @@ def format_e2e(res: dict) -> str:
     H, W = res["video_size"]
     lines = [f"video to video on {res['gpu']}: {H}x{W}, {res['frames_per_chunk']}-frame latent "
              f"chunks, {res['window_frames']}-frame window, strength {res['strength']:g} "
-             f"(t2v beside it); a {res['input_fps']:g} fps camera for the latencies",
+             f"(text to video beside it); a {res['input_fps']:g} fps camera for the latencies",
              f"  {'decoder':<8}{'mode':<5}{'steps':>6}{'first s':>9}{'steady fps':>12}"
              f"{'overall':>9}{'lat p50 s':>11}{'p99 s':>8}{'enc ms':>8}{'DiT ms':>8}{'dec ms':>8}"]
     for kind, modes in res["decoders"].items():

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-import torch.nn.functional as F
-
 __all__ = ["VideoInput", "chunk_frames", "fit_frame", "whole_chunks"]
 
 
@@ -36,9 +33,12 @@ def whole_chunks(frames: int, latent_frames: int) -> int:
     return 0 if frames < first else 1 + (frames - first) // chunk_frames(1, latent_frames)
 
 
-def fit_frame(rgb: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+def fit_frame(rgb, size: tuple[int, int]):
     """uint8 [h, w, 3] -> fp32 [3, H, W] in [-1, 1] of ``size`` (H, W): resized to cover,
-    aspect kept, then center-cropped (module doc)."""
+    aspect kept, then center-cropped (module doc). Tensors in and out (torch is imported
+    on use: the command line's parsers import this module)."""
+    import torch.nn.functional as F
+
     H, W = size
     h, w = rgb.shape[:2]
     scale = max(H / h, W / w)
@@ -105,6 +105,7 @@ class VideoInput:
         """Yield the first ``chunks`` whole chunks (None: all), each fp32 [3, F', H, W]
         in [-1, 1] (F' = `chunk_frames`), decoded as they are read."""
         import av
+        import torch
 
         count = self.chunks if chunks is None else min(chunks, self.chunks)
         index, held = 0, []

@@ -60,9 +60,9 @@ def test_the_end_to_end_part_as_a_cpu_smoke_run(tmp_path, capsys):
     assert res["steady_from_chunk"] == 2 and res["chunks"] == 4 and res["strength"] == 0.75
     assert set(res["decoders"]) == {"wan"} and res["input_fps"] == 1000
     for kind, modes in res["decoders"].items():
-        assert set(modes) == {"t2v", "v2v"}
-        assert modes["t2v"]["steps"] == 2 and modes["v2v"]["steps"] == 1     # 0.75 of (1000, 500)
-        assert "encode_ms" in modes["v2v"] and "encode_ms" not in modes["t2v"]
+        assert set(modes) == {"text", "video"}
+        assert modes["text"]["steps"] == 2 and modes["video"]["steps"] == 1     # 0.75 of (1000, 500)
+        assert "encode_ms" in modes["video"] and "encode_ms" not in modes["text"]
         for m in modes.values():
             assert m["video_frames"] == 5 + 8 * 3 and m["first_frame_s"] > 0
             assert m["steady_fps"] > 0 and m["overall_fps"] > 0 and len(m["steady_fps_rounds"]) == 1
@@ -70,7 +70,8 @@ def test_the_end_to_end_part_as_a_cpu_smoke_run(tmp_path, capsys):
             assert 0 < lat["p50"] <= lat["p99"] <= lat["max"]
             assert m["dit_ms"]["n"] == m["decode_ms"]["n"] == 2                # the steady chunks
     table = capsys.readouterr().out
-    assert "video to video on cpu: 64x64" in table and table.count(" v2v ") == 1
+    rows = [ln.split()[:2] for ln in table.splitlines()]
+    assert "video to video on cpu: 64x64" in table and rows.count(["wan", "video"]) == 1
 
 
 def test_a_camera_gives_each_chunk_once_its_last_frame_arrived():
