@@ -90,6 +90,14 @@ def browser_page(problems: list, args: tuple[str, ...] = ()):
             browser.close()
 
 
+def stop(page) -> None:
+    """Click Stop and wait for the page's DELETE of its session to be answered (a browser
+    closed right after the click may never send it)."""
+    with page.expect_response(lambda r: r.request.method == "DELETE") as deleted:
+        page.click("#stop")
+    assert deleted.value.ok, deleted.value.status
+
+
 def slot_freed(base: str) -> None:
     """Wait (10 s at most) until the server has no session open: a stopped page's slot
     is freed."""

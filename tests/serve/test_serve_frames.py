@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import threading
 import time
 
@@ -203,7 +204,12 @@ def test_the_page_is_served_without_a_token_and_loads_nothing_from_outside(serve
     for needle in ('id="frames-drawn"', 'id="status"', 'id="prompt-version"', "<canvas",
                    'id="token"', "createImageBitmap"):
         assert needle in r.text, needle
-    assert "src=" not in r.text and 'href="http' not in r.text and "@import" not in r.text
+    # its one script beside it comes from this server, without a token too
+    assert re.findall(r"src=\"([^\"]*)\"", r.text) == ["camera.js"]
+    assert 'href="http' not in r.text and "@import" not in r.text
+    script = httpx.get(url(http, "/camera.js"))
+    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+    assert "://" not in script.text and "@import" not in script.text
     health = httpx.get(url(http, "/health")).json()
     assert health | {"sessions": 0} == {"status": "ok", "sessions": 0, "max_sessions": 2,
                                         "output": "frames", "fps": 16, "token": True,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from page_harness import (CANVAS_COLOURS, FPS, NEEDS_CHROMIUM, READY, browser_page, drawn_over,
-                          number, serve, serve_tiny_wan, slot_freed, wait)
+from page_harness import (CANVAS_COLOURS, FPS, NEEDS_CHROMIUM, READY, browser_page,
+                          drawn_over, number, serve, serve_tiny_wan, slot_freed, stop, wait)
 
 TOKEN = "page-token"
 
@@ -66,7 +66,7 @@ def test_the_page_streams_changes_its_prompt_and_stops(server):
         assert 0 < fps <= FPS * 1.25, fps          # drawn at the video's rate, not faster
         assert page.text_content("#latency").endswith(" ms")
 
-        page.click("#stop")
+        stop(page)
         assert page.text_content("#status") == "stopped"
         assert page.get_attribute("body", "data-state") == "stopped"
         drawn = number(page, "#frames-drawn")
@@ -101,7 +101,7 @@ def test_the_plain_server_draws_its_latents_and_never_shows_a_token_field(plain_
         assert (canvas["width"], canvas["height"]) == (64, 64), canvas
         assert canvas["colours"] > 16, canvas
         assert page.get_attribute("body", "data-state") == "streaming"
-        page.click("#stop")
+        stop(page)
         assert page.text_content("#status") == "stopped"
     slot_freed(base)
     assert problems == []
@@ -124,7 +124,7 @@ def test_a_denied_camera_says_so_and_the_text_prompt_still_streams(server):
         page.click("#start")
         wait(page, drawn_over(0))
         assert page.text_content("#frames-sent") == "-"        # no frame sent
-        page.click("#stop")
+        stop(page)
     slot_freed(base)
     assert problems == []
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from page_harness import (CANVAS_COLOURS, FAKE_CAMERA, FPS, NEEDS_CHROMIUM, READY, browser_page,
-                          drawn_over, number, serve_tiny_wan, slot_freed, wait)
+from page_harness import (CANVAS_COLOURS, FAKE_CAMERA, FPS, NEEDS_CHROMIUM, READY,
+                          browser_page, drawn_over, number, serve_tiny_wan, slot_freed,
+                          stop, wait)
 
 pytestmark = NEEDS_CHROMIUM
 
@@ -107,7 +108,7 @@ def test_the_camera_streams_through_the_model_with_its_latency(server):
         wait(page, f"document.getElementById('io-latency').textContent !== '{first:.0f} ms'")
         assert number(page, "#chunks") > chunks
 
-        page.click("#stop")
+        stop(page)
         assert page.text_content("#status") == "stopped"
         sent = number(page, "#frames-sent")
         page.wait_for_timeout(300)
