@@ -163,12 +163,12 @@ BACKEND_NAMES = RegistryNames(_backend_registry)
 
 
 def _sampler_registry() -> Sequence[str]:
-    from framekv.engine.samplers import samplers
+    from framekv.engine.samplers import named_samplers
 
-    return samplers()
+    return named_samplers()
 
 
-#: The samplers `framekv.engine.samplers.get_sampler` takes (``--sampler``).
+#: The samplers a command may name (``--sampler``; `framekv.engine.samplers.named_samplers`).
 SAMPLER_NAMES = RegistryNames(_sampler_registry)
 
 

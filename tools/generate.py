@@ -360,14 +360,8 @@ def run(args) -> int:
 
 
 def _check_flags(args) -> None:
-    """ValueError naming the flags that go together: --chunks or --video-in,
-    --strength with --video-in, and no --sampler v2v by hand (--video-in picks it)."""
-    from framekv.engine.samplers import VIDEO_SAMPLER
-
-    if args.video_in is None and getattr(args, "sampler", None) == VIDEO_SAMPLER:
-        raise ValueError(f"--sampler {VIDEO_SAMPLER} is chosen by --video-in FILE --strength S "
-                         f"(the chunks start from that video), not by hand; got --sampler "
-                         f"{VIDEO_SAMPLER} without --video-in")
+    """ValueError naming the flags that go together: --chunks or --video-in, and
+    --strength with --video-in (--sampler offers no sampler a video input picks)."""
     if args.video_in is None and args.chunks is None:
         raise ValueError("--chunks N is needed (or --video-in FILE, whose whole chunks it "
                          "defaults to), got neither")

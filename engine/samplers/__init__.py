@@ -32,8 +32,11 @@ The registry (`register_sampler`, `get_sampler`, `samplers`) is the one place a 
 becomes a sampler: ``euler`` (`EulerSampler`, the default) and ``self_forcing``
 (`SelfForcingSampler`, how a Self-Forcing or CausVid generator checkpoint samples)
 and ``v2v`` (`VideoToVideoSampler`: a chunk started part way from its input latents,
-either of them finishing it) are its entries; no other module branches on a sampler's name. A sampler that wraps
-another (a mode over a base sampler) builds the base by name through `get_sampler`.
+either of them finishing it) are its entries; no other module branches on a sampler's
+name. A sampler that wraps another (a mode over a base sampler) builds the base by name
+through `get_sampler`. A sampler whose chunks start from a source each stream gives
+(``from_source``: ``v2v``) is picked by that input (``--video-in``,
+``--video-strength``), so ``--sampler`` offers the others (`named_samplers`).
 """
 from __future__ import annotations
 
@@ -51,10 +54,10 @@ from .self_forcing import SelfForcingSampler
 from .v2v import VideoToVideoSampler, check_strength
 
 __all__ = ["DEFAULT_SAMPLER", "GENERATOR_SAMPLER", "VIDEO_SAMPLER", "EulerSampler", "Sampler",
-           "ScheduleSampler", "SelfForcingSampler", "VideoToVideoSampler", "build_sampler", "check_steps",
-           "check_strength",
-           "get_sampler", "pick_steps", "register_sampler", "sampler_description", "sampler_label",
-           "samplers", "unregister_sampler"]
+           "ScheduleSampler", "SelfForcingSampler", "VideoToVideoSampler", "build_sampler",
+           "check_steps", "check_strength", "get_sampler", "named_samplers", "pick_steps",
+           "register_sampler", "sampler_description", "sampler_label", "samplers",
+           "unregister_sampler"]
 
 
 @runtime_checkable
@@ -123,6 +126,13 @@ def unregister_sampler(name: str) -> None:
 def samplers() -> tuple[str, ...]:
     """The registered samplers' names, in the order they were registered."""
     return tuple(_REGISTRY)
+
+
+def named_samplers() -> tuple[str, ...]:
+    """The samplers a command may name (``--sampler``): the registered ones but those
+    whose chunks start from a source a stream gives (``from_source``: a video input picks
+    its sampler)."""
+    return tuple(n for n, cls in _REGISTRY.items() if not getattr(cls, "from_source", False))
 
 
 def get_sampler(name: str):

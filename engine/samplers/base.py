@@ -54,6 +54,10 @@ class ScheduleSampler:
         options: the options it was built with beyond the schedule (none here).
     """
 
+    #: whether its chunks start from a source each stream gives (a video's latents): a
+    #: command picks it from that input, never by ``--sampler``
+    from_source = False
+
     def __init__(self, timesteps, timestep_scale: float):
         sigmas = check_timesteps(timesteps, timestep_scale)
         self.timesteps = tuple(float(t) for t in timesteps)

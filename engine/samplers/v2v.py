@@ -72,6 +72,8 @@ class VideoToVideoSampler(ScheduleSampler):
         strength: s in (0, 1]: how far back towards noise the input goes.
     """
 
+    from_source = True
+
     def __init__(self, timesteps, timestep_scale: float, *, base: str = "euler",
                  strength: float = 1.0):
         check_choice("base", base, tuple(BASES))

@@ -22,8 +22,8 @@ import torch
 
 from framekv.engine.rollout import Rollout
 from framekv.engine.samplers import (EulerSampler, ScheduleSampler, build_sampler,
-                                     get_sampler, pick_steps, register_sampler, samplers,
-                                     unregister_sampler)
+                                     get_sampler, named_samplers, pick_steps,
+                                     register_sampler, samplers, unregister_sampler)
 from framekv.engine.serving import StreamScheduler
 from framekv.engine.step import StepPlan, chunk_noise, chunk_renoise, noise_seed, sampler_inputs
 from framekv.specs import load_preset
@@ -293,6 +293,22 @@ def test_serve_hands_steps_to_the_reference_rollout(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- the commands
+def test_a_sampler_a_source_picks_is_not_offered_by_name(capsys):
+    """v2v starts from each stream's video: --video-in / --video-strength pick it, so
+    neither generate nor serve takes it by --sampler (one line, exit 2)."""
+    from framekv.tools.cli import main
+
+    assert "v2v" in samplers() and "v2v" not in named_samplers()
+    assert set(named_samplers()) == {n for n in samplers()
+                                     if not getattr(get_sampler(n), "from_source", False)}
+    for argv in (["generate", "--prompt", "p", "--chunks", "1", "--out", "v.mp4"],
+                 ["serve", "--device", "cpu"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--sampler", "v2v"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1 and "invalid choice: 'v2v'" in err[0]
+
+
 def test_the_command_line_takes_a_registered_sampler(toy, capsys, monkeypatch):
     from framekv.tools.cli import build_parser, main
 
@@ -303,7 +319,7 @@ def test_the_command_line_takes_a_registered_sampler(toy, capsys, monkeypatch):
         main(["serve", "--help"])
     help_line = next(ln for ln in capsys.readouterr().out.splitlines()
                      if ln.lstrip().startswith("--sampler"))
-    assert "one of euler, self_forcing, v2v, toy (" in help_line
+    assert "one of euler, self_forcing, toy (" in help_line
     unregister_sampler(toy)
     try:
         with pytest.raises(SystemExit) as exc:
