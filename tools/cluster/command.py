@@ -204,8 +204,12 @@ def _serve_cluster(args, options: dict) -> int:
     from ray import serve
 
     warn_unguarded(args.host, options["token"])
+    stop = []
     try:
         start_ray(args, options)
+        # before the deploy: the ingress answers while the last replica still starts, so
+        # a SIGTERM may come then (Ray's own handlers are in place once it started)
+        signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
         serve.run(deployments(args, options), name=APP, route_prefix="/")
     except (ValueError, RuntimeError) as exc:
         if isinstance(exc, RuntimeError):     # a replica or the ingress failed to start
@@ -214,8 +218,6 @@ def _serve_cluster(args, options: dict) -> int:
         return serve_command.fail(exc)
     print(f"framekv cluster: serving on http://{args.host}:{args.port} (state in "
           f"{args.state_dir}{options['state_note']})", flush=True)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
     try:
         while not stop:
             time.sleep(0.5)

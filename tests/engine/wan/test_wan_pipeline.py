@@ -183,12 +183,12 @@ def test_shipped_config_matches_every_value():
 
 
 def test_the_parsers_copies_are_the_engines():
-    from framekv.engine.samplers import samplers
+    from framekv.engine.samplers import named_samplers
     from framekv.tools import generate
     from framekv.tools.conventions import SAMPLER_NAMES
 
     # --sampler's choices are read from the registry, the shift is a copy
-    assert tuple(SAMPLER_NAMES) == samplers()
+    assert tuple(SAMPLER_NAMES) == named_samplers()
     assert generate.SELF_FORCING_SHIFT == pl.SELF_FORCING_SHIFT
 
 
