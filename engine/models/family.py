@@ -19,6 +19,7 @@ one without an encoder says so (a ValueError).
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 
 __all__ = ["MODEL_OPTIONS", "PREVIEW", "LoadedModel", "ModelFamily", "ModelOptions", "spelled"]
@@ -72,7 +73,11 @@ def spelled(names, option: str) -> str:
     return option if names is None else names.get(option, option)
 
 
-class ModelFamily:
+#: what a family naming `encoders` defines itself (`ModelFamily.__init_subclass__`)
+_VIDEO_METHODS = ("encoder", "video_chunks", "video_options")
+
+
+class ModelFamily(abc.ABC):
     """One kind of model (module doc); a family overrides what it has. The registry
     (`framekv.engine.models.register_model`) names it: ``name``.
 
@@ -105,13 +110,13 @@ class ModelFamily:
             raise ValueError(f"{spelled(names, 'config')} must be one of "
                              f"{list(self.configs)}, got {options.config!r}")
 
+    @abc.abstractmethod
     def load(self, options: ModelOptions, *, device=None, text_encoder: bool | None = None,
              decode: bool = True) -> "LoadedModel":
         """The model of ``options`` on ``device``: weights read or built, with its text
         encoder (``text_encoder`` True: one is needed, a ValueError without; None:
         where it has one; False: none) and, with ``decode``, what its decoder needs.
         A ValueError names a bad option before any weight is read."""
-        raise NotImplementedError(f"{type(self).__name__} must define load(options, ...)")
 
     def label(self, options: ModelOptions) -> str:
         """The model's name where a server shows it (/v1/info): ``NAME:WHICH``, WHICH
@@ -133,10 +138,8 @@ class ModelFamily:
     def encoder(self, kind: str, path=None, *, model: "LoadedModel", sequences=None,
                 use_graphs: bool | None = None):
         """The streaming encoder of kind ``kind`` (frames in, latents out), following the
-        decoder of that kind; a ValueError for a family without one."""
+        decoder of that kind; here (a family without `encoders`) a ValueError."""
         self._check_kind("encoder", kind, self.encoders)
-        raise NotImplementedError(f"{type(self).__name__} names encoders {self.encoders}: "
-                                  f"it must define encoder(kind, path, ...)")
 
     def decoder_title(self, kind: str, path=None) -> str:
         """The decoder of a choice, in a phrase (a command's header)."""
@@ -150,25 +153,28 @@ class ModelFamily:
         """``(F, (H, W))``: the latent frames of a chunk of the model of ``options`` and
         the video size (H, W) its encoder takes, before anything is built (a video input
         is read as chunks of 1 + 4 (F - 1), then 4 F frames of that size). A ValueError
-        for a family without an encoder or an option naming no model."""
-        self._check_video()
-        raise NotImplementedError(f"{type(self).__name__} names encoders {self.encoders}: "
-                                  f"it must define video_chunks(options)")
+        for a family without an encoder (here) or an option naming no model."""
+        raise self._no_video()
 
     def video_options(self, options: ModelOptions, strength: float) -> ModelOptions:
         """``options`` for a video input at ``strength`` in (0, 1]: the video-to-video
         sampler (`framekv.engine.samplers.VideoToVideoSampler`) over the sampler and
         steps ``options`` run, checked over their schedule before anything is built. A
         ValueError for a family without an encoder, a sampler that cannot be the mode's
-        base, or a strength that runs none of the steps."""
-        self._check_video()
-        raise NotImplementedError(f"{type(self).__name__} names encoders {self.encoders}: "
-                                  f"it must define video_options(options, strength)")
+        base, or a strength that runs none of the steps (here: no encoder)."""
+        raise self._no_video()
 
-    def _check_video(self) -> None:
-        if not self.encoders:
-            raise ValueError(f"a video input needs a model family with an encoder (frames "
-                             f"in); the {self.name} model family has none")
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        missing = [m for m in _VIDEO_METHODS
+                   if cls.encoders and getattr(cls, m) is getattr(ModelFamily, m)]
+        if missing:
+            raise TypeError(f"{cls.__name__} names encoders {cls.encoders}: it must define "
+                            f"{', '.join(missing)}")
+
+    def _no_video(self) -> ValueError:
+        return ValueError(f"a video input needs a model family with an encoder (frames "
+                          f"in); the {self.name} model family has none")
 
     def _check_kind(self, part: str, kind, kinds: tuple[str, ...]) -> None:
         if not kinds:
@@ -179,7 +185,7 @@ class ModelFamily:
                              f"model family, got {kind!r}")
 
 
-class LoadedModel:
+class LoadedModel(abc.ABC):
     """A family's model as `ModelFamily.load` made it: what a command builds its runners
     and coders from.
 
@@ -202,11 +208,11 @@ class LoadedModel:
         self.use_graphs = True
         self.backend = None
 
+    @abc.abstractmethod
     def rollout(self, **kwargs):
         """A `ChunkRunner` over the model's chunk model at its sizes and sampling, with
         ``options``' pool and GEMM dtypes; ``kwargs`` (``sequences``, ``batch_sizes``,
         ``use_graphs``, ``backend``, ``cache_dir``, ...) add to or replace them."""
-        raise NotImplementedError(f"{type(self).__name__} must define rollout(**kwargs)")
 
     def __call__(self, *, sequences: int, batch_sizes):
         """The runner of ``sequences`` sequences and ``batch_sizes`` (a scheduler's

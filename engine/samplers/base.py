@@ -12,6 +12,8 @@ runs a suffix of its schedule (a chunk started part way, from other latents) nar
 """
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from framekv.specs.checks import check_timesteps
@@ -41,7 +43,7 @@ def pick_steps(timesteps, steps: int | None, *, name: str = "steps") -> tuple[fl
     return tuple(ts[i * S // steps] for i in range(steps))
 
 
-class ScheduleSampler:
+class ScheduleSampler(abc.ABC):
     """A sampler's schedule and its defaults (module doc); a subclass gives `update`.
 
     Args:
@@ -77,9 +79,9 @@ class ScheduleSampler:
         """The chunk's noise itself (a copy: the static buffer stays as it came)."""
         return noise.clone()
 
+    @abc.abstractmethod
     def update(self, x: torch.Tensor, v: torch.Tensor, i: int) -> torch.Tensor:
         """The latents after step ``i``'s model call (a subclass's)."""
-        raise NotImplementedError(f"{type(self).__name__} must define update(x, v, i)")
 
     def renoise(self, x: torch.Tensor, i: int, inputs: dict) -> torch.Tensor:
         """Nothing between the calls: ``x`` as it is."""
