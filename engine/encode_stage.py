@@ -17,7 +17,8 @@ out, a move or a checkpoint. An `EncodePlan` names one step's encoder work::
 
 `EncodeStage.run` does the swaps (every swap out first), then the encode of each stage,
 and reports an `EncodeResult`: the parked row states, the streams whose row swap
-failed, and each batch row's input latents [C, F, H, W] on the host (fp32). An encode
+failed, and each batch row's input latents [C, F, H, W] (fp32, left on the encoder's
+device: the runner reads them there, no wait on a copy to the host). An encode
 that raises fails every video stream of the step (``failed``); their rows get zeros as
 their source so the batch still runs (their chunks are dropped at the commit).
 """
@@ -56,7 +57,8 @@ class EncodePlan:
 class EncodeResult:
     """What the encoder's work of a step gave: ``parked``: stream id -> the row state
     of each swap out; ``failed``: stream id -> why its row swap or encode failed;
-    ``latents``: batch row -> its input latents [C, F, H, W] fp32 on the host."""
+    ``latents``: batch row -> its input latents [C, F, H, W] fp32 on the encoder's
+    device."""
 
     parked: dict[str, dict] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
@@ -83,7 +85,7 @@ class EncodeStage:
                 self._encode(plan, idx, tuple(chunk_shape), res)
         for i, r in enumerate(plan.index):          # the batch still runs: zeros for them
             if plan.streams[i] in res.failed:
-                res.latents[r] = torch.zeros(chunk_shape)
+                res.latents[r] = torch.zeros(chunk_shape, device=self.device)
         return res
 
     def _encode(self, plan: EncodePlan, idx: list[int], shape: tuple, res: EncodeResult):
@@ -94,7 +96,7 @@ class EncodeStage:
             if tuple(out.shape[1:]) != shape:
                 raise ValueError(f"the encoder gave input latents {list(out.shape[1:])}, the "
                                  f"runner's chunk is {list(shape)}")
-            out = out.to("cpu", torch.float32)
+            out = out.float()
         except Exception as exc:
             for i in idx:
                 res.failed[plan.streams[i]] = f"encoding its input failed: {exc!r}"
