@@ -56,48 +56,38 @@ def prompt_text(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("prompt ")) from None
 
 
-def tolerance(text: str) -> float:
-    """A finite number >= 0."""
+def _number(text: str, ok, unparsed: str, refused: str) -> float:
+    """``text`` as a float where ``ok(value)``; else "must be UNPARSED, got 'TEXT'" for
+    text that is no number, "must be REFUSED, got VALUE" for one out of range."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be {unparsed}, got {text!r}") from None
+    if not ok(value):                               # NaN fails every range
+        raise argparse.ArgumentTypeError(f"must be {refused}, got {text}")
     return value
+
+
+def tolerance(text: str) -> float:
+    """A finite number >= 0."""
+    return _number(text, lambda v: math.isfinite(v) and v >= 0, "a number >= 0",
+                   "a finite number >= 0")
 
 
 def positive_number(text: str) -> float:
     """A finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+    return _number(text, lambda v: 0 < v < math.inf, "a number > 0", "a finite number > 0")
 
 
 def strength(text: str) -> float:
     """A number in (0, 1] (a video-to-video strength)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:                          # NaN fails both
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
-    return value
+    return _number(text, lambda v: 0 < v <= 1, "a number in (0, 1]", "a number in (0, 1]")
 
 
 def seconds(text: str) -> float:
     """A finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
-    return value
+    return _number(text, lambda v: math.isfinite(v) and v > 0, "a number of seconds > 0",
+                   "a finite number of seconds > 0")
 
 
 def bearer_token(text: str) -> str:
