@@ -134,8 +134,9 @@ def format_encoders(res: dict) -> str:
         c = r.get("chunk_ms", {})
         err = [f"{r[k]:.{d}f}" if k in r else "-" for k, d in (("max_abs_err", 4),
                                                                 ("mean_abs_err", 5))]
-        rows.append((name, *(f"{c.get(k, 0.0):.2f}" for k in ("median", "p10", "p90")),
-                     f"{r.get('first_chunk_ms', 0.0):.2f}", *err,
+        ms = [f"{c[k]:.2f}" if k in c else "-" for k in ("median", "p10", "p90")]
+        first = f"{r['first_chunk_ms']:.2f}" if "first_chunk_ms" in r else "-"
+        rows.append((name, *ms, first, *err,
                      f"{r['max_abs_diff_eager_graphed']:.3g}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join([f"streaming encoders on {res['gpu']}: {H}x{W} frames, "
