@@ -5,9 +5,14 @@ All weights random (`framekv.bench.pixels`' build: the transformer and umt5-xxl'
 encoder of the preset's config, each decoder, and the encoder that follows it: the Wan
 VAE's `StreamingVAEEncoder` for ``wan``, `TinyStreamingEncoder` for ``tiny``). Sizes
 are the preset's (``wan-1.3b``: 480 x 832 video, 3-frame latent chunks, its steps
-1000, 750, 500, 250) with a ``window``-frame window. Per decoder, two modes:
+1000, 750, 500, 250) with a ``window``-frame window. Per decoder, three modes:
 
     text    text to video: each chunk from noise, the Euler sampler over every step
+    text-matched
+            text to video over as many steps as ``video`` runs (evenly spaced down from
+            1000, as `framekv.engine.wan.preset_sizes` spaces a preset's): the baseline
+            that leaves the encoder as the only difference, ``video_vs_text_matched``
+            (video's steady fps over this one's) per decoder
     video   video to video: each chunk's input frames (a video's first chunk 1 + 4 (F -
             1), then 4 F; random frames in [-1, 1]) encoded, then the ``v2v`` sampler
             at ``strength`` over the Euler sampler (0.75 of the 4-step list: the three
@@ -15,7 +20,7 @@ are the preset's (``wan-1.3b``: 480 x 832 video, 3-frame latent chunks, its step
             ``framekv generate --video-in`` runs a chunk
 
 Each chunk's frames are decoded through `DecodeLane` (on CUDA beside the next chunk's
-transformer), every graph captured beforehand. The four runs (mode x decoder) are taken
+transformer), every graph captured beforehand. The six runs (mode x decoder) are taken
 in turn, ``repeats`` rounds, each round's order rotated one place on; each run twice:
 
     free    as fast as it goes, from the prompt's text: the first frame's time (text in,
@@ -42,7 +47,7 @@ from .pixels import (_latents, _release, _sync, build_decoder, chunk_video_frame
                      roll_lane, run_rates, stage_ms, window_fill)
 from .timing import round_order, summary
 
-MODES = ("text", "video")
+MODES = ("text", "text-matched", "video")
 #: the decoders the part runs (each with the encoder that follows it)
 DECODERS = ("wan", "tiny")
 #: the presets the bench runs at (a shipped config's), and that config
@@ -173,8 +178,13 @@ def _summarise(got: dict, run: _Run, fill: int, input_fps: float) -> dict:
     return res
 
 
+def even_timesteps(n: int) -> tuple[float, ...]:
+    """``n`` timesteps evenly spaced down from 1000 (a preset's spacing)."""
+    return tuple(1000.0 * (n - i) / n for i in range(n))
+
+
 def _rollout(model, text, mode: str, sizes: dict, window_frames: int, strength: float,
-             graphs: bool):
+             graphs: bool, timesteps=None):
     from framekv.engine import WanRollout
     from framekv.engine.samplers import DEFAULT_SAMPLER, VIDEO_SAMPLER
 
@@ -182,7 +192,7 @@ def _rollout(model, text, mode: str, sizes: dict, window_frames: int, strength: 
              "sampler_options": {"base": DEFAULT_SAMPLER, "strength": strength}}
     return WanRollout(model, latent_size=tuple(sizes["latent_size"]),
                       frames_per_chunk=sizes["frames_per_chunk"], window_frames=window_frames,
-                      timesteps=sizes["timesteps"], prompt_tokens=text.max_tokens,
+                      timesteps=timesteps or sizes["timesteps"], prompt_tokens=text.max_tokens,
                       text_encoder=text, use_graphs=graphs, **(video if mode == "video" else {}))
 
 
@@ -205,7 +215,10 @@ def measure_e2e(*, preset: str = "wan-1.3b", device="cuda", window_frames: int =
     text = TextEncoder.from_config(config, device=dev, max_tokens=sizes["prompt_tokens"])
     vae = build_vae(config, device=dev)
     rollouts = {m: _rollout(model, text, m, sizes, window_frames, strength, graphs)
-                for m in MODES}
+                for m in ("text", "video")}
+    rollouts["text-matched"] = _rollout(
+        model, text, "text", sizes, window_frames, strength, graphs,
+        timesteps=even_timesteps(len(rollouts["video"].sampling.timesteps)))
     clips, noises = input_clips((8 * H, 8 * W), F, 2, dev), _latents(n, model.config.in_channels,
                                                                      F, (H, W), seed=1)
     runs = {}
@@ -230,6 +243,9 @@ def measure_e2e(*, preset: str = "wan-1.3b", device="cuda", window_frames: int =
         mode, kind = name.split()
         progress(f"e2e stages alone: {name}")
         res["decoders"].setdefault(kind, {})[mode] = _summarise(got[name], run, fill, input_fps)
+    for kind, modes in res["decoders"].items():
+        res.setdefault("video_vs_text_matched", {})[kind] = (
+            modes["video"]["steady_fps"] / modes["text-matched"]["steady_fps"])
     for part in {id(p): p for run in runs.values() for p in (run.rollout, run.enc, run.dec)}.values():
         part.close()
     _release(dev)
@@ -242,13 +258,15 @@ def format_e2e(res: dict) -> str:
     lines = [f"video to video on {res['gpu']}: {H}x{W}, {res['frames_per_chunk']}-frame latent "
              f"chunks, {res['window_frames']}-frame window, strength {res['strength']:g} "
              f"(text to video beside it); a {res['input_fps']:g} fps camera for the latencies",
-             f"  {'decoder':<8}{'mode':<5}{'steps':>6}{'first s':>9}{'steady fps':>12}"
+             f"  {'decoder':<8}{'mode':<13}{'steps':>6}{'first s':>9}{'steady fps':>12}"
              f"{'overall':>9}{'lat p50 s':>11}{'p99 s':>8}{'enc ms':>8}{'DiT ms':>8}{'dec ms':>8}"]
     for kind, modes in res["decoders"].items():
         for mode, m in modes.items():
             enc = f"{m['encode_ms']['median']:.1f}" if "encode_ms" in m else "-"
-            lines.append(f"  {kind:<8}{mode:<5}{m['steps']:>6}{m['first_frame_s']:>9.3f}"
+            lines.append(f"  {kind:<8}{mode:<13}{m['steps']:>6}{m['first_frame_s']:>9.3f}"
                          f"{m['steady_fps']:>12.2f}{m['overall_fps']:>9.2f}"
                          f"{m['latency_s']['p50']:>11.3f}{m['latency_s']['p99']:>8.3f}{enc:>8}"
                          f"{m['dit_ms']['median']:>8.1f}{m['decode_ms']['median']:>8.1f}")
+    lines += [f"  video / text-matched steady fps, {kind}: {r:.3f}"
+              for kind, r in res.get("video_vs_text_matched", {}).items()]
     return "\n".join(lines)

@@ -62,8 +62,9 @@ def test_the_end_to_end_part_as_a_cpu_smoke_run(tmp_path, capsys):
     assert res["steady_from_chunk"] == 2 and res["chunks"] == 4 and res["strength"] == 0.75
     assert set(res["decoders"]) == {"wan"} and res["input_fps"] == 1000
     for kind, modes in res["decoders"].items():
-        assert set(modes) == {"text", "video"}
+        assert set(modes) == {"text", "text-matched", "video"}
         assert modes["text"]["steps"] == 2 and modes["video"]["steps"] == 1     # 0.75 of (1000, 500)
+        assert modes["text-matched"]["steps"] == 1 and "encode_ms" not in modes["text-matched"]
         assert "encode_ms" in modes["video"] and "encode_ms" not in modes["text"]
         for m in modes.values():
             assert m["video_frames"] == 5 + 8 * 3 and m["first_frame_s"] > 0
@@ -74,6 +75,9 @@ def test_the_end_to_end_part_as_a_cpu_smoke_run(tmp_path, capsys):
     table = capsys.readouterr().out
     rows = [ln.split()[:2] for ln in table.splitlines()]
     assert "video to video on cpu: 64x64" in table and rows.count(["wan", "video"]) == 1
+    ratio = res["video_vs_text_matched"]["wan"]
+    assert ratio == modes["video"]["steady_fps"] / modes["text-matched"]["steady_fps"]
+    assert f"video / text-matched steady fps, wan: {ratio:.3f}" in table
 
 
 def test_a_camera_gives_each_chunk_once_its_last_frame_arrived():
