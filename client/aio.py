@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 
-from .frames import DEFAULT_MAX_FRAMES, encode_frames, video_fields
+from .frames import DEFAULT_MAX_FRAMES, encode_frames, server_strength, video_fields
 from .poll import AsyncPollLink
 from .wire import (OCTETS, ServerError, SessionState, auth_headers, check_response,
                    check_transport, create_body, env_token, prompt_message, prompt_upload)
@@ -154,8 +154,8 @@ class AsyncClient:
                      input: str = "text", strength: float | None = None) -> AsyncSession:
         body = {**create_body(seed, chunks, text, prompt_seed, prompt, paused),
                 **video_fields(input, strength)}
-        if body.get("input") == "video" and strength is None and await self._video_in():
-            body["strength"] = (await self._video_in())["strength"]
+        if body.get("input") == "video" and strength is None:
+            body["strength"] = server_strength(await self._video_in())
         sid = check_response(await self.http.post("/v1/sessions", json=body)).json()["id"]
         s = AsyncSession(self, sid, resume=prompt is not None and not paused)
         if prompt is not None:

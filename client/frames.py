@@ -50,6 +50,15 @@ def video_fields(input: str, strength) -> dict:
     return {"input": "video", "strength": strength}
 
 
+def server_strength(video_in: dict | None) -> float:
+    """The strength of a server's video sessions (``video_in``: its /v1/info's);
+    ValueError where it takes no frames."""
+    if not video_in:
+        raise ValueError("input='video' needs a server with video input (framekv serve "
+                         "--video-strength), got one whose /v1/info video_in is null")
+    return video_in["strength"]
+
+
 @dataclasses.dataclass
 class FramesIn:
     """Frames encoded as ``format`` (``images``: one ``bytes`` a frame), each W x H."""

@@ -53,7 +53,8 @@ messages of at most /v1/info's ``video_in.max_frames`` frames each; /v1/info's
 Frames in faster than chunks are made keep the newest chunk's worth (the server counts
 those dropped). On the socket they go unanswered (None); one the server refuses (a
 text session, a finished one) is answered with an error message, which `stream`
-files in ``errors`` and the next `send_frames` raises as `ServerError` (422); a
+files in ``errors`` and the next `send_frames` raises as `ServerError` (422),
+sending nothing; a
 refusal still in flight when a prompt change is sent answers that change. On the long
 poll each message is a POST: its refusal is a `ServerError` with its status (409: the
 session takes no frames), and `send_frames` returns the server's counts after the last
@@ -76,7 +77,7 @@ import contextlib
 import json
 
 from .aio import AsyncClient, AsyncSession
-from .frames import DEFAULT_MAX_FRAMES, encode_frames, video_fields
+from .frames import DEFAULT_MAX_FRAMES, encode_frames, server_strength, video_fields
 from .poll import PollLink
 from .wire import (OCTETS, Chunk, ServerError, SessionState, auth_headers, check_response,
                    check_transport, create_body, decode_chunk, env_token, prompt_message,
@@ -250,8 +251,8 @@ class Client:
         (None: the server's)."""
         body = {**create_body(seed, chunks, text, prompt_seed, prompt, paused),
                 **video_fields(input, strength)}
-        if body.get("input") == "video" and strength is None and self._video_in():
-            body["strength"] = self._video_in()["strength"]
+        if body.get("input") == "video" and strength is None:
+            body["strength"] = server_strength(self._video_in())
         sid = check_response(self.http.post("/v1/sessions", json=body)).json()["id"]
         s = Session(self, sid, resume=prompt is not None and not paused)
         if prompt is not None:

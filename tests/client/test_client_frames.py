@@ -49,21 +49,22 @@ def test_frames_from_the_blocking_client_make_the_engines_chunks(server, transpo
     url, sched = server
     first, later = sched.video_chunk_frames
     frames = video(sched, 1)
+    fmt = "png" if transport == "auto" else "rgb24"
     with fc.Client(url, token=TOKEN, transport=transport) as client:
         s = client.create(seed=41, chunks=2, input="video")       # the server's strength
         answers = [s.send_frames(frames[:first])]                  # numpy, jpeg
         chunks = []
         for chunk in s.stream(timeout=120):
             chunks.append(chunk)
-            if chunk.index == 0:      # a tensor as png, at most 3 frames a message
+            if chunk.index == 0:      # a tensor, at most 3 frames a message
                 client._video["max_frames"] = 3
-                answers.append(s.send_frames(torch.from_numpy(frames[first:]), format="png"))
+                answers.append(s.send_frames(torch.from_numpy(frames[first:]), format=fmt))
     if transport == "poll":
         assert [a["frames_in"] for a in answers] == [first, first + later]
     else:
         assert answers == [None, None] and s.errors == []
     messages = [encode_frames(frames[:first]).messages(64),
-                encode_frames(frames[first:], "png").messages(3)]
+                encode_frames(frames[first:], fmt).messages(3)]
     assert [len(m) for m in messages] == [1, -(-later // 3)]
     assert [c.images for c in chunks] == expected_images(sched, 41, messages)
 
@@ -169,12 +170,19 @@ BAD_CREATE = [
 
 
 def test_each_bad_argument_is_a_value_error_before_any_request():
+    """...and a video session asked of a server without video input, after its
+    /v1/info only."""
     import httpx
+
+    def answer(r):
+        if r.url.path == "/v1/info":
+            return httpx.Response(200, json={"video_in": None})
+        requests.append(r)
+        return httpx.Response(500)
 
     requests = []
     client = fc.Client("http://127.0.0.1:9")
-    client.http = httpx.Client(base_url=client.url, transport=httpx.MockTransport(
-        lambda r: requests.append(r) or httpx.Response(500)))
+    client.http = httpx.Client(base_url=client.url, transport=httpx.MockTransport(answer))
     s = client.session("some-id")
     for kw, words in BAD_FRAMES:
         with pytest.raises(ValueError) as e:
@@ -186,4 +194,22 @@ def test_each_bad_argument_is_a_value_error_before_any_request():
         assert words in str(e.value), (kw, str(e.value))
         with pytest.raises(ValueError, match=words.split(",")[0].replace("(", r"\(")):
             asyncio.run(fc.AsyncClient("http://127.0.0.1:9").create(seed=1, **kw))
+    with pytest.raises(ValueError, match=r"input='video' needs a server with video input"):
+        client.create(seed=1, input="video")
     assert requests == []
+
+
+def test_messages_carry_at_most_max_frames_and_the_byte_cap(monkeypatch):
+    import framekv.client.frames as frames
+    from framekv.specs import wire
+
+    encoded = frames.FramesIn("jpeg", 8, 8, [bytes([j]) * (10 + j) for j in range(5)])
+    heads = [wire.decode(m) for m in encoded.messages(max_frames=2)]
+    assert [h["count"] for h, _ in heads] == [2, 2, 1]
+    monkeypatch.setattr(frames, "MAX_MESSAGE_BYTES", 25)
+    heads = [wire.decode(m) for m in encoded.messages(max_frames=3)]
+    assert [h["sizes"] for h, _ in heads] == [[10, 11], [12, 13], [14]]   # bytes first
+    assert b"".join(p for _, p in heads) == b"".join(encoded.images)
+    monkeypatch.setattr(frames, "MAX_MESSAGE_BYTES", 13)
+    with pytest.raises(ValueError, match=r"frames\[4\] must be at most 13 bytes as jpeg, got 14"):
+        encoded.messages(max_frames=3)
