@@ -1,5 +1,6 @@
 """Frames in, for a video session of `framekv serve` (``client.create(input="video")``):
-`video_fields` checks what ``create`` asks for, `encode_frames` turns the frames given
+`video_fields` checks what ``create`` asks for (`server_strength`: the strength where
+none is given), `encode_frames` turns the frames given
 to ``Session.send_frames`` into ``frames_in`` messages (`FramesIn.messages`).
 
 Frames are RGB: a uint8 numpy array or torch tensor [N, H, W, 3] (any device), a list
@@ -47,7 +48,7 @@ def video_fields(input: str, strength) -> dict:
     if input != "video":
         raise ValueError(f"strength is for input='video', got strength={strength!r} with "
                          f"input={input!r}")
-    return {"input": "video", "strength": strength}
+    return {"input": "video", "strength": float(strength)}       # numpy's too: JSON
 
 
 def server_strength(video_in: dict | None) -> float:

@@ -51,15 +51,15 @@ messages of at most /v1/info's ``video_in.max_frames`` frames each; /v1/info's
         use(chunk.video())
 
 Frames in faster than chunks are made keep the newest chunk's worth (the server counts
-those dropped). On the socket they go unanswered (None); one the server refuses (a
-text session, a finished one) is answered with an error message, which `stream`
-files in ``errors`` and the next `send_frames` raises as `ServerError` (422),
-sending nothing; a
-refusal still in flight when a prompt change is sent answers that change. On the long
-poll each message is a POST: its refusal is a `ServerError` with its status (409: the
-session takes no frames), and `send_frames` returns the server's counts after the last
-(``frames_in``, ``frames_dropped``, ``frames_waiting``, ``input_chunks``,
-``frames_needed``).
+those dropped). On the socket they go unanswered (`send_frames` returns None); a
+message the server refuses (a text session, a finished one, a frame too large) is
+answered with an error message, which `stream` (or a wait) files in ``errors`` and
+the next `send_frames` raises as `ServerError` (422), sending nothing; a refusal still
+in flight when a prompt change is sent answers that change. On the long poll each
+message is a POST: a refusal is a `ServerError` with its status (409: the session
+takes no frames) at once, the messages before it taken, and `send_frames` returns the
+server's counts after the last (``frames_in``, ``frames_dropped``, ``frames_waiting``,
+``input_chunks``, ``frames_needed``).
 
 Transports (``Client(url, transport=...)``): "auto" (the default) opens a WebSocket
 and, where one cannot be opened (a proxy or load balancer refusing the upgrade), reads
@@ -194,9 +194,10 @@ class Session(SessionState):
         messages = encoded.messages(self.client._max_frames())
         self.connect()
         if isinstance(self._ws, PollLink):
-            return [check_response(self.client.http.post(
-                f"/v1/sessions/{self.id}/frames", content=m, headers=OCTETS))
-                for m in messages][-1].json()
+            for m in messages:
+                r = check_response(self.client.http.post(
+                    f"/v1/sessions/{self.id}/frames", content=m, headers=OCTETS))
+            return r.json()
         self._refused_frames()
         try:
             for m in messages:
