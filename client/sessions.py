@@ -1,5 +1,6 @@
 """Python clients of `framekv serve` (``framekv.client``): `Client` (blocking) and
-`AsyncClient` (asyncio), each handing out sessions (`Session`, `AsyncSession`)::
+`AsyncClient` (asyncio, ``aio.py``), each handing out sessions (`Session`,
+`AsyncSession`)::
 
     from framekv.client import Client
 
@@ -29,8 +30,36 @@ as they are, anything else as float32); `Session.change_prompt` returns the serv
 arrive while it waits are kept for `stream`; a change no chunk would come under (the
 session made its last one) raises `ServerError` with the server's reason. ``create(prompt=tensor)`` opens the
 session paused, uploads the prompt, and resumes it once its socket opens, so every
-chunk is made under that prompt. One task or thread uses a session at a time. Needs
-httpx and websockets >= 13 (the ``serve`` extra).
+chunk is made under that prompt. One task or thread uses a session at a time (so no
+`send_frames` while another thread iterates its `stream`). Needs httpx and websockets
+>= 13 (the ``serve`` extra).
+
+Video in (a server with ``--video-strength``): ``create(input="video")`` opens a
+session whose chunk i is made from chunk i's frames (``strength``: None, the
+server's; a strength outside (0, 1], or one without ``input="video"``, is a ValueError
+before any request). `Session.send_frames` encodes them (`framekv.client.frames`: what
+it takes, uint8 RGB [N, H, W, 3], PIL images or encoded bytes) into ``frames_in``
+messages of at most /v1/info's ``video_in.max_frames`` frames each; /v1/info's
+``first`` and ``later`` are the frames of the first chunk and of each later one::
+
+    session = client.create(seed=1, chunks=3, text="a cat in watercolour", input="video")
+    session.send_frames(video[:first])                   # uint8 [N, H, W, 3], RGB
+    for chunk in session.stream():                       # chunk i once its frames are in
+        start = first + later * chunk.index
+        if chunk.index + 1 < 3:                          # the next chunk's frames
+            session.send_frames(video[start:start + later])
+        use(chunk.video())
+
+Frames in faster than chunks are made keep the newest chunk's worth (the server counts
+those dropped). On the socket they go unanswered (`send_frames` returns None); a
+message the server refuses (a text session, a finished one, a frame too large) is
+answered with an error message, which `stream` (or a wait) files in ``errors`` and
+the next `send_frames` raises as `ServerError` (422), sending nothing; a refusal still
+in flight when a prompt change is sent answers that change. On the long poll each
+message is a POST: a refusal is a `ServerError` with its status (409: the session
+takes no frames) at once, the messages before it taken, and `send_frames` returns the
+server's counts after the last (``frames_in``, ``frames_dropped``, ``frames_waiting``,
+``input_chunks``, ``frames_needed``).
 
 Transports (``Client(url, transport=...)``): "auto" (the default) opens a WebSocket
 and, where one cannot be opened (a proxy or load balancer refusing the upgrade), reads
@@ -47,8 +76,10 @@ from __future__ import annotations
 import contextlib
 import json
 
-from .poll import AsyncPollLink, PollLink
-from .wire import (Chunk, ServerError, SessionState, auth_headers, check_response,
+from .aio import AsyncClient, AsyncSession
+from .frames import DEFAULT_MAX_FRAMES, encode_frames, server_strength, video_fields
+from .poll import PollLink
+from .wire import (OCTETS, Chunk, ServerError, SessionState, auth_headers, check_response,
                    check_transport, create_body, decode_chunk, env_token, prompt_message,
                    prompt_upload)
 
@@ -140,12 +171,39 @@ class Session(SessionState):
                                                content=raw, headers=headers)).json()
         message = prompt_message(text, prompt_seed)
         self.connect()
-        self._ws.send(message)
-        while not self._acks:
-            if self.end is not None:
-                raise ServerError(409, f"the session ended ({self.end}) before the ack")
-            self._read(timeout)
-        return self._ack()
+        self._asking = True
+        try:
+            self._ws.send(message)
+            while not self._acks:
+                if self.end is not None:
+                    raise ServerError(409, f"the session ended ({self.end}) before the ack")
+                self._read(timeout)
+            return self._ack()
+        finally:
+            self._asking = False
+
+    def send_frames(self, frames, *, format: str = "jpeg", quality: int = 90) -> dict | None:
+        """Send a video session's ``frames`` (`framekv.client.frames`: uint8 [N, H, W, 3]
+        RGB, PIL images, or encoded bytes a frame) as ``format``, at most ``max_frames``
+        a message; on the socket: None, on the long poll: the server's input counts
+        after the last message (``frames_in``, ``frames_waiting``, ...). ValueError for
+        a bad argument; `ServerError` for frames refused (module doc)."""
+        from websockets.exceptions import ConnectionClosed
+
+        encoded = encode_frames(frames, format, quality)
+        messages = encoded.messages(self.client._max_frames())
+        self.connect()
+        if isinstance(self._ws, PollLink):
+            for m in messages:
+                r = check_response(self.client.http.post(
+                    f"/v1/sessions/{self.id}/frames", content=m, headers=OCTETS))
+            return r.json()
+        self._refused_frames()
+        try:
+            for m in messages:
+                self._ws.send(m)
+        except ConnectionClosed as exc:
+            raise self._closed(exc) from None
 
     def pause(self) -> None:
         """Stop its chunks coming (the server makes none until `resume`)."""
@@ -179,21 +237,37 @@ class Client:
         self.url, self.token, self.timeout = url.rstrip("/"), env_token(token), timeout
         self.http = httpx.Client(base_url=self.url, headers=auth_headers(self.token),
                                  timeout=timeout)
+        self._video: dict | None | bool = False        # /v1/info's video_in, once read
 
     def info(self) -> dict:
         """``GET /v1/info``: model, prompt shape and dtype, chunk layout, output."""
         return check_response(self.http.get("/v1/info")).json()
 
     def create(self, *, seed: int, chunks: int | None = None, text: str | None = None,
-               prompt=None, prompt_seed: int | None = None, paused: bool = False) -> Session:
+               prompt=None, prompt_seed: int | None = None, paused: bool = False,
+               input: str = "text", strength: float | None = None) -> Session:
         """Open a session (at most one of ``text``, ``prompt`` (a tensor [L, D]) or
-        ``prompt_seed``); ``paused``: no chunk until `Session.resume`."""
-        body = create_body(seed, chunks, text, prompt_seed, prompt, paused)
+        ``prompt_seed``); ``paused``: no chunk until `Session.resume`; ``input``
+        "video": a video session (`Session.send_frames`) at ``strength`` in (0, 1]
+        (None: the server's)."""
+        body = {**create_body(seed, chunks, text, prompt_seed, prompt, paused),
+                **video_fields(input, strength)}
+        if body.get("input") == "video" and strength is None:
+            body["strength"] = server_strength(self._video_in())
         sid = check_response(self.http.post("/v1/sessions", json=body)).json()["id"]
         s = Session(self, sid, resume=prompt is not None and not paused)
         if prompt is not None:
             s.change_prompt(prompt=prompt)
         return s
+
+    def _video_in(self) -> dict | None:
+        """/v1/info's ``video_in`` (None: the server takes no frames), read once."""
+        if self._video is False:
+            self._video = self.info().get("video_in")
+        return self._video
+
+    def _max_frames(self) -> int:
+        return (self._video_in() or {}).get("max_frames", DEFAULT_MAX_FRAMES)
 
     def session(self, sid: str, *, after: int | None = None) -> Session:
         """A `Session` for an id opened elsewhere (or before a drop): its chunks after
@@ -208,136 +282,3 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
-
-
-class AsyncSession(SessionState):
-    """A session of an `AsyncClient`: `Session`'s methods, awaited."""
-
-    async def info(self) -> dict:
-        return check_response(await self.client.http.get(f"/v1/sessions/{self.id}")).json()
-
-    async def connect(self) -> None:
-        from websockets.asyncio.client import connect
-        from websockets.exceptions import InvalidHandshake
-
-        if self._ws is not None:
-            return
-        info = None
-        if self.last is not None:
-            r = await self.client.http.get(f"/v1/sessions/{self.id}")
-            info = r.json() if r.status_code == 200 else None
-        if self._transport != "poll":
-            try:
-                self._ws = await connect(self._ws_url(info), max_size=None,
-                                         additional_headers=auth_headers(self.client.token),
-                                         open_timeout=self.client.timeout)
-            except InvalidHandshake as exc:
-                self._refused(exc)
-        if self._ws is None:
-            self._ws = AsyncPollLink(self.client.http, self.id, self._after(info),
-                                     self.client.timeout)
-        if self._resume:
-            self._resume = False
-            await self.resume()
-
-    async def _read(self, timeout) -> None:
-        import asyncio
-
-        from websockets.exceptions import ConnectionClosed
-
-        try:
-            self._take(await asyncio.wait_for(self._ws.recv(), timeout))
-            while self._outbox:
-                await self._ws.send(self._outbox.popleft())
-        except ConnectionClosed as exc:
-            raise self._closed(exc) from None
-
-    async def stream(self, timeout: float | None = None):
-        from websockets.exceptions import ConnectionClosed
-
-        await self.connect()
-        while True:
-            while self.pending:
-                chunk = self.pending.popleft()
-                with contextlib.suppress(ConnectionClosed):   # as the blocking client's
-                    await self._ws.send(self._handed(chunk))
-                yield chunk
-            if self.end is not None:
-                return
-            await self._read(timeout)
-
-    async def reconnect(self) -> None:
-        if self._ws is not None:
-            await self._ws.close()
-        self._ws = None
-        await self.connect()
-
-    async def change_prompt(self, text: str | None = None, *, prompt=None,
-                            prompt_seed: int | None = None,
-                            timeout: float | None = None) -> dict:
-        if prompt is not None:
-            raw, headers = prompt_upload(prompt)
-            r = await self.client.http.put(f"/v1/sessions/{self.id}/prompt", content=raw,
-                                           headers=headers)
-            return check_response(r).json()
-        message = prompt_message(text, prompt_seed)
-        await self.connect()
-        await self._ws.send(message)
-        while not self._acks:
-            if self.end is not None:
-                raise ServerError(409, f"the session ended ({self.end}) before the ack")
-            await self._read(timeout)
-        return self._ack()
-
-    async def pause(self) -> None:
-        await self.connect()
-        await self._ws.send(json.dumps({"type": "pause"}))
-
-    async def resume(self) -> None:
-        await self.connect()
-        await self._ws.send(json.dumps({"type": "resume"}))
-
-    async def close(self) -> bool:
-        r = await self.client.http.delete(f"/v1/sessions/{self.id}")
-        if self._ws is not None:
-            await self._ws.close()
-        return r.status_code != 404 and check_response(r) is r
-
-
-class AsyncClient:
-    """`Client` for asyncio: ``await client.create(...)``, ``async for chunk in
-    session.stream()``; ``async with AsyncClient(url) as client``."""
-
-    def __init__(self, url: str = "http://127.0.0.1:8000", *, token: str | None = None,
-                 timeout: float = 30.0, transport: str = "auto"):
-        import httpx
-
-        self.transport = check_transport(transport)
-        self.url, self.token, self.timeout = url.rstrip("/"), env_token(token), timeout
-        self.http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(self.token),
-                                      timeout=timeout)
-
-    async def info(self) -> dict:
-        return check_response(await self.http.get("/v1/info")).json()
-
-    async def create(self, *, seed: int, chunks: int | None = None, text: str | None = None,
-                     prompt=None, prompt_seed: int | None = None,
-                     paused: bool = False) -> AsyncSession:
-        body = create_body(seed, chunks, text, prompt_seed, prompt, paused)
-        sid = check_response(await self.http.post("/v1/sessions", json=body)).json()["id"]
-        s = AsyncSession(self, sid, resume=prompt is not None and not paused)
-        if prompt is not None:
-            await s.change_prompt(prompt=prompt)
-        return s
-
-    def session(self, sid: str, *, after: int | None = None) -> AsyncSession:
-        return AsyncSession(self, sid, resume=False, after=after)
-
-    async def close(self) -> None:
-        await self.http.aclose()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.close()

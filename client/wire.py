@@ -1,7 +1,7 @@
 """What `framekv.client.sessions` sends and reads: `ServerError`, chunk messages (`Chunk`,
 `decode_chunk`), request bodies and headers, and `SessionState`, what a session's
 socket (or long poll) said (chunks not yet streamed, the end message, errors, prompt
-acks), which the blocking and the asyncio sessions share.
+acks, refused frames), which the blocking and the asyncio sessions share.
 """
 from __future__ import annotations
 
@@ -86,6 +86,10 @@ def auth_headers(token: str | None) -> dict:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+#: the headers of a binary body (a frames_in message)
+OCTETS = {"Content-Type": "application/octet-stream"}
+
+
 def check_response(r):
     """``r`` (an httpx response) when it succeeded, else `ServerError`."""
     if r.status_code < 400:
@@ -164,6 +168,8 @@ class SessionState:
         self.errors: list[dict] = []
         self._acks: collections.deque = collections.deque()
         self._outbox: collections.deque = collections.deque()   # acks of chunks skipped
+        self._asking = False                  # a prompt change waits for its answer
+        self._refusals: list[dict] = []       # frames messages the socket refused
         self._ws = None
 
     def _after(self, info: dict | None = None) -> int | None:
@@ -203,8 +209,8 @@ class SessionState:
         """File one socket message: a chunk to ``pending`` (one at or below the newest
         streamed or pending, sent again after a reconnect, is dropped; one at or below
         the last streamed is acknowledged, through ``_outbox``), the end to
-        ``end``, an ack (or an error, which answers the control message before it) to
-        the acks."""
+        ``end``, an ack to the acks, an error to ``errors`` and, while a prompt change
+        waits, to the acks (its answer), else to the refused frames."""
         if isinstance(msg, bytes):
             chunk = decode_chunk(msg)
             newest = self.pending[-1].index if self.pending else self.last
@@ -218,9 +224,9 @@ class SessionState:
             self.end = m
         elif m["type"] in ("prompt_ack", "prompt_pending"):
             self._acks.append(m)
-        elif m["type"] == "error":
-            self.errors.append(m)
-            self._acks.append(m)
+        elif m["type"] == "error":           # a prompt change's answer, else a refusal
+            self.errors.append(m)            # of frames sent (the only other messages)
+            (self._acks.append if self._asking else self._refusals.append)(m)
 
     def _closed(self, exc) -> ServerError:
         """The `ServerError` of a socket closed before its end message (``exc``:
@@ -228,6 +234,14 @@ class SessionState:
         rcvd = getattr(exc, "rcvd", None)
         code, reason = (rcvd.code, rcvd.reason) if rcvd is not None else (1006, "")
         return ServerError(code, reason or "the socket closed before the end message")
+
+    def _refused_frames(self) -> None:
+        """`ServerError` (422) for frames messages the socket refused since the last
+        call, which ``stream`` (or a wait) has read; none: nothing."""
+        if self._refusals:
+            first, more = self._refusals[0]["error"], len(self._refusals) - 1
+            self._refusals.clear()
+            raise ServerError(422, first + (f" (and {more} more refused)" if more else ""))
 
     def _ack(self) -> dict:
         """The oldest ack; `ServerError` (422) when the server answered an error."""
