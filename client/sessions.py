@@ -53,9 +53,9 @@ messages of at most /v1/info's ``video_in.max_frames`` frames each; /v1/info's
 Frames in faster than chunks are made keep the newest chunk's worth (the server counts
 those dropped). On the socket they go unanswered (`send_frames` returns None); a
 message the server refuses (a text session, a finished one, a frame too large) is
-answered with an error message, which `stream` (or a wait) files in ``errors`` and
-the next `send_frames` raises as `ServerError` (422), sending nothing; a refusal still
-in flight when a prompt change is sent answers that change. On the long poll each
+answered with an error message (``"about": "frames_in"``), which `stream` (or a
+wait) files in ``errors`` and the next `send_frames` raises as `ServerError` with the
+server's status, sending nothing. On the long poll each
 message is a POST: a refusal is a `ServerError` with its status (409: the session
 takes no frames) at once, the messages before it taken, and `send_frames` returns the
 server's counts after the last (``frames_in``, ``frames_dropped``, ``frames_waiting``,

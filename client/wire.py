@@ -209,8 +209,9 @@ class SessionState:
         """File one socket message: a chunk to ``pending`` (one at or below the newest
         streamed or pending, sent again after a reconnect, is dropped; one at or below
         the last streamed is acknowledged, through ``_outbox``), the end to
-        ``end``, an ack to the acks, an error to ``errors`` and, while a prompt change
-        waits, to the acks (its answer), else to the refused frames."""
+        ``end``, an ack to the acks, an error to ``errors`` and: a refusal of frames
+        (``"about": "frames_in"``) to the refused frames, another, while a prompt
+        change waits, to the acks (its answer)."""
         if isinstance(msg, bytes):
             chunk = decode_chunk(msg)
             newest = self.pending[-1].index if self.pending else self.last
@@ -224,9 +225,12 @@ class SessionState:
             self.end = m
         elif m["type"] in ("prompt_ack", "prompt_pending"):
             self._acks.append(m)
-        elif m["type"] == "error":           # a prompt change's answer, else a refusal
-            self.errors.append(m)            # of frames sent (the only other messages)
-            (self._acks.append if self._asking else self._refusals.append)(m)
+        elif m["type"] == "error":
+            self.errors.append(m)
+            if m.get("about") == "frames_in":
+                self._refusals.append(m)
+            elif self._asking:               # a control message's answer: the change's
+                self._acks.append(m)
 
     def _closed(self, exc) -> ServerError:
         """The `ServerError` of a socket closed before its end message (``exc``:
@@ -236,12 +240,14 @@ class SessionState:
         return ServerError(code, reason or "the socket closed before the end message")
 
     def _refused_frames(self) -> None:
-        """`ServerError` (422) for frames messages the socket refused since the last
-        call, which ``stream`` (or a wait) has read; none: nothing."""
+        """`ServerError` (the first refusal's status) for frames messages the socket
+        refused since the last call, which ``stream`` (or a wait) has read; none:
+        nothing."""
         if self._refusals:
-            first, more = self._refusals[0]["error"], len(self._refusals) - 1
+            first, more = self._refusals[0], len(self._refusals) - 1
             self._refusals.clear()
-            raise ServerError(422, first + (f" (and {more} more refused)" if more else ""))
+            raise ServerError(first.get("status", 422), first["error"] + (
+                f" (and {more} more refused)" if more else ""))
 
     def _ack(self) -> dict:
         """The oldest ack; `ServerError` (422) when the server answered an error."""

@@ -8,10 +8,12 @@ chunks with ``{"type": "ack", "index": i}`` (every chunk up to i): a chunk stays
 session's until acknowledged, and a session with ``queue_chunks`` chunks unacknowledged
 (sent or not) makes no more, so a client that stops reading stops its stream. Other
 control messages are JSON text too; bad JSON or a bad value is answered
-``{"type": "error", "error"}`` and the session goes on. A binary message from the
-client is a video session's frames (``frames_in``, `framekv.tools.serve.frames_in`):
-taken without an answer, or, when bad (or the session takes no frames), answered
-``{"type": "error", "error"}``; the session goes on. A prompt change is answered
+``{"type": "error", "error", "status"}`` (the HTTP status the same fault has on the
+long poll) and the session goes on. A binary message from the client is a video
+session's frames (``frames_in``, `framekv.tools.serve.frames_in`): taken without an
+answer, or, when bad (or the session takes no frames), answered ``{"type": "error",
+"error", "status", "about": "frames_in"}`` (``about`` tells a refusal of frames from
+a control message's answer, which a client may be waiting for); the session goes on. A prompt change is answered
 ``{"type": "prompt_ack", "prompt_version", "applies_from"}`` once it took (chunks from
 index ``applies_from`` on are made under it), or ``{"type": "error"}`` if its re-cache
 failed (the session goes on under its old prompt).
@@ -110,7 +112,10 @@ async def _receive(ws, sched, sid: str) -> None:
         except KeyError:  # the session ended meanwhile: the sender says how
             return await asyncio.Event().wait()
         except RequestError as exc:
-            await ws.send_text(json.dumps({"type": "error", "error": exc.message}))
+            reply = {"type": "error", "error": exc.message, "status": exc.status}
+            if msg.get("text") is None:
+                reply["about"] = "frames_in"
+            await ws.send_text(json.dumps(reply))
             continue
         if change is not None:          # answered once it took
             asyncio.ensure_future(_prompt_reply(ws, change))
