@@ -3,10 +3,10 @@ hold, on the CPU: no file stops a start.
 
 A header that is a JSON string, number, null or list, framekv metadata that is no JSON
 object, either nested 200,000 levels deep, a record acknowledging past its chunks, a
-queued chunk whose input frame numbers are negative, a FIFO (never opened: no hang), a folder, a device, a link to nothing, and a sparse file
-whose valid header declares 30 GiB (refused before anything is allocated): each is
-renamed ``.corrupt`` with one log line saying why, and the good file beside them is
-read. A seeded fuzz over headers, metadata, lengths and bytes: every case is read or
+queued chunk whose input frame numbers are negative, a FIFO (never opened: no hang), a
+folder, a device, a link to nothing, and a sparse file whose valid header declares 30
+GiB (refused before anything is allocated): each is renamed ``.corrupt`` with one log
+line saying why, and the good file beside them is read. A seeded fuzz over headers, metadata, lengths and bytes: every case is read or
 renamed, no exception escapes, nothing past the bound is allocated.
 """
 from __future__ import annotations
