@@ -8,9 +8,12 @@ A latents chunk's header is ``{"type": "chunk", "index", "frame0", "frames", "dt
 payload the latents' bytes; a frames chunk's ``{"type": "frames", "index", "frame0",
 "frames", "width", "height", "format", "sizes", "seconds", "latency", "batch",
 "prompt_version"}`` and its payload the encoded images one after the other (``sizes``
-their lengths). The server (`framekv.tools.serve`), the client (`framekv.client`) and
-the load benchmark (`framekv.bench.serve_load`) encode and decode through these; a
-spec at the bottom floor, importable by all of them without torch.
+their lengths). A video session's chunk of either kind adds ``"input": {"first",
+"count"}``: the input frames it was made from, ``first`` to ``first + count - 1``,
+numbered from 0 in the order the session received them, dropped ones counted. The
+server (`framekv.tools.serve`), the client (`framekv.client`) and the load benchmark
+(`framekv.bench.serve_load`) encode and decode through these; a spec at the bottom
+floor, importable by all of them without torch.
 """
 from __future__ import annotations
 

@@ -63,6 +63,8 @@ def bad_files(folder, good: bytes) -> dict[str, str]:
         "meta-deep.session": pack({"__metadata__": {"framekv": deep(200_000).decode(),
                                                     "crc32": "0"}}),
         "acked.session": with_header(good, lambda h: h["extra"]["session"].update(acked=10**30)),
+        "input.session": with_header(good, lambda h: h["extra"]["queue"][0].update(
+            input=[-1, 5])),
         "short.session": b"\x01\x02", "text.session": b"not a session file" * 8,
     }
     for name, raw in files.items():

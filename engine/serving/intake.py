@@ -26,6 +26,13 @@ Counters (kept over swaps, moves and restarts, `state` / `from_state`): ``receiv
 frames pushed, ``dropped``, ``taken`` chunks of input taken (the input cursor: the next
 chunk's index), ``used`` frames taken. ``last`` is `time.monotonic` of the newest frame
 waiting (a chunk's input-to-output latency runs from it).
+
+Frame numbers. Each frame pushed is numbered in the order the stream received it, from
+0, over every frame received, dropped ones included: the waiting frames are always the
+newest ones, numbers ``received - waiting`` to ``received - 1``. A chunk's input is a
+run of them, (first, count) (`span`, what `take` returns), so a client can tell which
+of the frames it sent a chunk answers; chunk i's first frame is ``used + dropped`` as
+it is taken, and the counters give the same numbers after a restart or a move.
 """
 from __future__ import annotations
 
@@ -82,17 +89,23 @@ class Intake:
         """Whether the next chunk's frames are in."""
         return len(self.frames) >= self.need
 
-    def take(self) -> tuple[torch.Tensor, float | None]:
-        """The next chunk's frames [3, n, H, W] (the encoder's layout) and when the
-        newest came; they leave the queue. ValueError when they are not in."""
-        n = self.need
+    def span(self) -> tuple[int, int]:
+        """(first, count): the numbers of the frames the next chunk takes (module doc),
+        the oldest waiting on."""
+        return self.received - len(self.frames), self.need
+
+    def take(self) -> tuple[torch.Tensor, float | None, tuple[int, int]]:
+        """The next chunk's frames [3, n, H, W] (the encoder's layout), when the newest
+        came and their numbers (`span`); they leave the queue. ValueError when they are
+        not in."""
+        n, span = self.need, self.span()
         if len(self.frames) < n:
             raise ValueError(f"chunk {self.taken}'s input needs {n} frames, "
                              f"{len(self.frames)} are in")
         out = torch.stack([self.frames.popleft() for _ in range(n)], dim=1)  # [3, n, H, W]
         self.taken += 1
         self.used += n
-        return out, self.last
+        return out, self.last, span
 
     def info(self) -> dict:
         """The session info's input fields: frames_in (received), frames_dropped,

@@ -42,7 +42,12 @@ class SessionChunk:
     a decoder ``video`` uint8 [F', H, W, 3] (host) from video frame ``video_frame0`` on;
     ``requested``/``queued``: `time.monotonic` when the stream was ready for it / got it;
     ``received``: a video stream's, when the newest frame of its input came (None: no
-    input, or its input latency observed already: `StreamScheduler.handout`).
+    input, or its input latency observed already: `StreamScheduler.handout`);
+    ``input``: a video stream's, the numbers of the input frames it was made from,
+    (first, count): frames ``first`` to ``first + count - 1`` in the order the stream
+    received them, dropped ones counted (`Intake`); None for a text stream. Recorded
+    as the frames are taken, it goes with the chunk wherever the chunk goes (a
+    re-send, a checkpoint, a move).
 
     The latents are on the host, or on the runner's device where its frames are what a
     client gets (`StreamScheduler`'s ``host_latents``): those are copied to the host
@@ -61,6 +66,7 @@ class SessionChunk:
     requested: float = 0.0
     queued: float = 0.0
     received: float | None = None
+    input: tuple[int, int] | None = None
 
     def __getstate__(self) -> dict:
         """Its fields for pickling, latents on a device left out (None)."""

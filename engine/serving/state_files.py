@@ -14,8 +14,10 @@ made no chunk); its ``extra`` and ``extra_tensors`` carry the rest of the record
                        ``pending``, re-cached as the stream takes a slot (else None)
     extra["decoding"]  whether its chunks carry decoded video
     extra["queue"]     its unacknowledged chunks, oldest first (index, frame0, frames,
-                       seconds, latency, batch, prompt_version, video_frame0); their
-                       tensors ``chunk<i>.latents`` and ``chunk<i>.video``
+                       seconds, latency, batch, prompt_version, video_frame0, input:
+                       a video stream's [first, count] of its input frames, else None
+                       or absent); their tensors ``chunk<i>.latents`` and
+                       ``chunk<i>.video``
     extra["decoder"]   None, or its decoder row's fields; the row's cache ``decoder.<j>``
     extra["encoder"]   a video stream's encoder row (as the decoder's; ``encoder.<j>``)
     extra["input"]     None (a text stream), or its `Intake`'s fields: the input
@@ -121,7 +123,7 @@ def _chunk_record(j: int, c: SessionChunk, tensors: dict) -> dict:
     return {"index": c.index, "frame0": c.frame0, "frames": c.frames, "seconds": c.seconds,
             "latency": c.queued - c.requested, "batch": c.batch,
             "prompt_version": c.prompt_version, "video_frame0": c.video_frame0,
-            "video": c.video is not None}
+            "video": c.video is not None, "input": None if c.input is None else list(c.input)}
 
 
 def stream_of(state: StreamState, model: dict, decoding: bool, where: str = "state") -> Stream:
@@ -194,12 +196,7 @@ def _check_record(where, rec: dict, extra: dict, decoding: bool) -> str:
         shown = {k: str(rec[k])[:24] for k in _RECORD}
         raise ValueError(f"{where}: stream fields {bad} must be integers >= 0 (acked in [-1, "
                          f"chunks), paused a boolean, budget None or >= 1), got {shown}")
-    indices = [q["index"] for q in extra["queue"]]
-    if any(type(i) is not int for i in indices) or indices != sorted(set(indices)) or (
-            indices and not rec["acked"] < indices[0] <= indices[-1] < rec["chunks"]):
-        raise ValueError(f"{where}: the queued chunks' indices must rise within (acked, "
-                         f"chunks) = ({rec['acked']}, {rec['chunks']}), got "
-                         f"{str(indices)[:80]}")
+    _check_queue(where, rec, extra["queue"])
     if bool(extra["decoding"]) != decoding:
         raise ValueError(f"{where}: the stream's chunks carry "
                          f"{'decoded video' if extra['decoding'] else 'latents only'}, this "
@@ -207,14 +204,33 @@ def _check_record(where, rec: dict, extra: dict, decoding: bool) -> str:
     return kind
 
 
+def _check_queue(where, rec: dict, queue: list) -> None:
+    """ValueError unless the queued chunks' indices rise within (acked, chunks) and
+    each one's input is None or [first >= 0, count >= 1]."""
+    indices = [q["index"] for q in queue]
+    if any(type(i) is not int for i in indices) or indices != sorted(set(indices)) or (
+            indices and not rec["acked"] < indices[0] <= indices[-1] < rec["chunks"]):
+        raise ValueError(f"{where}: the queued chunks' indices must rise within (acked, "
+                         f"chunks) = ({rec['acked']}, {rec['chunks']}), got "
+                         f"{str(indices)[:80]}")
+    spans = [q.get("input") for q in queue]
+    if not all(v is None or (isinstance(v, list) and len(v) == 2
+                             and all(type(n) is int for n in v) and v[0] >= 0 and v[1] >= 1)
+               for v in spans):
+        raise ValueError(f"{where}: a queued chunk's input must be None or [first >= 0, "
+                         f"count >= 1], got {str(spans)[:80]}")
+
+
 def _chunks(state: StreamState, queue: list) -> list[SessionChunk]:
     """The unacknowledged chunks of a state, their latency kept and their clock now."""
     now, out = time.monotonic(), []
     for j, q in enumerate(queue):
         video = state.extra_tensors[f"chunk{j}.video"] if q["video"] else None
+        span = q.get("input")
         out.append(SessionChunk(q["index"], q["frame0"], state.extra_tensors[f"chunk{j}.latents"],
                                 q["seconds"], q["batch"], q["prompt_version"], q["frames"],
-                                video, q["video_frame0"], now - q["latency"], now))
+                                video, q["video_frame0"], now - q["latency"], now,
+                                input=None if span is None else tuple(span)))
     return out
 
 

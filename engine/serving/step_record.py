@@ -45,7 +45,8 @@ __all__ = ["Entry", "Overlap", "Step"]
 class Entry:
     """One batch row's stream as planned: its record, chunk index, rope frame, whether
     it is its first chunk, when it became ready, and for a video stream when its
-    chunk's newest input frame came (else None)."""
+    chunk's newest input frame came and the numbers of its input frames (first,
+    count) (`Intake.span`; else None each)."""
 
     stream: Stream
     index: int
@@ -53,6 +54,7 @@ class Entry:
     first: bool
     requested: float
     received: float | None = None
+    input: tuple[int, int] | None = None
 
 
 @dataclass(eq=False)

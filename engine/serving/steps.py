@@ -74,11 +74,11 @@ class Steps:
         stale = sorted(self._stale)
         if not batch and not plan.rewrites and not plan.swap_ins and not stale:
             return None
-        received = ([None] * len(batch) if enc is None       # no video in
-                    else self._take_inputs(enc, batch))
+        inputs = ([(None, None)] * len(batch) if enc is None       # no video in
+                  else self._take_inputs(enc, batch))
         entries = [Entry(s, s.chunks, s.frames, s.chunks == 0,
                          s.waiting_since if s.waiting_since is not None else time.monotonic(),
-                         received[r]) for r, s in enumerate(batch)]
+                         *inputs[r]) for r, s in enumerate(batch)]
         if batch:
             B = min(b for b in self.batch_sizes if b >= len(batch))
             plan.rows = [s.slot for s in batch] + self._scratch[:B - len(batch)]
@@ -256,7 +256,7 @@ class Steps:
             self._deliver(s, SessionChunk(e.index, e.frame0, step.latents[r], seconds,
                                           len(step.plan.rows), version, self.frames_per_chunk,
                                           frames[r], s.video_frames, e.requested, now,
-                                          e.received))
+                                          e.received, e.input))
             made += 1
         self._counts["chunks"] += made
         self._counts["failed_steps"] += error is not None

@@ -120,20 +120,22 @@ class VideoIn:
         s.encoder = None
 
     def _take_inputs(self, plan: EncodePlan | None, batch: list[Stream]) -> list:
-        """Each batch stream's chunk frames taken into ``plan`` (lock held); when the
-        newest of each came (None for a text stream)."""
-        received = [None] * len(batch)
+        """Each batch stream's chunk frames taken into ``plan`` (lock held): (when the
+        newest came, their frame numbers (first, count)) each, (None, None) for a text
+        stream."""
+        taken = [(None, None)] * len(batch)
         for r, s in enumerate(batch):
             if plan is None or s.intake is None:
                 continue
             first = s.intake.taken == 0
-            frames, received[r] = s.intake.take()
+            frames, when, span = s.intake.take()
+            taken[r] = (when, span)
             plan.rows.append(s.slot)
             plan.index.append(r)
             plan.streams.append(s.id)
             plan.frames.append(frames)
             plan.first.append(first)
-        return received
+        return taken
 
     def _encode(self, step) -> None:
         """The step's encoder work (no lock): its row swaps and input latents, each

@@ -4,7 +4,7 @@ CPU) in this process, behind the stand-in for Ray Serve's handle of
 tests/cluster/test_cluster_sessions.py: its frames go to its replica (the socket's frames_in
 messages and POST .../frames read `ClusterSessions.feed`), it moves between replicas
 mid-stream with its encoder row and input, and its chunks equal, frame for frame, those
-of the same frames on one replica with no move; /v1/info names the video input.
+of the same frames on one replica with no move, their input frames numbered on; /v1/info names the video input.
 """
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ def test_a_video_session_moves_between_replicas_and_goes_on_bit_equal(cluster):
     assert cs.where[moved] != cs.where[still]            # one on each replica
     got = {moved: [], still: []}
     readers = {sid: cs.rewind(sid) for sid in got}
+    junk = 3                                              # dropped as chunk 0's frames come
+    for sid in got:
+        cs.feed(sid, random_frames(junk, cs.video_size, 4))
     for i, (lo, hi) in enumerate(cuts):
         for sid in got:
             cs.feed(sid, frames[lo:hi])
@@ -72,10 +75,11 @@ def test_a_video_session_moves_between_replicas_and_goes_on_bit_equal(cluster):
             assert cs.session_info(moved)["input_chunks"] == 2
     for sid in got:
         assert [c.index for c in got[sid]] == [0, 1, 2]
+        assert [c.input for c in got[sid]] == [(junk + lo, hi - lo) for lo, hi in cuts]
     assert all(torch.equal(a.video, b.video) for a, b in zip(got[moved], got[still],
                                                             strict=True))
     info = cs.session_info(moved)
-    assert (info["frames_in"], info["frames_dropped"]) == (len(frames), 0)
+    assert (info["frames_in"], info["frames_dropped"]) == (junk + len(frames), junk)
     with pytest.raises(ValueError, match="strength must be 0.5"):
         cs.open_session(seed=1, video=0.75)
 

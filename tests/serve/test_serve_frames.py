@@ -29,7 +29,7 @@ Image = pytest.importorskip("PIL.Image")
 
 from framekv.engine.step import chunk_noise  # noqa: E402
 from framekv.engine.serving import SessionChunk, StreamScheduler  # noqa: E402
-from framekv.tools.serve import build_app, frames_message, wan_factory  # noqa: E402
+from framekv.tools.serve import build_app, chunk_frame, frames_message, wan_factory  # noqa: E402
 from framekv.specs.wire import decode as parse_message  # noqa: E402
 from framekv.tools.serve.wire import encode_image  # noqa: E402
 
@@ -216,7 +216,7 @@ def test_the_page_is_served_without_a_token_and_loads_nothing_from_outside(serve
                                         "text": True}
 
 
-def test_webp_frames_and_a_chunk_without_frames():
+def test_webp_frames_a_video_chunks_input_and_a_chunk_without_frames():
     y, x = np.mgrid[0:24, 0:40]                      # odd-ish sizes, a smooth picture
     frame = np.stack([x * 6, y * 10, (x + y) * 4], -1).astype(np.uint8)
     video = torch.from_numpy(np.stack([frame, 255 - frame, frame // 2]))  # [3, 24, 40, 3]
@@ -226,6 +226,10 @@ def test_webp_frames_and_a_chunk_without_frames():
                                    "format", "batch", "prompt_version")} == {
         "type": "frames", "index": 4, "frame0": 17, "frames": 3, "width": 40, "height": 24,
         "format": "webp", "batch": 2, "prompt_version": 3}
+    assert "input" not in header                     # a text session's chunk names none
+    chunk.input = (12, 8)                            # a video session's: its input frames
+    for message in (frames_message(chunk), chunk_frame(chunk)):
+        assert parse_message(message)[0]["input"] == {"first": 12, "count": 8}
     start = 0
     for size, want in zip(header["sizes"], video):
         img = Image.open(io.BytesIO(payload[start:start + size]))

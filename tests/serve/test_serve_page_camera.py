@@ -4,7 +4,9 @@ process (CPU): switched to Camera, the page shows the camera beside the output,
 starts a video-to-video session at the slider's strength (one not the server's:
 refused, said why), sends the camera's frames as frames_in messages (one JPEG of the
 model's size each) at the session's frame rate, draws the chunks made from them and
-shows a moving input to output latency. A frames_in message the page packs is what
+shows a moving input to output latency: each chunk's, from sending the last input
+frame its header names (so exact where the server dropped frames), each header naming
+its input frames. A frames_in message the page packs is what
 `framekv.specs.wire` decodes. A page that gets no chunk back sends two chunks of
 frames at the frame rate and no more, all taken by the server, none dropped; a camera
 that goes is a message. (A denied camera: tests/serve/test_serve_page.py, against a text
@@ -72,13 +74,46 @@ def _frames_are_jpegs_of_the_model_size(sent: list, width: int, height: int) -> 
         assert (image.format, image.size) == ("JPEG", (width, height))
 
 
+def _latency_runs_from_the_last_input_frame_its_header_names(page) -> None:
+    """Camera frames sent on a stand-in socket (as fast as they encode: nothing told the
+    page the chunks' frames), then a chunk of frames 0 to 4 whose header names input
+    frames 12 to 19 (the server dropped those before): its latency runs from sending
+    frame 19, not frame 4."""
+    got = page.evaluate("""async () => {
+        const sends = [];
+        const ws = { readyState: WebSocket.OPEN, bufferedAmount: 0,
+                     send: () => sends.push(performance.now()) };
+        Camera.opened(ws, 60);
+        while (sends.length < 20) await new Promise((ok) => setTimeout(ok, 10));
+        Camera.halt();
+        const now = performance.now();
+        Camera.received({ width: 64, height: 64, frame0: 0, frames: 5,
+                          input: { first: 12, count: 8 } });
+        return { want: now - sends[19], not: now - sends[4],
+                 readout: document.getElementById('io-latency').textContent };
+    }""")
+    shown = float(got["readout"].removesuffix(" ms"))
+    assert abs(shown - got["want"]) <= 2 < got["not"] - got["want"], got
+
+
+def _input_spans(received: list, first: int, later: int) -> None:
+    """The chunk messages the page got: each header names its input frames, chunk 0's
+    ``first`` of them, each later one's ``later``, each run after the one before."""
+    from framekv.specs import wire
+
+    spans = [wire.decode(m)[0]["input"] for m in received if isinstance(m, bytes)]
+    assert [s["count"] for s in spans] == [first] + [later] * (len(spans) - 1), spans
+    assert all(b["first"] >= a["first"] + a["count"] for a, b in zip(spans, spans[1:]))
+
+
 def test_the_camera_streams_through_the_model_with_its_latency(server):
     base, _ = server
-    problems, created, sent = [], [], []
+    problems, created, sent, received = [], [], [], []
     with browser_page(problems, FAKE_CAMERA) as page:
         page.on("request", lambda r: created.append(r.post_data_json)
                 if r.method == "POST" and r.url.endswith("/v1/sessions") else None)
-        page.on("websocket", lambda ws: ws.on("framesent", lambda m: sent.append(m)))
+        page.on("websocket", lambda ws: (ws.on("framesent", lambda m: sent.append(m)),
+                                         ws.on("framereceived", lambda m: received.append(m))))
         page.goto(f"{base}/")
         wait(page, READY)
         _packs_what_the_wire_codec_decodes(page)
@@ -86,6 +121,7 @@ def test_the_camera_streams_through_the_model_with_its_latency(server):
         page.select_option("#source", "camera")
         wait(page, "document.getElementById('camera').videoWidth > 0")   # the preview plays
         assert page.is_visible("#strength-row") and page.text_content("#camera-note") == ""
+        _latency_runs_from_the_last_input_frame_its_header_names(page)
         page.fill("#seed", "3")
         _strength(page, "0.6")                      # not the server's: refused, said why
         page.click("#start")
@@ -107,6 +143,7 @@ def test_the_camera_streams_through_the_model_with_its_latency(server):
         # the median moves as chunks come (each chunk's own latency differs)
         wait(page, f"document.getElementById('io-latency').textContent !== '{first:.0f} ms'")
         assert number(page, "#chunks") > chunks
+        _input_spans(received, 5, 8)
 
         stop(page)
         assert page.text_content("#status") == "stopped"

@@ -2,7 +2,8 @@
 decoder, sampling video to video at strength 0.5): a WebSocket client sending JPEG
 frames gets the chunks the engine makes of those frames by hand, image for image; the
 long poll's POST .../frames (PNG and rgb24) too; input faster than chunks stays bounded,
-its drops in the session's info and /metrics; each bad frames message is refused with a
+its drops in the session's info and /metrics, each chunk's header naming the input frames
+the encoder took for it; each bad frames message is refused with a
 message (socket) or its status (POST) and the session goes on; a session that takes no
 frames, a bad strength, a foreign page and no token are refused; a video session kept
 over a restart in --state-dir goes on bit-equal.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -133,6 +135,56 @@ def test_fast_input_stays_bounded_and_its_drops_show_in_info_and_metrics(server)
     assert http.delete(f"/v1/sessions/{sid}").status_code == 204
 
 
+def numbered(lo: int, hi: int, size) -> bytes:
+    """An rgb24 frames_in message of frames ``lo`` to ``hi - 1`` of ``size`` (H, W),
+    frame i one flat colour naming i (`numbers_of` reads it back)."""
+    return frames_in([np.full((*size, 3), (i % 256, i // 256, 7), np.uint8)
+                      for i in range(lo, hi)], "rgb24")
+
+
+def numbers_of(frames: torch.Tensor) -> list[int]:
+    """The numbers of a chunk's input frames [3, n, H, W] in [-1, 1] (`numbered`)."""
+    rgb = ((frames[:, :, 0, 0] + 1) * 127.5).round().long()          # [3, n]
+    assert bool((frames == frames[:, :, :1, :1]).all()), "a frame is not flat"
+    return (rgb[0] + 256 * rgb[1]).tolist()
+
+
+def test_each_chunk_header_names_the_input_frames_it_was_made_of_through_drops(
+        server, monkeypatch):
+    """Frames come faster than chunks are made (bursts of more than a chunk, part of
+    them dropped): each chunk's header ``input`` is exactly the frames the encoder took
+    for it, and the frames between the ranges are the drops the session counts."""
+    http, ws_base, sched = server
+    first, later = sched.video_chunk_frames
+    sid = create(http, seed=27, chunks=3, **VIDEO)
+    encoded, real = [], sched.encode_stage.run
+
+    def run(plan, shape):                           # what each chunk's encode takes
+        encoded.extend(numbers_of(f) for s, f in zip(plan.streams, plan.frames) if s == sid)
+        return real(plan, shape)
+    monkeypatch.setattr(sched.encode_stage, "run", run)
+    # each chunk's burst in messages that only together hold its frames: the drops
+    # come as the last one lands, before the chunk can be taken
+    bursts = [(3, first - 1), (4, later - 1), (2 * later + 1,)]     # 2, 3, later + 1 drop
+    headers, sent = [], 0
+    with connect(ws_base, sid) as ws:
+        for burst in bursts:
+            for n in burst:
+                ws.send(numbered(sent, sent + n, sched.video_size))
+                sent += n
+            header, _ = wire.decode(ws.recv(timeout=60))
+            ws.send(json.dumps({"type": "ack", "index": header["index"]}))
+            headers.append(header)
+    spans = [(h["input"]["first"], h["input"]["count"]) for h in headers]
+    assert [list(range(a, a + n)) for a, n in spans] == encoded
+    ends = [0] + [a + n for a, n in spans]
+    drops = sum(a - end for (a, _), end in zip(spans, ends))
+    assert [n for _, n in spans] == [first, later, later] and ends[-1] == sent
+    info = http.get(f"/v1/sessions/{sid}").json()
+    assert (info["frames_in"], info["frames_dropped"]) == (sent, drops)
+    assert drops == 6 + later and all(a > end for (a, _), end in zip(spans, ends))
+
+
 def bad_messages(good: bytes) -> list[tuple[bytes, int, str]]:
     """(message, POST status, words of its error) of each kind of bad frames message."""
     head, payload = wire.decode(good)
@@ -221,21 +273,31 @@ def test_a_server_without_video_input_refuses_frames():
 def test_a_video_session_restarts_with_the_server_and_goes_on_bit_equal(tmp_path):
     """Written to --state-dir as the server stops (and checkpointed every chunk), the
     session opens again at the next start with its input cursor and encoder row: the
-    frames of its next chunk make what one uninterrupted run makes of them."""
+    frames of its next chunk make what one uninterrupted run makes of them. Its chunk
+    not acknowledged comes again with the same header, and the next chunk's input
+    frames are numbered on from the frames received before the stop."""
     kept = {"state_dir": tmp_path, "checkpoint_every": 1}
     sched = video_scheduler(0.5, decode=True, max_sessions=1, queue_chunks=2)
     first, later = sched.video_chunk_frames
     messages = [[frames_in(pictures(first, 48, 48, 9))], [frames_in(pictures(later, 48, 48, 10))]]
+
+    def chunk(after: int) -> tuple[dict, bytes]:     # the long poll's next chunk
+        r = http.get(f"/v1/sessions/{sid}/chunks", params={"after": after, "wait": 60})
+        return wire.decode(r.content)
     with served_http(sched, TOKEN, **kept) as (http, _, _):
         sid = create(http, seed=26, chunks=2, **VIDEO)
         assert http.post(f"/v1/sessions/{sid}/frames", content=messages[0][0]).status_code == 200
-        r = http.get(f"/v1/sessions/{sid}/chunks", params={"after": -1, "wait": 60})
-        got = [wire.split_images(*wire.decode(r.content))]
+        head, payload = chunk(-1)
+        got = [wire.split_images(head, payload)]
     again = video_scheduler(0.5, decode=True, max_sessions=1, queue_chunks=2)
     with served_http(again, TOKEN, **kept) as (http, _, _):
         info = http.get(f"/v1/sessions/{sid}").json()
         assert (info["input_chunks"], info["frames_in"], info["chunks"]) == (1, first, 1)
-        assert http.post(f"/v1/sessions/{sid}/frames", content=messages[1][0]).status_code == 200
-        r = http.get(f"/v1/sessions/{sid}/chunks", params={"after": 0, "wait": 60})
-        got.append(wire.split_images(*wire.decode(r.content)))
+        resent, _ = chunk(-1)
+        assert resent["input"] == head["input"] == {"first": 0, "count": first}
+        for msg in (frames_in(pictures(3, 48, 48, 11)), messages[1][0]):   # 3 dropped
+            assert http.post(f"/v1/sessions/{sid}/frames", content=msg).status_code == 200
+        head, payload = chunk(0)
+        got.append(wire.split_images(head, payload))
+    assert head["input"] == {"first": first + 3, "count": later}
     assert got == expected_images(again, 26, messages)

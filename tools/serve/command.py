@@ -47,7 +47,10 @@ WebSocket and /docs also ``?token=T``)::
                                          the images back to back; --output latents:
                                          {"type": "chunk", index, frame0, frames,
                                          dtype, shape, seconds, batch, prompt_version}
-                                         and the latents (fp32, C order)
+                                         and the latents (fp32, C order); a video
+                                         session's headers end with "input": {first,
+                                         count}, the input frames of the chunk
+                                         (numbered as received, drops counted)
                                          (`framekv.tools.serve.wire`); a last text
                                          message {"type": "end", "state", "error"}
                                          (+ "reason": "shutdown", "deleted", "idle"

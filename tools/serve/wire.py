@@ -12,9 +12,17 @@ header, then the payload::
 
 ``seconds``: the batched step that made the chunk, its decode included; ``latency``:
 from the moment the session was ready for the chunk to the message built (images
-encoded). A prompt is at most one of ``"text"`` (a string, for a runner with a text
-encoder), ``"prompt_seed"`` (random embeddings of that seed) or ``"prompt"`` (uploaded
-float32 embeddings). A binary prompt upload (``PUT /v1/sessions/{id}/prompt``) is the
+encoded). A video session's chunks (either kind) end their header with ``"input":
+{"first", "count"}``: the input frames the chunk was made from, frames ``first`` to
+``first + count - 1`` numbered from 0 in the order the session received them, every
+frame received counted, dropped ones too (``count`` is 1 + 4k for chunk 0, 4k after;
+frames dropped before chunk i are ``first`` of chunk i less the end of chunk i - 1's).
+A text session's chunks have no ``input``. It is recorded as the chunk's frames are
+taken, so a chunk sent again (a reconnect, a restart, a move) carries the same one.
+
+A prompt is at most one of ``"text"`` (a string, for a runner with a text encoder),
+``"prompt_seed"`` (random embeddings of that seed) or ``"prompt"`` (uploaded float32
+embeddings). A binary prompt upload (``PUT /v1/sessions/{id}/prompt``) is the
 raw little-endian values, ``X-Prompt-Shape: L,D`` and ``X-Prompt-Dtype: bf16 | fp16 |
 fp32`` (`upload_spec`, `upload_prompt`).
 """
@@ -220,13 +228,21 @@ def upload_prompt(raw: bytes, dtype: str, shape):
     return emb
 
 
+def _with_input(header: dict, chunk) -> dict:
+    """``header`` and, for a video session's chunk, its ``input`` (module doc)."""
+    if chunk.input is not None:
+        header["input"] = {"first": chunk.input[0], "count": chunk.input[1]}
+    return header
+
+
 def chunk_frame(chunk) -> bytes:
     """A chunk's latents as one binary WebSocket message (module doc)."""
     lat = chunk.latents.contiguous()
-    return wire.encode({"type": "chunk", "index": chunk.index, "frame0": chunk.frame0,
-                     "frames": chunk.frames, "dtype": "float32", "shape": list(lat.shape),
-                     "seconds": chunk.seconds, "batch": chunk.batch,
-                     "prompt_version": chunk.prompt_version}, lat.numpy().tobytes())
+    return wire.encode(_with_input(
+        {"type": "chunk", "index": chunk.index, "frame0": chunk.frame0,
+         "frames": chunk.frames, "dtype": "float32", "shape": list(lat.shape),
+         "seconds": chunk.seconds, "batch": chunk.batch,
+         "prompt_version": chunk.prompt_version}, chunk), lat.numpy().tobytes())
 
 
 def frames_message(chunk, fmt: str = "jpeg", quality: int = 85) -> bytes:
@@ -238,11 +254,12 @@ def frames_message(chunk, fmt: str = "jpeg", quality: int = 85) -> bytes:
                          "with a decoder), got chunk.video=None")
     images = [encode_image(frame, fmt, quality) for frame in video]   # each [H, W, 3]
     F, H, W, _ = video.shape
-    return wire.encode({"type": "frames", "index": chunk.index, "frame0": chunk.video_frame0,
-                     "frames": F, "width": W, "height": H, "format": fmt,
-                     "sizes": [len(b) for b in images], "seconds": chunk.seconds,
-                     "latency": time.monotonic() - chunk.requested, "batch": chunk.batch,
-                     "prompt_version": chunk.prompt_version}, b"".join(images))
+    return wire.encode(_with_input(
+        {"type": "frames", "index": chunk.index, "frame0": chunk.video_frame0,
+         "frames": F, "width": W, "height": H, "format": fmt,
+         "sizes": [len(b) for b in images], "seconds": chunk.seconds,
+         "latency": time.monotonic() - chunk.requested, "batch": chunk.batch,
+         "prompt_version": chunk.prompt_version}, chunk), b"".join(images))
 
 
 def encode_image(frame, fmt: str = "jpeg", quality: int = 85) -> bytes:

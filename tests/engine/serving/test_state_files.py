@@ -3,10 +3,10 @@ hold, on the CPU: no file stops a start.
 
 A header that is a JSON string, number, null or list, framekv metadata that is no JSON
 object, either nested 200,000 levels deep, a record acknowledging past its chunks, a
-FIFO (never opened: no hang), a folder, a device, a link to nothing, and a sparse file
-whose valid header declares 30 GiB (refused before anything is allocated): each is
-renamed ``.corrupt`` with one log line saying why, and the good file beside them is
-read. A seeded fuzz over headers, metadata, lengths and bytes: every case is read or
+queued chunk whose input frame numbers are negative, a FIFO (never opened: no hang), a
+folder, a device, a link to nothing, and a sparse file whose valid header declares 30
+GiB (refused before anything is allocated): each is renamed ``.corrupt`` with one log
+line saying why, and the good file beside them is read. A seeded fuzz over headers, metadata, lengths and bytes: every case is read or
 renamed, no exception escapes, nothing past the bound is allocated.
 """
 from __future__ import annotations
@@ -101,6 +101,8 @@ def test_every_bad_file_is_renamed_corrupt_with_one_line_and_the_good_one_is_rea
     assert "nested too deeply" in says["deep.session"]
     assert "nested too deeply" in says["meta-deep.session"]
     assert "acked in [-1, chunks)" in says["acked.session"]
+    assert "a queued chunk's input must be None or [first >= 0, count >= 1], got [[-1, 5]" \
+        in says["input.session"]
     assert "a FIFO, not a regular file" in says["f.session"]
     assert "a folder, not a regular file" in says["dir.session"]
     assert "a character device" in says["zero.session"]

@@ -2,8 +2,9 @@
 stream's chunks are those its frames make by hand (encoder, v2v sampler, rollout), bit
 for bit, through encoder row swaps; it never runs ahead of its input; strength 1 is the
 text stream of the same seed bit for bit; fast input keeps the newest chunk and counts
-the drops; a checkpointed stream restores with its input cursor, its waiting frames and
-its encoder row and goes on bit-equal; every refusal names what is expected.
+the drops; a checkpointed stream restores with its input cursor, its waiting frames, its
+encoder row and its chunks' input frame numbers and goes on bit-equal; every refusal
+names what is expected.
 """
 from __future__ import annotations
 
@@ -87,6 +88,8 @@ def test_fast_input_keeps_the_newest_whole_chunk_and_counts_what_it_drops():
         step_until(sched, (s,), 2)
         want = by_hand(0.5, 5, [burst[-first:], more[-later:]], sched.chunk_shape)
         assert all(torch.equal(g, w) for g, w in zip(made(sched, s), want, strict=True))
+        assert [c.input for c in s.delivery.queue] == [          # the frames kept, numbered
+            (len(burst) - first, first), (len(burst) + len(more) - later, later)]
         m = sched.metrics()
         assert (m["frames_in"], m["frames_dropped"]) == (len(burst) + len(more), 4 * later + 3)
     finally:
@@ -94,12 +97,15 @@ def test_fast_input_keeps_the_newest_whole_chunk_and_counts_what_it_drops():
 
 
 def test_a_checkpointed_video_stream_restores_and_goes_on_bit_equal(tmp_path):
+    """Its chunks' input frame numbers (dropped frames counted) go with it too: those
+    queued as recorded, the next one's from the restored counters."""
     kept = Checkpoints(tmp_path, every=1)
     sched = video_scheduler(0.5, max_sessions=1, queue_chunks=4, checkpoints=kept)
     first, later = sched.video_chunk_frames
-    frames = random_frames(first + 2 * later, sched.video_size, 11)
+    junk, frames = 3, random_frames(first + 2 * later, sched.video_size, 11)
     try:
         s = sched.open_session(seed=6, video=0.5)
+        sched.feed(s.id, random_frames(junk, sched.video_size, 12))    # dropped below
         for lo, hi in ((0, first), (first, first + later)):
             sched.feed(s.id, frames[lo:hi])
             sched.step()
@@ -108,10 +114,13 @@ def test_a_checkpointed_video_stream_restores_and_goes_on_bit_equal(tmp_path):
         sched.close()                      # killed: its last checkpoint is what is left
     again = video_scheduler(0.5, max_sessions=2, queue_chunks=4)
     other = video_scheduler(0.5, max_sessions=1, queue_chunks=4)
+    spans = [(junk, first), (junk + first, later), (junk + first + later, later)]
     try:
         assert again.restore_sessions(tmp_path) == [s.id]
         info = again.session_info(s.id)
-        assert (info["input_chunks"], info["frames_in"], info["chunks"]) == (2, first + later, 2)
+        assert (info["input_chunks"], info["frames_in"], info["chunks"]) == (
+            2, junk + first + later, 2)
+        assert [c.input for c in again.sessions[s.id].delivery.queue] == spans[:2]
         again.feed(s.id, frames[first + later:first + later + 3])   # waiting as it moves
         other.import_session(again.export_session(s.id))
         assert other.session_info(s.id)["frames_waiting"] == 3
@@ -121,6 +130,7 @@ def test_a_checkpointed_video_stream_restores_and_goes_on_bit_equal(tmp_path):
         cuts = (0, first, first + later, first + 2 * later)
         want = by_hand(0.5, 6, [frames[cuts[i]:cuts[i + 1]] for i in range(3)], other.chunk_shape)
         assert all(torch.equal(g, w) for g, w in zip(made(other, moved), want, strict=True))
+        assert [c.input for c in moved.delivery.queue] == spans
     finally:
         again.close()
         other.close()

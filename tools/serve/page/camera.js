@@ -3,18 +3,22 @@
 // the camera's frames on its socket, one JPEG per frames_in message at the session's
 // frame rate, and streams chunks made from them back; the page shows the camera beside
 // the output and measures input to output (per chunk: from sending the chunk's last
-// frame to receiving the chunk, the median of the last LATENCY_CHUNKS chunks).
-// Frames are sent no more than two chunks ahead of the chunks received: the server
-// keeps one chunk of frames waiting at most and drops older ones, so frames beyond
-// that are skipped here instead, and chunk i is input frames [frame0, frame0 + frames).
+// input frame to receiving the chunk, the median of the last LATENCY_CHUNKS chunks).
+// A chunk's header names its input frames, input {first, count}, numbered as the
+// server received them: the order they were sent here, so the send time of frame
+// first + count - 1 (a ring of the last RING send times) is exact whatever the server
+// dropped. Frames are sent no more than two chunks ahead of the input the chunks
+// received have taken: the server keeps one chunk of frames waiting at most and drops
+// older ones, so frames beyond that are skipped here instead.
 const Camera = (() => {
   const el = (id) => document.getElementById(id);
   const LATENCY_CHUNKS = 8;   // the median's window
   const FIRST_SIDE = 256;     // the longest side sent while nothing told the model's size
   const MAX_BUFFERED = 1 << 20;   // bytes the socket may hold unsent before a frame is skipped
   const QUALITY = 0.8;
+  const RING = 256;   // send times kept: a chunk answers frames sent within a few chunks
   const C = { stream: null, ws: null, timer: null, fps: 16, sent: 0, nextAt: 0, busy: false,
-              sentAt: new Map(), latencies: [], size: null, canvas: null, chunkFrames: null,
+              sentAt: [], latencies: [], size: null, canvas: null, chunkFrames: null,
               received: 0, covered: 0, touched: false };
 
   /** One wire message (specs/wire.py): [n: uint32 BE][n bytes of JSON header][payload],
@@ -111,7 +115,7 @@ const Camera = (() => {
     el("frames-sent").textContent = C.stream ? "0" : "-";
     el("io-latency").textContent = "-";
     if (!C.stream) return;
-    Object.assign(C, { ws, fps, sent: 0, nextAt: performance.now(), sentAt: new Map(),
+    Object.assign(C, { ws, fps, sent: 0, nextAt: performance.now(), sentAt: new Array(RING),
                        latencies: [], received: 0, covered: 0 });
     pace();
   }
@@ -136,8 +140,7 @@ const Camera = (() => {
       const jpeg = await encode(video, crop, w, h);
       if (C.ws !== ws || ws.readyState !== WebSocket.OPEN) return;
       ws.send(framesIn([jpeg], "jpeg", w, h));
-      C.sentAt.set(C.sent, performance.now());
-      C.sentAt.delete(C.sent - 1024);
+      C.sentAt[C.sent % RING] = [C.sent, performance.now()];
       C.sent += 1;
       el("frames-sent").textContent = String(C.sent);
     } finally {
@@ -145,9 +148,15 @@ const Camera = (() => {
     }
   }
 
+  /** When frame ``index`` was sent, while the ring holds it; else undefined. */
+  function sentTime(index) {
+    const slot = C.sentAt[index % RING];
+    return slot && slot[0] === index ? slot[1] : undefined;
+  }
+
   function ahead() {
-    // Frames the server may hold without dropping: the chunks made or in the works,
-    // the next one's waiting.
+    // Frames the server may hold without dropping: those the chunks received took or
+    // passed over, the chunk in the works, the next one's waiting.
     if (!C.chunkFrames) return Infinity;
     const [first, later] = C.chunkFrames;
     return C.covered + (C.received === 0 ? first + later : 2 * later);
@@ -184,14 +193,16 @@ const Camera = (() => {
     return blob.arrayBuffer();
   }
 
-  /** A frames chunk arrived (its header): the model's size, the chunk's latency. */
+  /** A frames chunk arrived (its header): the model's size, the chunk's latency from
+   * sending the last of its input frames (``input``: first, count). */
   function received(header) {
     const now = performance.now();
     C.size = [header.width, header.height];
     C.received += 1;
-    C.covered = header.frame0 + header.frames;
-    const last = C.covered - 1;
-    const at = C.sentAt.get(last);
+    // no input named (not a video session's chunk): its frames, had none been dropped
+    const input = header.input || { first: header.frame0, count: header.frames };
+    C.covered = input.first + input.count;
+    const at = sentTime(C.covered - 1);
     if (at === undefined) return;
     C.latencies.push(now - at);
     if (C.latencies.length > LATENCY_CHUNKS) C.latencies.shift();
