@@ -42,6 +42,14 @@ class Chunk:
         """The session's prompt changes when the chunk was made."""
         return self.header["prompt_version"]
 
+    @property
+    def input(self) -> tuple[int, int] | None:
+        """A video session's chunk: (first, count) of the frames it was made from,
+        numbered from 0 in the order the server received them (dropped ones counted);
+        None for a text session's chunk."""
+        got = self.header.get("input")
+        return None if got is None else (got["first"], got["count"])
+
     @functools.cached_property
     def latents(self):
         """A latents chunk's float32 tensor, ``header["shape"]`` ([C, F, H, W]); None for

@@ -107,6 +107,7 @@ def test_a_tensor_prompt_applies_from_chunk_0_and_uploads_keep_their_dtype(serve
         s = client.create(seed=33, chunks=3, prompt=emb[None])      # [1, L, D] too
         chunks = list(s.stream(timeout=30))
         assert [c.prompt_version for c in chunks] == [1, 1, 1]
+        assert [c.input for c in chunks] == [None] * 3                  # text: no frames in
         assert err(chunks, alone_chunks(sched, 33, 3, prompt=emb.float())) <= 1e-5
         s2 = client.create(seed=34, paused=True)
         half = torch.randn(L, D).half()

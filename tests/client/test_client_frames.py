@@ -67,6 +67,7 @@ def test_frames_from_the_blocking_client_make_the_engines_chunks(server, transpo
                 encode_frames(frames[first:], fmt).messages(3)]
     assert [len(m) for m in messages] == [1, -(-later // 3)]
     assert [c.images for c in chunks] == expected_images(sched, 41, messages)
+    assert [c.input for c in chunks] == [(0, first), (first, later)]   # nothing dropped
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
