@@ -527,12 +527,12 @@ def _adaln_op(x: torch.Tensor, out: torch.Tensor, shift: Optional[torch.Tensor],
               scale: Optional[torch.Tensor], weight: Optional[torch.Tensor],
               bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
               gate: Optional[torch.Tensor], eps: float,
-              out_scale: Optional[torch.Tensor] = None) -> None:
+              out_scale: Optional[torch.Tensor]) -> None:
     _execute(x, out, residual, (gate, shift, scale, weight, bias), eps, out_scale=out_scale)
 
 
 @_adaln_op.register_fake
-def _(x, out, shift, scale, weight, bias, residual, gate, eps, out_scale=None) -> None:
+def _(x, out, shift, scale, weight, bias, residual, gate, eps, out_scale) -> None:
     return None
 
 

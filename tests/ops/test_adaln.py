@@ -219,7 +219,7 @@ def test_custom_ops_are_registered():
     case = adaln_case(CPU, residual=True, gate=True, out_dtype=FP32, seed=6)
     want = clone_case(case)
     torch.ops.framekv.adaln_(case["x"], case["out"], case["shift"], case["scale"], None, None,
-                             case["residual"], case["gate"], EPS)
+                             case["residual"], case["gate"], EPS, None)
     adaln_reference(**want)
     assert torch.equal(case["out"], want["out"]) and torch.equal(case["x"], want["x"])
     torch.ops.framekv.gated_residual_(case["x"], case["residual"], None)
