@@ -63,6 +63,11 @@ class TinyStreamingEncoder(TinyCoder, EncoderRows):
 
     NET = TinyEncoderNet
 
+    def __init__(self, net, **kwargs):
+        super().__init__(net, **kwargs)
+        # the net runs channels last (tiny_encoder_net's doc): its weights kept so
+        self.net.to(memory_format=torch.channels_last)
+
     @classmethod
     def random(cls, *, seed: int = 0, latent_channels: int = 16, device=None, dtype=None,
                width: int = WIDTH, **kwargs) -> "TinyStreamingEncoder":

@@ -6,6 +6,13 @@ ways) and `random_init` are ``tiny_blocks.py``'s.
 `TinyEncoderNet.stream` runs one chunk of frames (a multiple of 4) given each memory
 block's input one frame before the chunk, and returns the block inputs of the chunk's
 last frame for the next one.
+
+Layout. Past the stem every activation is channels last ([B, T, C, h, w] views of
+[B, T, h, w, C] storage): cuDNN's and oneDNN's 2-D convs in bf16 run their fast kernels
+on channels-last data and weights (`TinyStreamingEncoder` keeps its net's weights so),
+and the two copies the network needs anyway, a pool's k frames side by side and a
+memory block's [x_t, x_{t-1}], are written straight into channels-last buffers. The
+values are the NCHW network's; only the convs' summation order may differ.
 """
 from __future__ import annotations
 
@@ -19,6 +26,9 @@ __all__ = ["TIME_FACTORS", "TinyEncoderNet", "WIDTH"]
 WIDTH = 64                   # the checkpoint layout's width, every stage
 TIME_FACTORS = (2, 2, 1)     # input frames per frame at each stage's pool
 BLOCKS = 3                   # memory blocks per stage
+#: Channels the stem reads: the frames' three, zero-padded (with zero weights) to the
+#: multiple of 8 cuDNN's channels-last kernels want.
+STEM_WIDTH = 8
 
 
 class _Stage(torch.nn.Module):
@@ -32,10 +42,30 @@ class _Stage(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(MemoryBlock(width) for _ in range(BLOCKS))
 
     def shrink(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, C, h, w] -> [B, T / k, C, h / 2, w / 2] (module doc)."""
+        """[B, T, C, h, w] -> [B, T / k, C, h / 2, w / 2] (module doc), channels last."""
         B, T, C, h, w = x.shape
-        y = x.reshape(B, T // self.factor, self.factor * C, h, w)   # frames k t + j: group j
-        return per_frame(lambda f: self.down(self.pool(f)), y)
+        k = self.factor
+        y = _last(x).reshape(B, T // k, k, h, w, C).permute(0, 1, 3, 4, 2, 5)
+        y = y.reshape(B * T // k, h, w, k * C)                      # frames k t + j: group j
+        return self.down(self.pool(y.permute(0, 3, 1, 2))).unflatten(0, (B, T // k))
+
+
+def _last(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, C, h, w] -> its [B, T, h, w, C] view (contiguous for channels-last data)."""
+    return x.permute(0, 1, 3, 4, 2)
+
+
+def over_time(block: MemoryBlock, x: torch.Tensor, before: torch.Tensor):
+    """`MemoryBlock.over_time`, channels last (module doc): x [B, T, C, h, w] and
+    ``before`` [B, C, h, w] -> (outputs [B, T, C, h, w], x's last frame)."""
+    B, T, C, h, w = x.shape
+    pair = x.new_empty(B, T, h, w, 2 * C)                  # [x_t, x_{t-1}] per frame
+    pair[..., :C].copy_(_last(x))
+    pair[:, :1, ..., C:].copy_(before.unsqueeze(1).permute(0, 1, 3, 4, 2))
+    pair[:, 1:, ..., C:].copy_(_last(x[:, :-1]))
+    hid = F.relu(block.c1(pair.flatten(0, 1).permute(0, 3, 1, 2)))   # [B T, C, h, w]
+    out = F.relu(block.c3(F.relu(block.c2(hid))) + x.flatten(0, 1))
+    return out.unflatten(0, (B, T)), x[:, -1]
 
 
 class TinyEncoderNet(TaehvNet):
@@ -64,13 +94,19 @@ class TinyEncoderNet(TaehvNet):
         """frames [B, 3, T, H, W] in [-1, 1] (T a multiple of 4) and each
         block's carried frame [B, C, h_l, w_l] -> (latents [B, z, T / 4, H / 8, W / 8];
         the blocks' new carried frames)."""
-        x = (frames.transpose(1, 2) + 1) * 0.5                       # [B, T, 3, H, W] in [0, 1]
-        x = per_frame(lambda f: F.relu(self.stem(f)), x)             # [B, T, C, H, W]
+        B, _, T, H, W = frames.shape
+        rgb = frames.new_zeros(B * T, H, W, STEM_WIDTH)             # channels last, padded
+        rgb[..., :3].copy_(frames.permute(0, 2, 3, 4, 1).flatten(0, 1))
+        rgb[..., :3].add_(1).mul_(0.5)                              # TAEHV reads [0, 1]
+        stem = F.pad(self.stem.weight, (0, 0, 0, 0, 0, STEM_WIDTH - 3))      # zero taps
+        x = F.relu(F.conv2d(rgb.permute(0, 3, 1, 2), stem.contiguous(
+            memory_format=torch.channels_last), self.stem.bias, padding=1))  # [B T, C, H, W]
+        x = x.unflatten(0, (B, T))
         carried, before = [], iter(memory)
         for stage in self.stages:
             x = stage.shrink(x)
             for block in stage.blocks:
-                x, last = block.over_time(x, next(before))
+                x, last = over_time(block, x, next(before))
                 carried.append(last)
         z = per_frame(self.head, x)                                  # [B, T / 4, z, h, w]
         return z.transpose(1, 2).contiguous(), carried
