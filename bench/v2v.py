@@ -33,6 +33,7 @@ config's (``--config`` overrides it for the encoders part). Parts (``--parts``):
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import torch
@@ -165,9 +166,11 @@ def _e2e_part(args, sizes: dict, progress) -> dict:
 PARTS = {"encoders": (_encoders_part, format_encoders), "e2e": (_e2e_part, format_e2e)}
 
 
-def _names(p, flag: str, value: str, allowed) -> tuple[str, ...]:
+def _names(p, flag: str, value: str, allowed, also=None) -> tuple[str, ...]:
+    """``value``'s comma-separated names, each in ``allowed`` or matching ``also``."""
     names = tuple(value.split(","))
-    if not value or any(n not in allowed for n in names):
+    if not value or any(n not in allowed and not (also and re.fullmatch(also, n))
+                        for n in names):
         p.error(f"{flag} must be a comma-separated list of {', '.join(allowed)}, got {value!r}")
     return names
 
@@ -182,7 +185,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (the numbers), or cpu (a smoke run, eager)")
     p.add_argument("--encoders", default=",".join(ENCODERS),
-                   help=f"encoders part: comma-separated, of {', '.join(ENCODERS)} (default all)")
+                   help=f"encoders part: comma-separated, of {', '.join(ENCODERS)} (default "
+                        "all), and wan-foldN: the fused Wan encoder folding the time taps of "
+                        "its causal convs of fewer than N input channels (wan: 128)")
     p.add_argument("--config", default=None,
                    help="encoders part: a shipped VAE config (default the preset's)")
     p.add_argument("--iters", type=int, default=10, help="steady chunks timed per encoder")
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     parts = _names(p, "--parts", args.parts, tuple(PARTS))
-    args.encoders = _names(p, "--encoders", args.encoders, ENCODERS)
+    args.encoders = _names(p, "--encoders", args.encoders, ENCODERS, r"wan-fold\d+")
     args.decoders = _names(p, "--decoders", args.decoders, DECODERS)
     for flag, v, low in (("--iters", args.iters, 1), ("--check-chunks", args.check_chunks, 1),
                          ("--chunks", args.chunks, 2), ("--repeats", args.repeats, 1),

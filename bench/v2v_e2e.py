@@ -55,12 +55,17 @@ PRESET_CONFIGS = {"tiny": "tiny", "wan-1.3b": "1.3b", "wan-14b": "14b"}
 
 
 def build_encoder(kind: str, vae, device, graphs: bool):
-    """A one-row encoder of ``kind`` ("wan", "wan-modules" or "tiny") for ``vae``'s
-    latent space (tiny: random, seed 0)."""
+    """A one-row encoder of ``kind`` ("wan", "wan-modules", "tiny", or "wan-foldN": the
+    fused Wan encoder with its causal convs of fewer than N input channels time-folded,
+    `FusedEncoder`'s ``fold_below``) for ``vae``'s latent space (tiny: random, seed 0)."""
     from framekv.engine.wan import StreamingVAEEncoder, TinyStreamingEncoder
+    from framekv.engine.wan.vae_encoder_fused import FusedEncoder
 
-    if kind in ("wan", "wan-modules"):
-        return StreamingVAEEncoder(vae, sequences=1, use_graphs=graphs, fused=kind == "wan")
+    if kind.startswith("wan"):
+        enc = StreamingVAEEncoder(vae, sequences=1, use_graphs=graphs, fused=kind != "wan-modules")
+        if kind.startswith("wan-fold"):      # before its first chunk: the program's weights
+            enc._program_weights = FusedEncoder(vae, fold_below=int(kind[len("wan-fold"):]))
+        return enc
     return TinyStreamingEncoder.random(latent_channels=vae.config.z_dim, device=device,
                                        sequences=1, use_graphs=graphs)
 

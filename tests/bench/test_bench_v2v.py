@@ -15,13 +15,15 @@ from framekv.bench import v2v  # noqa: E402
 
 def test_every_encoder_against_eager_and_the_fp32_modules_at_the_tiny_config():
     res = v2v.measure_encoders(config="tiny", device="cpu", frame_size=(16, 24),
-                               latent_frames=2, check_chunks=2, progress=lambda m: None)
-    assert res["gpu"] == "cpu" and set(res["encoders"]) == set(v2v.ENCODERS)
+                               latent_frames=2, check_chunks=2, progress=lambda m: None,
+                               encoders=v2v.ENCODERS + ("wan-fold0",))
+    assert res["gpu"] == "cpu" and set(res["encoders"]) == {*v2v.ENCODERS, "wan-fold0"}
     assert res["frames_per_chunk"] == 8 and res["dtype"] == "float32"
     enc = res["encoders"]
     assert all(r["max_abs_diff_eager_graphed"] == 0.0 for r in enc.values())
     assert enc["wan-modules"]["max_abs_err"] == 0.0                   # the reference itself
     assert 0 < enc["wan"]["max_abs_err"] < 1e-5
+    assert 0 < enc["wan-fold0"]["max_abs_err"] < 1e-5                  # no conv folded
     assert "max_abs_err" not in enc["tiny"]                           # another network
     table = v2v.format_encoders(res)
     assert "streaming encoders on cpu: 16x24 frames, 8-frame chunks (2 latent frames)" in table
@@ -40,6 +42,7 @@ def test_every_encoder_against_eager_and_the_fp32_modules_at_the_tiny_config():
     (["--input-fps", "0"], ["--input-fps must be a number > 0, got 0.0"]),
     (["--preset", "seed-bench"], ["--preset: invalid choice: 'seed-bench'"]),
     (["--encoders", "wan,big"], ["--encoders must be", "wan, wan-modules, tiny", "'wan,big'"]),
+    (["--encoders", "wan-fold"], ["--encoders must be", "'wan-fold'"]),
     (["--iters", "0"], ["--iters must be at least 1, got 0"]),
 ])
 def test_bad_arguments_are_refused_in_one_line(argv, words, capsys):
