@@ -17,9 +17,13 @@ config's (``--config`` overrides it for the encoders part). Parts (``--parts``):
                   wan-modules   the same VAE through diffusers' modules as
                                 ``AutoencoderKLWan._encode`` runs them (``fused=False``)
                   tiny          `TinyStreamingEncoder` of the TAEHV ``taew2_1`` layout
+                  wan-foldN     ``wan`` with the time taps of its causal convs of fewer
+                                than N input channels folded (`FusedEncoder`'s
+                                ``fold_below``; ``wan`` is its default), not by default
     e2e         per decoder (``--decoders`` wan, tiny; each with the encoder that
                 follows it), video to video at ``--strength`` (default 0.75 of the
-                preset's steps) beside text to video, a ``--window``-frame window:
+                preset's steps) beside text to video at the preset's steps and at
+                video's step count (text-matched), a ``--window``-frame window:
                 the first frame's time, steady and overall video frames per second,
                 and each chunk's latency behind a ``--input-fps`` camera (p50, p99),
                 the runs in turn, rotated, medians over ``--repeats`` rounds; the
@@ -33,6 +37,7 @@ config's (``--config`` overrides it for the encoders part). Parts (``--parts``):
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -228,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     if args.device == "cuda":
+        # The e2e part holds three rollouts' caches and graphs, the text encoder and
+        # both coders at once: with fixed segments the pool fragments past 80 GiB.
+        # Read when CUDA starts in this process, which is after this line.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         require_cuda("framekv.bench.v2v")
     sizes, out = preset_sizes(args.preset), {}
     for name in parts:
