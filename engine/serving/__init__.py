@@ -2,15 +2,15 @@
 
 ``stream.py`` the record of one stream (`Stream`, its `Phase`); ``delivery.py`` its
 chunks on their way to its client, whatever carries them (`Delivery`, `Handout`,
-`end_message`); ``scheduler.py`` the scheduler that
-steps them (`StreamScheduler`), ``steps.py`` its plan, run and commit; ``slots.py`` the
-slots and which stream gives one up; ``sizes.py`` how many streams, slots, batch sizes
-and scratch rows; ``state_files.py`` a stream as one `StreamState`
-and folders of them; ``checkpoint.py`` streams written as they go; ``records.py`` the
-chunks, prompt changes and counters handed out; ``moves.py`` chunks and streams in and
-out; ``turns.py`` which streams a step runs; ``step_record.py`` a step as it passes
-plan, run and commit; ``overlap.py`` a step's decode beside the next step's transformer;
-``preview.py`` a picture of latents for a model without a VAE; ``intake.py`` a video
+`end_message`, and the scheduler's `Deliveries`: handout, ack, rewind);
+``scheduler.py`` the scheduler that steps them (`StreamScheduler`), ``loop.py`` the
+thread that steps it, ``steps.py`` its plan, run and commit; ``slots.py`` the slots and
+which stream gives one up; ``sizes.py`` how many streams, slots, batch sizes and scratch
+rows; ``state_files.py`` a stream as one `StreamState` and folders of them;
+``checkpoint.py`` streams written as they go; ``records.py`` the chunks, prompt changes
+and counters handed out; ``moves.py`` whole streams in and out; ``turns.py`` which
+streams a step runs; ``step_record.py`` a step as it passes plan, run and commit, and
+its decode beside the next step's transformer (`Overlap`); ``preview.py`` a picture of latents for a model without a VAE; ``intake.py`` a video
 stream's frames waiting for their chunk (`Intake`: the bound, the drops) and
 ``video_in.py`` the scheduler's video streams (`feed`, the encoder's half of a step,
 `framekv.engine.encode_stage`). Decoding itself, the

@@ -107,25 +107,23 @@ class VideoIn:
             return s.intake.info()
 
     # ------------------------------------------------------------------ steps
-    def _encode_rows(self, plan: EncodePlan | None, victim: Stream | None, s: Stream,
+    def _encode_rows(self, plan: EncodePlan, victim: Stream | None, s: Stream,
                      slot: int) -> None:
         """A stream taking ``slot`` (from ``victim``, if any): the video streams'
-        encoder row swaps into ``plan``."""
-        if plan is None:
-            return
+        encoder row swaps into ``plan`` (a server that takes video in)."""
         if victim is not None and victim.intake is not None and not victim.finished:
             plan.swap_outs.append(RowSwap(victim.id, slot))
         if s.intake is not None:
             plan.swap_ins.append(RowSwap(s.id, slot, s.encoder))
         s.encoder = None
 
-    def _take_inputs(self, plan: EncodePlan | None, batch: list[Stream]) -> list:
+    def _take_inputs(self, plan: EncodePlan, batch: list[Stream]) -> list:
         """Each batch stream's chunk frames taken into ``plan`` (lock held): (when the
         newest came, their frame numbers (first, count)) each, (None, None) for a text
         stream."""
         taken = [(None, None)] * len(batch)
         for r, s in enumerate(batch):
-            if plan is None or s.intake is None:
+            if s.intake is None:
                 continue
             first = s.intake.taken == 0
             frames, when, span = s.intake.take()
@@ -138,10 +136,10 @@ class VideoIn:
         return taken
 
     def _encode(self, step) -> None:
-        """The step's encoder work (no lock): its row swaps and input latents, each
-        video row's latents its source."""
-        if step.encode is None or not (step.encode.rows or step.encode.swap_outs
-                                       or step.encode.swap_ins):
+        """The step's encoder work (no lock; a step with an `EncodePlan`): its row swaps
+        and input latents, each video row's latents its source."""
+        plan = step.encode
+        if not (plan.rows or plan.swap_outs or plan.swap_ins):
             return
         step.encoded = self.encode_stage.run(step.encode, self.chunk_shape)
         if step.encode.rows:

@@ -7,11 +7,11 @@ contract: ``command.py``).
                   /metrics, /v1/info, the docs
     errors.py     the error shape: every error {"error"}, 404, 405 and 500 included
     routes.py     the session routes and the socket's gate
-    reader.py     one reader of a session's chunks, whatever carries them
+    reader.py     one reader of a session's chunks, and the control messages back,
+                  whatever carries them
     websocket.py  one session's socket: its framing, acknowledgements and control in
     poll.py       the long poll: chunks out by GET, control messages and frames in by POST
     frames_in.py  a video session's frames in: the frames_in message decoded and fitted
-    control.py    the control messages, whatever carries them
     models.py     the request and response bodies (pydantic)
     auth.py       bearer tokens, and which pages' origins may open a socket
     wire.py       request bodies, prompts, uploads, chunk messages

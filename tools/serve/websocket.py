@@ -13,10 +13,11 @@ long poll) and the session goes on. A binary message from the client is a video
 session's frames (``frames_in``, `framekv.tools.serve.frames_in`): taken without an
 answer, or, when bad (or the session takes no frames), answered ``{"type": "error",
 "error", "status", "about": "frames_in"}`` (``about`` tells a refusal of frames from
-a control message's answer, which a client may be waiting for); the session goes on. A prompt change is answered
-``{"type": "prompt_ack", "prompt_version", "applies_from"}`` once it took (chunks from
-index ``applies_from`` on are made under it), or ``{"type": "error"}`` if its re-cache
-failed (the session goes on under its old prompt).
+a control message's answer, which a client may be waiting for); the session goes on.
+A prompt change is answered ``{"type": "prompt_ack", "prompt_version",
+"applies_from"}`` once it took (chunks from index ``applies_from`` on are made under
+it), or ``{"type": "error"}`` if its re-cache failed (the session goes on under its old
+prompt).
 
 A socket that closes leaves its session open: it ends by DELETE, its chunk budget (once
 every chunk is acknowledged: then the end message), the idle timeout, or an error. A
