@@ -22,15 +22,15 @@ import numbers
 
 from framekv.specs import wire
 
-#: the formats a frames_in message carries, and Pillow's name of each image format
-FORMATS = {"jpeg": "JPEG", "webp": "WEBP", "png": "PNG", "rgb24": None}
+#: the formats a frames_in message carries (`wire.FRAMES_IN_FORMATS`)
+FORMATS = wire.FRAMES_IN_FORMATS
 #: what a session takes besides its prompt
 INPUTS = ("text", "video")
 #: frames a message carries where the server does not say (its /v1/info video_in)
-DEFAULT_MAX_FRAMES = 64
-#: the most bytes of one message the server takes (a socket message, a POST body),
-#: less room for the header
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024 - 64 * 1024
+DEFAULT_MAX_FRAMES = wire.FRAMES_IN_MAX_FRAMES
+#: the most bytes of one message's images: what the server takes, less room for the
+#: header
+MAX_MESSAGE_BYTES = wire.FRAMES_IN_MAX_BYTES - 64 * 1024
 BYTES = (bytes, bytearray, memoryview)
 
 

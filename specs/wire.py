@@ -20,10 +20,18 @@ from __future__ import annotations
 import json
 import struct
 
-__all__ = ["HEADER", "decode", "encode", "split_images"]
+__all__ = ["FRAMES_IN_FORMATS", "FRAMES_IN_MAX_BYTES", "FRAMES_IN_MAX_FRAMES", "HEADER",
+           "decode", "encode", "split_images"]
 
 #: the header length's layout
 HEADER = struct.Struct(">I")
+#: the formats a ``frames_in`` message (a video session's frames, client to server)
+#: may carry, and Pillow's name of each image format (rgb24: raw pixels)
+FRAMES_IN_FORMATS = {"jpeg": "JPEG", "webp": "WEBP", "png": "PNG", "rgb24": None}
+#: the most frames one ``frames_in`` message carries: a few chunks' worth
+FRAMES_IN_MAX_FRAMES = 64
+#: the most bytes of one ``frames_in`` message, header included
+FRAMES_IN_MAX_BYTES = 16 * 1024 * 1024
 
 
 def encode(header: dict, payload: bytes = b"") -> bytes:

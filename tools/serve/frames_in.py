@@ -37,14 +37,14 @@ from .wire import RequestError
 __all__ = ["FORMATS", "MAX_FRAMES", "MAX_FRAMES_BYTES", "MAX_SIDE", "NoFrames",
            "decode_frames", "take_frames", "video_in"]
 
-#: the formats a frames_in message may carry, and Pillow's name of each image format
-FORMATS = {"jpeg": "JPEG", "webp": "WEBP", "png": "PNG", "rgb24": None}
-#: the most frames one message carries (more: 413): a few chunks' worth
-MAX_FRAMES = 64
+#: the formats a frames_in message may carry (`wire.FRAMES_IN_FORMATS`)
+FORMATS = wire.FRAMES_IN_FORMATS
+#: the most frames one message carries (more: 413)
+MAX_FRAMES = wire.FRAMES_IN_MAX_FRAMES
 #: the longest side of a frame as sent
 MAX_SIDE = 4096
 #: the most bytes of one message: a socket's (uvicorn's ws_max_size) and a POST body's
-MAX_FRAMES_BYTES = 16 * 1024 * 1024
+MAX_FRAMES_BYTES = wire.FRAMES_IN_MAX_BYTES
 
 
 class NoFrames(RequestError):
