@@ -51,8 +51,12 @@ class MemoryBlock(torch.nn.Module):
         self.c2, self.c3 = conv2d(width, width), conv2d(width, width)
 
     def forward(self, x: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.c1(torch.cat([x, past], dim=1)))
-        return F.relu(self.c3(F.relu(self.c2(h))) + x)
+        return self.of_pair(torch.cat([x, past], dim=1), x)
+
+    def of_pair(self, pair: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The block of ``pair`` [N, 2C, h, w], [x_t, x_{t-1}] already side by side (in
+        whatever layout), and x [N, C, h, w] (module doc)."""
+        return F.relu(self.c3(F.relu(self.c2(F.relu(self.c1(pair))))) + x)
 
     def over_time(self, x: torch.Tensor, before: torch.Tensor):
         """x [B, T, C, h, w] and ``before`` [B, C, h, w], the input frame preceding x[:, 0]

@@ -63,9 +63,8 @@ def over_time(block: MemoryBlock, x: torch.Tensor, before: torch.Tensor):
     pair[..., :C].copy_(_last(x))
     pair[:, :1, ..., C:].copy_(before.unsqueeze(1).permute(0, 1, 3, 4, 2))
     pair[:, 1:, ..., C:].copy_(_last(x[:, :-1]))
-    hid = F.relu(block.c1(pair.flatten(0, 1).permute(0, 3, 1, 2)))   # [B T, C, h, w]
-    out = F.relu(block.c3(F.relu(block.c2(hid))) + x.flatten(0, 1))
-    return out.unflatten(0, (B, T)), x[:, -1]
+    out = block.of_pair(pair.flatten(0, 1).permute(0, 3, 1, 2), x.flatten(0, 1))
+    return out.unflatten(0, (B, T)), x[:, -1]                  # [B, T, C, h, w]
 
 
 class TinyEncoderNet(TaehvNet):
