@@ -142,26 +142,21 @@ def roll_lane(step, lane, count: int, t0: float, arrivals=None) -> tuple[list[fl
     arrival), and while the next chunk's inputs are still to come the lane is drained
     (nothing to make beside it, so its frames are not held back)."""
     done, frames = [], []
+
+    def take_down_to(left: int) -> None:
+        while len(lane) > left:
+            frames.append(lane.take())
+            done.append(time.perf_counter() - t0)
+
     for i in range(count):
         if arrivals is not None:
             time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
         lane.submit(step(i))
         waiting = arrivals is not None and (
             i + 1 == count or time.perf_counter() < t0 + arrivals[i + 1])
-        while len(lane) > (0 if waiting else lane.overlap):
-            frames.append(lane.take())
-            done.append(time.perf_counter() - t0)
-    while len(lane):
-        frames.append(lane.take())
-        done.append(time.perf_counter() - t0)
+        take_down_to(0 if waiting else lane.overlap)
+    take_down_to(0)
     return done, frames
-
-
-def _split(rollout, dec, noises, dev) -> tuple[list[float], list[float]]:
-    """The transformer's and the decode's ms per chunk, each alone (sequential,
-    `stage_ms`)."""
-    dit, vae = stage_ms([rollout.step, dec.decode], noises, dev)
-    return dit, vae
 
 
 def stage_ms(stages, inputs, dev) -> list[list[float]]:
@@ -234,7 +229,7 @@ def measure_e2e(model, dec, encoder, *, latent_size=(60, 104), frames_per_chunk:
     rollout.reset()
     dec.reset()
     rollout.set_prompt("a red fox running through fresh snow at dawn, take 0")
-    dit, vae = _split(rollout, dec, noises, dev)
+    dit, vae = stage_ms([rollout.step, dec.decode], noises, dev)     # each alone
     res["dit_ms"], res["decode_ms"] = summary(dit[fill:]), summary(vae[fill:])
     rollout.reset()
     rollout.set_prompt("a red fox running through fresh snow at dawn, take 0")

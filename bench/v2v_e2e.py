@@ -38,6 +38,7 @@ alone per steady chunk (one after the other, CUDA events: `framekv.bench.pixels.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -61,11 +62,12 @@ def build_encoder(kind: str, vae, device, graphs: bool):
     from framekv.engine.wan import StreamingVAEEncoder, TinyStreamingEncoder
     from framekv.engine.wan.vae_encoder_fused import FusedEncoder
 
+    if kind.startswith("wan-fold"):           # the encoder's program weights, built so
+        fold = functools.partial(FusedEncoder, fold_below=int(kind[len("wan-fold"):]))
+        cls = type("FoldedEncoder", (StreamingVAEEncoder,), {"FUSED": fold})
+        return cls(vae, sequences=1, use_graphs=graphs)
     if kind.startswith("wan"):
-        enc = StreamingVAEEncoder(vae, sequences=1, use_graphs=graphs, fused=kind != "wan-modules")
-        if kind.startswith("wan-fold"):      # before its first chunk: the program's weights
-            enc._program_weights = FusedEncoder(vae, fold_below=int(kind[len("wan-fold"):]))
-        return enc
+        return StreamingVAEEncoder(vae, sequences=1, use_graphs=graphs, fused=kind == "wan")
     return TinyStreamingEncoder.random(latent_channels=vae.config.z_dim, device=device,
                                        sequences=1, use_graphs=graphs)
 
