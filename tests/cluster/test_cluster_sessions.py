@@ -92,12 +92,12 @@ def replica(state_dir=None, sessions=4, checkpoint=True) -> Replica:
 
 
 @contextlib.contextmanager
-def over_replicas(monkeypatch, state_dir, checkpoint=True):
+def over_replicas(monkeypatch, state_dir, checkpoint=True, make=None):
     """(sessions, the fake handle's replicas) over two replicas sharing ``state_dir``
-    (None: no state folder), the replicas closed after."""
+    (None: no state folder), or two of ``make()``, the replicas closed after."""
     reps = {}
     for _ in range(2):
-        r = replica(state_dir, checkpoint=checkpoint)
+        r = replica(state_dir, checkpoint=checkpoint) if make is None else make()
         reps[r.id] = r
     monkeypatch.setattr(cluster_moves, "live_replicas", lambda: {k: {} for k in reps})
     handle = FakeHandle(reps)

@@ -16,11 +16,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("diffusers")
 
 from framekv.tools.cli import build_parser  # noqa: E402
-from framekv.tools.cluster import moves as cluster_moves  # noqa: E402
 from framekv.tools.cluster.replica import Replica  # noqa: E402
-from framekv.tools.cluster.sessions import ClusterSessions  # noqa: E402
 from framekv.tools.serve.frames_in import video_in  # noqa: E402
-from test_cluster_sessions import FakeHandle, read  # noqa: E402
+from test_cluster_sessions import over_replicas, read  # noqa: E402
 from video_harness import random_frames  # noqa: E402
 
 
@@ -33,20 +31,9 @@ def video_replica() -> Replica:
 
 @pytest.fixture(scope="module")
 def cluster():
-    reps = {}
-    for _ in range(2):
-        r = video_replica()
-        reps[r.id] = r
-    handle = FakeHandle(reps)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cluster_moves, "live_replicas", lambda: {k: {} for k in reps})
-        cs = ClusterSessions(handle, handle.options("").describe.remote().result(), grace=0.0)
-        cs.refresh()
-        try:
-            yield cs, reps
-        finally:
-            for r in reps.values():
-                r.close()
+    with pytest.MonkeyPatch.context() as mp, \
+            over_replicas(mp, None, make=video_replica) as (cs, reps):
+        yield cs, reps
 
 
 def test_a_video_session_moves_between_replicas_and_goes_on_bit_equal(cluster):

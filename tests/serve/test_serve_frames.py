@@ -13,7 +13,6 @@ import argparse
 import io
 import json
 import re
-import threading
 import time
 
 import numpy as np
@@ -23,7 +22,7 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("diffusers")
 httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 ws_client = pytest.importorskip("websockets.sync.client")
 Image = pytest.importorskip("PIL.Image")
 
@@ -32,9 +31,9 @@ from framekv.engine.serving import SessionChunk, StreamScheduler  # noqa: E402
 from framekv.tools.serve import build_app, chunk_frame, frames_message, wan_factory  # noqa: E402
 from framekv.specs.wire import decode as parse_message  # noqa: E402
 from framekv.tools.serve.wire import encode_image  # noqa: E402
+from serve_harness import served_http  # noqa: E402
 
 TOKEN = "frames-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def url(http, path: str) -> str:
@@ -48,22 +47,8 @@ def server():
                                            device="cpu", cache_dir=None), use_graphs=False)
     sched = StreamScheduler(max_sessions=2, queue_chunks=2, runner_factory=parts,
                             decoder_factory=parts.decoder)
-    srv = uvicorn.Server(uvicorn.Config(build_app(sched, token=TOKEN), host="127.0.0.1",
-                                        port=0, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=30) as http:
-            yield http, f"ws://127.0.0.1:{port}", sched, parts
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
-        sched.close()
+    with served_http(sched, TOKEN) as (http, port, _):
+        yield http, f"ws://127.0.0.1:{port}", sched, parts
 
 
 def stream(ws_base, sid, on_chunk=None, limit=60.0):
