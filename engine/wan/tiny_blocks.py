@@ -11,6 +11,13 @@ earlier (zeros before a video's first frame)::
     out_t = relu(c3(relu(c2(relu(c1([x_t, x_{t-1}]))))) + x_t)       every conv 3x3
 
 so a stream carries, per block, its last input frame from one chunk to the next.
+
+Every conv followed by a ReLU runs through `conv_relu`: on CUDA in half precision one
+cuDNN call applies the conv, its bias, the residual and the ReLU (PyTorch's ``conv2d``
+adds a cuDNN conv's bias in a pass of its own, and the ReLU and the residual are two
+more); the bias and the residual join the fp32 accumulator before the one rounding,
+so the result differs from the separate ops by bf16 rounding only. Elsewhere (the
+CPU, fp32) the separate ops run.
 """
 from __future__ import annotations
 
@@ -24,8 +31,8 @@ from framekv.specs.checks import check_count
 from .vae_cache import CacheLayout
 from .weights import read_checkpoint
 
-__all__ = ["MemoryBlock", "TaehvNet", "TinyCoder", "conv2d", "load_file", "per_frame", "place",
-           "random_init", "read_taehv", "unset"]
+__all__ = ["MemoryBlock", "TaehvNet", "TinyCoder", "conv2d", "conv_relu", "load_file", "per_frame",
+           "place", "random_init", "read_taehv", "unset"]
 
 _BLOCK_CONVS = {"c1": 0, "c2": 2, "c3": 4}  # a block's convs in a checkpoint
 
@@ -34,6 +41,22 @@ def conv2d(n_in: int, n_out: int, *, bias: bool = True, kernel: int = 3,
            stride: int = 1) -> torch.nn.Conv2d:
     """A 2-D conv padded to keep the size (``stride`` 2: to halve an even one)."""
     return torch.nn.Conv2d(n_in, n_out, kernel, padding=kernel // 2, bias=bias, stride=stride)
+
+
+def conv_relu(conv: torch.nn.Conv2d, x: torch.Tensor, residual: torch.Tensor | None = None,
+              weight: torch.Tensor | None = None) -> torch.Tensor:
+    """relu(conv(x) + bias [+ residual]) for x [N, C_in, h, w] (any layout; channels-last
+    data gives channels-last output) and ``residual`` [N, C_out, h', w'] in the output's
+    layout; ``weight`` replaces the conv's (a padded copy). One fused cuDNN call on CUDA
+    in fp16 / bf16 (module doc), the separate ops elsewhere."""
+    w = conv.weight if weight is None else weight
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and conv.bias is not None:
+        args = (conv.stride, conv.padding, conv.dilation, conv.groups)
+        if residual is None:
+            return torch.cudnn_convolution_relu(x, w, conv.bias, *args)
+        return torch.cudnn_convolution_add_relu(x, w, residual, 1.0, conv.bias, *args)
+    y = F.conv2d(x, w, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+    return F.relu(y if residual is None else y.add_(residual))
 
 
 def per_frame(fn, x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +79,8 @@ class MemoryBlock(torch.nn.Module):
     def of_pair(self, pair: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The block of ``pair`` [N, 2C, h, w], [x_t, x_{t-1}] already side by side (in
         whatever layout), and x [N, C, h, w] (module doc)."""
-        return F.relu(self.c3(F.relu(self.c2(F.relu(self.c1(pair))))) + x)
+        h = conv_relu(self.c2, conv_relu(self.c1, pair))
+        return conv_relu(self.c3, h, residual=x)
 
     def over_time(self, x: torch.Tensor, before: torch.Tensor):
         """x [B, T, C, h, w] and ``before`` [B, C, h, w], the input frame preceding x[:, 0]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .tiny_blocks import MemoryBlock, TaehvNet, conv2d, per_frame
+from .tiny_blocks import MemoryBlock, TaehvNet, conv2d, conv_relu, per_frame
 
 __all__ = ["TIME_FACTORS", "TinyEncoderNet", "WIDTH"]
 
@@ -98,8 +98,8 @@ class TinyEncoderNet(TaehvNet):
         rgb[..., :3].copy_(frames.permute(0, 2, 3, 4, 1).flatten(0, 1))
         rgb[..., :3].add_(1).mul_(0.5)                              # TAEHV reads [0, 1]
         stem = F.pad(self.stem.weight, (0, 0, 0, 0, 0, STEM_WIDTH - 3))      # zero taps
-        x = F.relu(F.conv2d(rgb.permute(0, 3, 1, 2), stem.contiguous(
-            memory_format=torch.channels_last), self.stem.bias, padding=1))  # [B T, C, H, W]
+        x = conv_relu(self.stem, rgb.permute(0, 3, 1, 2),                    # [B T, C, H, W]
+                      weight=stem.contiguous(memory_format=torch.channels_last))
         x = x.unflatten(0, (B, T))
         carried, before = [], iter(memory)
         for stage in self.stages:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .tiny_blocks import MemoryBlock, TaehvNet, conv2d, per_frame, random_init, read_taehv
+from .tiny_blocks import (MemoryBlock, TaehvNet, conv2d, conv_relu, per_frame, random_init,
+                          read_taehv)
 
 __all__ = ["TinyDecoderNet", "WIDTHS", "random_init", "read_taehv"]
 
@@ -68,7 +69,7 @@ class TinyDecoderNet(TaehvNet):
     def stream(self, latents: torch.Tensor, memory: list):
         """latents [B, C, F, H, W] and each block's carried frame [B, C_l, h_l, w_l] ->
         (rgb [B, 3, 4F, 8H, 8W] unclamped, every frame; the blocks' new carried frames)."""
-        x = per_frame(lambda z: F.relu(self.stem(torch.tanh(z / 3) * 3)),
+        x = per_frame(lambda z: conv_relu(self.stem, torch.tanh(z / 3) * 3),
                        latents.transpose(1, 2))                     # [B, F, C, H, W]
         carried, before = [], iter(memory)
         for stage in self.stages:

@@ -19,6 +19,9 @@ traffic. What differs from running the modules, and why each is exact:
   two steps before it); the norms, the spatial convs and the attention act per step.
   The next cache is the buffer's last two steps, as the modules keep them. A video's
   first chunk passes its first frame alone (`FusedBlocks.passes`), then the rest.
+* A cache entry is read from the arena straight into the two steps before the conv's
+  input in its buffer, and its next value written back straight from the buffer's
+  last two (`vae_cache.ChunkCache`): one pass each way, no copy of the state between.
 * No conv adds its bias in a pass of its own but a program's output conv; each bias
   goes where its output is read next. A residual block's first conv: the norm after
   it adds it (its output feeds nothing else), in fp32 before the norm. The residual
@@ -27,12 +30,13 @@ traffic. What differs from running the modules, and why each is exact:
   projection bias take it in, and a resampling block adds it while copying its input.
   Sums are reordered (the bias joins the residual later): bf16 rounding, not more.
 * A causal conv with fewer than `FOLD_BELOW` input channels runs as a 2-D conv over
-  its three time taps stacked on the channels: the input buffer is [B, T, H, W, 3, C']
-  (step s, tap k holds step s + k of ``[cache, x]``; C' >= C, the channels past C
-  zero where a program pads a narrow input), all three taps written by one norm call
-  from one read of its input, and the weight [C_out, 3 C', 3, 3]. Same products, same
-  sums; cuDNN's heuristics pick a far slower kernel for a 3-D conv of 96 channels
-  than for a 2-D one of 288.
+  its three time taps stacked on the channels: the input buffer is [B, T, H, W, K],
+  K >= 3 C' (step s, tap k in channels k C' .. k C' + C holds step s + k of ``[cache,
+  x]``; C' >= C, the channels past C, and past the third tap, zero where a program
+  pads a narrow input), all three taps written by one norm call from one read of its
+  input, and the weight [C_out, K, 3, 3]. Same products, same sums; cuDNN's
+  heuristics pick a far slower kernel for a 3-D conv of 96 channels than for a 2-D
+  one of 288, and for a 2-D one of 24 channels than of 32.
 
 Cache entries are those of `vae_cache.CacheLayout` in diffusers' order; the programs
 keep them as [B, steps, H, W, C] (`CacheArena(channels_last=True)` stores them so).
@@ -61,14 +65,16 @@ class _Conv:
     out: int                      # output channels kept (the rest are padding)
     folded: bool = False          # time taps stacked on the input channels (module doc)
     stride: tuple[int, ...] | int = 1
+    width: int = 0                # folded: channels a tap (C'); the 3 taps, then zeros
 
 
 def conv_weights(w: torch.Tensor, b, pad: tuple[int, ...], *, stride=1, pad_out_to: int = 1,
-                 fold_below: int = 0, pad_in_to: int = 1) -> _Conv:
+                 fold_below: int = 0, pad_in_to: int = 1, pad_folded_to: int = 1) -> _Conv:
     """A conv's weight ``w`` [C_out, C_in, ...] and bias channels last, its output channels
     zero-padded to a multiple of ``pad_out_to``; a 3-D conv of 3 time taps and fewer than
     ``fold_below`` input channels folded (module doc), each tap's channels zero-padded
-    to a multiple of ``pad_in_to``. ``pad``: a 3-D conv's (0, ph, pw), a 2-D conv's."""
+    to a multiple of ``pad_in_to`` and the taps together to one of ``pad_folded_to``
+    (zero weights past the third tap). ``pad``: a 3-D conv's (0, ph, pw), a 2-D conv's."""
     out = w.shape[0]
     extra = -out % pad_out_to
     if extra:
@@ -80,9 +86,14 @@ def conv_weights(w: torch.Tensor, b, pad: tuple[int, ...], *, stride=1, pad_out_
         wide = -w.shape[1] % pad_in_to
         if wide:
             w = torch.cat([w, w.new_zeros(w.shape[0], wide, *w.shape[2:])], dim=1)
+        width = w.shape[1]
         # [C_out, C', 3, kh, kw] -> [C_out, 3 C', kh, kw]: channel k C' + c is tap k
         w = w.transpose(1, 2).reshape(w.shape[0], -1, *w.shape[3:])
-        return _Conv(w.contiguous(memory_format=torch.channels_last), b, pad[1:], out, True)
+        extra = -w.shape[1] % pad_folded_to
+        if extra:
+            w = torch.cat([w, w.new_zeros(w.shape[0], extra, *w.shape[2:])], dim=1)
+        return _Conv(w.contiguous(memory_format=torch.channels_last), b, pad[1:], out, True,
+                     width=width)
     return _Conv(w.contiguous(memory_format=torch.channels_last_3d), b, pad, out, stride=stride)
 
 
@@ -197,7 +208,7 @@ class FusedBlocks:
         return a.norm.gamma.detach().reshape(-1), pending, flat(a.to_qkv), (wp, bp)
 
     # ------------------------------------------------------------------ forward
-    def passes(self, x: torch.Tensor, caches: list, first: bool) -> list[torch.Tensor]:
+    def passes(self, x: torch.Tensor, caches, first: bool) -> list[torch.Tensor]:
         """A chunk's passes over x [B, T, H, W, C_in] (`forward`): a video's first frame
         alone when ``first``, then the rest at once."""
         parts = [self.forward(x[:, :1], caches, True)] if first else []
@@ -205,11 +216,11 @@ class FusedBlocks:
             parts.append(self.forward(x[:, len(parts):], caches, False))
         return parts
 
-    def forward(self, x: torch.Tensor, caches: list, first: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, caches, first: bool) -> torch.Tensor:
         """One pass of x [B, T, H, W, C_in] -> conv_out's kept channels [B, T', H', W',
         C_out] (a view; without its bias when the subclass keeps it apart). ``first``:
-        a video's first frame alone. ``caches``: per entry [B, steps, H, W, C], read,
-        then overwritten with the next."""
+        a video's first frame alone. ``caches``: the chunk's `vae_cache.ChunkCache`, each
+        entry [B, steps, H, W, C] read, then given its next value."""
         idx = iter(range(self.entries))
         x = self._causal(self.conv_in, caches, next(idx), _copy_into(x))
         for kind, w in self.blocks:
@@ -230,42 +241,47 @@ class FusedBlocks:
                                                      stride=conv.stride)
         return _last(y if residual is None else y.add_(residual))
 
-    def _causal(self, conv: _Conv, caches: list, i: int, fill: "_Fill",
+    def _causal(self, conv: _Conv, caches, i: int, fill: "_Fill",
                 residual=None) -> torch.Tensor:
-        """The causal conv of cache entry i over [cache, input]: ``fill`` writes the
-        input's steps into the conv's buffer; ``residual`` [B, T, H, W, C_out] is added
-        to the output [B, T, H, W, C_out]."""
-        c, T = caches[i], fill.steps                          # [B, 2, H, W, C]
+        """The causal conv of cache entry i over [cache, input]: the entry is read into
+        the conv's buffer and its next value written from it (``caches``, a
+        `vae_cache.ChunkCache`); ``fill`` writes the input's steps into the buffer;
+        ``residual`` [B, T, H, W, C_out] is added to the output [B, T, H, W, C_out]."""
+        T = fill.steps
         if conv.folded:
-            x = self._fold(c, fill, conv.weight.shape[1] // 3)  # [B, T, H, W, 3 C']
+            x = self._fold(caches, i, fill, conv)             # [B, T, H, W, K]
             B, _, H, W, _ = x.shape
             r = None if residual is None else residual.reshape(B * T, H, W, -1).movedim(-1, 1)
             y = self._apply(conv, x.view(B * T, H, W, -1).movedim(-1, 1), r)
             return y.view(B, T, *y.shape[1:])
-        buf = c.new_empty(c.shape[0], 2 + T, *c.shape[2:])
-        buf[:, :2].copy_(c)
+        buf = caches.empty(i, 2 + T)                          # [B, 2 + T, H, W, C]
+        caches.load(i, buf[:, :2])
         fill([buf[:, 2:]], [T])
-        c.copy_(buf[:, -2:])                                  # the next chunk's two steps
+        caches.store(i, buf[:, -2:])                          # the next chunk's two steps
         return self._apply(conv, buf.movedim(-1, 1),          # [B, T, H, W, C_out]
                            None if residual is None else residual.movedim(-1, 1))
 
     @staticmethod
-    def _fold(c: torch.Tensor, fill: "_Fill", width: int) -> torch.Tensor:
-        """The folded conv's input, ``width`` channels a tap: step s, tap k holds step s + k
-        of [c0, c1, x0, ..] (channels past C zero); the cache c [B, 2, H, W, C] becomes
-        that sequence's last two steps."""
-        T, C = fill.steps, c.shape[4]
-        make = c.new_empty if width == C else c.new_zeros
-        buf = make(c.shape[0], T, *c.shape[2:4], 3, width)
-        tap = [buf[..., k, :C] for k in range(3)]             # [B, T, H, W, C] each
-        tap[0][:, :2].copy_(c[:, :min(2, T)])
-        tap[1][:, :1].copy_(c[:, 1:])
+    def _fold(caches, i: int, fill: "_Fill", conv: _Conv) -> torch.Tensor:
+        """The folded conv's input [B, T, H, W, K]: ``conv.width`` channels a tap, step s,
+        tap k holding step s + k of [c0, c1, x0, ..] (channels past the entry's C, and
+        past the third tap, zero); entry i becomes that sequence's last two steps."""
+        T, width = fill.steps, conv.width
+        c = caches.tensors[i]                                 # [S, 2, H, W, C]
+        C, K = c.shape[4], conv.weight.shape[1]
+        buf = (c.new_empty if 3 * C == K else c.new_zeros)(caches.batch, T, *c.shape[2:4], K)
+        tap = [buf[..., k * width:k * width + C] for k in range(3)]   # [B, T, H, W, C] each
+        if T >= 2:
+            caches.load(i, tap[0][:, :2])
+            tap[1][:, :1].copy_(tap[0][:, 1:2])
+        else:
+            old = caches.get(i)
+            tap[0][:, :1].copy_(old[:, :1])
+            tap[1][:, :1].copy_(old[:, 1:])
         ks = [k for k in range(3) if T - 2 + k > 0]
         fill([tap[k][:, 2 - k:] for k in ks], [T - 2 + k for k in ks])   # x read once
-        if T == 1:
-            c[:, :1].copy_(c[:, 1:])
-        c[:, 2 - min(2, T):].copy_(tap[2][:, -min(2, T):])
-        return buf.view(*buf.shape[:4], -1)
+        caches.store(i, tap[2][:, -2:] if T >= 2 else torch.cat([old[:, 1:], tap[2]], dim=1))
+        return buf
 
     def _res(self, w: _Res, x, caches, i1, i2):
         h = x if w.short is None else F.linear(x, *w.short)  # [B, T, H, W, C_out]
@@ -279,9 +295,31 @@ class FusedBlocks:
         gamma, pending, (wqkv, bqkv), (wp, bp) = w
         B, T, H, W, C = x.shape
         n = rms_norm_silu(_rows(x), gamma, bias=pending, silu=False).view(B * T, H * W, C)
-        q, k, v = F.linear(n, wqkv, bqkv).unsqueeze(1).chunk(3, dim=-1)   # [BT, 1, HW, C]
-        o = F.scaled_dot_product_attention(q, k, v).squeeze(1)           # [BT, HW, C]
-        return F.linear(o, wp, bp).view(B, T, H, W, C).add_(x)
+        q, k, v = F.linear(n, wqkv, bqkv).chunk(3, dim=-1)               # [BT, HW, C]
+        return F.linear(_attention(q, k, v), wp, bp).view(B, T, H, W, C).add_(x)
+
+
+#: Head sizes up to this run in PyTorch's fused attention; wider ones (the Wan VAE's
+#: one head of 384) by `_attention`'s two matmuls.
+FUSED_HEAD_MAX = 256
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of one head, q, k, v [N, L, C] -> [N, L, C]. A head wider than
+    `FUSED_HEAD_MAX` has no flash or cuDNN kernel and PyTorch's fallback is slow: the
+    scores [L, L] are one batched matmul of q and k (the scale applied to the fp32
+    accumulator) in q's dtype, the softmax reads them and accumulates in fp32, its
+    probabilities rounded once to q's dtype, then one matmul with v; frame by frame,
+    so the scores take L^2 elements at a time."""
+    if q.shape[-1] <= FUSED_HEAD_MAX:
+        return F.scaled_dot_product_attention(q, k, v)
+    L, scale = q.shape[1], q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+    for n in range(q.shape[0]):
+        s = torch.baddbmm(q.new_empty(()).expand(1, L, L), q[n:n + 1], k[n:n + 1].transpose(1, 2),
+                          beta=0, alpha=scale)                           # [1, L, L]
+        torch.bmm(torch.softmax(s, dim=-1), v[n:n + 1], out=out[n:n + 1])
+    return out
 
 
 class _Fill:

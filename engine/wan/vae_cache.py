@@ -144,9 +144,63 @@ class CacheArena:
         for t, c in zip(self.rows_last or self.tensors, cache):
             t.index_copy_(0, rows, c)
 
+    def chunk(self, rows: torch.Tensor, first: bool, write: bool) -> "ChunkCache":
+        """A chunk's entries of rows ``rows`` (distinct), read and written in place
+        (`ChunkCache`): zeros for rows that start a video (``first``); ``write=False``
+        leaves the arena as it is (a graph's warm-up)."""
+        return ChunkCache(self.rows_last or self.tensors, rows, first, write)
+
     def close(self) -> None:
         self.tensors = []
         self._arena.close()
+
+
+class ChunkCache:
+    """One chunk's view of its rows' entries in an arena, for programs that copy an
+    entry straight into the buffer a conv reads and write its next value straight from
+    that buffer, with no per-chunk copy of the state in between (`CacheArena.read`
+    and `CacheArena.scatter` make one each way). ``tensors``: the arena's, as stored;
+    ``batch``: the rows' count. Entry i reads as zeros until stored when ``first``
+    (with ``write`` the rows are zeroed in the arena then, so an entry the chunk never
+    stores starts the next one at zero, as the rows' state after a video's first
+    chunk is); with ``write`` a store goes to the arena at once (a later `load` in the
+    chunk reads it there), without it a copy is held for the rest of the chunk and
+    the arena is left alone."""
+
+    def __init__(self, tensors: list, rows: torch.Tensor, first: bool, write: bool):
+        self.tensors, self.batch = tensors, rows.shape[0]
+        self._rows, self._first, self._write = rows, first, write
+        self._held: dict[int, torch.Tensor] = {}
+        self._stored: set[int] = set()
+        if first and write:
+            for t in tensors:
+                t.index_copy_(0, rows, t.new_zeros(self.batch, *t.shape[1:]))
+
+    def empty(self, i: int, steps: int, *, zero: bool = False) -> torch.Tensor:
+        """A new [batch, steps, *entry i's per-step shape] tensor of its dtype (zeros
+        with ``zero``)."""
+        t = self.tensors[i]
+        return (t.new_zeros if zero else t.new_empty)(self.batch, steps, *t.shape[2:])
+
+    def load(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (any strides, entry i's shape for the rows) = entry i, in one pass."""
+        if i in self._held:
+            return out.copy_(self._held[i])
+        if self._first and i not in self._stored:
+            return out.zero_()
+        return torch.index_select(self.tensors[i], 0, self._rows, out=out)
+
+    def get(self, i: int) -> torch.Tensor:
+        """Entry i of the rows, a new tensor."""
+        return self.load(i, self.empty(i, self.tensors[i].shape[1]))
+
+    def store(self, i: int, value: torch.Tensor) -> None:
+        """Entry i of the rows = ``value`` (module doc: written, or held)."""
+        self._stored.add(i)
+        if self._write:
+            self.tensors[i].index_copy_(0, self._rows, value)
+        else:            # a copy: a view would keep its whole buffer alive till the end
+            self._held[i] = value.clone()
 
 
 def module_cache(arena: CacheArena, rows: torch.Tensor, first: bool) -> list:

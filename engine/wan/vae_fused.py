@@ -109,10 +109,8 @@ def fused_chunk_program(fused: FusedDecoder, arena, *, first: bool, mean: torch.
     @torch.no_grad()
     def fn(latents: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         x = _last(fused.post_quant(latents / inv_std + mean))          # [B, F, h, w, z]
-        caches = arena.read(rows, first)                                # [B, 2, H, W, C]
+        caches = arena.chunk(rows, first, write)                        # [B, 2, H, W, C]
         parts = fused.passes(x, caches, first)
-        if write:
-            arena.scatter(rows, caches)
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)   # [B, F', H, W, 3]
         out = torch.empty(y.shape[0], 3, *y.shape[1:4], dtype=y.dtype, device=y.device)
         return torch.clamp(y.movedim(-1, 1), -1.0, 1.0, out=out)       # one pass

@@ -16,7 +16,8 @@ from coder_harness import (check_channels_last_arena, check_half_precision,
 from framekv.engine.wan import StreamingVAEEncoder, build_vae
 from framekv.engine.wan import vae_encoder_fused
 from framekv.engine.wan.vae_cache import CacheLayout
-from framekv.engine.wan.vae_encoder_fused import IN_WIDTH, FusedEncoder, fused_encode_program
+from framekv.engine.wan.vae_encoder_fused import (IN_FOLDED, IN_WIDTH, FusedEncoder,
+                                                  fused_encode_program)
 from test_vae_encoder import frames, whole
 from test_vae_fused import vae  # noqa: F401  (the fixture: the tiny VAE, its gammas drawn)
 
@@ -58,7 +59,12 @@ def test_the_13b_encoder_with_its_attention_at_a_small_size():
     widths = {w.conv1.weight.shape[1] // (3 if w.conv1.folded else 1): w.conv1.folded
               for kind, w in program.blocks if kind == "res"}
     assert widths == {96: True, 192: False, 384: False}
-    assert program.conv_in.folded and program.conv_in.weight.shape == (96, 3 * IN_WIDTH, 3, 3)
+    # the input conv: three taps of IN_WIDTH channels, zero-padded to IN_FOLDED together
+    conv_in = program.conv_in
+    assert conv_in.folded and conv_in.width == IN_WIDTH and IN_FOLDED > 3 * IN_WIDTH
+    assert conv_in.weight.shape == (96, IN_FOLDED, 3, 3)
+    assert not conv_in.weight[:, 3 * IN_WIDTH:].any()
+    assert all(not conv_in.weight[:, k * IN_WIDTH + 3:(k + 1) * IN_WIDTH].any() for k in range(3))
     assert not program.conv_out.folded and program.conv_out.out == 16
 
 

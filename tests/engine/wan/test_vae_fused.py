@@ -18,6 +18,7 @@ from framekv.engine.wan import StreamingVAEDecoder, build_vae
 from framekv.engine.wan import vae_blocks, vae_fused
 from framekv.engine.wan.vae_fused import FusedDecoder, fused_chunk_program
 from framekv.engine.wan.vae_graph import CacheLayout
+from framekv.engine.wan.vae_cache import ChunkCache
 from test_vae import latents
 
 
@@ -90,7 +91,8 @@ def test_a_residual_block_adds_the_bias_pending_on_its_input(vae, fold_below):
     w = program._res_weights(block, pending)
     assert w.short is not None and w.conv1.folded == (fold_below is None)
     x = torch.randn(2, 3, 4, 5, 6, generator=g)                       # [B, T, H, W, C]
-    caches = [torch.zeros(2, 2, 4, 5, c) for c in (6, 10)]           # a video's start
+    arena = [torch.full((3, 2, 4, 5, c), 7.0) for c in (6, 10)]     # stale rows: unread
+    caches = ChunkCache(arena, torch.tensor([2, 0]), True, True)     # a video's start
     got = program._res(w, x, caches, 0, 1)      # conv2 bias in the shortcut: none pending
     with torch.no_grad():
         want = block((x + pending).movedim(-1, 1)).movedim(1, -1)
