@@ -5,7 +5,8 @@ change mid-stream.
     python examples/client.py --url http://127.0.0.1:8000
 
 Without --url a server starts in this process (the tiny reference model, streaming
-latents) on a free port. The token, if the server has one, comes from FRAMEKV_TOKEN.
+latents) on a free port. ``--chunks N``: chunks per session (default 8; at least 2, so
+the prompt change asked for at chunk 1 can take). The token, if the server has one, comes from FRAMEKV_TOKEN.
 Up to three sessions are opened, as many as the server has room for (a full server
 answers 503); every session opened here is closed when the example ends, also when it
 fails or is interrupted.
@@ -44,12 +45,13 @@ def local_server(device):
         sched.close()
 
 
-def open_sessions(client, stack) -> dict:
-    """Up to three sessions by seed, each closed by ``stack`` however the example ends."""
+def open_sessions(client, stack, chunks: int = CHUNKS) -> dict:
+    """Up to three sessions of ``chunks`` chunks by seed, each closed by ``stack`` however
+    the example ends."""
     sessions = {}
     for seed in (1, 2, 3):
         try:
-            s = client.create(seed=seed, chunks=CHUNKS)
+            s = client.create(seed=seed, chunks=chunks)
         except ServerError as exc:
             if exc.status != 503 or not sessions:      # not "full", or no room at all
                 raise
@@ -76,11 +78,15 @@ def main() -> None:
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--url", default=None)
     p.add_argument("--device", default=None)
+    p.add_argument("--chunks", type=int, default=CHUNKS, help=f"chunks per session (default "
+                   f"{CHUNKS})")
     args = p.parse_args()
+    if args.chunks < 2:
+        p.error(f"--chunks must be at least 2, got {args.chunks}")
     with contextlib.ExitStack() as stack:      # closed in reverse: sessions, client, server
         url = args.url or stack.enter_context(local_server(args.device))
         client = stack.enter_context(Client(url))
-        for seed, s in open_sessions(client, stack).items():
+        for seed, s in open_sessions(client, stack, args.chunks).items():
             for chunk in s.stream():
                 got = chunk.latents if chunk.latents is not None else chunk.video()  # frames
                 print(f"session {seed}: chunk {chunk.index} of {list(got.shape)}, "
