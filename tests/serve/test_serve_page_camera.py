@@ -67,9 +67,10 @@ def _frames_are_jpegs_of_the_model_size(sent: list, width: int, height: int) -> 
 
     frames = [wire.decode(m) for m in sent if isinstance(m, bytes)]
     assert len(frames) >= 5, sent[:3]
-    for header, payload in frames:
+    for j, (header, payload) in enumerate(frames):      # each named by its index here
         assert header == {"type": "frames_in", "format": "jpeg", "width": width,
-                          "height": height, "count": 1, "sizes": [len(payload)]}, header
+                          "height": height, "count": 1, "sizes": [len(payload)],
+                          "id": j}, header
         image = Image.open(io.BytesIO(payload))
         assert (image.format, image.size) == ("JPEG", (width, height))
 
@@ -154,6 +155,46 @@ def test_the_camera_streams_through_the_model_with_its_latency(server):
     refused = ("console error: Failed to load resource: the server responded with a status "
                "of 422 (Unprocessable Entity)")
     assert problems == [refused]                # the refused start's, no other
+
+
+def test_a_refused_frame_is_left_out_of_the_pages_numbering(server):
+    """The page's third frames message is spoiled on its way (a routed socket): the
+    server refuses it naming its id, so the page leaves that frame out of its numbering
+    (the server's frame n is its frame n + 1 from n = 2 on) and goes on: chunks come and
+    the latency shows."""
+    from framekv.specs import wire
+
+    base, _ = server
+
+    def spoil(ws):
+        to_server = ws.connect_to_server()
+
+        def forward(message):
+            if isinstance(message, bytes):
+                header, payload = wire.decode(message)
+                if header.get("id") == 2:
+                    message = wire.encode(header, b"\xff" * len(payload))
+            to_server.send(message)
+        ws.on_message(forward)
+
+    problems = []
+    with browser_page(problems, FAKE_CAMERA) as page:
+        page.route_web_socket("**/stream", spoil)
+        page.goto(f"{base}/")
+        wait(page, READY)
+        page.select_option("#source", "camera")
+        wait(page, "document.getElementById('camera').videoWidth > 0")
+        page.click("#start")
+        wait(page, "Camera.refusedFrames().length > 0")
+        assert "does not decode" in page.text_content("#status")
+        assert page.evaluate("Camera.refusedFrames()") == [2]
+        assert page.evaluate("[0, 1, 2, 3, 7].map(Camera.pageIndex)") == [0, 1, 3, 4, 8]
+        wait(page, drawn_over(6))
+        wait(page, "document.getElementById('io-latency').textContent.endsWith(' ms')")
+        assert _latency_ms(page) > 0 and page.evaluate("Camera.refusedFrames()") == [2]
+        stop(page)
+    slot_freed(base)
+    assert problems == []
 
 
 def test_a_page_that_gets_no_chunk_sends_two_chunks_of_frames_and_stops(server):

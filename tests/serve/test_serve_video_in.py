@@ -204,6 +204,8 @@ def bad_messages(good: bytes) -> list[tuple[bytes, int, str]]:
         (with_(count=2, sizes=[3, len(payload) - 3]), 400, "does not decode"),
         (with_(count=2), 400, "sizes must be 2"),
         (with_(count=65), 413, "count must be an integer in [1, 64]"),
+        (with_(id=2.5), 422, "id must be an integer or a string of at most 64"),
+        (with_(id="x" * 65), 422, "id must be an integer or a string of at most 64"),
         (wire.encode({**head, "format": "rgb24"}, b"\x00" * 7), 400, "rgb24 payload must be"),
     ]
 
@@ -226,6 +228,28 @@ def test_bad_frames_messages_are_refused_with_a_message_and_the_session_goes_on(
         [True] * len(bad)
     assert [h["index"] for h, _ in chunks] == [0]
     assert http.post("/v1/sessions/nope/frames", content=good).status_code == 404
+
+
+def test_a_refusal_on_the_socket_names_the_id_its_message_gave(server):
+    """Messages numbered by their sender: a refused one's answer carries its id (an
+    integer or a string), one without a valid id or header none; accepted ones get no
+    answer and their frames make the chunk."""
+    http, ws_base, sched = server
+    first, _ = sched.video_chunk_frames
+    sid = create(http, seed=26, chunks=1, **VIDEO)
+    good = frames_in(pictures(first, 80, 48, 9), id=0)
+    wrong_size = frames_in(pictures(1, 80, 48, 10), width=81, id=1)
+    named = frames_in(pictures(1, 80, 48, 11), format="gif", id="cam-7")
+    bad_id = frames_in(pictures(1, 80, 48, 12), id=[3])
+    with connect(ws_base, sid) as ws:
+        for msg in (wrong_size, named, bad_id, b"\x00\x00\x10\x00{", good):
+            ws.send(msg)
+        chunks, errors = chunks_of(ws)
+    assert [(e["about"], e["status"], e.get("id")) for e in errors] == [
+        ("frames_in", 422, 1), ("frames_in", 422, "cam-7"), ("frames_in", 422, None),
+        ("frames_in", 400, None)]
+    assert "id must be an integer" in errors[2]["error"]
+    assert [(h["index"], h["input"]) for h, _ in chunks] == [(0, {"first": 0, "count": first})]
 
 
 def test_what_a_video_server_refuses(server):

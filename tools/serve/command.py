@@ -65,9 +65,10 @@ WebSocket and /docs also ``?token=T``)::
                                          Binary from the client: a video session's
                                          frames, {"type": "frames_in", "format":
                                          jpeg | webp | png | rgb24, width, height,
-                                         count, sizes} and the images (or rgb24
+                                         count, sizes, id} and the images (or rgb24
                                          bytes), framed as a chunk; a bad one (or a
-                                         text session's) answered {"type": "error"}
+                                         text session's) answered {"type": "error",
+                                         "about": "frames_in", "id"}
                                          (`framekv.tools.serve.frames_in`). Refused sockets close with
                                          a reason: 1008 (token), 4404 (no such session
                                          open), 4409 (a second socket on a session),

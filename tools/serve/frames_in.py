@@ -7,8 +7,10 @@ frames as one binary message each, on its socket or as the body of ``POST
 
     [n: uint32 BE][header: n bytes of JSON][payload]
     header   {"type": "frames_in", "format": "jpeg" | "webp" | "png" | "rgb24",
-              "width": W, "height": H, "count": N, "sizes": [bytes of each image]}
-             (``sizes`` may be left out for one image, and is for rgb24)
+              "width": W, "height": H, "count": N, "sizes": [bytes of each image],
+              "id": the sender's name for the message}
+             (``sizes`` may be left out for one image, and is for rgb24; ``id``, an
+             integer or a string of at most `MAX_ID` characters, may be left out)
     payload  the N images back to back in frame order (``sizes``: their lengths; not
              given for rgb24), or for rgb24 N x H x W x 3 bytes (row-major RGB)
 
@@ -20,8 +22,11 @@ frames are dropped and counted). A message carries 1 to `MAX_FRAMES` frames in a
 socket answers nothing. A bad
 message (truncated, a header that is no JSON object, an unknown format, a count that
 does not match the sizes or the payload, an image that does not decode or is not W x
-H, more frames than `MAX_FRAMES`) is a `RequestError` naming the fault (the socket
-answers ``{"type": "error", "error"}``, the POST its status) and the session goes on.
+H, more frames than `MAX_FRAMES`, an ``id`` of another kind) is a `RequestError` naming
+the fault (the socket answers ``{"type": "error", "error", "status", "about":
+"frames_in"}``, with the message's ``id`` where its header has a valid one, so a
+sender that numbers its messages knows which frames the session never received; the
+POST its status) and the session goes on.
 """
 from __future__ import annotations
 
@@ -34,8 +39,8 @@ from framekv.specs import wire
 from ..video_in import fit_frame
 from .wire import RequestError
 
-__all__ = ["FORMATS", "MAX_FRAMES", "MAX_FRAMES_BYTES", "MAX_SIDE", "NoFrames",
-           "decode_frames", "take_frames", "video_in"]
+__all__ = ["FORMATS", "MAX_FRAMES", "MAX_FRAMES_BYTES", "MAX_ID", "MAX_SIDE", "NoFrames",
+           "decode_frames", "frames_id", "take_frames", "video_in"]
 
 #: the formats a frames_in message may carry (`wire.FRAMES_IN_FORMATS`)
 FORMATS = wire.FRAMES_IN_FORMATS
@@ -45,6 +50,8 @@ MAX_FRAMES = wire.FRAMES_IN_MAX_FRAMES
 MAX_SIDE = 4096
 #: the most bytes of one message: a socket's (uvicorn's ws_max_size) and a POST body's
 MAX_FRAMES_BYTES = wire.FRAMES_IN_MAX_BYTES
+#: the longest string a message's ``id`` may be
+MAX_ID = 64
 
 
 class NoFrames(RequestError):
@@ -59,6 +66,22 @@ def _count(header: dict, key: str, top: int, status: int = 422) -> int:
     return v
 
 
+def _valid_id(header: dict) -> bool:
+    ident = header.get("id")
+    return (ident is None or (type(ident) is int)
+            or (isinstance(ident, str) and len(ident) <= MAX_ID))
+
+
+def frames_id(msg: bytes) -> int | str | None:
+    """The ``id`` of a frames_in message's header (module doc), None where the message
+    has no header, no id or one of another kind."""
+    try:
+        header, _ = wire.decode(msg)
+    except ValueError:
+        return None
+    return header.get("id") if _valid_id(header) else None
+
+
 def _header(msg: bytes) -> tuple[dict, bytes, str, int, int, int]:
     """(header, payload, format, width, height, count) of a frames_in message."""
     try:
@@ -68,6 +91,9 @@ def _header(msg: bytes) -> tuple[dict, bytes, str, int, int, int]:
     if header.get("type") != "frames_in":
         raise RequestError(400, f"a binary message must be frames_in ({{\"type\": "
                                 f"\"frames_in\", ...}}), got type {str(header.get('type'))[:40]!r}")
+    if not _valid_id(header):
+        raise RequestError(422, f"frames_in id must be an integer or a string of at most "
+                                f"{MAX_ID} characters, got {str(header['id'])[:40]!r}")
     fmt = header.get("format")
     if fmt not in FORMATS:
         raise RequestError(422, f"frames_in format must be one of {list(FORMATS)}, got "

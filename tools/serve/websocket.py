@@ -13,7 +13,8 @@ long poll) and the session goes on. A binary message from the client is a video
 session's frames (``frames_in``, `framekv.tools.serve.frames_in`): taken without an
 answer, or, when bad (or the session takes no frames), answered ``{"type": "error",
 "error", "status", "about": "frames_in"}`` (``about`` tells a refusal of frames from
-a control message's answer, which a client may be waiting for); the session goes on.
+a control message's answer, which a client may be waiting for), with the message's
+``"id"`` where its header gave one; the session goes on.
 A prompt change is answered ``{"type": "prompt_ack", "prompt_version",
 "applies_from"}`` once it took (chunks from index ``applies_from`` on are made under
 it), or ``{"type": "error"}`` if its re-cache failed (the session goes on under its old
@@ -34,7 +35,7 @@ import asyncio
 import contextlib
 import json
 
-from .frames_in import NoFrames, take_frames
+from .frames_in import NoFrames, frames_id, take_frames
 from .reader import Superseded, apply_control
 from .wire import RequestError, json_body
 
@@ -116,6 +117,9 @@ async def _receive(ws, sched, sid: str) -> None:
             reply = {"type": "error", "error": exc.message, "status": exc.status}
             if msg.get("text") is None:
                 reply["about"] = "frames_in"
+                ident = frames_id(msg.get("bytes") or b"")
+                if ident is not None:
+                    reply["id"] = ident
             await ws.send_text(json.dumps(reply))
             continue
         if change is not None:          # answered once it took

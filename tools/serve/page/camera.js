@@ -5,11 +5,14 @@
 // the output and measures input to output (per chunk: from sending the chunk's last
 // input frame to receiving the chunk, the median of the last LATENCY_CHUNKS chunks).
 // A chunk's header names its input frames, input {first, count}, numbered as the
-// server received them: the order they were sent here, so the send time of frame
-// first + count - 1 (a ring of the last RING send times) is exact whatever the server
-// dropped. Frames are sent no more than two chunks ahead of the input the chunks
-// received have taken: the server keeps one chunk of frames waiting at most and drops
-// older ones, so frames beyond that are skipped here instead.
+// server received them: the order they were sent here less the ones it refused. Each
+// message carries its frame's index here as its id, a refusal names that id, so the
+// server's frame n is the n-th frame sent here that was not refused (`pageIndex`) and
+// the send time of the chunk's last frame (a ring of the last RING send times) is
+// exact whatever the server dropped or refused. Frames are sent no more than two
+// chunks ahead of the input the chunks received have taken: the server keeps one
+// chunk of frames waiting at most and drops older ones, so frames beyond that are
+// skipped here instead.
 const Camera = (() => {
   const el = (id) => document.getElementById(id);
   const LATENCY_CHUNKS = 8;   // the median's window
@@ -19,7 +22,7 @@ const Camera = (() => {
   const RING = 256;   // send times kept: a chunk answers frames sent within a few chunks
   const C = { stream: null, ws: null, timer: null, fps: 16, sent: 0, nextAt: 0, busy: false,
               sentAt: [], latencies: [], size: null, canvas: null, chunkFrames: null,
-              received: 0, covered: 0, touched: false };
+              received: 0, covered: 0, touched: false, refused: [] };
 
   /** One wire message (specs/wire.py): [n: uint32 BE][n bytes of JSON header][payload],
    * the payload the ArrayBuffers ``parts`` back to back. */
@@ -36,10 +39,13 @@ const Camera = (() => {
     return out.buffer;
   }
 
-  /** A frames_in message of encoded images (ArrayBuffers), all width x height. */
-  function framesIn(images, format, width, height) {
-    return encodeMessage({ type: "frames_in", format, width, height, count: images.length,
-                           sizes: images.map((b) => b.byteLength) }, images);
+  /** A frames_in message of encoded images (ArrayBuffers), all width x height; ``id``
+   * (optional) names it in the server's refusal. */
+  function framesIn(images, format, width, height, id) {
+    const header = { type: "frames_in", format, width, height, count: images.length,
+                     sizes: images.map((b) => b.byteLength) };
+    if (id !== undefined) header.id = id;
+    return encodeMessage(header, images);
   }
 
   function explain(err) {
@@ -116,7 +122,7 @@ const Camera = (() => {
     el("io-latency").textContent = "-";
     if (!C.stream) return;
     Object.assign(C, { ws, fps, sent: 0, nextAt: performance.now(), sentAt: new Array(RING),
-                       latencies: [], received: 0, covered: 0 });
+                       latencies: [], received: 0, covered: 0, refused: [] });
     pace();
   }
 
@@ -133,19 +139,38 @@ const Camera = (() => {
   async function send() {
     const ws = C.ws, video = el("camera");
     if (!ws || ws.readyState !== WebSocket.OPEN || !video.videoWidth) return;
-    if (ws.bufferedAmount > MAX_BUFFERED || C.sent >= ahead()) return;
+    if (ws.bufferedAmount > MAX_BUFFERED || C.sent - C.refused.length >= ahead()) return;
     C.busy = true;
     try {
       const [crop, w, h] = fit(video.videoWidth, video.videoHeight);
       const jpeg = await encode(video, crop, w, h);
       if (C.ws !== ws || ws.readyState !== WebSocket.OPEN) return;
-      ws.send(framesIn([jpeg], "jpeg", w, h));
+      ws.send(framesIn([jpeg], "jpeg", w, h, C.sent));
       C.sentAt[C.sent % RING] = [C.sent, performance.now()];
       C.sent += 1;
       el("frames-sent").textContent = String(C.sent);
     } finally {
       C.busy = false;
     }
+  }
+
+  /** The server refused a frames_in message (its error message): the frame whose index
+   * it names was never numbered there. */
+  function refused(msg) {
+    const id = msg.id;
+    if (!Number.isInteger(id) || id < 0 || id >= C.sent || C.refused.includes(id)) return;
+    C.refused.push(id);
+    C.refused.sort((a, b) => a - b);
+  }
+
+  /** The index here of the server's frame ``n``: n plus the refused frames before it. */
+  function pageIndex(n) {
+    let p = n;
+    for (const r of C.refused) {
+      if (r > p) break;
+      p += 1;
+    }
+    return p;
   }
 
   /** When frame ``index`` was sent, while the ring holds it; else undefined. */
@@ -202,7 +227,7 @@ const Camera = (() => {
     // no input named (not a video session's chunk): its frames, had none been dropped
     const input = header.input || { first: header.frame0, count: header.frames };
     C.covered = input.first + input.count;
-    const at = sentTime(C.covered - 1);
+    const at = sentTime(pageIndex(C.covered - 1));
     if (at === undefined) return;
     C.latencies.push(now - at);
     if (C.latencies.length > LATENCY_CHUNKS) C.latencies.shift();
@@ -224,6 +249,6 @@ const Camera = (() => {
     C.touched = true;
     el("strength-value").textContent = Number(ev.target.value).toFixed(2);
   });
-  return { encodeMessage, framesIn, session, opened, received, halt,
-           active: () => C.stream !== null };
+  return { encodeMessage, framesIn, session, opened, received, refused, pageIndex, halt,
+           active: () => C.stream !== null, refusedFrames: () => C.refused.slice() };
 })();
