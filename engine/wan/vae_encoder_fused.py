@@ -46,8 +46,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .vae_blocks import (FOLD_BELOW, FusedBlocks, _biased_copy, _conv, _plus, _unbiased,
-                         conv_weights, mid_modules)
+from .vae_blocks import (FOLD_BELOW, FusedBlocks, _biased_copy, _conv, _Conv, _plus,
+                         _unbiased, conv_weights, mid_modules)
 
 __all__ = ["FusedEncoder", "IN_FOLDED", "IN_WIDTH", "fused_encode_program"]
 
@@ -61,17 +61,18 @@ _DOWNSAMPLES = ("downsample2d", "downsample3d")
 def _border_bias(weight: torch.Tensor, pending) -> tuple:
     """A downsample conv's (weight [C_out, C_in, 3, 3], stride 2 after a ``ZeroPad2d((0,
     1, 0, 1))``) response to the constant image of ``pending`` [C_in] (fp32, or None):
-    (inside c, last row - c, last column - c, corner - c), each [C_out] fp32, or Nones
-    (module doc)."""
+    (inside c; what the last row, then the last column adds to c; what the corner adds
+    beyond both), each [C_out] fp32, or Nones (module doc)."""
     if pending is None:
         return None, None, None, None
     image = pending.view(1, -1, 1, 1).expand(1, -1, 4, 4)                # [1, C_in, 4, 4]
     out = F.conv2d(F.pad(image, (0, 1, 0, 1)), weight.float(), stride=2)[0]  # [C_out, 2, 2]
     inside = out[:, 0, 0]
-    return inside, out[:, 1, 0] - inside, out[:, 0, 1] - inside, out[:, 1, 1] - inside
+    row, col = out[:, 1, 0] - inside, out[:, 0, 1] - inside
+    return inside, row, col, out[:, 1, 1] - inside - row - col
 
 
-def _as_four(spatial) -> object:
+def _as_four(spatial: _Conv) -> _Conv:
     """A 3x3 stride-2 unpadded conv as the 4x4 conv of padding 1 (module doc)."""
     w = F.pad(spatial.weight, (1, 0, 1, 0)).contiguous(memory_format=torch.channels_last)
     return dataclasses.replace(spatial, weight=w, bias=None, pad=(1, 1))
@@ -131,7 +132,7 @@ class FusedEncoder(FusedBlocks):
         if row is not None:       # the pending bias's border terms (module doc)
             y[:, -1].add_(row)
             y[:, :, -1].add_(col)
-            y[:, -1, -1].add_(corner - row - col)
+            y[:, -1, -1].add_(corner)
         y = y.view(B, T, *y.shape[1:])
         if time is None:
             return y                                          # the spatial bias pending
