@@ -174,13 +174,12 @@ class ChunkCache:
         self._stored: set[int] = set()
         if first and write:
             for t in tensors:
-                t.index_copy_(0, rows, t.new_zeros(self.batch, *t.shape[1:]))
+                t.index_fill_(0, rows, 0)
 
-    def empty(self, i: int, steps: int, *, zero: bool = False) -> torch.Tensor:
-        """A new [batch, steps, *entry i's per-step shape] tensor of its dtype (zeros
-        with ``zero``)."""
+    def empty(self, i: int, steps: int) -> torch.Tensor:
+        """A new [batch, steps, *entry i's per-step shape] tensor of its dtype."""
         t = self.tensors[i]
-        return (t.new_zeros if zero else t.new_empty)(self.batch, steps, *t.shape[2:])
+        return t.new_empty(self.batch, steps, *t.shape[2:])
 
     def load(self, i: int, out: torch.Tensor) -> torch.Tensor:
         """``out`` (any strides, entry i's shape for the rows) = entry i, in one pass."""

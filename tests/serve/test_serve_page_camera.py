@@ -157,6 +157,17 @@ def test_the_camera_streams_through_the_model_with_its_latency(server):
     assert problems == [refused]                # the refused start's, no other
 
 
+def _start_over_routed_socket(page, base: str, route) -> None:
+    """The page at ``base``, its stream socket through ``route`` (playwright's
+    route_web_socket handler), switched to the camera, a session started."""
+    page.route_web_socket("**/stream", route)
+    page.goto(f"{base}/")
+    wait(page, READY)
+    page.select_option("#source", "camera")
+    wait(page, "document.getElementById('camera').videoWidth > 0")
+    page.click("#start")
+
+
 def test_a_refused_frame_is_left_out_of_the_pages_numbering(server):
     """The page's third frames message is spoiled on its way (a routed socket): the
     server refuses it naming its id, so the page leaves that frame out of its numbering
@@ -179,12 +190,7 @@ def test_a_refused_frame_is_left_out_of_the_pages_numbering(server):
 
     problems = []
     with browser_page(problems, FAKE_CAMERA) as page:
-        page.route_web_socket("**/stream", spoil)
-        page.goto(f"{base}/")
-        wait(page, READY)
-        page.select_option("#source", "camera")
-        wait(page, "document.getElementById('camera').videoWidth > 0")
-        page.click("#start")
+        _start_over_routed_socket(page, base, spoil)
         wait(page, "Camera.refusedFrames().length > 0")
         assert "does not decode" in page.text_content("#status")
         assert page.evaluate("Camera.refusedFrames()") == [2]
@@ -212,12 +218,7 @@ def test_a_page_that_gets_no_chunk_sends_two_chunks_of_frames_and_stops(server):
 
     problems = []
     with browser_page(problems, FAKE_CAMERA) as page:
-        page.route_web_socket("**/stream", deaf)
-        page.goto(f"{base}/")
-        wait(page, READY)
-        page.select_option("#source", "camera")
-        wait(page, "document.getElementById('camera').videoWidth > 0")
-        page.click("#start")
+        _start_over_routed_socket(page, base, deaf)
         wait(page, "Number(document.getElementById('frames-sent').textContent) >= 1")
         began = time.monotonic()
         wait(page, f"Number(document.getElementById('frames-sent').textContent) >= {want}")

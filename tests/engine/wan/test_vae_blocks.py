@@ -21,13 +21,18 @@ def _qkv(C, N=3, L=37, seed=0, dtype=torch.float32):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def _watch_pytorch_attention(monkeypatch):
+    """(the calls of PyTorch's attention from here on, the unwatched function)."""
+    called, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(vae_blocks.F, "scaled_dot_product_attention",
+                        lambda *a: called.append(a) or sdpa(*a))
+    return called, sdpa
+
+
 @pytest.mark.parametrize("C", [384, FUSED_HEAD_MAX + 8])
 def test_a_wide_head_equals_pytorch_attention_in_fp32(C, monkeypatch):
     q, k, v = _qkv(C)
-    called = []
-    sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(vae_blocks.F, "scaled_dot_product_attention",
-                        lambda *a: called.append(a) or sdpa(*a))
+    called, _ = _watch_pytorch_attention(monkeypatch)
     got = _attention(q, k, v)
     assert not called                                  # the two matmuls, not PyTorch's
     monkeypatch.undo()
@@ -50,10 +55,7 @@ def test_a_wide_head_in_bf16_is_one_rounding_from_fp32():
 
 def test_a_narrow_head_runs_pytorch_attention(monkeypatch):
     q, k, v = _qkv(FUSED_HEAD_MAX)
-    called = []
-    sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(vae_blocks.F, "scaled_dot_product_attention",
-                        lambda *a: called.append(a) or sdpa(*a))
+    called, sdpa = _watch_pytorch_attention(monkeypatch)
     got = _attention(q, k, v)
     assert len(called) == 1
     assert torch.equal(got, sdpa(q, k, v))
