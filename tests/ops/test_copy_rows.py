@@ -27,11 +27,11 @@ def stamped(shape, dtype, offset: int, device="cpu") -> torch.Tensor:
     for s in shape:
         n *= s
     it = _INT[dtype.itemsize]
-    bits = torch.arange(n, dtype=torch.int64) * 40503 + offset
+    bits = torch.arange(n, dtype=torch.int64, device=device) * 40503 + offset
     if dtype.itemsize < 8:                 # wrapped into the signed range of the width
         half = 1 << (8 * dtype.itemsize - 1)
         bits = (bits + half) % (2 * half) - half
-    return bits.to(it).view(dtype).view(*shape).to(device)
+    return bits.to(it).view(dtype).view(*shape)
 
 
 def rows_case(device, dtype, layout: str, *, S=5, B=3, H=3, W=4, C=6, pad=2, seed=0) -> dict:
