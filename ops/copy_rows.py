@@ -74,8 +74,8 @@ def copy_rows_reference(dst: torch.Tensor, src: torch.Tensor, *,
                         dst_rows: Optional[torch.Tensor] = None,
                         src_rows: Optional[torch.Tensor] = None) -> None:
     """Torch reference of :func:`copy_rows_` (same arguments, in place; any strides, the
-    last dimension's too): every read happens before the writes. Used on CPU and by
-    tests; index_copy_ may allocate on CUDA."""
+    last dimension's too; shapes and rows unchecked). Used on CPU and by tests; with
+    both lists it gathers src's rows into a new tensor first."""
     if dst_rows is None:
         if src_rows is None:
             dst.copy_(src)
