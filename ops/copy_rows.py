@@ -33,7 +33,7 @@ from framekv.specs.checks import (check_index_list, check_kv_dtype, check_last_d
                                   check_no_overlap, check_same_device)
 from ._words import load_word, store_word
 
-__all__ = ["copy_rows_", "copy_rows_reference", "MAX_OUTER"]
+__all__ = ["copy_rows_", "copy_rows_reference", "prepare_copy_rows", "MAX_OUTER"]
 
 #: Inner dimensions besides the last that may remain once the mergeable ones are merged.
 MAX_OUTER = 3
@@ -260,3 +260,20 @@ def copy_rows_(dst: torch.Tensor, src: torch.Tensor, *, dst_rows: Optional[torch
     if _is_noop(dst, B):
         return
     _copy_rows_op(dst, src, dst_rows, src_rows)
+
+
+def prepare_copy_rows(device) -> None:
+    """Compile and load the kernel for every word size and row-list form on ``device``
+    (a CUDA device; nothing elsewhere), so that no launch compiles: a kernel's first
+    launch inside a CUDA graph capture would load a module there, which invalidates
+    the capture. Call it outside a capture (a coder does as it builds its arena)."""
+    device = torch.device(device)
+    if device.type != "cuda" or SIMULATOR:
+        return
+    rows = torch.zeros(1, dtype=torch.int64, device=device)
+    for w in (1, 2, 4, 8, 16):               # a row of w bytes: words of w bytes
+        dst = torch.zeros(1, 16, dtype=torch.uint8, device=device)[:, :w]
+        src = torch.zeros(1, 16, dtype=torch.uint8, device=device)[:, :w]
+        for lists in ({}, {"dst_rows": rows}, {"src_rows": rows},
+                      {"dst_rows": rows, "src_rows": rows}):
+            copy_rows_(dst, src, **lists)

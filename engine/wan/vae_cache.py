@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from framekv.ops.copy_rows import copy_rows_, copy_rows_reference
+from framekv.ops.copy_rows import copy_rows_, copy_rows_reference, prepare_copy_rows
 
 from ..arena import carved_bytes, make_arena
 
@@ -124,6 +124,7 @@ class CacheArena:
                 for i, (s, d) in enumerate(zip(layout.shapes, layout.dtypes))]
         self.rows_last = made if channels_last else None
         self.tensors = [t.movedim(-1, 1) for t in made] if channels_last else made
+        prepare_copy_rows(torch.device(device))   # no compile inside a chunk's capture
 
     @property
     def nbytes(self) -> int:

@@ -2,13 +2,14 @@
 and the torch reference: every layout of `test_copy_rows.rows_case` in every launch
 mode, the Wan VAE's folded conv entry ([1, 2, 480, 832, 96] bf16 into channels of a
 288-wide buffer, and back) in 16-byte words, a contiguous entry as one merged row, and
-CUDA graphs of a load and a store replayed with new row lists and new data."""
+CUDA graphs of a load and a store replayed with new row lists and new data; once
+`prepare_copy_rows` ran, no launch compiles, so a first launch inside a capture works."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from framekv.ops import copy_rows_, copy_rows_reference
+from framekv.ops import compile_stats, copy_rows_, copy_rows_reference, prepare_copy_rows
 from test_copy_rows import LAYOUTS, call, check_against_loop, rows_case, stamped
 from test_copy_rows_sim import WORDS, _word
 from test_ops_cases import assert_bits_equal
@@ -107,3 +108,24 @@ def test_a_captured_load_and_store_replay_new_rows_and_data():
         torch.cuda.synchronize()
         assert_bits_equal(buf, wb, f"buffer, replay {trial}")
         assert_bits_equal(arena, wa, f"arena, replay {trial}")
+
+
+def test_after_prepare_no_launch_compiles_and_a_capture_may_launch_first():
+    prepare_copy_rows(CUDA)
+    before = compile_stats()
+    arena = torch.zeros(4, 2, 5, 7, 3, dtype=torch.bfloat16, device=CUDA)   # 6-byte rows
+    buf = torch.randn(2, 4, 5, 7, 8, dtype=torch.bfloat16, device=CUDA)
+    rows = torch.tensor([3, 1], device=CUDA)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):      # the first launch of these forms: inside the capture
+        copy_rows_(arena, buf[:, -2:, ..., 1:4], dst_rows=rows)
+        copy_rows_(buf[:, :2, ..., 4:7], arena, src_rows=rows)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(arena[[3, 1]], buf[:, -2:, ..., 1:4])
+    assert torch.equal(buf[:, :2, ..., 4:7], arena[[3, 1]])
+    for dtype, C in ((torch.uint8, 3), (torch.float32, 3), (torch.float64, 3),
+                     (torch.bfloat16, 96), (torch.bfloat16, 12)):
+        a = torch.zeros(3, 2, C, dtype=dtype, device=CUDA)
+        copy_rows_(a, torch.ones(1, 2, C, dtype=dtype, device=CUDA), dst_rows=rows[1:] - 1)
+    assert compile_stats() == before
