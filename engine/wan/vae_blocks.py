@@ -51,6 +51,8 @@ import torch.nn.functional as F
 
 from framekv.ops.rms_silu import rms_norm_silu
 
+from ..fused_conv import conv_add
+
 __all__ = ["FOLD_BELOW", "FusedBlocks"]
 
 #: Causal convs with fewer input channels than this run with their time taps folded
@@ -237,10 +239,9 @@ class FusedBlocks:
 
     @staticmethod
     def _apply(conv: _Conv, x: torch.Tensor, residual=None) -> torch.Tensor:
-        """conv(x) + bias [+ residual], x [N, C, *S] channels last -> [N, *S', C_out]."""
-        y = (F.conv3d if x.dim() == 5 else F.conv2d)(x, conv.weight, conv.bias, padding=conv.pad,
-                                                     stride=conv.stride)
-        return _last(y if residual is None else y.add_(residual))
+        """conv(x) + bias [+ residual], x [N, C, *S] channels last -> [N, *S', C_out]
+        (`framekv.engine.fused_conv.conv_add`: each geometry its fastest way)."""
+        return _last(conv_add(x, conv.weight, conv.bias, residual, conv.pad, conv.stride))
 
     def _causal(self, conv: _Conv, caches, i: int, fill: "_Fill",
                 residual=None) -> torch.Tensor:
