@@ -12,7 +12,14 @@ launches (launch cost excluded), divided by that count; the median over ``--repe
 replays after warm-up. GB/s counts bytes read plus bytes written by the operation
 (logical bytes: the rotate's in-place reversals touch each element twice). The
 reference bandwidth is ``dst.copy_(src)`` moving the scatter's byte count. The working
-set of every case fits in the H200's L2 cache (60 MB), as it does in a forward.
+set of every K/V case fits in the H200's L2 cache (60 MB), as it does in a forward.
+
+``copy_rows_`` moves a Wan VAE folded conv's cache entry, [1, 2, 480, 832, 96] bf16
+(153 MB, far past the L2, as in the decoder): a load from row 1 of a 2-row arena into
+channels 96..191 of a [1, 2, 480, 832, 288] buffer and the store back, beside
+``torch.index_select(out=)`` and ``index_copy_`` on the same views and a contiguous
+``copy_`` of the same bytes. Its host cost is taken on a tiny entry (the large one's
+launches wait on the device).
 
 Host cost: wall time of many eager launches, one synchronisation at the end, divided
 by the count; for the public op (through the torch custom op) and, for the scatter (the
@@ -31,12 +38,13 @@ import torch
 from framekv.bench.report import dump_json, kernel_results
 from framekv.bench.timing import captured_graph, require_cuda
 from framekv.ops import (bind_scatter_kv_slots, copy_kv_slots_, copy_kv_slots_reference,
-                         rotate_rows_, rotate_rows_reference, scatter_kv_slots_,
-                         scatter_kv_slots_reference)
+                         copy_rows_, copy_rows_reference, rotate_rows_, rotate_rows_reference,
+                         scatter_kv_slots_, scatter_kv_slots_reference)
 
 T, HQ, H, D = 1576, 32, 8, 128
 LAYERS, PAIRS, SENTINELS = 36, 96, 8
 ROW = 1300
+VAE_ENTRY, VAE_WIDTH = (2, 480, 832, 96), 288   # a folded conv's entry, its buffer's channels
 
 
 def graph_time_us(fn, launches: int, repeats: int) -> float:
@@ -171,15 +179,70 @@ def bench_rotate(dev, rows_n, launches, repeats):
     return table, nbytes, {"public op": host_us(lambda: rotate_rows_(x, shift))}
 
 
+def vae_entry_setup(dev, entry=VAE_ENTRY):
+    """A 2-row arena of ``entry`` [2, *entry], the folded conv's buffer [1, *entry[:-1],
+    VAE_WIDTH], the view of its second tap and the row list [1]."""
+    g = torch.Generator(device=dev).manual_seed(2)
+    arena = torch.randn(2, *entry, device=dev, dtype=torch.bfloat16, generator=g)
+    buf = torch.randn(1, *entry[:-1], VAE_WIDTH, device=dev, dtype=torch.bfloat16,
+                      generator=g)
+    C = entry[-1]
+    return arena, buf, buf[..., C:2 * C], torch.tensor([1], device=dev)
+
+
+def _rows_table(kernel, torch_fn, torch_name, nbytes, dev, launches, repeats):
+    flat = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
+    flat_dst = torch.empty_like(flat)
+    return {"kernel": graph_time_us(kernel, launches, repeats),
+            torch_name: graph_time_us(torch_fn, launches, repeats),
+            "torch copy_ (same bytes, contiguous)": graph_time_us(
+                lambda: flat_dst.copy_(flat), launches, repeats)}
+
+
+def _rows_host(dev, load: bool) -> dict:
+    arena, _, view, rows = vae_entry_setup(dev, (2, 4, 4, 96))
+    if load:
+        return {"public op (tiny entry)": host_us(lambda: copy_rows_(view, arena, src_rows=rows))}
+    return {"public op (tiny entry)": host_us(lambda: copy_rows_(arena, view, dst_rows=rows))}
+
+
+def bench_rows_load(dev, launches, repeats):
+    arena, buf, view, rows = vae_entry_setup(dev)
+    want = buf.clone()
+    copy_rows_reference(want[..., VAE_ENTRY[-1]:2 * VAE_ENTRY[-1]], arena, src_rows=rows)
+    copy_rows_(view, arena, src_rows=rows)
+    check("copy_rows_ load", (buf,), (want,))
+    del want
+    nbytes = 2 * view.numel() * 2                 # read + write
+    table = _rows_table(lambda: copy_rows_(view, arena, src_rows=rows),
+                        lambda: torch.index_select(arena, 0, rows, out=view),
+                        "torch index_select(out=)", nbytes, dev, launches, repeats)
+    return table, nbytes, _rows_host(dev, load=True)
+
+
+def bench_rows_store(dev, launches, repeats):
+    arena, _, view, rows = vae_entry_setup(dev)
+    want = arena.clone()
+    want[1] = view[0]
+    copy_rows_(arena, view, dst_rows=rows)
+    check("copy_rows_ store", (arena,), (want,))
+    del want
+    nbytes = 2 * view.numel() * 2
+    table = _rows_table(lambda: copy_rows_(arena, view, dst_rows=rows),
+                        lambda: arena.index_copy_(0, rows, view),
+                        "torch index_copy_", nbytes, dev, launches, repeats)
+    return table, nbytes, _rows_host(dev, load=False)
+
+
 # --- report -------------------------------------------------------------------------
 
 def report(results: dict) -> None:
-    print(f"{'op':<28}{'implementation':<42}{'µs':>9}{'GB/s':>9}")
+    print(f"{'op':<30}{'implementation':<42}{'µs':>9}{'GB/s':>9}")
     for op, r in results["ops"].items():
         for impl, us in r["kernel_us"].items():
-            print(f"{op:<28}{impl:<42}{us:>9.2f}{r['bytes'] / us / 1e3:>9.0f}")
+            print(f"{op:<30}{impl:<42}{us:>9.2f}{r['bytes'] / us / 1e3:>9.0f}")
         for impl, us in r["host_us"].items():
-            print(f"{op:<28}{'host/launch: ' + impl:<42}{us:>9.2f}")
+            print(f"{op:<30}{'host/launch: ' + impl:<42}{us:>9.2f}")
     s = results["ops"]["scatter_kv_slots_"]
     print(f"scatter bandwidth / torch copy_ bandwidth: {s['fraction_of_copy']:.2f}")
 
@@ -198,7 +261,11 @@ def main(argv=None) -> dict:
                      ("rotate_rows_ [1, 1300]", lambda: bench_rotate(dev, 1, args.launches,
                                                                      args.repeats)),
                      ("rotate_rows_ [36, 1300]", lambda: bench_rotate(dev, 36, args.launches,
-                                                                      args.repeats))):
+                                                                      args.repeats)),
+                     ("copy_rows_ load (VAE entry)", lambda: bench_rows_load(dev, args.launches,
+                                                                             args.repeats)),
+                     ("copy_rows_ store (VAE entry)", lambda: bench_rows_store(dev, args.launches,
+                                                                               args.repeats))):
         table, nbytes, host = fn()
         ops[name] = {"kernel_us": table, "bytes": nbytes, "host_us": host,
                      "gb_per_s": {k: nbytes / us / 1e3 for k, us in table.items()}}
@@ -206,7 +273,8 @@ def main(argv=None) -> dict:
     s["fraction_of_copy"] = s["kernel_us"]["torch copy_ (same bytes)"] / s["kernel_us"]["kernel"]
     results = kernel_results(geometry={"tokens": T, "kv_heads": H, "head_dim": D,
                                        "dtype": "bfloat16", "layers": LAYERS, "pairs": PAIRS,
-                                       "row": ROW},
+                                       "row": ROW, "vae_entry": [1, *VAE_ENTRY],
+                                       "vae_buffer_channels": VAE_WIDTH},
                              launches_per_graph=args.launches, repeats=args.repeats, ops=ops)
     report(results)
     dump_json(args.json, results)

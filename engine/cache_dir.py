@@ -4,6 +4,7 @@ and built cuDNN plans, under one folder::
     cache_dir/numba/    numba's on-disk cache (every framekv kernel, keyed by source,
                         signature and device)
     cache_dir/cudnn/    cuDNN plan files (`framekv.engine.attention.cudnn_graph.PlanFiles`)
+                        and the convolutions' choices (`framekv.engine.fused_conv`)
 
 A process that warms up with a cache dir fills it; a later process given the same
 folder loads kernels and plans instead of building them, so its captures build nothing
@@ -18,11 +19,14 @@ import torch
 from framekv import ops
 from framekv.ops import _launch
 
+from .fused_conv import use_choice_dir
+
 
 def use_cache_dir(cache_dir: str | os.PathLike | None, device) -> str | None:
-    """Turn on the kernel cache under ``cache_dir/numba`` for this process and return the
-    cuDNN plan folder ``cache_dir/cudnn`` for the backend, or None when there is no
-    cache dir or nothing is compiled on ``device`` (CPU: nothing is touched).
+    """Turn on the kernel cache under ``cache_dir/numba`` and the conv choices under
+    ``cache_dir/cudnn`` for this process and return the cuDNN plan folder
+    ``cache_dir/cudnn`` for the backend, or None when there is no cache dir or nothing
+    is compiled on ``device`` (CPU: nothing is touched).
 
     The kernel cache reaches kernels not compiled yet in this process.
     """
@@ -32,6 +36,7 @@ def use_cache_dir(cache_dir: str | os.PathLike | None, device) -> str | None:
     if not root.strip():
         raise ValueError(f"cache_dir must be a folder path, got {cache_dir!r}")
     _launch.enable_disk_cache(os.path.join(root, "numba"))
+    use_choice_dir(os.path.join(root, "cudnn"))
     return os.path.join(root, "cudnn")
 
 

@@ -20,6 +20,7 @@ from .advance_commit import advance_commit_, advance_commit_reference
 from .causal_layout import causal_layout_, causal_layout_reference
 from .device import resolve_device
 from .copy_kv_slots import copy_kv_slots_, copy_kv_slots_reference
+from .copy_rows import copy_rows_, copy_rows_reference, prepare_copy_rows
 from .fill_pattern import fill_node_params, fill_pattern_, fill_pattern_reference
 from .merge_split_kv import merge_split_kv_, merge_split_kv_reference
 from .adaln import adaln_, adaln_reference, gated_residual_, gated_residual_reference
@@ -39,6 +40,7 @@ __all__ = [
     "scatter_kv_slots_", "scatter_kv_slots_reference", "bind_scatter_kv_slots",
     "ScatterKVSlots",
     "copy_kv_slots_", "copy_kv_slots_reference",
+    "copy_rows_", "copy_rows_reference", "prepare_copy_rows",
     "merge_split_kv_", "merge_split_kv_reference",
     "adaln_", "adaln_reference",
     "gated_residual_", "gated_residual_reference",

@@ -21,7 +21,8 @@ traffic. What differs from running the modules, and why each is exact:
   first chunk passes its first frame alone (`FusedBlocks.passes`), then the rest.
 * A cache entry is read from the arena straight into the two steps before the conv's
   input in its buffer, and its next value written back straight from the buffer's
-  last two (`vae_cache.ChunkCache`): one pass each way, no copy of the state between.
+  last two (`vae_cache.ChunkCache`): one pass each way, no copy of the state between
+  (a folded conv reads the entry's second step once more, into its second tap).
 * No conv adds its bias in a pass of its own but a program's output conv; each bias
   goes where its output is read next. A residual block's first conv: the norm after
   it adds it (its output feeds nothing else), in fp32 before the norm. The residual
@@ -49,6 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from framekv.ops.rms_silu import rms_norm_silu
+
+from ..fused_conv import conv_add
 
 __all__ = ["FOLD_BELOW", "FusedBlocks"]
 
@@ -236,10 +239,9 @@ class FusedBlocks:
 
     @staticmethod
     def _apply(conv: _Conv, x: torch.Tensor, residual=None) -> torch.Tensor:
-        """conv(x) + bias [+ residual], x [N, C, *S] channels last -> [N, *S', C_out]."""
-        y = (F.conv3d if x.dim() == 5 else F.conv2d)(x, conv.weight, conv.bias, padding=conv.pad,
-                                                     stride=conv.stride)
-        return _last(y if residual is None else y.add_(residual))
+        """conv(x) + bias [+ residual], x [N, C, *S] channels last -> [N, *S', C_out]
+        (`framekv.engine.fused_conv.conv_add`: each geometry its fastest way)."""
+        return _last(conv_add(x, conv.weight, conv.bias, residual, conv.pad, conv.stride))
 
     def _causal(self, conv: _Conv, caches, i: int, fill: "_Fill",
                 residual=None) -> torch.Tensor:
@@ -271,16 +273,13 @@ class FusedBlocks:
         C, K = c.shape[4], conv.weight.shape[1]
         buf = (c.new_empty if 3 * C == K else c.new_zeros)(caches.batch, T, *c.shape[2:4], K)
         tap = [buf[..., k * width:k * width + C] for k in range(3)]   # [B, T, H, W, C] each
-        if T >= 2:
-            caches.load(i, tap[0][:, :2])
-            tap[1][:, :1].copy_(tap[0][:, 1:2])
-        else:
-            old = caches.get(i)
-            tap[0][:, :1].copy_(old[:, :1])
-            tap[1][:, :1].copy_(old[:, 1:])
+        n = min(T, 2)                     # the entry's steps tap 0 holds: c0 (and c1)
+        caches.load(i, tap[0][:, :n], steps=slice(0, n))
+        caches.load(i, tap[1][:, :1], steps=slice(1, 2))              # c1, read again
         ks = [k for k in range(3) if T - 2 + k > 0]
         fill([tap[k][:, 2 - k:] for k in ks], [T - 2 + k for k in ks])   # x read once
-        caches.store(i, tap[2][:, -2:] if T >= 2 else torch.cat([old[:, 1:], tap[2]], dim=1))
+        # T = 1: the next entry is [c1, x0], c1 still in tap 1 (fill wrote tap 2 alone)
+        caches.store(i, tap[2][:, -2:] if T >= 2 else torch.cat([tap[1][:, :1], tap[2]], dim=1))
         return buf
 
     def _res(self, w: _Res, x, caches, i1, i2):

@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from framekv.ops.copy_rows import copy_rows_, copy_rows_reference, prepare_copy_rows
+
 from ..arena import carved_bytes, make_arena
 
 #: What `CacheLayout.probe` runs, per part of the VAE: its steps per entry when steady.
@@ -122,6 +124,7 @@ class CacheArena:
                 for i, (s, d) in enumerate(zip(layout.shapes, layout.dtypes))]
         self.rows_last = made if channels_last else None
         self.tensors = [t.movedim(-1, 1) for t in made] if channels_last else made
+        prepare_copy_rows(torch.device(device))   # no compile inside a chunk's capture
 
     @property
     def nbytes(self) -> int:
@@ -165,7 +168,8 @@ class ChunkCache:
     stores starts the next one at zero, as the rows' state after a video's first
     chunk is); with ``write`` a store goes to the arena at once (a later `load` in the
     chunk reads it there), without it a copy is held for the rest of the chunk and
-    the arena is left alone."""
+    the arena is left alone. A load from the arena and a store to it are one
+    `framekv.ops.copy_rows_` each (on CUDA one kernel: no sync, capturable)."""
 
     def __init__(self, tensors: list, rows: torch.Tensor, first: bool, write: bool):
         self.tensors, self.batch = tensors, rows.shape[0]
@@ -181,13 +185,15 @@ class ChunkCache:
         t = self.tensors[i]
         return t.new_empty(self.batch, steps, *t.shape[2:])
 
-    def load(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (any strides, entry i's shape for the rows) = entry i, in one pass."""
+    def load(self, i: int, out: torch.Tensor, steps: slice = slice(None)) -> torch.Tensor:
+        """``out`` (any strides, the shape of entry i's ``steps`` for the rows) = those
+        steps of entry i (all of them by default), in one pass."""
         if i in self._held:
-            return out.copy_(self._held[i])
+            return out.copy_(self._held[i][:, steps])
         if self._first and i not in self._stored:
             return out.zero_()
-        return torch.index_select(self.tensors[i], 0, self._rows, out=out)
+        _copy_rows(out, self.tensors[i][:, steps], src_rows=self._rows)
+        return out
 
     def get(self, i: int) -> torch.Tensor:
         """Entry i of the rows, a new tensor."""
@@ -197,9 +203,18 @@ class ChunkCache:
         """Entry i of the rows = ``value`` (module doc: written, or held)."""
         self._stored.add(i)
         if self._write:
-            self.tensors[i].index_copy_(0, self._rows, value)
+            _copy_rows(self.tensors[i], value, dst_rows=self._rows)
         else:            # a copy: a view would keep its whole buffer alive till the end
             self._held[i] = value.clone()
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, **rows) -> None:
+    """`copy_rows_` (one kernel on CUDA, graph-capturable), or its torch reference where
+    a last dimension is strided (outside the op's contract)."""
+    if all(t.shape[-1] == 1 or t.stride(-1) == 1 for t in (dst, src)):
+        copy_rows_(dst, src, **rows)
+    else:
+        copy_rows_reference(dst, src, **rows)
 
 
 def module_cache(arena: CacheArena, rows: torch.Tensor, first: bool) -> list:

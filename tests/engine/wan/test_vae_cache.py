@@ -1,5 +1,6 @@
 """`vae_cache.ChunkCache`, a chunk's in-place view of its rows in a coder's arena: loads
-into any strided buffer, stores to the arena's rows only (other rows untouched), a
+into any strided buffer (some of an entry's steps too, from the arena, as zeros or from
+a held copy), stores to the arena's rows only (other rows untouched), a
 video's start reads zeros and, when writing, leaves zeros in an entry it never
 stores; a chunk that must not write leaves the arena as it was and still reads back
 what it stored, as a copy."""
@@ -11,9 +12,10 @@ from framekv.engine.wan.vae_cache import ChunkCache
 
 
 def _arena(S=4):
-    # row r, entry l: every value stamped 100 l + r, so a wrong row or entry shows
+    # row r, step s, entry l: every value stamped 100 l + 10 s + r, so a wrong row, step
+    # or entry shows
     return [torch.full((S, 2, 3, 5, c), 0.0) + (100 * l + torch.arange(S).view(S, 1, 1, 1, 1))
-            for l, c in enumerate((6, 4))]
+            + 10 * torch.arange(2).view(1, 2, 1, 1, 1) for l, c in enumerate((6, 4))]
 
 
 def test_load_gathers_the_rows_into_a_strided_buffer():
@@ -26,6 +28,28 @@ def test_load_gathers_the_rows_into_a_strided_buffer():
     buf[:, 1:3, :, :, 1, :6] = 0
     assert not buf.any()                                 # nothing written beside the view
     assert torch.equal(cache.get(1), arena[1][[3, 1]]) and cache.empty(1, 7).shape == (2, 7, 3, 5, 4)
+
+
+def test_a_load_of_some_steps_reads_those_alone_from_the_arena_zeros_or_the_copy():
+    arena = _arena()
+    cache = ChunkCache(arena, torch.tensor([3, 1]), first=False, write=True)
+    buf = torch.zeros(2, 3, 3, 5, 3, 12)                 # [B, T, H, W, taps, width]
+    cache.load(0, buf[:, :1, :, :, 2, 1:7], steps=slice(1, 2))
+    assert torch.equal(buf[:, :1, :, :, 2, 1:7], arena[0][[3, 1], 1:])
+    cache.load(0, buf[:, 1:, :, :, 0, ::2], steps=slice(0, 2))   # strided channels
+    assert torch.equal(buf[:, 1:, :, :, 0, ::2], arena[0][[3, 1]])
+    buf[:, :1, :, :, 2, 1:7] = 0
+    buf[:, 1:, :, :, 0, ::2] = 0
+    assert not buf.any()                                 # nothing written beside the views
+    for first in (True, False):
+        cache = ChunkCache(arena, torch.tensor([2]), first=first, write=False)
+        out = torch.full((1, 1, 3, 5, 6), 7.0)
+        cache.load(0, out, steps=slice(1, 2))
+        assert torch.equal(out, torch.zeros_like(out) if first else arena[0][2:3, 1:])
+        value = torch.randn(1, 2, 3, 5, 6)
+        cache.store(0, value)
+        cache.load(0, out, steps=slice(1, 2))
+        assert torch.equal(out, value[:, 1:])            # the held copy's step
 
 
 def test_store_writes_the_rows_alone():
