@@ -18,14 +18,16 @@ status=0
 OPS_TESTS="tests/ops/test_ops_gpu.py tests/ops/test_qk_norm_rope_gpu.py
  tests/ops/test_qk_norm_rope_fp8_gpu.py tests/ops/test_merge_split_kv_gpu.py
  tests/ops/test_adaln_gpu.py tests/ops/test_causal_layout_gpu.py
- tests/engine/test_fused_glue_gpu.py tests/ops/test_rms_silu_gpu.py"
+ tests/engine/test_fused_glue_gpu.py tests/ops/test_rms_silu_gpu.py
+ tests/ops/test_copy_rows_gpu.py"
 ENGINE_TESTS="tests/engine/attention/test_attention_gpu.py
  tests/engine/attention/test_attention_fp8_gpu.py tests/engine/attention/test_packing_gpu.py
  tests/engine/attention/test_split_kv_gpu.py tests/engine/cache/test_cache_gpu.py
  tests/engine/cache/test_kv_fp8_gpu.py tests/engine/cache/test_snapshot_gpu.py
  tests/engine/cache/test_sequences_gpu.py tests/engine/test_arena_gpu.py
  tests/graphs/test_graphs_gpu.py tests/engine/test_warmup_gpu.py tests/bench/test_clocks_gpu.py"
-V2V_TESTS="tests/engine/wan/test_vae_encoder_gpu.py tests/engine/wan/test_tiny_encoder.py"
+V2V_TESTS="tests/engine/wan/test_vae_encoder_gpu.py tests/engine/wan/test_tiny_encoder.py
+ tests/engine/test_fused_conv.py"
 
 sections() {
   cat <<'EOF'
@@ -39,7 +41,7 @@ snapshots      a stream's export and import, sessions swapped over fewer slots
 vae            the Wan VAE's decode: the fused program against diffusers' modules
 pixels         prompt to pixels: both decoders alone and end to end, in turn and overlapped
 pixels-fp8     prompt to pixels with fp8 K/V and the tiny decoder
-v2v            video in: the encoders' GPU tests, the encoders alone, video to video end to end
+v2v            video in: the encoders' GPU tests (their convs' too), the encoders alone, video to video end to end
 ulysses        sequence-parallel attention over 2 GPUs (skipped on fewer)
 EOF
 }

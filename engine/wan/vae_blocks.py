@@ -7,7 +7,10 @@ traffic. What differs from running the modules, and why each is exact:
 
 * Every activation is [B, T, H, W, C] (channels last), every conv weight channels
   last: cuDNN's convolutions run on that layout natively, so no NCHW<->NHWC
-  conversion runs around each of them. A 1x1x1 shortcut is a matmul over C.
+  conversion runs around each of them. A 1x1x1 shortcut is a matmul over C. Each
+  conv, with its bias and a residual block's residual, is one
+  `framekv.engine.fused_conv.conv_add`: per geometry the fastest of torch's conv and
+  cuDNN's plans (the adds in the conv's epilogue, or after it).
 * ``WanRMS_norm`` + SiLU is one kernel (`framekv.ops.rms_silu`), reading the
   activation once and writing its result straight into the next causal conv's input
   buffer after the conv's two cached steps ([B, 2 + T, H, W, C]); the conv then pads

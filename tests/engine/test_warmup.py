@@ -180,19 +180,19 @@ def test_warm_up_takes_the_preset_cache_dir(tmp_path, monkeypatch):
 
 
 def test_numba_disk_cache_reaches_every_kernel(tmp_path):
-    # Six kernels exist at import; the glue and merge kernels are made per
+    # Seven kernels exist at import; the glue and merge kernels are made per
     # configuration on first use, after the cache was enabled: those must be reached too.
     code = (
         "import os, sys\n"
         "from framekv.ops import _launch, adaln, merge_split_kv, qk_norm_rope\n"
         f"d = {str(tmp_path / 'numba')!r}\n"
         "assert _launch.enable_disk_cache(d)\n"
-        "assert os.environ['NUMBA_CACHE_DIR'] == d and len(_launch._KERNELS) == 6\n"
+        "assert os.environ['NUMBA_CACHE_DIR'] == d and len(_launch._KERNELS) == 7\n"
         "qk_norm_rope._kernel((12, 12, 128, True, False, True, True, False, False, 30, 52,"
         " 22, 43, True))\n"
         "adaln._kernel(adaln._VEC, 1536, 192)\n"
         "merge_split_kv._kernel(3, 3, 12, 16, 1560, False)\n"
-        "assert len(_launch._KERNELS) == 9\n"
+        "assert len(_launch._KERNELS) == 10\n"
         "for k in _launch._KERNELS:\n"
         "    c = k._dispatcher._cache\n"
         "    assert type(c).__name__ == 'CUDACache', c\n"
