@@ -171,9 +171,8 @@ class _Run:
         if self.choice == "torch":
             return conv_add_reference(x, weight, bias, residual, k.pad, k.stride)
         kind, index = self.choice
-        y = torch.empty_strided(_out_shape(k.x[0], k.w[0], k.pad, k.stride),
-                                _channels_last(_out_shape(k.x[0], k.w[0], k.pad, k.stride)),
-                                dtype=x.dtype, device=x.device)
+        shape = _out_shape(k.x[0], k.w[0], k.pad, k.stride)
+        y = torch.empty_strided(shape, _channels_last(shape), dtype=x.dtype, device=x.device)
         pack = {_UID["x"]: x, _UID["w"]: weight, _UID["y"]: y}
         fused = kind == "fused"
         if fused and bias is not None:
