@@ -7,9 +7,9 @@ C_in, *k], bias None or [C_out], residual None or [N, C_out, *S'] -> y [N, C_out
 x's dtype, channels-last strides on CUDA. Products accumulate in fp32; every way
 below gives that sum within one bf16 rounding of each step it takes.
 
-Why choose per geometry: for the same conv, cuDNN's plans differ by up to a third in
-time, and the one torch's heuristics take is often not the fastest (cuDNN's kernel for
-a 3-D conv of 96 channels, or of 384 channels at a small size, is far from its best);
+Why choose per geometry: for the same conv, cuDNN's plans differ widely in time, and
+the one torch's heuristics take is often not the fastest (the VAE's 384-channel 3-D
+convs and its full-size folded convs among them; docs/benchmarks.md has the numbers);
 a plan that adds the residual in its epilogue writes a residual block's output in one
 pass where a conv and an add take three, but for some geometries cuDNN has only slower
 fused kernels. So on CUDA in bf16 / fp16 (with cudnn-frontend installed) the first
