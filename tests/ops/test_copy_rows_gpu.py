@@ -13,6 +13,7 @@ from framekv.ops import compile_stats, copy_rows_, copy_rows_reference, prepare_
 from test_copy_rows import LAYOUTS, call, check_against_loop, rows_case, stamped
 from test_copy_rows_sim import WORDS, _word
 from test_ops_cases import assert_bits_equal
+from test_ops_gpu import _side_stream_warmup
 
 pytestmark = pytest.mark.gpu
 
@@ -70,16 +71,6 @@ def test_a_contiguous_entry_is_one_merged_row():
     assert_bits_equal(buf, want, "contiguous load")
 
 
-def _warm(*fns):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
-
 def test_a_captured_load_and_store_replay_new_rows_and_data():
     S, B, C = 7, 3, 96
     arena = stamped((S, 2, 30, 52, C), torch.bfloat16, 1, CUDA)     # [S, 2, H, W, C]
@@ -88,7 +79,7 @@ def test_a_captured_load_and_store_replay_new_rows_and_data():
     load = lambda: copy_rows_(buf[:, :2, ..., :C], arena, src_rows=rows)            # noqa: E731
     step1 = lambda: copy_rows_(buf[:, :1, ..., C:2 * C], arena[:, 1:], src_rows=rows)  # noqa: E731
     store = lambda: copy_rows_(arena, buf[:, -2:, ..., 2 * C:], dst_rows=rows)      # noqa: E731
-    _warm(load, step1, store)
+    _side_stream_warmup(load, step1, store)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         load()
