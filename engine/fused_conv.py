@@ -165,27 +165,28 @@ class _Run:
 
     def __init__(self, key: ConvKey, choice, graph=None, workspace=None):
         self.key, self.choice, self.graph, self.workspace = key, choice, graph, workspace
-        self.shape = _out_shape(key.x[0], key.w[0], key.pad, key.stride)   # [N, C_out, *S']
-        self.strides = _channels_last(self.shape)
 
     def __call__(self, x, weight, bias, residual):
         k = self.key
         if self.choice == "torch":
             return conv_add_reference(x, weight, bias, residual, k.pad, k.stride)
         kind, index = self.choice
-        y = torch.empty_strided(self.shape, self.strides, dtype=x.dtype, device=x.device)
-        b = None if bias is None else bias.view(1, -1, *[1] * (x.dim() - 2))   # [1, C_out, 1..]
-        fused = kind == "fused"
+        y = torch.empty_strided(_out_shape(k.x[0], k.w[0], k.pad, k.stride),
+                                _channels_last(_out_shape(k.x[0], k.w[0], k.pad, k.stride)),
+                                dtype=x.dtype, device=x.device)
         pack = {_UID["x"]: x, _UID["w"]: weight, _UID["y"]: y}
-        if fused and b is not None:
-            pack[_UID["b"]] = b
+        fused = kind == "fused"
+        if fused and bias is not None:
+            pack[_UID["b"]] = bias.view(1, -1, *[1] * (x.dim() - 2))
         if fused and residual is not None:
             pack[_UID["r"]] = residual
         self.graph.execute_plan_at_index(pack, self.workspace, index,
                                          handle=_handle_on_stream(x.device))
-        for term in () if fused else (b, residual):
-            if term is not None:
-                y.add_(term)
+        if not fused:
+            if bias is not None:
+                y.add_(bias.view(1, -1, *[1] * (x.dim() - 2)))
+            if residual is not None:
+                y.add_(residual)
         return y
 
 
